@@ -1,0 +1,5 @@
+import sys
+
+from offload.cli import main
+
+sys.exit(main())

@@ -1,0 +1,278 @@
+"""The run configuration: a typed, validated view of the YAML file (or a dict).
+
+```yaml
+model: path/to/checkpoint-dir      # a Hugging Face style directory (relative to the YAML file)
+device: cpu                         # cpu | cuda | cuda:N; default: cuda if available else cpu
+dtype: bfloat16                     # float32 | float16 | bfloat16 | auto (the checkpoint's)
+tiers:
+  gpu:  {capacity: 20GiB}
+  cpu:  {capacity: 48GiB, pinned: true}
+  disk: {path: /nvme/offload, capacity: 500GiB}
+kv_cache: {block_size: 16}
+prefetch: {depth: 2}
+activations: {prefill_chunk: 512}
+```
+
+Sizes are bytes as `int` everywhere inside; strings like "20GiB" exist only here. Every
+error names the key path and says what is allowed. This module reads no weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from offload.errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any, key: str = "size") -> int:
+    """`512MiB`, `20GiB`, `1.5GB`, `4096` -> bytes. KB/MB/GB are decimal, KiB/MiB/GiB binary."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size like 512MiB or 20GiB, got {value!r}")
+    if isinstance(value, int):
+        number, unit = float(value), ""
+    elif isinstance(value, float):
+        number, unit = value, ""
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)) and m.group(2).lower() in _UNITS:
+        number, unit = float(m.group(1)), m.group(2).lower()
+    else:
+        raise ConfigError(
+            f"{key}: {value!r} is not a size; write bytes as an integer or a number with a unit "
+            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 512MiB"
+        )
+    if not math.isfinite(number) or number < 0:
+        raise ConfigError(f"{key}: a size must be a non-negative number of bytes, got {value!r}")
+    return int(number * _UNITS[unit])
+
+
+def format_size(n: int | float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+# ----------------------------------------------------------------------------- parsers
+def _int(lo: int = 0) -> Callable[[Any, str], int]:
+    def parse(value: Any, key: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ConfigError(f"{key}: expected an integer >= {lo}, got {value!r}")
+        return value
+    return parse
+
+
+def _int_or_auto(lo: int = 0) -> Callable[[Any, str], int | None]:
+    inner = _int(lo)
+
+    def parse(value: Any, key: str) -> int | None:
+        if value is None or value == "auto":
+            return None
+        try:
+            return inner(value, key)
+        except ConfigError:
+            raise ConfigError(f"{key}: expected 'auto' or an integer >= {lo}, got {value!r}") from None
+    return parse
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    return value
+
+
+def _size_or_auto(value: Any, key: str) -> int | None:
+    return None if value is None or value == "auto" else parse_size(value, key)
+
+
+def _choice(*allowed: str) -> Callable[[Any, str], str]:
+    def parse(value: Any, key: str) -> str:
+        if value not in allowed:
+            hint = difflib.get_close_matches(str(value), allowed, n=1)
+            did = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"{key}: {value!r} is not supported{did}; use one of: {', '.join(allowed)}")
+        return value
+    return parse
+
+
+def _str(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _device(value: Any, key: str) -> str:
+    if value is None or value == "auto":
+        return "auto"
+    if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise ConfigError(f"{key}: {value!r} is not a device; use cpu, cuda, cuda:N or auto")
+    return value
+
+
+def _opt(meta_parse: Callable[[Any, str], Any], doc: str, default: Any = None) -> Any:
+    return field(default=default, metadata={"parse": meta_parse, "doc": doc})
+
+
+# ----------------------------------------------------------------------------- sections
+@dataclass(frozen=True)
+class GpuTierConfig:
+    capacity: int | None = _opt(_size_or_auto, "bytes of device memory Offload may use; auto = free memory")
+
+
+@dataclass(frozen=True)
+class CpuTierConfig:
+    capacity: int | None = _opt(_size_or_auto, "bytes of host RAM for weights homed on the host; auto = available")
+    pinned: bool = _opt(_bool, "page-lock host slots so copies to CUDA are asynchronous (ignored on CPU)", True)
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    path: Path | None = _opt(_str, "directory of the converted zarr store (created on first run)")
+    capacity: int | None = _opt(_size_or_auto, "bytes the store may take on disk; auto = free space")
+    page_cache: bool = _opt(_bool, "keep read pages in the OS page cache (only on machines with RAM to spare)",
+                            False)
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    gpu: GpuTierConfig = field(default_factory=GpuTierConfig, metadata={"section": GpuTierConfig})
+    cpu: CpuTierConfig = field(default_factory=CpuTierConfig, metadata={"section": CpuTierConfig})
+    disk: DiskTierConfig | None = field(default=None, metadata={"section": DiskTierConfig})
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    block_size: int = _opt(_int(1), "tokens per KV block (all layers of those tokens live in one block)", 16)
+    gpu_blocks: int | None = _opt(_int_or_auto(1), "blocks in the device pool; auto = sized from the request")
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    depth: int = _opt(_int(0), "layers in flight ahead of compute; 0 = load then compute", 2)
+
+
+@dataclass(frozen=True)
+class ActivationsConfig:
+    prefill_chunk: int = _opt(_int(1), "prompt tokens per prefill forward pass (bounds activation memory)", 512)
+
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "auto")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Everything a run needs to know; build it with `OffloadConfig.load(path_or_dict)`."""
+
+    model: Path = field(metadata={"parse": _str, "doc": "checkpoint directory (Hugging Face layout)"})
+    device: str = _opt(_device, "compute device: cpu, cuda, cuda:N or auto", "auto")
+    dtype: str = _opt(_choice(*DTYPE_NAMES), "compute and storage dtype of the weights", "bfloat16")
+    tiers: TiersConfig | None = field(default=None, metadata={"section": TiersConfig})
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig, metadata={"section": KVCacheConfig})
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig, metadata={"section": PrefetchConfig})
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig,
+                                           metadata={"section": ActivationsConfig})
+    #: where a YAML file was loaded from (relative paths are resolved against its directory)
+    source: Path | None = field(default=None, compare=False, metadata={"internal": True})
+
+    @classmethod
+    def load(cls, source: str | Path | Mapping[str, Any]) -> OffloadConfig:
+        """Load from a YAML file path or a dict; raises ConfigError with the key path on bad input."""
+        if isinstance(source, Mapping):
+            return _build(cls, source, "", base_dir=Path.cwd(), source=None)
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"{path}: not valid YAML{where} ({getattr(e, 'problem', e)}); fix the syntax") from None
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{path}: expected a mapping of keys (model:, device:, ...) at the top level")
+        return _build(cls, data, "", base_dir=path.resolve().parent, source=path.resolve())
+
+    def to_dict(self) -> dict[str, Any]:
+        def conv(obj: Any) -> Any:
+            if dataclasses.is_dataclass(obj):
+                return {f.name: conv(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                        if not f.metadata.get("internal")}
+            return str(obj) if isinstance(obj, Path) else obj
+        return conv(self)
+
+    def replace(self, **changes: Any) -> OffloadConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str, base_dir: Path, source: Path | None) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    for key in data:
+        if key not in fields:
+            hint = difflib.get_close_matches(str(key), list(fields), n=1)
+            did = f"did you mean {hint[0]!r}? " if hint else ""
+            raise ConfigError(f"{prefix}{key}: unknown key; {did}allowed here: {', '.join(fields)}")
+    values: dict[str, Any] = {}
+    for name, f in fields.items():
+        key = f"{prefix}{name}"
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{key}: missing required key; {f.metadata.get('doc', '')}")
+            continue
+        value = data[name]
+        if "section" in f.metadata:
+            values[name] = _build(f.metadata["section"], value if value is not None else {}, key + ".",
+                                  base_dir, source)
+        else:
+            values[name] = f.metadata["parse"](value, key)
+    if cls is OffloadConfig:
+        values["source"] = source
+        values["model"] = _model_dir(values["model"], base_dir)
+    if cls is DiskTierConfig:
+        if "path" not in values:
+            raise ConfigError(f"{prefix}path: missing required key; the disk tier needs a directory for its store")
+        values["path"] = (base_dir / Path(values["path"]).expanduser()).resolve()
+    return cls(**values)
+
+
+def _model_dir(value: str, base_dir: Path) -> Path:
+    path = (base_dir / Path(value).expanduser()).resolve()
+    if not path.is_dir():
+        raise ConfigError(
+            f"model: checkpoint directory {str(path)!r} does not exist; point it at a directory with "
+            "config.json and *.safetensors (relative paths are resolved from the config file's directory)"
+        )
+    return path
+
+
+def describe_schema(cls: type = OffloadConfig, indent: str = "") -> list[str]:
+    """One line per key with its meaning (used by the README and `offload config --help`)."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        if "section" in f.metadata:
+            lines.append(f"{indent}{f.name}:")
+            lines += describe_schema(f.metadata["section"], indent + "  ")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else "(required)"
+            lines.append(f"{indent}{f.name}: {default}  # {f.metadata.get('doc', '')}")
+    return lines

@@ -1,0 +1,78 @@
+"""`offload demo`: make the `small` model once, write an embedded default config, run a prompt.
+
+Needs no downloads and no arguments. The model and config live in a cache directory
+($OFFLOAD_CACHE, else $XDG_CACHE_HOME/offload, else ~/.cache/offload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+DEMO_PROMPT = "The kettle on Larkspur Lane"
+
+#: The embedded default configuration; `model` is filled in with the cache path.
+DEMO_CONFIG = """\
+# Offload demo configuration (written by `offload demo`; edit freely, it is not overwritten)
+model: small-llama
+dtype: bfloat16
+kv_cache: {block_size: 16}
+prefetch: {depth: 2}
+activations: {prefill_chunk: 512}
+"""
+
+
+def cache_dir() -> Path:
+    if os.environ.get("OFFLOAD_CACHE"):
+        return Path(os.environ["OFFLOAD_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "offload"
+
+
+def ensure_demo_model(root: Path) -> Path:
+    """The demo checkpoint, generated on first use (with a progress bar) into `root`."""
+    from scripts.make_model import make_model
+
+    model = root / "small-llama"
+    if (model / "config.json").is_file():
+        return model
+    tmp = root / "small-llama.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"offload demo: generating a small random Llama checkpoint in {model} (first run only)", file=sys.stderr)
+    make_model(tmp, family="llama", size="small", dtype="bfloat16", seed=0, progress=True)
+    tmp.rename(model)  # a half-written model is never taken for a finished one
+    return model
+
+
+def ensure_demo_config(root: Path) -> Path:
+    path = root / "demo.yaml"
+    if not path.is_file():
+        path.write_text(DEMO_CONFIG)
+    return path
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from offload.cli import _prompts, generate_and_print
+    from offload.runner import Runner
+
+    root = (args.cache_dir or cache_dir()).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    ensure_demo_model(root)
+    config_path = ensure_demo_config(root)
+    print(f"offload demo: config {config_path}", file=sys.stderr)
+    prompts = _prompts(args, default=DEMO_PROMPT)
+    with Runner.from_config(config_path) as runner:
+        generate_and_print(runner, prompts, args)
+    return 0
+
+
+def demo_config_dict(root: Path) -> dict:
+    return yaml.safe_load(DEMO_CONFIG) | {"model": str(root / "small-llama")}

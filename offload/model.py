@@ -1,0 +1,249 @@
+"""Model math for the Llama family, as pure functions of (activations, weights, KV view).
+
+The model never owns parameters: every function takes its weights as an argument (a small
+dataclass of tensor views into a packed slot), so weights can stream through without hooks
+and the same code runs on CPU in tests and on CUDA. Activations are *flat*: all tokens of
+all sequences in a step are rows of one `[N, hidden]` matrix, and attention pads them per
+sequence using the step's `BatchLayout`. This module knows nothing about tiers or files.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from offload.checkpoint import ModelConfig
+
+
+# ----------------------------------------------------------------------------- weights
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) * D]
+    o: torch.Tensor  # [H, Hq * D]
+    o_bias: torch.Tensor | None  # [H]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]
+    gate_up_bias: torch.Tensor | None  # [2 I]
+    down: torch.Tensor  # [H, I]
+    down_bias: torch.Tensor | None  # [H]
+
+    @classmethod
+    def from_views(cls, v: dict[str, torch.Tensor]) -> LayerWeights:
+        return cls(v["input_norm"], v["qkv"], v.get("qkv_bias"), v["o"], v.get("o_bias"), v["post_norm"],
+                   v["gate_up"], v.get("gate_up_bias"), v["down"], v.get("down_bias"))
+
+
+@dataclass(frozen=True, slots=True)
+class HeadWeights:
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]
+
+    @classmethod
+    def from_views(cls, v: dict[str, torch.Tensor]) -> HeadWeights:
+        return cls(v["norm"], v["lm_head"])
+
+
+# ----------------------------------------------------------------------------- batch layout
+@dataclass(frozen=True)
+class BatchLayout:
+    """How the flat token rows of one step map onto sequences; built once per step, shared by all layers.
+
+    Sequence b contributes `q_lens[b]` new tokens (rows `q_starts[b]:q_starts[b]+q_lens[b]`)
+    and, after this step, has `kv_lens[b]` tokens of context; its new tokens sit at
+    positions `kv_lens[b] - q_lens[b] ...`.
+    """
+
+    q_lens: list[int]
+    kv_lens: list[int]
+    positions: torch.Tensor  # [N] long, absolute position of each flat token
+    pad_index: torch.Tensor  # [B, Tq] long, flat row of each padded query slot (0 for padding)
+    unpad_index: torch.Tensor  # [N] long, index of each flat token into the flattened [B * Tq] padded queries
+    q_pos: torch.Tensor  # [B, Tq] long, position of each padded query (-1 for padding)
+
+    @classmethod
+    def build(cls, q_lens: list[int], kv_lens: list[int], device: torch.device | str) -> BatchLayout:
+        B, Tq = len(q_lens), max(q_lens)
+        positions, pad, q_pos, unpad = [], torch.zeros(B, Tq, dtype=torch.long), torch.full((B, Tq), -1), []
+        start = 0
+        for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+            pos = torch.arange(kl - ql, kl)
+            positions.append(pos)
+            pad[b, :ql] = torch.arange(start, start + ql)
+            q_pos[b, :ql] = pos
+            unpad.append(torch.arange(b * Tq, b * Tq + ql))
+            start += ql
+        return cls(list(q_lens), list(kv_lens), torch.cat(positions).to(device), pad.to(device),
+                   torch.cat(unpad).to(device), q_pos.to(device))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.q_lens)) == 1
+
+    def last_token_rows(self) -> torch.Tensor:
+        """Flat row of each sequence's last new token."""
+        ends = torch.tensor(self.q_lens).cumsum(0) - 1
+        return ends.to(self.positions.device)
+
+    def mask(self, key_positions: torch.Tensor, key_valid: torch.Tensor, window: int | None) -> torch.Tensor:
+        """[B, Tq, Tk] bool: may padded query (b, i) attend to key slot (b, j)?
+
+        key_positions: [B, Tk] absolute position of each gathered key; key_valid: [B, Tk].
+        Causal, plus a sliding window (q - k < window) when the layer has one.
+        """
+        qp, kp = self.q_pos[:, :, None], key_positions[:, None, :]
+        m = key_valid[:, None, :] & (kp <= qp) & (qp >= 0)
+        if window is not None:
+            m &= (qp - kp) < window
+        return m
+
+
+class KVView(Protocol):
+    """What a layer needs of the KV cache: write this step's K/V, then read it back in groups."""
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [N, Hkv, D] for the flat new tokens of the step."""
+
+    def groups(self, window: int | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """[(k [B, Tk, Hkv, D], v [B, Tk, Hkv, D], mask [B, Tq, Tk])] covering every visible key once."""
+
+
+# ----------------------------------------------------------------------------- math
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class Rope:
+    """cos/sin tables by absolute position, computed as Hugging Face does (float32, then cast)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+        self.inv_freq = rope_inv_freq(cfg).to(device)
+        self.dtype = dtype
+        self.device = device
+        self._cos = self._sin = torch.empty(0, cfg.head_dim, device=device, dtype=dtype)
+
+    def _grow(self, n: int) -> None:
+        n = max(n, 2 * self._cos.shape[0], 256)
+        pos = torch.arange(n, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] -> cos, sin [N, D]"""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self._cos.shape[0]:
+            self._grow(need)
+        return self._cos[positions], self._sin[positions]
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    if s["rope_type"] == "linear":
+        return inv_freq / s["factor"]
+    # llama3 (Llama 3.1): low frequencies divided by `factor`, high ones kept, smooth in between
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D]; cos/sin [N, D]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of padded queries over one group of keys, returning its log-sum-exp.
+
+    q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; mask [B, Tq, Tk] -> out [B, Tq, Hq, D] (float32),
+    lse [B, Tq, Hq] (float32, -inf where a query sees no key of this group). Grouped-query
+    heads share K/V without copying it: queries are reshaped to [B, Hkv, G*Tq, D].
+    """
+    B, Tq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    qg = q.view(B, Tq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tq, D)
+    kt = k.permute(0, 2, 3, 1)  # [B, Hkv, D, Tk]
+    scores = torch.matmul(qg, kt).float() * scale  # [B, Hkv, G*Tq, Tk]
+    m = mask[:, None, None, :, :].expand(B, 1, G, Tq, mask.shape[-1]).reshape(B, 1, G * Tq, -1)
+    scores = scores.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # [B, Hkv, G*Tq, 1]
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
+    out = torch.matmul(probs.to(v.dtype), v.permute(0, 2, 1, 3)).float()  # [B, Hkv, G*Tq, D]
+    out = out.view(B, Hkv, G, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D)
+    lse = lse.view(B, Hkv, G, Tq).permute(0, 3, 1, 2).reshape(B, Tq, Hq)
+    return out, lse
+
+
+def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine per-group (out, lse) exactly: softmax over the union of the groups' keys."""
+    if len(parts) == 1:
+        return parts[0][0]
+    lses = torch.stack([lse for _, lse in parts])  # [P, B, Tq, Hq]
+    total = torch.logsumexp(lses, dim=0)
+    total = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    out = 0
+    for o, lse in parts:
+        out = out + o * torch.exp(lse - total)[..., None]
+    return out
+
+
+def attention(q: torch.Tensor, kv: KVView, layout: BatchLayout, window: int | None, scale: float) -> torch.Tensor:
+    """q [N, Hq, D] flat -> [N, Hq * D] flat, attending over every group the KV view supplies."""
+    N, Hq, D = q.shape
+    B, Tq = layout.pad_index.shape
+    q_pad = q.view(B, Tq, Hq, D) if layout.uniform else q[layout.pad_index]  # [B, Tq, Hq, D]
+    parts = [attend_group(q_pad, k, v, mask, scale) for k, v, mask in kv.groups(window)]
+    out = merge_attention(parts).to(q.dtype)  # [B, Tq, Hq, D]
+    out = out.reshape(B * Tq, Hq * D)
+    return out if layout.uniform else out[layout.unpad_index]
+
+
+def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLayout,
+                  rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig, window: int | None) -> torch.Tensor:
+    """One decoder layer on flat tokens x [N, H]; writes this step's K/V into `kv`."""
+    N = x.shape[0]
+    Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
+    qkv = F.linear(h, w.qkv, w.qkv_bias)  # [N, (Hq + 2 Hkv) * D]
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    cos, sin = rope
+    q = apply_rope(q.view(N, Hq, D), cos, sin)
+    k = apply_rope(k.view(N, Hkv, D), cos, sin)
+    kv.write(k, v.reshape(N, Hkv, D))
+    a = attention(q, kv, layout, window, D**-0.5)
+    x = x + F.linear(a, w.o, w.o_bias)
+    h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
+    gate, up = F.linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def head(x: torch.Tensor, w: HeadWeights, cfg: ModelConfig) -> torch.Tensor:
+    """x [N, H] -> logits [N, V] in float32."""
+    return F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head).float()

@@ -1,0 +1,358 @@
+"""The runner: tokenise, admit, prefill in chunks, decode, sample, stream. The public Python API.
+
+    runner = Runner.from_config("offload.yaml")
+    [result] = runner.generate(["Once upon a time"], max_new_tokens=32)
+    print(result.text, result.stats.decode_ms_per_step)
+
+The runner drives one forward pass at a time over flat token rows; where the weights come
+from (resident, or streamed through the tiers) is the weight source's business, and the
+model math in `offload.model` knows neither.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from offload import model as M
+from offload.checkpoint import Checkpoint
+from offload.config import OffloadConfig
+from offload.errors import CapacityError, ConfigError
+from offload.kv_cache import PagedKVCache
+from offload.sampling import sample
+from offload.tokenizer import TextTokenizer
+from offload.weights import embedding_source, fill_group, model_layouts
+from storage.block_pool import Admission
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+TokenCallback = Callable[[int, int, str], None]  # (prompt index, token id, text delta)
+
+
+@dataclass
+class RunStats:
+    """Timing of one `generate` call (shared by its results)."""
+
+    prompt_tokens: int = 0
+    prefill_passes: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    decode_tokens: int = 0  # tokens sampled by decode steps (the first token of each prompt comes from prefill)
+    generated_tokens: int = 0
+    step_ms: list[float] = field(default_factory=list)
+
+    @property
+    def decode_ms_per_step(self) -> float:
+        return 1000 * self.decode_s / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens, "prefill_passes": self.prefill_passes,
+            "prefill_s": round(self.prefill_s, 6), "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 3),
+            "decode_steps": self.decode_steps, "decode_s": round(self.decode_s, 6),
+            "decode_ms_per_step": round(self.decode_ms_per_step, 3), "decode_tokens": self.decode_tokens,
+            "generated_tokens": self.generated_tokens,
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
+        }
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    text: str  # decoded generated tokens ("" without a tokenizer)
+    finish_reason: str  # "eos" | "length"
+    stats: RunStats
+
+
+class WeightSource(Protocol):
+    """Where the runner gets each group's weights; `acquire` may wait, `release` frees its slot."""
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [N] -> [N, H]
+    def acquire(self, group: str) -> dict[str, torch.Tensor]: ...
+    def release(self, group: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class ResidentWeights:
+    """Every group packed once into one buffer on the compute device."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
+        self.layouts = model_layouts(ckpt.config, dtype)
+        self.views: dict[str, dict[str, torch.Tensor]] = {}
+        for name, layout in self.layouts.items():
+            host = torch.empty(layout.nbytes, dtype=torch.uint8)
+            fill_group(ckpt, layout, host)
+            buf = host.to(device)
+            self.views[name] = layout.views(buf)
+        group, tensor = embedding_source(ckpt.config)
+        self._table = self.views[group][tensor]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._table[ids]
+
+    def acquire(self, group: str) -> dict[str, torch.Tensor]:
+        return self.views[group]
+
+    def release(self, group: str) -> None:
+        pass
+
+    def close(self) -> None:
+        self.views.clear()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device: {name!r} was asked for but CUDA is not available here; use device: cpu")
+        if (dev.index or 0) >= torch.cuda.device_count():
+            raise ConfigError(f"device: {name!r} does not exist; this machine has {torch.cuda.device_count()} GPUs")
+    return dev
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None) -> torch.dtype:
+    if name == "auto":
+        return DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
+    return DTYPES[name]
+
+
+class Runner:
+    def __init__(self, config: OffloadConfig, weights: WeightSource | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.checkpoint = Checkpoint(config.model)
+        self.cfg = self.checkpoint.config
+        self.dtype = resolve_dtype(config.dtype, self.cfg.torch_dtype)
+        self.tokenizer = TextTokenizer.from_checkpoint(config.model)
+        self.weights = weights or ResidentWeights(self.checkpoint, self.dtype, self.device)
+        self.rope = M.Rope(self.cfg, self.device, self.dtype)
+        self.kv: PagedKVCache | None = None
+        self._layer_groups = [f"layer.{i}" for i in range(self.cfg.num_layers)]
+
+    @classmethod
+    def from_config(cls, source: str | Path | Mapping[str, Any] | OffloadConfig) -> Runner:
+        config = source if isinstance(source, OffloadConfig) else OffloadConfig.load(source)
+        return cls(config)
+
+    def close(self) -> None:
+        self.weights.close()
+        self.kv = None
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the forward pass ---------------------------------------------------------------------
+    def _forward(self, sids: list[int], tokens: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+        """Run new `tokens[b]` of sequences `sids` through the model; logits [rows, V] float32.
+
+        Rows are every token (all_logits) or each sequence's last new token.
+        """
+        kv = self._kv()
+        layout, step = kv.prepare(sids, [len(t) for t in tokens])
+        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=self.device)
+        x = self.weights.embed(ids)  # [N, H]
+        cos_sin = self.rope(layout.positions)
+        for i, group in enumerate(self._layer_groups):
+            w = M.LayerWeights.from_views(self.weights.acquire(group))
+            x = M.decoder_layer(x, w, kv.view(i, layout, step), layout, cos_sin, self.cfg,
+                                self.cfg.sliding_windows[i])
+            self.weights.release(group)
+        if not all_logits:
+            x = x[layout.last_token_rows()]
+        logits = M.head(x, M.HeadWeights.from_views(self.weights.acquire("head")), self.cfg)
+        self.weights.release("head")
+        return logits
+
+    def _kv(self) -> PagedKVCache:
+        assert self.kv is not None, "call _ensure_kv first"
+        return self.kv
+
+    def _ensure_kv(self, blocks_needed: int) -> PagedKVCache:
+        """The device block pool: fixed by kv_cache.gpu_blocks, or sized to the request when auto."""
+        kv_cfg = self.config.kv_cache
+        want = kv_cfg.gpu_blocks or blocks_needed
+        if self.kv is None or (kv_cfg.gpu_blocks is None and self.kv.pool.num_blocks < want) \
+                or self.kv.block_size != kv_cfg.block_size:
+            self.kv = None  # drop the old pool before allocating the new one
+            self.kv = PagedKVCache(self.cfg, kv_cfg.block_size, want, self.dtype, self.device)
+        return self.kv
+
+    # -- public API ---------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError(
+                    f"{self.config.model} has no tokenizer.json, so prompts must be lists of token ids"
+                )
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ConfigError("a prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"token id {bad[0]} is outside the model's vocabulary (0..{self.cfg.vocab_size - 1})")
+        return ids
+
+    @torch.inference_mode()
+    def prefill_logits(self, token_ids: Sequence[Sequence[int]] | Sequence[int]) -> torch.Tensor:
+        """Logits for every prompt position: [batch, max_len, vocab] float32; past a prompt's end, zeros."""
+        if token_ids and isinstance(token_ids[0], int):
+            token_ids = [token_ids]  # type: ignore[list-item]
+        prompts = [self.encode(p) for p in token_ids]  # type: ignore[arg-type]
+        kv = self._ensure_kv(sum(self._blocks(len(p)) for p in prompts))
+        sids = [kv.add_sequence() for _ in prompts]
+        try:
+            out = torch.zeros(len(prompts), max(map(len, prompts)), self.cfg.vocab_size)
+            for chunk in self._prefill_chunks(sids, prompts):
+                logits = self._forward([s for s, _, _ in chunk], [t for _, t, _ in chunk], all_logits=True)
+                row = 0
+                for sid, toks, start in chunk:
+                    out[sids.index(sid), start : start + len(toks)] = logits[row : row + len(toks)].cpu()
+                    row += len(toks)
+            return out
+        finally:
+            for s in sids:
+                kv.free_sequence(s)
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.config.kv_cache.block_size)
+
+    def _prefill_chunks(self, sids: list[int], prompts: list[list[int]]):
+        """Yield passes of at most `prefill_chunk` tokens: [(sid, tokens, start position)], in prompt order."""
+        budget = self.config.activations.prefill_chunk
+        pending = deque((sid, p, 0) for sid, p in zip(sids, prompts))
+        while pending:
+            chunk, left = [], budget
+            while pending and left > 0:
+                sid, p, start = pending.popleft()
+                take = min(left, len(p) - start)
+                chunk.append((sid, p[start : start + take], start))
+                left -= take
+                if start + take < len(p):
+                    pending.appendleft((sid, p, start + take))
+            yield chunk
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_on_eos: bool = True,
+        on_token: TokenCallback | None = None,
+    ) -> list[GenerationResult]:
+        """Generate up to `max_new_tokens` for each prompt (strings or token-id lists).
+
+        Prompts are admitted while their worst-case KV (prompt + max_new_tokens) fits the block
+        pool, the rest wait for blocks to free up; each prompt's tokens are the same as if it
+        ran alone. Sampling uses one generator per prompt, seeded `seed + index`.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
+        encoded = [self.encode(p) for p in prompts]
+        need = [self._blocks(len(p) + max_new_tokens) for p in encoded]
+        kv = self._ensure_kv(sum(need))
+        for i, n in enumerate(need):
+            if kv.pool.can_allocate(n) is Admission.NEVER:
+                raise CapacityError(
+                    f"prompt {i} needs {n} KV blocks ({len(encoded[i])} + {max_new_tokens} tokens) but the pool "
+                    f"holds {kv.pool.num_blocks}; raise kv_cache.gpu_blocks or lower max_new_tokens"
+                )
+        gens = [None if seed is None else torch.Generator().manual_seed(seed + i) for i in range(len(encoded))]
+        eos = set(self.cfg.eos_token_ids) if stop_on_eos else set()
+        stats = RunStats(prompt_tokens=sum(map(len, encoded)))
+        out: list[list[int]] = [[] for _ in encoded]
+        finish = [""] * len(encoded)
+        streams = [self.tokenizer.stream() if self.tokenizer and on_token else None for _ in encoded]
+        waiting = deque(range(len(encoded)))
+        running: dict[int, int] = {}  # prompt index -> sequence id
+
+        def emit(i: int, token: int) -> None:
+            out[i].append(token)
+            if token in eos:
+                finish[i] = "eos"
+            elif len(out[i]) >= max_new_tokens:
+                finish[i] = "length"
+            if on_token is not None:
+                text = ""
+                if streams[i]:
+                    text = streams[i].push(token) + (streams[i].flush() if finish[i] else "")
+                on_token(i, token, text)
+
+        def retire() -> None:
+            for i in [i for i in running if finish[i]]:
+                kv.free_sequence(running.pop(i))
+
+        while waiting or running:
+            admitted = []
+            while waiting and kv.pool.can_allocate(need[waiting[0]]) is Admission.OK:
+                i = waiting.popleft()
+                sid = kv.add_sequence()
+                kv.seqs[sid].blocks = kv.pool.allocate(need[i])  # worst case reserved up front
+                running[i] = sid
+                admitted.append(i)
+            if admitted:
+                t0 = time.perf_counter()
+                last: dict[int, torch.Tensor] = {}
+                for chunk in self._prefill_chunks([running[i] for i in admitted], [encoded[i] for i in admitted]):
+                    logits = self._forward([s for s, _, _ in chunk], [t for _, t, _ in chunk])
+                    for row, (sid, _, _) in enumerate(chunk):
+                        last[sid] = logits[row]  # the final pass of a prompt leaves its last-token logits
+                    stats.prefill_passes += 1
+                rows = torch.stack([last[running[i]] for i in admitted])
+                for i, tok in zip(admitted, sample(rows, temperature, top_p, top_k, [gens[i] for i in admitted])):
+                    emit(i, tok)
+                stats.prefill_s += time.perf_counter() - t0
+                retire()
+                continue
+            if not running:
+                raise AssertionError("nothing running and nothing admissible")  # NEVER was ruled out above
+            order = list(running)
+            t0 = time.perf_counter()
+            logits = self._forward([running[i] for i in order], [[out[i][-1]] for i in order])
+            for i, tok in zip(order, sample(logits, temperature, top_p, top_k, [gens[i] for i in order])):
+                emit(i, tok)
+            dt = time.perf_counter() - t0
+            stats.decode_s += dt
+            stats.decode_steps += 1
+            stats.decode_tokens += len(order)
+            stats.step_ms.append(1000 * dt)
+            retire()
+        stats.generated_tokens = sum(map(len, out))
+        return [
+            GenerationResult(encoded[i], out[i], self.tokenizer.decode(out[i]) if self.tokenizer else "",
+                             finish[i], stats)
+            for i in range(len(encoded))
+        ]

@@ -1,0 +1,117 @@
+"""Layer-packed byte layouts: many named tensors in one contiguous, aligned byte range.
+
+A *group* (one decoder layer, the embeddings, the head) is packed so that it moves as one
+disk read and one host->device copy; its tensors are views into the slot it lands in. This
+module knows names, dtypes, shapes and offsets; it does not know what the names mean.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+#: Byte alignment of each tensor inside a group (CUDA-friendly, covers every dtype).
+TENSOR_ALIGN = 256
+#: Groups are padded to whole pages so slots can be read with O_DIRECT-sized requests.
+GROUP_ALIGN = 4096
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"dtype {dtype} has no storage name")
+
+
+def round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Where one tensor lives inside its group's byte range."""
+
+    name: str
+    dtype: str  # a key of DTYPES
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the group, a multiple of TENSOR_ALIGN
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLayout:
+    """The packed layout of one group; `nbytes` includes the padding to GROUP_ALIGN."""
+
+    name: str
+    tensors: tuple[TensorSpec, ...]
+    nbytes: int
+
+    @classmethod
+    def build(cls, name: str, entries: Iterable[tuple[str, str, tuple[int, ...]]]) -> GroupLayout:
+        """Lay out `(tensor name, dtype name, shape)` entries in the given order."""
+        specs, offset = [], 0
+        for tname, dtype, shape in entries:
+            spec = TensorSpec(tname, dtype, tuple(int(s) for s in shape), offset)
+            specs.append(spec)
+            offset = round_up(offset + spec.nbytes, TENSOR_ALIGN)
+        return cls(name, tuple(specs), round_up(max(offset, 1), GROUP_ALIGN))
+
+    def spec(self, tensor_name: str) -> TensorSpec:
+        for spec in self.tensors:
+            if spec.name == tensor_name:
+                return spec
+        raise KeyError(f"group {self.name!r} has no tensor {tensor_name!r}")
+
+    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of every tensor into `buf`, a 1-D uint8 tensor of >= nbytes."""
+        assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.numel() >= self.nbytes, (buf.shape, self)
+        return {
+            s.name: buf[s.offset : s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape) for s in self.tensors
+        }
+
+    def pack_into(self, buf: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy `tensors` (converted to the layout's dtypes) into `buf`; padding is zeroed."""
+        buf[: self.nbytes].zero_()
+        views = self.views(buf)
+        for spec in self.tensors:
+            src = tensors[spec.name]
+            if tuple(src.shape) != spec.shape:
+                raise ValueError(f"{spec.name}: shape {tuple(src.shape)} != layout {spec.shape}")
+            views[spec.name].copy_(src)
+
+    def to_json(self) -> dict:
+        return {
+            "nbytes": self.nbytes,
+            "tensors": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset}
+                        for s in self.tensors],
+        }
+
+    @classmethod
+    def from_json(cls, name: str, data: Mapping) -> GroupLayout:
+        tensors = tuple(
+            TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), int(t["offset"])) for t in data["tensors"]
+        )
+        for t in tensors:
+            if t.dtype not in DTYPES:
+                raise ValueError(f"unknown dtype {t.dtype!r}")
+        layout = cls(name, tensors, int(data["nbytes"]))
+        end = max((t.offset + t.nbytes for t in tensors), default=0)
+        if end > layout.nbytes:
+            raise ValueError(f"group {name!r}: tensors end at byte {end}, past the group size {layout.nbytes}")
+        return layout

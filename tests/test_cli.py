@@ -1,0 +1,76 @@
+"""The command line as a user types it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from offload.cli import main
+from offload.runner import Runner
+from tests.conftest import run_config
+
+
+def write_config(tmp_path, model, **extra):
+    import yaml
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(run_config(model, **extra)))
+    return path
+
+
+def test_run_json_matches_the_python_api(tmp_path, tiny_llama, capsys):
+    cfg = write_config(tmp_path, tiny_llama)
+    assert main(["run", "--config", str(cfg), "--prompt", "Hello there", "--max-new-tokens", "6", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    with Runner.from_config(cfg) as r:
+        [ref] = r.generate(["Hello there"], max_new_tokens=6)
+    assert data["results"][0]["token_ids"] == ref.token_ids
+    assert data["results"][0]["text"] == ref.text
+    assert data["stats"]["prompt_tokens"] == len(ref.prompt_ids)
+
+
+def test_run_streams_text_and_ends_with_a_speed_line(tmp_path, tiny_llama, capsys):
+    cfg = write_config(tmp_path, tiny_llama)
+    prompt_file = tmp_path / "p.txt"
+    prompt_file.write_text("Once upon a time")
+    assert main(["run", "--config", str(cfg), "--prompt-file", str(prompt_file), "--max-new-tokens", "5",
+                 "--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("Once upon a time")
+    assert "ms/step" in out[-1] and "tok/s" in out[-1]
+
+
+def test_batch_of_prompts_prints_each_result(tmp_path, tiny_llama, capsys):
+    cfg = write_config(tmp_path, tiny_llama)
+    assert main(["run", "--config", str(cfg), "--prompt", "a", "--prompt", "b c", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "--- [0] a" in out and "--- [1] b c" in out
+
+
+def test_errors_are_one_line_and_exit_2(tmp_path, tiny_llama):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"model: {tiny_llama}\nprefetch: {{dept: 2}}\n")
+    proc = subprocess.run([sys.executable, "-m", "offload", "run", "--config", str(bad), "--prompt", "x"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("offload: error: prefetch.dept: unknown key; did you mean 'depth'? "
+                                   "allowed here: depth")
+
+
+def test_missing_prompt_is_an_error(tmp_path, tiny_llama, capsys):
+    cfg = write_config(tmp_path, tiny_llama)
+    assert main(["run", "--config", str(cfg)]) == 2
+    assert "no prompt given" in capsys.readouterr().err
+
+
+def test_demo_generates_its_model_once_and_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "cache"))
+    assert main(["demo", "--max-new-tokens", "4", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert (tmp_path / "cache" / "small-llama" / "config.json").is_file()
+    assert (tmp_path / "cache" / "demo.yaml").is_file()
+    assert len(first["results"][0]["token_ids"]) == 4
+    assert main(["demo", "--max-new-tokens", "4", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "generating" not in captured.err  # reused, not regenerated
+    assert json.loads(captured.out)["results"][0]["token_ids"] == first["results"][0]["token_ids"]

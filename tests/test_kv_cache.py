@@ -1,0 +1,89 @@
+"""The block pool and the paged KV cache: ownership, admission, slots, masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.checkpoint import ModelConfig
+from offload.kv_cache import PagedKVCache
+from offload.model import BatchLayout
+from storage.block_pool import Admission, BlockPool
+from storage.errors import CapacityError
+
+CFG = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 16, "num_attention_heads": 2,
+                             "num_key_value_heads": 1, "num_hidden_layers": 2, "intermediate_size": 32,
+                             "vocab_size": 50})
+
+
+def test_pool_hands_out_each_block_once_and_takes_it_back():
+    pool = BlockPool(4, (2, 3), torch.float32)
+    a = pool.allocate(3)
+    assert len(set(a)) == 3 and pool.num_free == 1
+    assert pool.can_allocate(1) is Admission.OK
+    assert pool.can_allocate(2) is Admission.LATER
+    assert pool.can_allocate(5) is Admission.NEVER
+    with pytest.raises(CapacityError, match="asked for 2 blocks but the pool has 1 free of 4"):
+        pool.allocate(2)
+    pool.free(a[:2])
+    assert pool.num_free == 3
+    # FIFO: the block that was free all along comes out before the ones just freed
+    [b] = pool.allocate(1)
+    assert b not in a
+
+
+def test_shared_block_returns_only_when_every_reference_is_dropped():
+    pool = BlockPool(2, (1,), torch.float32)
+    [blk] = pool.allocate(1)
+    pool.incref([blk])
+    assert pool.refcount(blk) == 2
+    pool.free([blk])
+    assert pool.num_free == 1 and pool.refcount(blk) == 1
+    pool.free([blk])
+    assert pool.num_free == 2
+    with pytest.raises(AssertionError, match="freed twice"):
+        pool.free([blk])
+
+
+def test_tokens_land_in_their_block_and_offset_and_read_back_in_order():
+    kv = PagedKVCache(CFG, block_size=4, num_blocks=8, dtype=torch.float32, device="cpu")
+    a, b = kv.add_sequence(), kv.add_sequence()
+    # step 1: a gets 6 tokens, b gets 3
+    layout, step = kv.prepare([a, b], [6, 3])
+    k = torch.arange(9, dtype=torch.float32)[:, None, None].expand(9, 1, 8).clone()
+    view = kv.view(1, layout, step)
+    view.write(k, -k)
+    # block table of a: 2 blocks; token 5 -> block 1, offset 1
+    blocks_a = kv.seqs[a].blocks
+    assert len(blocks_a) == 2 and len(kv.seqs[b].blocks) == 1
+    assert kv.pool.data[blocks_a[1], 1, 0, 1, 0, 0] == 5
+    assert kv.pool.data[kv.seqs[b].blocks[0], 1, 1, 2, 0, 0] == -8
+    [(keys, values, mask)] = view.groups(window=None)
+    assert keys.shape == (2, 8, 1, 8)
+    assert keys[0, :6, 0, 0].tolist() == [0, 1, 2, 3, 4, 5]
+    assert keys[1, :3, 0, 0].tolist() == [6, 7, 8]
+    # causal: query 2 of a (position 2) sees keys 0..2 only; padding keys of b are never visible
+    assert mask[0, 2].tolist() == [True] * 3 + [False] * 5
+    assert mask[1, 2].tolist() == [True] * 3 + [False] * 5
+    assert not mask[1, 3:].any()  # padded query rows of b see nothing
+    kv.free_sequence(a)
+    assert kv.pool.num_free == 8 - 1
+
+
+def test_decode_step_positions_and_sliding_window_mask():
+    kv = PagedKVCache(CFG, block_size=4, num_blocks=8, dtype=torch.float32, device="cpu")
+    s = kv.add_sequence()
+    kv.prepare([s], [9])
+    layout, step = kv.prepare([s], [1])
+    assert layout.positions.tolist() == [9] and layout.kv_lens == [10]
+    mask = layout.mask(step.key_positions, step.key_valid, window=3)
+    # position 9 with a window of 3 sees positions 7, 8, 9 (q - k < window)
+    assert mask[0, 0].nonzero().flatten().tolist() == [7, 8, 9]
+
+
+def test_batch_layout_pads_and_unpads():
+    layout = BatchLayout.build([2, 1, 3], [5, 1, 3], "cpu")
+    assert layout.positions.tolist() == [3, 4, 0, 0, 1, 2]
+    assert layout.pad_index.tolist() == [[0, 1, 0], [2, 0, 0], [3, 4, 5]]
+    assert layout.unpad_index.tolist() == [0, 1, 3, 6, 7, 8]
+    assert layout.last_token_rows().tolist() == [1, 2, 5]
