@@ -37,6 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
     _add_generation_args(run)
 
+    conv = sub.add_parser("convert", help="convert a checkpoint into a zarr store for the disk tier")
+    conv.add_argument("checkpoint", type=Path, metavar="CHECKPOINT_DIR")
+    conv.add_argument("store", type=Path, metavar="STORE_DIR")
+    conv.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "auto"), default="auto",
+                      help="dtype of the stored weights (default: the checkpoint's own; must match the run's dtype)")
+    conv.add_argument("--force", action="store_true", help="replace a complete store")
+
+    plan = sub.add_parser("plan", help="print where each layer lives and what moves per step (reads no weights)")
+    plan.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
     demo = sub.add_parser("demo", help="generate a small model (first time only) and run it; no downloads")
     demo.add_argument("--cache-dir", type=Path, default=None,
                       help="where the demo model lives (default: $OFFLOAD_CACHE or ~/.cache/offload)")
@@ -74,11 +85,12 @@ def generate_and_print(runner, prompts: list[str], args: argparse.Namespace, out
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                               on_token=on_token if stream else None)
     stats = results[0].stats
+    served = runner.weights.served()
     if args.json:
         json.dump({"results": [{"prompt": p, "prompt_tokens": len(r.prompt_ids), "token_ids": r.token_ids,
                                 "text": r.text, "finish_reason": r.finish_reason}
                                for p, r in zip(prompts, results)],
-                   "stats": stats.to_dict()}, out, indent=2)
+                   "stats": stats.to_dict(), "plan": runner.plan.to_dict(), "served_bytes": served}, out, indent=2)
         out.write("\n")
         return results
     if not stream:
@@ -91,6 +103,11 @@ def generate_and_print(runner, prompts: list[str], args: argparse.Namespace, out
         f"{stats.generated_tokens} new tokens, {stats.decode_ms_per_step:.1f} ms/step, "
         f"{stats.decode_tokens_per_s:.2f} tok/s]\n"
     )
+    if runner.plan.streamed or len(set(runner.plan.homes.values())) > 1:
+        passes = max(stats.prefill_passes + stats.decode_steps, 1)
+        out.write(runner.plan.describe() + "\n")
+        out.write("  served per forward pass: " + ", ".join(
+            f"{tier} {n / passes / 2**20:.1f} MiB" for tier, n in sorted(served.items())) + "\n")
     return results
 
 
@@ -103,13 +120,49 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from offload.checkpoint import Checkpoint
+    from offload.convert import convert
+    from offload.runner import resolve_dtype
+
+    ckpt = Checkpoint(args.checkpoint)
+    dtype = resolve_dtype(args.dtype, ckpt.config.torch_dtype)
+    store = convert(ckpt, args.store, dtype, force=args.force, progress=True)
+    print(f"wrote {store.path}: {len(store.groups)} groups, {store.total_bytes / 2**30:.2f} GiB "
+          f"({str(dtype).removeprefix('torch.')})")
+    store.close()
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from offload.checkpoint import Checkpoint
+    from offload.config import OffloadConfig
+    from offload.runner import resolve_device, resolve_dtype
+    from offload.tiered import plan_run
+
+    config = OffloadConfig.load(args.config)
+    ckpt = Checkpoint(config.model)
+    device = resolve_device(config.device)
+    rp = plan_run(config, ckpt.config, resolve_dtype(config.dtype, ckpt.config.torch_dtype), device)
+    if args.json:
+        print(json.dumps({"device": str(device), "kv_blocks": rp.kv_blocks, **rp.plan.to_dict()}, indent=2))
+        return 0
+    print(f"device {device}, model {config.model.name} ({ckpt.config.family}, {ckpt.config.num_layers} layers)")
+    print(rp.plan.describe())
+    kv = "sized per request" if rp.kv_blocks == 0 else (
+        f"{rp.kv_blocks} blocks x {config.kv_cache.block_size} tokens "
+        f"({rp.kv_blocks * rp.kv_block_bytes / 2**20:.1f} MiB)")
+    print(f"  KV cache on the device: {kv}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from offload.demo import run_demo
 
     return run_demo(args)
 
 
-COMMANDS = {"run": cmd_run, "demo": cmd_demo}
+COMMANDS = {"run": cmd_run, "convert": cmd_convert, "plan": cmd_plan, "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:

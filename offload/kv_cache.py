@@ -42,12 +42,12 @@ class StepKV:
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, block_size: int, num_blocks: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, memory: torch.Tensor | None = None) -> None:
         self.cfg = cfg
         self.block_size = block_size
         self.device = torch.device(device)
         self.pool = BlockPool(num_blocks, (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
-                              dtype, device)
+                              dtype, device, memory=memory)
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
 

@@ -28,7 +28,8 @@ from offload.errors import CapacityError, ConfigError
 from offload.kv_cache import PagedKVCache
 from offload.sampling import sample
 from offload.tokenizer import TextTokenizer
-from offload.weights import embedding_source, fill_group, model_layouts
+from offload.tiered import TieredWeights, plan_run
+from schedulers.timeline import Timeline
 from storage.block_pool import Admission
 
 log = logging.getLogger(__name__)
@@ -86,37 +87,11 @@ class GenerationResult:
 class WeightSource(Protocol):
     """Where the runner gets each group's weights; `acquire` may wait, `release` frees its slot."""
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [N] -> [N, H]
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [N] (CPU) -> [N, H] on the device
     def acquire(self, group: str) -> dict[str, torch.Tensor]: ...
     def release(self, group: str) -> None: ...
+    def abort_pass(self) -> None: ...  # a pass stopped half way: start the next one cleanly
     def close(self) -> None: ...
-
-
-class ResidentWeights:
-    """Every group packed once into one buffer on the compute device."""
-
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
-        self.layouts = model_layouts(ckpt.config, dtype)
-        self.views: dict[str, dict[str, torch.Tensor]] = {}
-        for name, layout in self.layouts.items():
-            host = torch.empty(layout.nbytes, dtype=torch.uint8)
-            fill_group(ckpt, layout, host)
-            buf = host.to(device)
-            self.views[name] = layout.views(buf)
-        group, tensor = embedding_source(ckpt.config)
-        self._table = self.views[group][tensor]
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._table[ids]
-
-    def acquire(self, group: str) -> dict[str, torch.Tensor]:
-        return self.views[group]
-
-    def release(self, group: str) -> None:
-        pass
-
-    def close(self) -> None:
-        self.views.clear()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -138,17 +113,32 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None) -> torch.dtype:
 
 
 class Runner:
-    def __init__(self, config: OffloadConfig, weights: WeightSource | None = None) -> None:
+    def __init__(self, config: OffloadConfig, timeline: Timeline | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         self.checkpoint = Checkpoint(config.model)
         self.cfg = self.checkpoint.config
         self.dtype = resolve_dtype(config.dtype, self.cfg.torch_dtype)
         self.tokenizer = TextTokenizer.from_checkpoint(config.model)
-        self.weights = weights or ResidentWeights(self.checkpoint, self.dtype, self.device)
+        self.timeline = timeline or Timeline()
         self.rope = M.Rope(self.cfg, self.device, self.dtype)
-        self.kv: PagedKVCache | None = None
         self._layer_groups = [f"layer.{i}" for i in range(self.cfg.num_layers)]
+        # KV: with tiers, a fixed pool inside the device tier's budget; without, sized per request
+        run_plan = plan_run(config, self.cfg, self.dtype, self.device)
+        self.plan = run_plan.plan
+        self.weights: WeightSource = TieredWeights(config, self.checkpoint, self.dtype, self.device,
+                                                   self.timeline, run_plan)
+        self.kv: PagedKVCache | None = None
+        self._kv_fixed = run_plan.kv_blocks > 0
+        if self._kv_fixed:
+            try:
+                nbytes = run_plan.kv_blocks * run_plan.kv_block_bytes
+                memory = self.weights.allocate_kv(nbytes) if config.tiers else None
+                self.kv = PagedKVCache(self.cfg, config.kv_cache.block_size, run_plan.kv_blocks, self.dtype,
+                                       self.device, memory=memory)
+            except BaseException:
+                self.weights.close()
+                raise
 
     @classmethod
     def from_config(cls, source: str | Path | Mapping[str, Any] | OffloadConfig) -> Runner:
@@ -173,18 +163,24 @@ class Runner:
         """
         kv = self._kv()
         layout, step = kv.prepare(sids, [len(t) for t in tokens])
-        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=self.device)
-        x = self.weights.embed(ids)  # [N, H]
-        cos_sin = self.rope(layout.positions)
-        for i, group in enumerate(self._layer_groups):
-            w = M.LayerWeights.from_views(self.weights.acquire(group))
-            x = M.decoder_layer(x, w, kv.view(i, layout, step), layout, cos_sin, self.cfg,
-                                self.cfg.sliding_windows[i])
-            self.weights.release(group)
-        if not all_logits:
-            x = x[layout.last_token_rows()]
-        logits = M.head(x, M.HeadWeights.from_views(self.weights.acquire("head")), self.cfg)
-        self.weights.release("head")
+        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
+        try:
+            x = self.weights.embed(ids)  # [N, H]
+            cos_sin = self.rope(layout.positions)
+            for i, group in enumerate(self._layer_groups):
+                w = M.LayerWeights.from_views(self.weights.acquire(group))
+                x = M.decoder_layer(x, w, kv.view(i, layout, step), layout, cos_sin, self.cfg,
+                                    self.cfg.sliding_windows[i])
+                self.weights.release(group)
+            if not all_logits:
+                x = x[layout.last_token_rows()]
+            logits = M.head(x, M.HeadWeights.from_views(self.weights.acquire("head")), self.cfg)
+            self.weights.release("head")
+        except BaseException:
+            self.weights.abort_pass()
+            raise
+        finally:
+            self.timeline.next_step()
         return logits
 
     def _kv(self) -> PagedKVCache:
@@ -192,13 +188,13 @@ class Runner:
         return self.kv
 
     def _ensure_kv(self, blocks_needed: int) -> PagedKVCache:
-        """The device block pool: fixed by kv_cache.gpu_blocks, or sized to the request when auto."""
-        kv_cfg = self.config.kv_cache
-        want = kv_cfg.gpu_blocks or blocks_needed
-        if self.kv is None or (kv_cfg.gpu_blocks is None and self.kv.pool.num_blocks < want) \
-                or self.kv.block_size != kv_cfg.block_size:
+        """The device block pool: fixed (tiers or kv_cache.gpu_blocks), or grown to fit the request."""
+        if self._kv_fixed:
+            assert self.kv is not None
+            return self.kv
+        if self.kv is None or self.kv.pool.num_blocks < blocks_needed:
             self.kv = None  # drop the old pool before allocating the new one
-            self.kv = PagedKVCache(self.cfg, kv_cfg.block_size, want, self.dtype, self.device)
+            self.kv = PagedKVCache(self.cfg, self.config.kv_cache.block_size, blocks_needed, self.dtype, self.device)
         return self.kv
 
     # -- public API ---------------------------------------------------------------------------

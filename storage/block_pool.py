@@ -10,6 +10,7 @@ It knows block shapes and bytes, never what a block means.
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from collections.abc import Iterable
 
@@ -34,13 +35,20 @@ class BlockPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
+        memory: torch.Tensor | None = None,
     ) -> None:
+        """`memory`: an already allocated uint8 region (a tier's) to lay the blocks over, instead of a new tensor."""
         if num_blocks <= 0:
             raise CapacityError(f"a block pool needs at least one block, got {num_blocks}; raise its capacity")
         self.num_blocks = num_blocks
         self.block_shape = tuple(block_shape)
-        # [num_blocks, *block_shape]
-        self.data = torch.zeros((num_blocks, *self.block_shape), dtype=dtype, device=device, pin_memory=pin_memory)
+        shape = (num_blocks, *self.block_shape)
+        if memory is None:
+            self.data = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        else:
+            n = math.prod(shape) * dtype.itemsize
+            assert memory.dtype == torch.uint8 and memory.numel() >= n, "the region is smaller than the pool"
+            self.data = memory[:n].view(dtype).view(shape)  # [num_blocks, *block_shape]
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
 

@@ -1,0 +1,86 @@
+"""Checkpoint -> store: pack every group once and write it into the zarr store on disk.
+
+Runs automatically the first time `run` meets a configured disk tier whose store does not
+exist yet, or by hand with `offload convert CHECKPOINT_DIR STORE_DIR`. The manifest carries
+the checkpoint's fingerprint and the dtype, so a store is never used for another model.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from offload import __version__
+from offload.checkpoint import Checkpoint
+from offload.errors import StoreError
+from offload.weights import fill_group, model_layouts
+from storage.layout import dtype_name
+from storage.store import Store, StoreState, StoreWriter, store_state
+
+log = logging.getLogger(__name__)
+
+
+def store_meta(ckpt: Checkpoint, dtype: torch.dtype) -> dict:
+    return {
+        "model_config": ckpt.config.raw,
+        "checkpoint": str(ckpt.path),
+        "checkpoint_fingerprint": ckpt.fingerprint(),
+        "dtype": dtype_name(dtype),
+        "offload_version": __version__,
+    }
+
+
+def convert(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, force: bool = False,
+            capacity: int | None = None, progress: bool | None = None) -> Store:
+    """Write the store; on any failure (a full disk, Ctrl-C) remove what was written and re-raise."""
+    layouts = model_layouts(ckpt.config, dtype)
+    total = sum(layout.nbytes for layout in layouts.values())
+    writer = StoreWriter(store_dir, total, force=force, capacity=capacity)
+    log.info("converting %s into %s (%.2f GiB, %s)", ckpt.path, store_dir, total / 2**30, dtype_name(dtype))
+    try:
+        buf = torch.empty(max(layout.nbytes for layout in layouts.values()), dtype=torch.uint8)
+        # progress None: a bar only when stderr is a terminal
+        with tqdm(total=total, unit="B", unit_scale=True, desc="converting",
+                  disable=None if progress is None else not progress) as bar:
+            for layout in layouts.values():
+                part = buf[: layout.nbytes]
+                fill_group(ckpt, layout, part)
+                writer.write_group(layout, part)
+                bar.update(layout.nbytes)
+        return writer.finish(store_meta(ckpt, dtype))
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capacity: int | None = None,
+               page_cache: bool = False, verify: str = "always", auto_convert: bool = True) -> Store:
+    """The store for this checkpoint and dtype: converted first if missing or interrupted, checked if present."""
+    store_dir = Path(store_dir)
+    state = store_state(store_dir)
+    if state in (StoreState.MISSING, StoreState.PARTIAL) and auto_convert:
+        if state is StoreState.PARTIAL:
+            log.warning("%s holds an interrupted conversion; starting it again", store_dir)
+        convert(ckpt, store_dir, dtype, capacity=capacity).close()
+    store = Store.open(store_dir, page_cache=page_cache, verify=verify, capacity=capacity)
+    meta = store.meta
+    if meta.get("checkpoint_fingerprint") != ckpt.fingerprint():
+        store.close()
+        raise StoreError(
+            f"{store_dir} was converted from a different checkpoint ({meta.get('checkpoint')}); run "
+            f"`offload convert {ckpt.path} {store_dir} --force` or point tiers.disk.path elsewhere"
+        )
+    if meta.get("dtype") != dtype_name(dtype):
+        store.close()
+        raise StoreError(
+            f"{store_dir} holds {meta.get('dtype')} weights but the run asks for {dtype_name(dtype)}; set dtype: "
+            f"{meta.get('dtype')} or convert again with `offload convert ... --dtype {dtype_name(dtype)} --force`"
+        )
+    expected = model_layouts(ckpt.config, dtype)
+    if {n: g.layout for n, g in store.groups.items()} != expected:
+        store.close()
+        raise StoreError(f"{store_dir}: its group layouts differ from this Offload's; convert again with --force")
+    return store

@@ -1,0 +1,205 @@
+"""Weights over the tiers: plan the homes, fill them once, stream the rest through the prefetcher.
+
+This is the runner's weight source. It turns the model into groups (`offload.weights`), asks
+`schedulers.placement` for a plan from the YAML capacities, opens (or converts) the zarr
+store when a disk tier is configured, fills every memory home once, and hands streaming to
+`schedulers.prefetch`. With no `tiers:` section the plan is "everything on the device",
+so the all-in-memory run is the same mechanism with nothing to stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from offload.checkpoint import Checkpoint, ModelConfig
+from offload.config import OffloadConfig, TiersConfig
+from offload.convert import open_store
+from offload.kv_cache import PagedKVCache
+from offload.weights import embedding_source, fill_group, model_layouts
+from schedulers.placement import Capacities, GroupSpec, Plan, make_plan
+from schedulers.prefetch import Prefetcher
+from schedulers.timeline import Timeline
+from schedulers.transfer import make_engine
+from storage.store import Store
+from storage.tiers import DeviceTier, DiskTier, HostTier, MemoryTier, Tier
+
+log = logging.getLogger(__name__)
+
+#: KV tokens the device keeps room for when kv_cache.gpu_blocks is auto and tiers are set.
+AUTO_KV_TOKENS = 2048
+
+
+def resolve_capacities(tiers: TiersConfig | None, device: torch.device) -> Capacities:
+    """Bytes per tier; `auto` becomes what this machine has free (unlimited device memory on a CPU run)."""
+    if tiers is None:
+        return Capacities(gpu=None, cpu=None, disk=None, has_disk=False)
+    gpu = tiers.gpu.capacity
+    if gpu is None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        gpu = int(free * 0.9)
+    cpu = tiers.cpu.capacity
+    if cpu is None:
+        cpu = int(psutil.virtual_memory().available * 0.8)
+    disk = tiers.disk
+    return Capacities(gpu=gpu, cpu=cpu, disk=None if disk is None else disk.capacity, has_disk=disk is not None)
+
+
+def workspace_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype) -> int:
+    """Activation memory of one prefill pass of `chunk` tokens (an estimate, reserved on the device).
+
+    Flat activations (residual, norm output, fused qkv, gate/up, attention output) at the
+    compute dtype, float32 attention scores and probabilities over a context of one chunk,
+    and float32 logits for a batch of up to 64 last tokens.
+    """
+    per_token = 3 * cfg.hidden_size + (cfg.q_size + 2 * cfg.kv_size) + 3 * cfg.intermediate_size + cfg.q_size
+    scores = 3 * chunk * cfg.num_heads * chunk * 4
+    logits = min(chunk, 64) * cfg.vocab_size * 4
+    return chunk * per_token * dtype.itemsize + scores + logits
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The placement plan plus the KV pool it leaves room for."""
+
+    plan: Plan
+    caps: Capacities
+    kv_blocks: int  # blocks in the device pool; 0 = sized per request (no tiers, gpu_blocks auto)
+    kv_block_bytes: int
+
+
+def plan_run(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> RunPlan:
+    """Plan homes and the KV pool from the config alone (reads no weights, touches no GPU memory)."""
+    kv_cfg = config.kv_cache
+    block_bytes = PagedKVCache.block_nbytes(cfg, kv_cfg.block_size, dtype)
+    kv_blocks = kv_cfg.gpu_blocks or (-(-AUTO_KV_TOKENS // kv_cfg.block_size) if config.tiers else 0)
+    caps = resolve_capacities(config.tiers, device)
+    groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"))
+              for name, layout in model_layouts(cfg, dtype).items()]
+    plan = make_plan(groups, caps, config.prefetch.depth, kv_bytes=kv_blocks * block_bytes,
+                     workspace_bytes=workspace_bytes(cfg, config.activations.prefill_chunk, dtype),
+                     copy_to_device=device.type == "cuda")
+    if kv_cfg.gpu_blocks is None and config.tiers is not None and caps.gpu is not None:
+        kv_blocks += max(caps.gpu - plan.used("gpu"), 0) // block_bytes  # what the plan leaves free
+    return RunPlan(plan, caps, kv_blocks, block_bytes)
+
+
+class TieredWeights:
+    """The runner's weight source over GPU, pinned RAM and the zarr store."""
+
+    def __init__(self, config: OffloadConfig, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
+                 timeline: Timeline, run_plan: RunPlan) -> None:
+        self.cfg, self.device, self.dtype = ckpt.config, device, dtype
+        self.layouts = model_layouts(ckpt.config, dtype)
+        self.caps = run_plan.caps
+        self.plan = run_plan.plan
+        embed_group, self._embed_tensor = embedding_source(ckpt.config)
+        log.info("%s", self.plan.describe())
+        self.store: Store | None = None
+        tiers_cfg = config.tiers
+        self.tiers: dict[str, Tier] = {
+            "gpu": DeviceTier(self.caps.gpu, device),
+            "cpu": HostTier(self.caps.cpu, pinned=tiers_cfg.cpu.pinned if tiers_cfg else True),
+        }
+        self.prefetcher: Prefetcher | None = None
+        try:
+            if tiers_cfg is not None and tiers_cfg.disk is not None:
+                d = tiers_cfg.disk
+                self.store = open_store(ckpt, d.path, dtype, capacity=d.capacity, page_cache=d.page_cache)
+                self.tiers["disk"] = self.store.tier
+            self._fill_homes(ckpt)
+            ring = self._slots("gpu", "ring", self.plan.ring_slots, self.plan.ring_slot_bytes)
+            stage = self._slots("cpu", "stage", self.plan.stage_slots, self.plan.stage_slot_bytes)
+            self.prefetcher = Prefetcher(self.plan, self.tiers, make_engine(device), timeline, ring, stage)
+        except BaseException:
+            self.close()
+            raise
+        self._embed_group = embed_group
+        self._embed_spec = self.layouts[embed_group].spec(self._embed_tensor)
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _fill_homes(self, ckpt: Checkpoint) -> None:
+        """Every group homed in memory gets its bytes once: from the store when there is one, else the checkpoint."""
+        staging: torch.Tensor | None = None
+        for name, layout in self.layouts.items():
+            home = self.plan.homes[name]
+            if home == "disk":
+                continue
+            tier = self.tiers[home]
+            assert isinstance(tier, MemoryTier)
+            tier.allocate(name, layout.nbytes)
+            dest = tier.view(name)
+            if dest.device.type != "cpu":
+                if staging is None or staging.numel() < layout.nbytes:
+                    staging = torch.empty(layout.nbytes, dtype=torch.uint8)
+                host = staging[: layout.nbytes]
+            else:
+                host = dest
+            if self.store is not None:
+                self.store.tier.read_into(name, host)
+            else:
+                fill_group(ckpt, layout, host)
+            if host is not dest:
+                dest.copy_(host)
+
+    def _slots(self, tier: str, prefix: str, count: int, nbytes: int) -> list[torch.Tensor]:
+        t = self.tiers[tier]
+        assert isinstance(t, MemoryTier)
+        for i in range(count):
+            t.allocate(f"{prefix}.{i}", nbytes)
+        return [t.view(f"{prefix}.{i}") for i in range(count)]
+
+    def allocate_kv(self, nbytes: int) -> torch.Tensor:
+        """The KV block pool's memory, as a region of the device tier."""
+        gpu = self.tiers["gpu"]
+        assert isinstance(gpu, MemoryTier)
+        gpu.allocate("kv", nbytes)
+        return gpu.view("kv")
+
+    # -- the weight source interface ------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [N, H], read by rows from wherever the embedding table lives."""
+        spec = self._embed_spec
+        home = self.plan.homes[self._embed_group]
+        tier = self.tiers[home]
+        if isinstance(tier, MemoryTier):
+            table = self.layouts[self._embed_group].views(tier.view(self._embed_group))[self._embed_tensor]
+            return table[ids.to(table.device)].to(self.device)
+        assert isinstance(tier, DiskTier)
+        unique, inverse = torch.unique(ids.cpu(), return_inverse=True)
+        row_bytes = spec.shape[1] * self.dtype.itemsize
+        rows = torch.empty(len(unique), spec.shape[1], dtype=self.dtype)
+        for i, token in enumerate(unique.tolist()):
+            tier.read_into(self._embed_group, rows[i], offset=spec.offset + token * row_bytes)
+        return rows[inverse].to(self.device)
+
+    def acquire(self, group: str) -> dict[str, torch.Tensor]:
+        return self.layouts[group].views(self.prefetcher.acquire(group))
+
+    def release(self, group: str) -> None:
+        self.prefetcher.release(group)
+
+    def abort_pass(self) -> None:
+        self.prefetcher.reset()
+
+    def served(self) -> dict[str, int]:
+        """Bytes of weights each home tier handed to compute so far (in place, copied or read)."""
+        return dict(self.prefetcher.served) if self.prefetcher else {}
+
+    def moved(self) -> dict[str, int]:
+        """Bytes each link moved so far (disk->cpu, disk->gpu, cpu->gpu), prefetched ahead included."""
+        return dict(self.prefetcher.bytes_moved) if self.prefetcher else {}
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+        for name in ("gpu", "cpu"):
+            if name in self.tiers:
+                self.tiers[name].close()
+        if self.store is not None:
+            self.store.close()
+            self.store = None

@@ -1,0 +1,261 @@
+"""The placement plan: which tier is each group's home, and the ring that streams the rest.
+
+`make_plan` returns a `Plan` (a value you can print and test); the prefetcher executes it.
+Rules, in order:
+
+1. The device keeps room for the KV blocks and the activation workspace it is given.
+2. If every group fits in what is left, everything lives on the device: nothing streams.
+3. Otherwise `depth + 1` ring slots are reserved, each as large as the largest group that
+   streams, and the device homes as many bytes as still fit. The slot size is chosen among
+   the group sizes so that a few large groups (an LM head) can be homed instead of sizing
+   every slot for them. Homed groups are spread evenly over the pass so the link keeps
+   working while device-homed layers compute.
+4. Then the host homes what fits (after two pinned staging slots when disk-homed groups
+   must be copied to a CUDA device), then the disk holds the rest.
+5. Groups read by rows only (token embeddings) take the slowest tier there is: a step
+   reads a few rows of them, never the whole group.
+
+A plan that cannot fit raises CapacityError naming the minimum capacities that would.
+Plans know group names, sizes and tiers; they know nothing about models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from storage.errors import CapacityError
+
+TIERS = ("gpu", "cpu", "disk")
+STAGE_SLOTS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    name: str
+    nbytes: int
+    rows_only: bool = False  # read a few rows at a time (embeddings); never streamed whole
+
+
+@dataclass(frozen=True)
+class Capacities:
+    gpu: int | None  # None: unlimited
+    cpu: int | None
+    disk: int | None  # None with has_disk: unlimited
+    has_disk: bool = False
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class Plan:
+    order: tuple[str, ...]  # every group, in forward-pass order
+    sizes: dict[str, int]
+    homes: dict[str, str]  # group -> "gpu" | "cpu" | "disk"
+    depth: int
+    ring_slots: int  # device slots groups stream through (0 when nothing streams)
+    ring_slot_bytes: int
+    stage_slots: int  # pinned host slots that disk reads land in before a host->device copy
+    stage_slot_bytes: int
+    copy_to_device: bool  # False on a CPU compute device: host memory is device memory
+    capacities: Capacities
+    reserved_gpu: dict[str, int] = field(default_factory=dict)  # kv, workspace, ring
+    rows_only: frozenset[str] = frozenset()
+
+    # -- routes -------------------------------------------------------------------------------
+    def route(self, group: str) -> tuple[str, ...]:
+        """The tiers a group's bytes pass through on their way to compute, home first."""
+        home = self.homes[group]
+        if home == "gpu" or (home == "cpu" and not self.copy_to_device):
+            return (home,)
+        if home == "cpu":
+            return ("cpu", "gpu")
+        return ("disk", "cpu", "gpu") if self.copy_to_device else ("disk", "gpu")
+
+    def is_resident(self, group: str) -> bool:
+        """Compute reads this group in place, from its home."""
+        return len(self.route(group)) == 1
+
+    @property
+    def streamed(self) -> list[str]:
+        """Groups that flow through the ring, in pass order."""
+        return [g for g in self.order if g not in self.rows_only and not self.is_resident(g)]
+
+    # -- accounting ---------------------------------------------------------------------------
+    def used(self, tier: str) -> int:
+        homed = sum(self.sizes[g] for g in self.order if self.homes[g] == tier)
+        if tier == "gpu":
+            return homed + sum(self.reserved_gpu.values())
+        if tier == "cpu":
+            return homed + self.stage_slots * self.stage_slot_bytes
+        return sum(self.sizes.values())  # the store holds every group
+
+    def bytes_per_step(self) -> dict[str, int]:
+        """Bytes each link moves per forward pass (rows-only reads are a few rows and not counted)."""
+        links = {"disk->cpu": 0, "disk->gpu": 0, "cpu->gpu": 0}
+        for g in self.streamed:
+            r = self.route(g)
+            for a, b in zip(r, r[1:]):
+                links[f"{a}->{b}"] += self.sizes[g]
+        return {k: v for k, v in links.items() if v}
+
+    def describe(self) -> str:
+        caps = {"gpu": self.capacities.gpu, "cpu": self.capacities.cpu, "disk": self.capacities.disk}
+        lines = [f"placement plan: {len(self.order)} groups, {_gib(sum(self.sizes.values()))}, "
+                 f"prefetch depth {self.depth}"]
+        for tier in TIERS:
+            if tier == "disk" and not self.capacities.has_disk:
+                continue
+            groups = [g for g in self.order if self.homes[g] == tier]
+            cap = caps[tier]
+            lines.append(f"  {tier:<4} {_gib(self.used(tier)):>11} of {('unlimited' if cap is None else _gib(cap)):>11}"
+                         f"  homes {len(groups):>3} groups: {_compact(groups)}")
+        extras = [f"{k} {_gib(v)}" for k, v in self.reserved_gpu.items() if v]
+        if extras:
+            lines.append(f"  gpu reserves: {', '.join(extras)}"
+                         + (f" ({self.ring_slots} ring slots x {_gib(self.ring_slot_bytes)})" if self.ring_slots else ""))
+        if self.stage_slots:
+            lines.append(f"  cpu reserves: staging {self.stage_slots} x {_gib(self.stage_slot_bytes)}")
+        moved = self.bytes_per_step()
+        lines.append("  per forward pass: " + (", ".join(f"{k} {_gib(v)}" for k, v in moved.items())
+                                               if moved else "nothing moves (all resident)"))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "depth": self.depth, "homes": dict(self.homes), "ring_slots": self.ring_slots,
+            "ring_slot_bytes": self.ring_slot_bytes, "stage_slots": self.stage_slots,
+            "stage_slot_bytes": self.stage_slot_bytes, "reserved_gpu": dict(self.reserved_gpu),
+            "used": {t: self.used(t) for t in TIERS}, "bytes_per_step": self.bytes_per_step(),
+        }
+
+
+def _compact(groups: list[str]) -> str:
+    """layer.0, layer.1, layer.2, layer.5 -> 'layer.0-2, layer.5'."""
+    out, run = [], []
+    for g in groups + [None]:  # type: ignore[list-item]
+        idx = int(g.split(".")[1]) if g and g.startswith("layer.") else None
+        if idx is not None and run and idx == run[-1] + 1:
+            run.append(idx)
+            continue
+        if run:
+            out.append(f"layer.{run[0]}" + (f"-{run[-1]}" if len(run) > 1 else ""))
+            run = []
+        if idx is not None:
+            run = [idx]
+        elif g is not None:
+            out.append(g)
+    return ", ".join(out) if out else "-"
+
+
+def _spread(candidates: list[str], k: int) -> list[str]:
+    """k of the candidates, evenly spaced over their order."""
+    n = len(candidates)
+    if k >= n:
+        return list(candidates)
+    return [candidates[int((i + 0.5) * n / k)] for i in range(k)]
+
+
+def _fill(candidates: list[str], sizes: dict[str, int], budget: int) -> list[str]:
+    """As many bytes of the candidates as fit in budget: largest size class first, spread within a class."""
+    chosen: list[str] = []
+    for size in sorted({sizes[g] for g in candidates}, reverse=True):
+        same = [g for g in candidates if sizes[g] == size]
+        k = min(len(same), max(budget, 0) // size)
+        chosen += _spread(same, k)
+        budget -= k * size
+    return chosen
+
+
+def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_bytes: int = 0,
+              workspace_bytes: int = 0, copy_to_device: bool = True) -> Plan:
+    order = tuple(g.name for g in groups)
+    sizes = {g.name: g.nbytes for g in groups}
+    rows = frozenset(g.name for g in groups if g.rows_only)
+    stream = [g.name for g in groups if not g.rows_only]
+    total = sum(sizes.values())
+    ring_slots = depth + 1
+    fixed = kv_bytes + workspace_bytes
+    gpu_cap = caps.gpu
+
+    def plan(homes: dict[str, str], slot: int, stage: int) -> Plan:
+        reserved = {"kv": kv_bytes, "workspace": workspace_bytes}
+        p = Plan(order, sizes, homes, depth, 0, 0, 0, 0, copy_to_device, caps, reserved, rows)
+        n_ring = ring_slots if p.streamed else 0
+        n_stage = STAGE_SLOTS if copy_to_device and any(p.route(g)[0] == "disk" for g in p.streamed) else 0
+        reserved["ring"] = n_ring * slot
+        return Plan(order, sizes, homes, depth, n_ring, slot if n_ring else 0, n_stage, stage if n_stage else 0,
+                    copy_to_device, caps, reserved, rows)
+
+    # everything on the device?
+    if gpu_cap is None or total + fixed <= gpu_cap:
+        return plan(dict.fromkeys(order, "gpu"), 0, 0)
+
+    # otherwise choose the ring slot size that leaves the most bytes homed on the device
+    best: tuple[int, int, list[str]] | None = None  # (homed bytes, slot size, homed groups)
+    for slot in sorted({sizes[g] for g in stream}, reverse=True):
+        must = [g for g in stream if sizes[g] > slot]
+        budget = gpu_cap - fixed - ring_slots * slot - sum(sizes[g] for g in must)
+        if budget < 0:
+            continue
+        homed = must + _fill([g for g in stream if sizes[g] <= slot], sizes, budget)
+        score = sum(sizes[g] for g in homed)
+        if best is None or score > best[0]:
+            best = (score, slot, homed)
+    largest = max((sizes[g] for g in stream), default=0)
+    if best is None:
+        raise CapacityError(
+            f"the gpu tier ({_gib(gpu_cap)}) cannot hold the KV blocks and workspace ({_gib(fixed)}) plus "
+            f"{ring_slots} ring slots of the largest group ({_gib(largest)}); raise tiers.gpu.capacity to at "
+            f"least {_gib(fixed + ring_slots * largest)} or lower prefetch.depth"
+        )
+    _, slot, on_gpu = best
+    homes = dict.fromkeys(on_gpu, "gpu")
+    rest = [g for g in stream if g not in homes]
+
+    # the host: staging slots first if disk-homed groups will be copied to a CUDA device
+    cpu_cap = caps.cpu
+    all_rest = sum(sizes[g] for g in rest)
+    if cpu_cap is None or all_rest <= cpu_cap:
+        homes.update(dict.fromkeys(rest, "cpu"))
+        stage = 0
+    else:
+        stage = slot if (copy_to_device and caps.has_disk) else 0
+        on_cpu = _fill(rest, sizes, cpu_cap - STAGE_SLOTS * stage)
+        homes.update(dict.fromkeys(on_cpu, "cpu"))
+        left = [g for g in rest if g not in homes]
+        if left and not caps.has_disk:
+            need_cpu = all_rest
+            raise CapacityError(
+                f"the model ({_gib(total)}) does not fit in gpu {_gib(gpu_cap)} + cpu {_gib(cpu_cap)} and there "
+                f"is no disk tier; add tiers.disk (a directory for the store) or raise tiers.cpu.capacity to at "
+                f"least {_gib(need_cpu)} (with tiers.gpu.capacity at least {_gib(fixed + ring_slots * largest)})"
+            )
+        homes.update(dict.fromkeys(left, "disk"))
+
+    # rows-only groups go to the slowest tier there is
+    for g in rows:
+        if caps.has_disk:
+            homes[g] = "disk"
+        else:
+            p = plan(homes | {r: "cpu" for r in rows if r not in homes}, slot, stage)
+            free_cpu = None if cpu_cap is None else cpu_cap - (p.used("cpu") - sizes[g])
+            free_gpu = gpu_cap - (p.used("gpu"))
+            if free_cpu is None or sizes[g] <= free_cpu:
+                homes[g] = "cpu"
+            elif sizes[g] <= free_gpu:
+                homes[g] = "gpu"
+            else:
+                raise CapacityError(
+                    f"no tier has room for {g!r} ({_gib(sizes[g])}); add tiers.disk or raise tiers.cpu.capacity "
+                    f"by {_gib(sizes[g] - max(free_cpu, 0))}"
+                )
+    result = plan(homes, slot, stage)
+    if caps.has_disk and caps.disk is not None and total > caps.disk:
+        raise CapacityError(
+            f"the store needs {_gib(total)} but tiers.disk.capacity is {_gib(caps.disk)}; raise it to at least "
+            f"{_gib(total)}"
+        )
+    return result

@@ -1,0 +1,120 @@
+"""The span recorder: every transfer and every layer's compute becomes a span on a track.
+
+    compute     a group's math on the compute stream (host clock on CPU, CUDA events on GPU)
+    stall       compute waiting for a group's bytes (the gap the prefetcher did not hide)
+    disk-read   disk -> host (or straight into a device slot on a CPU run)
+    h2d / d2h   host <-> device copies on the copy stream (CUDA events)
+    disk-write  host -> disk
+
+Times are seconds since the timeline's origin (`time.perf_counter`). CUDA spans are kept as
+event pairs and resolved against an anchor event on `resolve()`, so recording never
+synchronises the GPU. A disabled timeline records nothing and costs one branch.
+Recording knows tracks, names and bytes; it knows nothing about models.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+TRACKS = ("compute", "stall", "disk-read", "h2d", "d2h", "disk-write")
+
+
+@dataclass(slots=True)
+class Span:
+    track: str
+    name: str  # the group (e.g. "layer.3", "head") or a label
+    step: int  # forward pass index
+    start: float  # seconds since the timeline origin
+    end: float
+    nbytes: int = 0
+    slot: int | None = None  # the ring / staging slot the bytes went to or were read from
+    args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class Timeline:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.origin = time.perf_counter()
+        self.spans: list[Span] = []
+        self.step = 0
+        self._pending: list[tuple[Span, Any, Any]] = []  # (span, start event, end event)
+        self._anchor: tuple[Any, float] | None = None
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def next_step(self) -> None:
+        self.step += 1
+
+    def add(self, track: str, name: str, start: float, end: float, nbytes: int = 0, slot: int | None = None,
+            step: int | None = None, **args: Any) -> None:
+        if self.enabled:
+            span = Span(track, name, self.step if step is None else step, start, end, nbytes, slot, args)
+            with self._lock:
+                self.spans.append(span)
+
+    @contextmanager
+    def span(self, track: str, name: str, nbytes: int = 0, slot: int | None = None, step: int | None = None,
+             **args: Any) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        step, start = self.step if step is None else step, self.now()
+        try:
+            yield
+        finally:
+            self.add(track, name, start, self.now(), nbytes, slot, step=step, **args)
+
+    # -- CUDA ---------------------------------------------------------------------------------
+    def add_cuda(self, track: str, name: str, start_event: Any, end_event: Any, nbytes: int = 0,
+                 slot: int | None = None, step: int | None = None) -> None:
+        """Record a span timed by two CUDA events (created with enable_timing=True)."""
+        if not self.enabled:
+            return
+        if self._anchor is None:
+            import torch
+
+            anchor = torch.cuda.Event(enable_timing=True)
+            anchor.record()
+            anchor.synchronize()
+            self._anchor = (anchor, self.now())
+        span = Span(track, name, self.step if step is None else step, 0.0, 0.0, nbytes, slot)
+        with self._lock:
+            self._pending.append((span, start_event, end_event))
+
+    def resolve(self) -> None:
+        """Turn pending CUDA event pairs into times (synchronises on the recorded events only)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        anchor, t0 = self._anchor
+        for span, start, end in pending:
+            end.synchronize()
+            span.start = t0 + anchor.elapsed_time(start) / 1000
+            span.end = t0 + anchor.elapsed_time(end) / 1000
+            with self._lock:
+                self.spans.append(span)
+
+    # -- queries ------------------------------------------------------------------------------
+    def on(self, track: str, step: int | None = None) -> list[Span]:
+        self.resolve()
+        return [s for s in self.spans if s.track == track and (step is None or s.step == step)]
+
+    def bytes_on(self, track: str, steps: range | None = None) -> int:
+        return sum(s.nbytes for s in self.on(track) if steps is None or s.step in steps)
+
+    def clear(self) -> None:
+        self.resolve()
+        with self._lock:
+            self.spans.clear()
