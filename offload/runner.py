@@ -27,8 +27,8 @@ from offload.config import OffloadConfig
 from offload.errors import CapacityError, ConfigError
 from offload.kv_cache import PagedKVCache
 from offload.sampling import sample
-from offload.tokenizer import TextTokenizer
 from offload.tiered import TieredWeights, plan_run
+from offload.tokenizer import TextTokenizer
 from schedulers.timeline import Timeline
 from storage.block_pool import Admission
 

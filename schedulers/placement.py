@@ -110,12 +110,13 @@ class Plan:
                 continue
             groups = [g for g in self.order if self.homes[g] == tier]
             cap = caps[tier]
-            lines.append(f"  {tier:<4} {_gib(self.used(tier)):>11} of {('unlimited' if cap is None else _gib(cap)):>11}"
+            cap_text = "unlimited" if cap is None else _gib(cap)
+            lines.append(f"  {tier:<4} {_gib(self.used(tier)):>11} of {cap_text:>11}"
                          f"  homes {len(groups):>3} groups: {_compact(groups)}")
         extras = [f"{k} {_gib(v)}" for k, v in self.reserved_gpu.items() if v]
         if extras:
-            lines.append(f"  gpu reserves: {', '.join(extras)}"
-                         + (f" ({self.ring_slots} ring slots x {_gib(self.ring_slot_bytes)})" if self.ring_slots else ""))
+            ring = f" ({self.ring_slots} ring slots x {_gib(self.ring_slot_bytes)})" if self.ring_slots else ""
+            lines.append(f"  gpu reserves: {', '.join(extras)}{ring}")
         if self.stage_slots:
             lines.append(f"  cpu reserves: staging {self.stage_slots} x {_gib(self.stage_slot_bytes)}")
         moved = self.bytes_per_step()

@@ -92,7 +92,7 @@ class Prefetcher:
         if load.error is not None:
             raise load.error
         if waited - start > 1e-4:
-            self.timeline.add("stall", group, start, waited, slot=load.slot)
+            self.timeline.add("stall", group, start, waited, slot=load.slot, k=load.k)
         self.engine.compute_wait(load.marker)
         self._current[group] = (load, waited, self._compute_marker())
         return self.ring[load.slot][:size]
@@ -100,7 +100,7 @@ class Prefetcher:
     def release(self, group: str) -> None:
         load, start, start_marker = self._current.pop(group)
         done = self.engine.mark_compute()
-        self._record_compute(group, start, start_marker, done, None if load is None else load.slot)
+        self._record_compute(group, start, start_marker, done, load)
         if load is None:
             return
         with self._cond:
@@ -113,13 +113,15 @@ class Prefetcher:
         return self.engine.mark_compute() if self.engine.device.type == "cuda" else None
 
     def _record_compute(self, group: str, start: float, start_marker: Marker | None, done: Marker,
-                        slot: int | None) -> None:
+                        load: Load | None) -> None:
         if not self.timeline.enabled:
             return
+        slot, args = (None, {}) if load is None else (load.slot, {"k": load.k})
         if start_marker is not None:
-            self.timeline.add_cuda("compute", group, start_marker.event, done.event, slot=slot)  # type: ignore[attr-defined]
+            self.timeline.add_cuda("compute", group, start_marker.event, done.event, slot=slot,  # type: ignore
+                                   **args)
         else:
-            self.timeline.add("compute", group, start, self.timeline.now(), slot=slot)
+            self.timeline.add("compute", group, start, self.timeline.now(), slot=slot, **args)
 
     def _home_view(self, group: str) -> torch.Tensor:
         tier = self.tiers[self.plan.homes[group]]
@@ -160,33 +162,35 @@ class Prefetcher:
                 s = load.k % len(self.stage)
                 self._stage_marker[s].wait()  # the previous copy out of this stage slot is done
                 dest = self.stage[s][:size]
-                with tl.span("disk-read", group, nbytes=size, slot=s, step=step):
+                with tl.span("disk-read", group, nbytes=size, slot=s, step=step, k=load.k, into="stage"):
                     disk.read_into(group, dest)
                 self._count("disk->cpu", size)
                 if not self._wait_slot(load.slot):
                     return
-                load.marker = self._copy(group, self.ring[load.slot][:size], dest, load.slot, step)
+                load.marker = self._copy(load, self.ring[load.slot][:size], dest, step)
                 self._stage_marker[s] = load.marker
             else:  # CPU: disk -> device slot directly
                 if not self._wait_slot(load.slot):
                     return
                 self._free_marker[load.slot].wait()
-                with tl.span("disk-read", group, nbytes=size, slot=load.slot, step=step):
+                with tl.span("disk-read", group, nbytes=size, slot=load.slot, step=step, k=load.k, into="ring"):
                     disk.read_into(group, self.ring[load.slot][:size])
                 self._count("disk->gpu", size)
         else:  # host -> device
             if not self._wait_slot(load.slot):
                 return
             src = self._home_view(group)
-            load.marker = self._copy(group, self.ring[load.slot][:size], src, load.slot, step)
+            load.marker = self._copy(load, self.ring[load.slot][:size], src, step)
 
-    def _copy(self, group: str, dst: torch.Tensor, src: torch.Tensor, slot: int, step: int) -> Marker:
-        free = self._free_marker[slot]
+    def _copy(self, load: Load, dst: torch.Tensor, src: torch.Tensor, step: int) -> Marker:
+        free = self._free_marker[load.slot]
         if self.engine.device.type == "cuda":
             marker, events = self.engine.timed_copy(dst, src, after=[free])
-            self.timeline.add_cuda("h2d", group, *events, nbytes=dst.numel(), slot=slot, step=step)
+            self.timeline.add_cuda("h2d", load.group, *events, nbytes=dst.numel(), slot=load.slot, step=step,
+                                   k=load.k, into="ring")
         else:
-            with self.timeline.span("h2d", group, nbytes=dst.numel(), slot=slot, step=step):
+            with self.timeline.span("h2d", load.group, nbytes=dst.numel(), slot=load.slot, step=step, k=load.k,
+                                    into="ring"):
                 marker = self.engine.copy(dst, src, after=[free])
         self._count("cpu->gpu", dst.numel())
         return marker

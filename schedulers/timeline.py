@@ -77,7 +77,7 @@ class Timeline:
 
     # -- CUDA ---------------------------------------------------------------------------------
     def add_cuda(self, track: str, name: str, start_event: Any, end_event: Any, nbytes: int = 0,
-                 slot: int | None = None, step: int | None = None) -> None:
+                 slot: int | None = None, step: int | None = None, **args: Any) -> None:
         """Record a span timed by two CUDA events (created with enable_timing=True)."""
         if not self.enabled:
             return
@@ -88,7 +88,7 @@ class Timeline:
             anchor.record()
             anchor.synchronize()
             self._anchor = (anchor, self.now())
-        span = Span(track, name, self.step if step is None else step, 0.0, 0.0, nbytes, slot)
+        span = Span(track, name, self.step if step is None else step, 0.0, 0.0, nbytes, slot, args)
         with self._lock:
             self._pending.append((span, start_event, end_event))
 

@@ -149,7 +149,8 @@ class Store:
         self.manifest = manifest
         self.meta: dict[str, Any] = manifest["meta"]
         self.groups: dict[str, GroupRecord] = {
-            name: GroupRecord(GroupLayout.from_json(name, g), int(g["crc32c"])) for name, g in manifest["groups"].items()
+            name: GroupRecord(GroupLayout.from_json(name, g), int(g["crc32c"]))
+            for name, g in manifest["groups"].items()
         }
         self.tier = tier
 
