@@ -63,11 +63,20 @@ class PagedKVCache:
         """Could a sequence of `tokens` total tokens get its blocks (now / once others finish / never)?"""
         return self.pool.can_allocate(self.blocks_for(tokens))
 
-    def add_sequence(self) -> int:
+    def add_sequence(self, reserve_tokens: int = 0) -> int:
+        """A new sequence, with blocks for `reserve_tokens` allocated up front (worst-case reservation)."""
         sid = self._next_id
         self._next_id += 1
-        self.seqs[sid] = Sequence(blocks=[])
+        self.seqs[sid] = Sequence(blocks=self._allocate(self.blocks_for(reserve_tokens)))
         return sid
+
+    def _allocate(self, n: int) -> list[int]:
+        """Blocks are zeroed when handed out: padded key slots are multiplied by zero attention weights,
+        and 0 * NaN from stale or never-written memory would poison the whole row."""
+        ids = self.pool.allocate(n)
+        if ids:
+            self.pool.data[torch.tensor(ids, device=self.pool.data.device)] = 0
+        return ids
 
     def free_sequence(self, sid: int) -> None:
         seq = self.seqs.pop(sid)
@@ -92,7 +101,7 @@ class PagedKVCache:
             seq = self.seqs[sid]
             extra = self.blocks_for(seq.length + n) - len(seq.blocks)
             if extra > 0:
-                seq.blocks += self.pool.allocate(extra)
+                seq.blocks += self._allocate(extra)
             pos = torch.arange(seq.length, seq.length + n)
             table = torch.tensor(seq.blocks, dtype=torch.long)
             slot_blocks.append(table[pos // bs])

@@ -315,8 +315,7 @@ class Runner:
             admitted = []
             while waiting and kv.pool.can_allocate(need[waiting[0]]) is Admission.OK:
                 i = waiting.popleft()
-                sid = kv.add_sequence()
-                kv.seqs[sid].blocks = kv.pool.allocate(need[i])  # worst case reserved up front
+                sid = kv.add_sequence(reserve_tokens=len(encoded[i]) + max_new_tokens)  # worst case, up front
                 running[i] = sid
                 admitted.append(i)
             if admitted:

@@ -83,7 +83,7 @@ def plan_run(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device
                      workspace_bytes=workspace_bytes(cfg, config.activations.prefill_chunk, dtype),
                      copy_to_device=device.type == "cuda")
     if kv_cfg.gpu_blocks is None and config.tiers is not None and caps.gpu is not None:
-        kv_blocks += max(caps.gpu - plan.used("gpu"), 0) // block_bytes  # what the plan leaves free
+        kv_blocks += max(plan.capacity("gpu") - plan.used("gpu"), 0) // block_bytes  # what the plan leaves free
     return RunPlan(plan, caps, kv_blocks, block_bytes)
 
 
@@ -101,8 +101,8 @@ class TieredWeights:
         self.store: Store | None = None
         tiers_cfg = config.tiers
         self.tiers: dict[str, Tier] = {
-            "gpu": DeviceTier(self.caps.gpu, device),
-            "cpu": HostTier(self.caps.cpu, pinned=tiers_cfg.cpu.pinned if tiers_cfg else True),
+            "gpu": DeviceTier(self.plan.capacity("gpu"), device),
+            "cpu": HostTier(self.plan.capacity("cpu"), pinned=tiers_cfg.cpu.pinned if tiers_cfg else True),
         }
         self.prefetcher: Prefetcher | None = None
         try:

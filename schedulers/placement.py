@@ -63,6 +63,16 @@ class Plan:
     capacities: Capacities
     reserved_gpu: dict[str, int] = field(default_factory=dict)  # kv, workspace, ring
     rows_only: frozenset[str] = frozenset()
+    lent: int = 0  # device capacity lent to the host tier (a CPU compute device: the same RAM)
+
+    def capacity(self, tier: str) -> int | None:
+        """A tier's capacity under this plan (the host's includes what the device lent it)."""
+        cap = {"gpu": self.capacities.gpu, "cpu": self.capacities.cpu, "disk": self.capacities.disk}[tier]
+        if tier == "gpu" and cap is not None:
+            return cap - self.lent
+        if tier == "cpu" and cap is not None:
+            return cap + self.lent
+        return cap
 
     # -- routes -------------------------------------------------------------------------------
     def route(self, group: str) -> tuple[str, ...]:
@@ -102,14 +112,13 @@ class Plan:
         return {k: v for k, v in links.items() if v}
 
     def describe(self) -> str:
-        caps = {"gpu": self.capacities.gpu, "cpu": self.capacities.cpu, "disk": self.capacities.disk}
         lines = [f"placement plan: {len(self.order)} groups, {_gib(sum(self.sizes.values()))}, "
                  f"prefetch depth {self.depth}"]
         for tier in TIERS:
             if tier == "disk" and not self.capacities.has_disk:
                 continue
             groups = [g for g in self.order if self.homes[g] == tier]
-            cap = caps[tier]
+            cap = self.capacity(tier)
             cap_text = "unlimited" if cap is None else _gib(cap)
             lines.append(f"  {tier:<4} {_gib(self.used(tier)):>11} of {cap_text:>11}"
                          f"  homes {len(groups):>3} groups: {_compact(groups)}")
@@ -119,6 +128,9 @@ class Plan:
             lines.append(f"  gpu reserves: {', '.join(extras)}{ring}")
         if self.stage_slots:
             lines.append(f"  cpu reserves: staging {self.stage_slots} x {_gib(self.stage_slot_bytes)}")
+        if self.lent:
+            lines.append(f"  the gpu tier lends its unused {_gib(self.lent)} to the cpu tier (on a CPU device they "
+                         "are the same RAM)")
         moved = self.bytes_per_step()
         lines.append("  per forward pass: " + (", ".join(f"{k} {_gib(v)}" for k, v in moved.items())
                                                if moved else "nothing moves (all resident)"))
@@ -129,7 +141,7 @@ class Plan:
             "depth": self.depth, "homes": dict(self.homes), "ring_slots": self.ring_slots,
             "ring_slot_bytes": self.ring_slot_bytes, "stage_slots": self.stage_slots,
             "stage_slot_bytes": self.stage_slot_bytes, "reserved_gpu": dict(self.reserved_gpu),
-            "used": {t: self.used(t) for t in TIERS}, "bytes_per_step": self.bytes_per_step(),
+            "used": {t: self.used(t) for t in TIERS}, "bytes_per_step": self.bytes_per_step(), "lent": self.lent,
         }
 
 
@@ -181,14 +193,14 @@ def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_byte
     fixed = kv_bytes + workspace_bytes
     gpu_cap = caps.gpu
 
-    def plan(homes: dict[str, str], slot: int, stage: int) -> Plan:
+    def plan(homes: dict[str, str], slot: int, stage: int, lent: int = 0) -> Plan:
         reserved = {"kv": kv_bytes, "workspace": workspace_bytes}
         p = Plan(order, sizes, homes, depth, 0, 0, 0, 0, copy_to_device, caps, reserved, rows)
         n_ring = ring_slots if p.streamed else 0
         n_stage = STAGE_SLOTS if copy_to_device and any(p.route(g)[0] == "disk" for g in p.streamed) else 0
         reserved["ring"] = n_ring * slot
         return Plan(order, sizes, homes, depth, n_ring, slot if n_ring else 0, n_stage, stage if n_stage else 0,
-                    copy_to_device, caps, reserved, rows)
+                    copy_to_device, caps, reserved, rows, lent)
 
     # everything on the device?
     if gpu_cap is None or total + fixed <= gpu_cap:
@@ -214,46 +226,35 @@ def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_byte
         )
     _, slot, on_gpu = best
     homes = dict.fromkeys(on_gpu, "gpu")
-    rest = [g for g in stream if g not in homes]
+    # On a CPU compute device the two memory tiers are the same RAM: what the device tier leaves unused is
+    # lent to the host tier, so the budget is not lost to packing whole groups into two separate bins.
+    gpu_left = gpu_cap - fixed - ring_slots * slot - sum(sizes[g] for g in on_gpu)
+    lent = 0 if copy_to_device else gpu_left
 
-    # the host: staging slots first if disk-homed groups will be copied to a CUDA device
-    cpu_cap = caps.cpu
-    all_rest = sum(sizes[g] for g in rest)
-    if cpu_cap is None or all_rest <= cpu_cap:
-        homes.update(dict.fromkeys(rest, "cpu"))
-        stage = 0
-    else:
+    # the host: rows-only groups first when there is no disk to take them, then the streamable rest;
+    # two pinned staging slots come off the top when disk-homed groups must be copied to a CUDA device
+    rest = ([] if caps.has_disk else sorted(rows)) + [g for g in stream if g not in homes]
+    cpu_cap = None if caps.cpu is None else caps.cpu + lent
+    stage = 0
+    if cpu_cap is not None and sum(sizes[g] for g in rest) > cpu_cap:
         stage = slot if (copy_to_device and caps.has_disk) else 0
-        on_cpu = _fill(rest, sizes, cpu_cap - STAGE_SLOTS * stage)
-        homes.update(dict.fromkeys(on_cpu, "cpu"))
-        left = [g for g in rest if g not in homes]
-        if left and not caps.has_disk:
-            need_cpu = all_rest
+        budget = cpu_cap - STAGE_SLOTS * stage
+        must = [g for g in rest if g in rows]
+        on_cpu = must + _fill([g for g in rest if g not in rows], sizes, budget - sum(sizes[g] for g in must))
+        left = [g for g in rest if g not in on_cpu]
+        if not caps.has_disk:
             raise CapacityError(
-                f"the model ({_gib(total)}) does not fit in gpu {_gib(gpu_cap)} + cpu {_gib(cpu_cap)} and there "
+                f"the model ({_gib(total)}) does not fit in gpu {_gib(gpu_cap)} + cpu {_gib(caps.cpu)} and there "
                 f"is no disk tier; add tiers.disk (a directory for the store) or raise tiers.cpu.capacity to at "
-                f"least {_gib(need_cpu)} (with tiers.gpu.capacity at least {_gib(fixed + ring_slots * largest)})"
+                f"least {_gib(sum(sizes[g] for g in rest) - lent)} (with tiers.gpu.capacity at least "
+                f"{_gib(fixed + ring_slots * largest)})"
             )
+        rest = on_cpu
         homes.update(dict.fromkeys(left, "disk"))
-
-    # rows-only groups go to the slowest tier there is
-    for g in rows:
-        if caps.has_disk:
-            homes[g] = "disk"
-        else:
-            p = plan(homes | {r: "cpu" for r in rows if r not in homes}, slot, stage)
-            free_cpu = None if cpu_cap is None else cpu_cap - (p.used("cpu") - sizes[g])
-            free_gpu = gpu_cap - (p.used("gpu"))
-            if free_cpu is None or sizes[g] <= free_cpu:
-                homes[g] = "cpu"
-            elif sizes[g] <= free_gpu:
-                homes[g] = "gpu"
-            else:
-                raise CapacityError(
-                    f"no tier has room for {g!r} ({_gib(sizes[g])}); add tiers.disk or raise tiers.cpu.capacity "
-                    f"by {_gib(sizes[g] - max(free_cpu, 0))}"
-                )
-    result = plan(homes, slot, stage)
+    homes.update(dict.fromkeys(rest, "cpu"))
+    for g in rows:  # rows-only groups go to the slowest tier there is
+        homes.setdefault(g, "disk")
+    result = plan(homes, slot, stage, lent)
     if caps.has_disk and caps.disk is not None and total > caps.disk:
         raise CapacityError(
             f"the store needs {_gib(total)} but tiers.disk.capacity is {_gib(caps.disk)}; raise it to at least "

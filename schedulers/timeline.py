@@ -55,6 +55,8 @@ class Timeline:
 
     def next_step(self) -> None:
         self.step += 1
+        if self._pending:
+            self.resolve(block=False)  # keep the pending list (and its CUDA events) short
 
     def add(self, track: str, name: str, start: float, end: float, nbytes: int = 0, slot: int | None = None,
             step: int | None = None, **args: Any) -> None:
@@ -92,19 +94,26 @@ class Timeline:
         with self._lock:
             self._pending.append((span, start_event, end_event))
 
-    def resolve(self) -> None:
-        """Turn pending CUDA event pairs into times (synchronises on the recorded events only)."""
+    def resolve(self, block: bool = True) -> None:
+        """Turn pending CUDA event pairs into times; `block=False` takes only those already complete."""
         with self._lock:
             pending, self._pending = self._pending, []
         if not pending:
             return
         anchor, t0 = self._anchor
+        later = []
         for span, start, end in pending:
+            if not block and not end.query():
+                later.append((span, start, end))
+                continue
             end.synchronize()
             span.start = t0 + anchor.elapsed_time(start) / 1000
             span.end = t0 + anchor.elapsed_time(end) / 1000
             with self._lock:
                 self.spans.append(span)
+        if later:
+            with self._lock:
+                self._pending = later + self._pending
 
     # -- queries ------------------------------------------------------------------------------
     def on(self, track: str, step: int | None = None) -> list[Span]:
@@ -118,3 +127,35 @@ class Timeline:
         self.resolve()
         with self._lock:
             self.spans.clear()
+
+
+# ----------------------------------------------------------------------------- interval arithmetic
+def merge_intervals(spans: list[Span]) -> list[tuple[float, float]]:
+    """The union of the spans' [start, end) intervals, sorted and non-overlapping."""
+    out: list[tuple[float, float]] = []
+    for s in sorted(spans, key=lambda s: s.start):
+        if out and s.start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], s.end))
+        else:
+            out.append((s.start, s.end))
+    return out
+
+
+def busy_time(spans: list[Span]) -> float:
+    """Seconds during which at least one of the spans is active."""
+    return sum(b - a for a, b in merge_intervals(spans))
+
+
+def overlap_time(a: list[Span], b: list[Span]) -> float:
+    """Seconds during which some span of `a` and some span of `b` are both active."""
+    ia, ib = merge_intervals(a), merge_intervals(b)
+    i = j = 0
+    total = 0.0
+    while i < len(ia) and j < len(ib):
+        lo, hi = max(ia[i][0], ib[j][0]), min(ia[i][1], ib[j][1])
+        total += max(0.0, hi - lo)
+        if ia[i][1] < ib[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total

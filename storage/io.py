@@ -59,9 +59,14 @@ def advise_sequential(fd: int) -> None:
 
 def crc32c(data: torch.Tensor | np.ndarray | bytes) -> int:
     """CRC-32C (Castagnoli), the checksum zarr's crc32c codec appends; releases the GIL on large buffers."""
+    return crc32c_extend(0, data)
+
+
+def crc32c_extend(crc: int, data: torch.Tensor | np.ndarray | bytes) -> int:
+    """The crc32c of (what `crc` covered) + `data`."""
     if isinstance(data, torch.Tensor):
         data = data.contiguous().view(torch.uint8).reshape(-1).numpy()
-    return _crc32c.crc32c(data)
+    return _crc32c.crc32c(data, crc)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

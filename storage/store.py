@@ -160,7 +160,7 @@ class Store:
 
     @classmethod
     def open(cls, path: str | Path, page_cache: bool = False, verify: str = "always",
-             read_threads: int = 2, capacity: int | None = None) -> Store:
+             read_threads: int = 4, capacity: int | None = None) -> Store:
         path = Path(path)
         state = store_state(path)
         if state is StoreState.MISSING:

@@ -176,6 +176,8 @@ class HostTier(MemoryTier):
 
 # ----------------------------------------------------------------------------- disk
 CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
+#: Disk reads are split into pieces of this size, several in flight at once.
+READ_PIECE = 8 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +201,7 @@ class DiskTier(Tier):
     kind = "disk"
 
     def __init__(self, path: str | Path, capacity: int | None = None, read_only: bool = False,
-                 page_cache: bool = False, verify: str = "always", read_threads: int = 2) -> None:
+                 page_cache: bool = False, verify: str = "always", read_threads: int = 4) -> None:
         super().__init__(capacity, read_only)
         import zarr
 
@@ -212,7 +214,6 @@ class DiskTier(Tier):
         self._chunks: dict[str, ChunkFile] = {}
         self._fds: dict[str, int] = {}
         self._pool = ThreadPoolExecutor(read_threads, thread_name_prefix="disk-read") if read_threads > 1 else None
-        self._read_threads = read_threads
         if read_only:
             if not (self.path / "zarr.json").is_file():
                 raise StoreError(f"{self.path}: no zarr group here; the store is missing or was not finished")
@@ -308,27 +309,37 @@ class DiskTier(Tier):
         whole = offset == 0 and dest.numel() == chunk.nbytes
         if not whole and key not in self._verified:
             self.verify_region(key)
+        check = whole and (self.verify == "always" or key not in self._verified)
         cpu = dest if dest.device.type == "cpu" else torch.empty(dest.numel(), dtype=torch.uint8)
-        self._pread(fd, cpu, offset, chunk.path)
+        crc = self._pread(fd, cpu, offset, chunk.path, check)
         if not self.page_cache:
             io.drop_page_cache(fd, offset, cpu.numel())
-        if whole and (self.verify == "always" or key not in self._verified):
-            self._check_crc(key, fd, io.crc32c(cpu))
+        if check:
+            self._check_crc(key, fd, crc)
         if cpu is not dest:
             dest.copy_(cpu)
 
-    def _pread(self, fd: int, dest: torch.Tensor, offset: int, path: Path) -> None:
-        """One positional read, split into `read_threads` pieces read in parallel for big requests."""
+    def _pread(self, fd: int, dest: torch.Tensor, offset: int, path: Path, checksum: bool) -> int:
+        """Read `dest` in pieces, `read_threads` of them in flight (deeper disk queues read faster); when
+        asked, fold each piece into a crc32c as soon as it lands, so checking overlaps the reads."""
         n = dest.numel()
-        if self._pool is None or n < 8 * 2**20:
-            io.preadv_into(fd, dest, offset, path)
-            return
-        step = -(-n // self._read_threads)
-        step = -(-step // 4096) * 4096
-        futures = [self._pool.submit(io.preadv_into, fd, dest[s : s + step], offset + s, path)
-                   for s in range(0, n, step)]
-        for f in futures:
-            f.result()
+        pieces = [(s, min(READ_PIECE, n - s)) for s in range(0, n, READ_PIECE)]
+        crc = 0
+        if self._pool is None or len(pieces) == 1:
+            for s, m in pieces:
+                io.preadv_into(fd, dest[s : s + m], offset + s, path)
+                crc = io.crc32c_extend(crc, dest[s : s + m]) if checksum else 0
+            return crc
+        futures = [self._pool.submit(io.preadv_into, fd, dest[s : s + m], offset + s, path) for s, m in pieces]
+        try:
+            for f, (s, m) in zip(futures, pieces):
+                f.result()
+                if checksum:
+                    crc = io.crc32c_extend(crc, dest[s : s + m])
+        finally:
+            for f in futures:
+                f.cancel()
+        return crc
 
     def _check_crc(self, key: str, fd: int, actual: int) -> None:
         stored = int(np.frombuffer(os.pread(fd, 4, self._chunks[key].nbytes), dtype="<u4")[0])
@@ -341,15 +352,13 @@ class DiskTier(Tier):
 
     def verify_region(self, key: str, piece: int = 64 * 2**20) -> int:
         """Checksum a whole region in bounded pieces; returns its crc32c (raises StoreError on mismatch)."""
-        import crc32c as _crc
-
         chunk, fd = self._chunks[key], self._fd(key)
         buf = torch.empty(min(piece, chunk.nbytes), dtype=torch.uint8)
         crc = 0
         for start in range(0, chunk.nbytes, piece):
             part = buf[: min(piece, chunk.nbytes - start)]
             io.preadv_into(fd, part, start, chunk.path)
-            crc = _crc.crc32c(part.numpy(), crc)
+            crc = io.crc32c_extend(crc, part)
         if not self.page_cache:
             io.drop_page_cache(fd)
         self._check_crc(key, fd, crc)

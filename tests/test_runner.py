@@ -130,3 +130,11 @@ def test_text_prompt_without_tokenizer(tmp_path, tiny_llama):
         assert len(r.generate([[1, 2, 3]], max_new_tokens=2)[0].token_ids) >= 1
         with pytest.raises(ConfigError, match=r"no tokenizer.json, so prompts must be lists of token ids"):
             r.generate(["hello"])
+
+
+def test_garbage_in_fresh_kv_memory_never_reaches_the_tokens(tiny_llama, runner):
+    """A pool laid over uninitialised tier memory may hold NaN bit patterns; blocks are zeroed when handed out."""
+    ref = [r.token_ids for r in runner.generate(PROMPTS, max_new_tokens=8, stop_on_eos=False)]
+    with Runner.from_config(run_config(tiny_llama, kv_cache={"gpu_blocks": 16})) as r:
+        r.kv.pool.data.fill_(float("nan"))
+        assert [x.token_ids for x in r.generate(PROMPTS, max_new_tokens=8, stop_on_eos=False)] == ref

@@ -1,0 +1,360 @@
+"""Benchmark: Offload streaming from disk vs its physical bound and vs Accelerate disk offload, in one run.
+
+    python scripts/bench.py                  # medium (TinyLlama-1.1B shape) bf16, gpu 512MiB + cpu 512MiB + disk
+    python scripts/bench.py --quick          # small model, small budgets: a smoke run (the test suite runs it)
+
+For each batch size, in fresh subprocesses (so peak RSS is each run's own):
+  resident    all weights in RAM: the compute-only step time
+  offload     the tiered run, the store's page cache evicted first: decode ms/step, disk bytes per step, peak RSS
+  accelerate  transformers + Accelerate `device_map="auto"`, `max_memory` = Offload's total RAM budget, the rest
+              offloaded to disk, page cache evicted first: decode ms/step, peak RSS, tokens equal to ours?
+The disk's bandwidth is measured in the same run (cold, parallel preadv over the store's chunk files), so
+`disk_time = bytes read per step / bandwidth` and the ratio `step / max(compute, disk_time)` use this
+machine's numbers. Results go to OUT/bench.json and OUT/bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROFILES = {
+    # name: model size, budgets, prompt, new tokens, batches, depth, prefill chunk
+    "full": dict(size="medium", gpu="512MiB", cpu="512MiB", prompt=64, new=32, batches=[1, 8], depths=[1, 2],
+                 chunk=64),
+    "quick": dict(size="small", gpu="64MiB", cpu="32MiB", prompt=16, new=6, batches=[1, 2], depths=[2], chunk=16),
+}
+
+
+def vm_hwm() -> int:
+    """Peak RSS of this process image in bytes (unlike ru_maxrss, not inherited across fork + exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def evict(paths: list[Path]) -> int:
+    """Drop every file under `paths` from the page cache; returns the bytes covered."""
+    total = 0
+    for root in paths:
+        files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages cannot be dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return total
+
+
+def disk_bandwidth(store: Path, groups: list[str] | None = None, threads: int = 4, piece: int = 8 * 2**20) -> dict:
+    """Cold read of the groups' chunk files (all by default), `threads` preadv pieces in flight, as the
+    prefetcher reads them but without checksums: what the disk itself delivers, in bytes per second."""
+    import torch
+
+    from storage.io import preadv_into
+
+    chunks = sorted(p for p in store.rglob("c.*") if p.is_file())
+    if groups is not None:
+        chunks = [store / g / "c.0" for g in groups]
+    evict(chunks)
+    buf = torch.empty(max(p.stat().st_size for p in chunks), dtype=torch.uint8)
+    total = 0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        for path in chunks:
+            n = path.stat().st_size
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                list(pool.map(lambda s, fd=fd, n=n: preadv_into(fd, buf[s : min(s + piece, n)], s),
+                              range(0, n, piece)))
+            finally:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            total += n
+    seconds = time.perf_counter() - t0
+    return {"bytes": total, "seconds": seconds, "bytes_per_s": total / seconds}
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [[1] + torch.randint(3, vocab, (length - 1,), generator=g).tolist() for _ in range(batch)]
+
+
+# ----------------------------------------------------------------------------- workers (one per subprocess)
+def worker_offload(spec: dict) -> dict:
+    from offload.runner import Runner
+
+    base = vm_hwm()
+    cfg = spec["config"]
+    if cfg.get("tiers", {}).get("disk"):
+        evict([Path(cfg["tiers"]["disk"]["path"])])
+    with Runner.from_config(cfg) as r:
+        batch = prompts(spec["batch"], spec["prompt"], r.cfg.vocab_size)
+        t0 = time.perf_counter()
+        [res, *rest] = r.generate(batch, max_new_tokens=spec["new"], stop_on_eos=False)
+        wall = time.perf_counter() - t0
+        stats = res.stats
+        decode_steps = range(stats.prefill_passes, stats.prefill_passes + stats.decode_steps)
+        disk = r.timeline.bytes_on("disk-read", decode_steps)
+        stall = sum(s.duration for s in r.timeline.on("stall") if s.step in decode_steps)
+        from schedulers.timeline import busy_time
+
+        disk_busy = busy_time([s for s in r.timeline.on("disk-read") if s.step in decode_steps])
+        compute = sum(s.duration for s in r.timeline.on("compute") if s.step in decode_steps)
+        out = {
+            "ms_per_step": stats.decode_ms_per_step,
+            "step_ms": stats.step_ms,
+            "prefill_s": stats.prefill_s,
+            "wall_s": wall,
+            "disk_bytes_per_step": disk / max(stats.decode_steps, 1),
+            "stall_ms_per_step": 1000 * stall / max(stats.decode_steps, 1),
+            "disk_busy_ms_per_step": 1000 * disk_busy / max(stats.decode_steps, 1),
+            "compute_ms_per_step": 1000 * compute / max(stats.decode_steps, 1),
+            "tokens": [x.token_ids for x in [res, *rest]],
+            "plan": r.plan.to_dict(),
+        }
+    out["peak_rss"] = vm_hwm()
+    out["base_rss"] = base
+    return out
+
+
+def worker_accelerate(spec: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = vm_hwm()
+    model_dir, offload_dir = Path(spec["model"]), Path(spec["offload_folder"])
+    offload_dir.mkdir(parents=True, exist_ok=True)
+    evict([model_dir, offload_dir])
+    torch.manual_seed(0)
+    t_load = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.bfloat16, device_map="auto", max_memory={"cpu": spec["max_memory"]},
+        offload_folder=str(offload_dir),
+    ).eval()
+    load_s = time.perf_counter() - t_load
+    devices = sorted({str(d) for d in getattr(model, "hf_device_map", {}).values()})
+    evict([model_dir, offload_dir])
+    batch = prompts(spec["batch"], spec["prompt"], model.config.vocab_size)
+    ids = torch.tensor(batch)
+    steps, tokens = [], []
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model(ids, use_cache=True)
+        prefill = time.perf_counter() - t0
+        cache = out.past_key_values
+        nxt = out.logits[:, -1].float().argmax(-1)
+        tokens.append(nxt.tolist())
+        for _ in range(spec["new"] - 1):
+            evict([model_dir, offload_dir])  # equal budgets: no page cache beyond max_memory (not timed)
+            t = time.perf_counter()
+            out = model(nxt[:, None], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            nxt = out.logits[:, -1].float().argmax(-1)
+            steps.append(1000 * (time.perf_counter() - t))
+            tokens.append(nxt.tolist())
+    per_seq = [[step[b] for step in tokens] for b in range(len(batch))]
+    return {"ms_per_step": sum(steps) / len(steps), "step_ms": steps, "prefill_s": prefill, "load_s": load_s,
+            "tokens": per_seq, "devices": devices, "peak_rss": vm_hwm(), "base_rss": base}
+
+
+WORKERS = {"offload": worker_offload, "accelerate": worker_accelerate}
+
+
+def run_worker(kind: str, spec: dict, timeout: int = 3600) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- orchestration
+def ensure_model(out: Path, size: str) -> Path:
+    from scripts.make_model import make_model
+
+    path = out / "models" / f"{size}-llama-bf16"
+    if not (path / "config.json").is_file():
+        tmp = path.with_name(path.name + ".partial")
+        make_model(tmp, family="llama", size=size, dtype="bfloat16", seed=0, progress=True)
+        tmp.rename(path)
+    return path
+
+
+def plan_homes(config: dict) -> dict[str, str]:
+    from offload.checkpoint import Checkpoint
+    from offload.config import OffloadConfig
+    from offload.runner import resolve_device, resolve_dtype
+    from offload.tiered import plan_run
+
+    cfg = OffloadConfig.load(config)
+    ckpt = Checkpoint(cfg.model)
+    rp = plan_run(cfg, ckpt.config, resolve_dtype(cfg.dtype, ckpt.config.torch_dtype), resolve_device(cfg.device))
+    return rp.plan.homes
+
+
+def ensure_store(model: Path, store: Path) -> None:
+    import torch
+
+    from offload.checkpoint import Checkpoint
+    from offload.convert import open_store
+
+    open_store(Checkpoint(model), store, torch.bfloat16).close()
+
+
+def compare(batch: int, depth: int, resident: dict, streamed: dict, peer: dict | None, disk: dict) -> dict:
+    disk_ms = 1000 * streamed["disk_bytes_per_step"] / disk["bytes_per_s"]
+    bound = max(resident["ms_per_step"], disk_ms)
+    row = {
+        "batch": batch,
+        "depth": depth,
+        "offload_ms_per_step": streamed["ms_per_step"],
+        "compute_only_ms_per_step": resident["ms_per_step"],
+        "disk_bytes_per_step": streamed["disk_bytes_per_step"],
+        "disk_ms_per_step": disk_ms,
+        "disk_bytes_per_s": disk["bytes_per_s"],
+        "disk_bytes_per_s_samples": disk.get("samples"),
+        "ratio_to_disk_busy": streamed["ms_per_step"] / max(resident["ms_per_step"], streamed["disk_busy_ms_per_step"]),
+        "bound_ms_per_step": bound,
+        "ratio_to_bound": streamed["ms_per_step"] / bound,
+        "offload_stall_ms_per_step": streamed["stall_ms_per_step"],
+        "offload_peak_rss": streamed["peak_rss"],
+        "offload_base_rss": streamed["base_rss"],
+        "resident_peak_rss": resident["peak_rss"],
+        "tokens_equal_resident": streamed["tokens"] == resident["tokens"],
+        "plan": streamed["plan"],
+    }
+    if peer is not None:
+        row |= {
+            "accelerate_ms_per_step": peer["ms_per_step"],
+            "accelerate_peak_rss": peer["peak_rss"],
+            "accelerate_base_rss": peer["base_rss"],
+            "accelerate_devices": peer["devices"],
+            "accelerate_load_s": peer["load_s"],
+            "tokens_equal_accelerate": peer["tokens"] == streamed["tokens"],
+            "accelerate_first_difference": first_difference(peer["tokens"], streamed["tokens"]),
+            "speedup_vs_accelerate": peer["ms_per_step"] / streamed["ms_per_step"],
+        }
+    return row
+
+
+def first_difference(a: list[list[int]], b: list[list[int]]) -> int | None:
+    for seq_a, seq_b in zip(a, b):
+        for i, (x, y) in enumerate(zip(seq_a, seq_b)):
+            if x != y:
+                return i
+    return None
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.0f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small model, small budgets (a smoke run)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench-out", help="results, models and stores go here")
+    ap.add_argument("--batches", type=int, nargs="*", default=None)
+    ap.add_argument("--depths", type=int, nargs="*", default=None, help="prefetch depths to measure")
+    ap.add_argument("--no-accelerate", action="store_true", help="skip the Accelerate peer")
+    ap.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(WORKERS[args.worker](json.loads(args.spec))))
+        return 0
+
+    prof = dict(PROFILES["quick" if args.quick else "full"])
+    if args.batches:
+        prof["batches"] = args.batches
+    if args.depths:
+        prof["depths"] = args.depths
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    model = ensure_model(out, prof["size"])
+    store = out / "stores" / f"{model.name}"
+    ensure_store(model, store)
+    from offload.config import parse_size
+
+    budget = parse_size(prof["gpu"]) + parse_size(prof["cpu"])
+    disk = disk_bandwidth(store)
+    print(f"disk: {disk['bytes_per_s'] / 1e9:.2f} GB/s cold over {disk['bytes'] / 2**30:.2f} GiB", file=sys.stderr)
+    common = {"model": str(model), "device": "cpu", "dtype": "bfloat16",
+              "kv_cache": {"block_size": 16}, "activations": {"prefill_chunk": prof["chunk"]}}
+    tiers = {"gpu": {"capacity": prof["gpu"]}, "cpu": {"capacity": prof["cpu"]}, "disk": {"path": str(store)}}
+    rows = []
+    for batch in prof["batches"]:
+        spec = {"batch": batch, "prompt": prof["prompt"], "new": prof["new"]}
+        # the KV pool holds what this batch needs, so the rest of the gpu budget goes to weights
+        kv = common["kv_cache"] | {"gpu_blocks": batch * -(-(prof["prompt"] + prof["new"]) // 16)}
+        resident = run_worker("offload", spec | {"config": common})
+        peer = None
+        if not args.no_accelerate:
+            peer = run_worker("accelerate", spec | {"model": str(model), "max_memory": budget,
+                                                    "offload_folder": str(out / "accelerate-offload")})
+        for depth in prof["depths"]:
+            cfg = common | {"tiers": tiers, "kv_cache": kv, "prefetch": {"depth": depth}}
+            # this disk drifts by tens of percent over minutes: measure it right beside each streamed run,
+            # reading the very chunks the run streams, twice before and twice after; the bound uses the mean
+            homed = [g for g, h in plan_homes(cfg).items() if h == "disk" and g != "embed"]
+            samples = [disk_bandwidth(store, homed)["bytes_per_s"] for _ in range(2)]
+            streamed = run_worker("offload", spec | {"config": cfg})
+            samples += [disk_bandwidth(store, homed)["bytes_per_s"] for _ in range(2)]
+            near = {"bytes_per_s": sum(samples) / len(samples), "samples": samples}
+            rows.append(compare(batch, depth, resident, streamed, peer, near))
+            r = rows[-1]
+            print(f"batch {batch} depth {depth}: offload {r['offload_ms_per_step']:.0f} ms/step, bound "
+                  f"{r['bound_ms_per_step']:.0f} (ratio {r['ratio_to_bound']:.2f})"
+                  + (f", accelerate {r['accelerate_ms_per_step']:.0f} ms/step" if peer else ""), file=sys.stderr)
+    result = {"profile": "quick" if args.quick else "full", "settings": prof, "model": str(model),
+              "budget_bytes": budget, "disk": disk, "rows": rows,
+              "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    (out / "bench.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
+    lines = [
+        f"Model {Path(result['model']).name}, bf16, budgets gpu {s['gpu']} + cpu {s['cpu']} + disk, "
+        f"prompt {s['prompt']}, {s['new']} new tokens; the disk is measured cold right before and after each "
+        f"streamed run (first measurement {result['disk']['bytes_per_s'] / 1e9:.2f} GB/s).",
+        "",
+        "| batch | depth | Offload ms/step | compute-only ms/step | disk GB/step | disk GB/s | disk-time ms/step "
+        "| ratio to bound | ratio to disk busy "
+        "| stall ms/step | Offload peak RSS MiB | Accelerate ms/step | Accelerate peak RSS MiB | speedup | "
+        "tokens = Accelerate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        acc = "accelerate_ms_per_step" in r
+        lines.append(
+            f"| {r['batch']} | {r['depth']} | {r['offload_ms_per_step']:.0f} | {r['compute_only_ms_per_step']:.0f} | "
+            f"{r['disk_bytes_per_step'] / 1e9:.3f} | {r['disk_bytes_per_s'] / 1e9:.2f} | {r['disk_ms_per_step']:.0f} | "
+            f"{r['ratio_to_bound']:.2f} | {r['ratio_to_disk_busy']:.2f} | "
+            f"{r['offload_stall_ms_per_step']:.0f} | {mib(r['offload_peak_rss'])} | "
+            + (f"{r['accelerate_ms_per_step']:.0f} | {mib(r['accelerate_peak_rss'])} | "
+               f"{r['speedup_vs_accelerate']:.2f}x | {r['tokens_equal_accelerate']} |" if acc else "- | - | - | - |")
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""The benchmark's quick profile runs end to end and reports what the issue asks for."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_quick_benchmark_reports_ratios_rss_and_the_peer(tmp_path):
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["disk"]["bytes_per_s"] > 0
+    for row in result["rows"]:
+        assert row["tokens_equal_resident"]  # streaming never changes the tokens
+        assert row["disk_bytes_per_step"] > 0 and row["ratio_to_bound"] > 0
+        assert row["offload_peak_rss"] > 0 and row["accelerate_peak_rss"] > 0
+        assert "disk" in row["accelerate_devices"]  # the peer really offloaded to disk
+        assert row["speedup_vs_accelerate"] > 0
+    table = (tmp_path / "bench.md").read_text()
+    assert "ratio to bound" in table and "Accelerate ms/step" in table

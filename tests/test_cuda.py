@@ -1,0 +1,101 @@
+"""CUDA paths: copy streams, pinned host slots, events. Skipped without a GPU (marker `cuda`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.runner import Runner
+from schedulers.placement import Capacities, Plan
+from schedulers.prefetch import Prefetcher
+from schedulers.timeline import Timeline
+from schedulers.transfer import CudaEngine
+from storage.tiers import DeviceTier, DiskTier, HostTier
+from tests.conftest import run_config
+from tests.test_tiered_runner import PLACEMENTS, PROMPTS, config
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def tiny8(model_factory):
+    return model_factory("llama", overrides={"num_hidden_layers": 8})
+
+
+def cuda_config(model, placement, store, depth):
+    cfg = config(model, placement, store, depth)
+    cfg["device"] = "cuda"
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def cuda_reference(tiny8):
+    with Runner.from_config(run_config(tiny8, device="cuda")) as r:
+        return [x.token_ids for x in r.generate(PROMPTS, max_new_tokens=16, stop_on_eos=False)]
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_cuda_placements_give_the_resident_tokens(tiny8, tmp_path_factory, cuda_reference, placement, depth):
+    store = tmp_path_factory.getbasetemp() / "cuda-store"
+    with Runner.from_config(cuda_config(tiny8, placement, store, depth)) as r:
+        got = [x.token_ids for x in r.generate(PROMPTS, max_new_tokens=16, stop_on_eos=False)]
+        streamed = r.plan.streamed
+        routes = {r.plan.route(g) for g in streamed}
+        h2d = r.timeline.on("h2d")
+    assert got == cuda_reference
+    if placement in ("all-cpu", "mixed", "all-disk"):
+        assert streamed and all(route[-2:] == ("cpu", "gpu") for route in routes)  # every stream crosses PCIe
+        assert h2d and all(s.end >= s.start for s in h2d)  # timed by CUDA events
+
+
+def test_host_tier_is_pinned_on_cuda():
+    tier = HostTier(None, pinned=True)
+    tier.allocate("a", 4096)
+    assert tier.view("a").is_pinned()
+    assert not HostTier(None, pinned=False).pin_memory
+
+
+def test_cuda_scheduler_never_overwrites_a_slot_in_use(tmp_path):
+    """Slow kernels on the compute stream; copies must wait for the slot's release event."""
+    from tests.test_prefetch import SIZES, overwrites
+
+    g = torch.Generator().manual_seed(0)
+    data = {n: torch.randint(0, 256, (s,), dtype=torch.uint8, generator=g) for n, s in SIZES.items()}
+    homes = {"g0": "disk", "g1": "gpu", "g2": "cpu", "g3": "disk", "g4": "cpu", "g5": "disk"}
+    order = tuple(SIZES)
+    probe = Plan(order, SIZES, homes, 1, 0, 0, 0, 0, True, Capacities(None, None, None, True))
+    slot = max(SIZES[n] for n in probe.streamed)
+    plan = Plan(order, SIZES, homes, 1, 2, slot, 2, slot, True, Capacities(None, None, None, True))
+    disk = DiskTier(tmp_path / "s")
+    tiers = {"gpu": DeviceTier(None, "cuda"), "cpu": HostTier(None), "disk": disk}
+    for name, d in data.items():
+        disk.allocate(name, d.numel())
+        disk.write(name, d)
+        if homes[name] in ("gpu", "cpu"):
+            tiers[homes[name]].allocate(name, d.numel())
+            tiers[homes[name]].write(name, d)
+    ring = []
+    for i in range(2):
+        tiers["gpu"].allocate(f"ring.{i}", slot)
+        ring.append(tiers["gpu"].view(f"ring.{i}"))
+    stage = []
+    for i in range(2):
+        tiers["cpu"].allocate(f"stage.{i}", slot)
+        stage.append(tiers["cpu"].view(f"stage.{i}"))
+    timeline = Timeline()
+    pf = Prefetcher(plan, tiers, CudaEngine("cuda"), timeline, ring, stage)
+    expected = {n: d.cuda() for n, d in data.items()}
+    try:
+        for _ in range(4):
+            for name in order:
+                buf = pf.acquire(name)
+                torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time while the slot is in use
+                assert torch.equal(buf, expected[name])
+                pf.release(name)
+            timeline.next_step()
+        torch.cuda.synchronize()
+    finally:
+        pf.close()
+        disk.close()
+    assert overwrites(timeline.on("h2d") + timeline.on("compute")) == []

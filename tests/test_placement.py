@@ -1,0 +1,88 @@
+"""Placement plans as values: homes, ring sizing, spreading, and refusals that say what would fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from schedulers.placement import Capacities, GroupSpec, make_plan
+from storage.errors import CapacityError
+
+MiB = 2**20
+LAYER, HEAD, EMBED = 88 * MiB, 131 * MiB, 131 * MiB
+
+
+def model(layers: int = 22) -> list[GroupSpec]:
+    return ([GroupSpec("embed", EMBED, rows_only=True)] + [GroupSpec(f"layer.{i}", LAYER) for i in range(layers)]
+            + [GroupSpec("head", HEAD)])
+
+
+def test_everything_fits_so_nothing_streams():
+    plan = make_plan(model(4), Capacities(4096 * MiB, None, None), depth=2, kv_bytes=10 * MiB)
+    assert set(plan.homes.values()) == {"gpu"} and plan.streamed == [] and plan.ring_slots == 0
+    assert plan.bytes_per_step() == {}
+
+
+def test_a_large_head_is_homed_rather_than_sizing_every_ring_slot_for_it():
+    caps = Capacities(512 * MiB, 512 * MiB, None, has_disk=True)
+    plan = make_plan(model(), caps, depth=2, kv_bytes=20 * MiB, workspace_bytes=10 * MiB, copy_to_device=False)
+    assert plan.homes["head"] == "gpu"
+    assert plan.ring_slot_bytes == LAYER and plan.ring_slots == 3
+    assert plan.used("gpu") + plan.used("cpu") <= caps.gpu + caps.cpu
+    assert plan.homes["embed"] == "disk"  # read by rows: the slowest tier is fine
+    # the device's unused 87 MiB is lent to the host (a CPU device: the same RAM): 6 x 88 MiB in 512 + 87 MiB
+    assert plan.lent == 512 * MiB - 30 * MiB - 3 * LAYER - HEAD
+    assert [plan.homes[f"layer.{i}"] for i in range(22)].count("cpu") == 6
+    assert plan.used("cpu") <= plan.capacity("cpu") and plan.used("gpu") <= plan.capacity("gpu")
+
+
+def test_homed_layers_are_spread_over_the_pass():
+    caps = Capacities(512 * MiB, 512 * MiB, None, has_disk=True)
+    plan = make_plan(model(), caps, depth=2, kv_bytes=20 * MiB, workspace_bytes=10 * MiB)
+    cpu = [i for i in range(22) if plan.homes[f"layer.{i}"] == "cpu"]
+    gaps = [b - a for a, b in zip(cpu, cpu[1:])]
+    assert max(gaps) - min(gaps) <= 1  # evenly spaced, not a block of consecutive layers
+
+
+def test_copy_routes_reserve_staging_on_the_host():
+    caps = Capacities(512 * MiB, 512 * MiB, None, has_disk=True)
+    cuda = make_plan(model(), caps, depth=2, kv_bytes=20 * MiB, copy_to_device=True)
+    cpu = make_plan(model(), caps, depth=2, kv_bytes=20 * MiB, copy_to_device=False)
+    assert cuda.stage_slots == 2 and cuda.stage_slot_bytes == LAYER and cpu.stage_slots == 0
+    assert cuda.lent == 0  # on CUDA the device and the host are different memories
+    assert cuda.route("layer.0") in (("disk", "cpu", "gpu"), ("cpu", "gpu"), ("gpu",))
+    assert all(cpu.route(g) != ("cpu", "gpu") for g in cpu.order)  # host memory is device memory on a CPU
+    assert "disk->cpu" in cuda.bytes_per_step() and "disk->gpu" in cpu.bytes_per_step()
+    assert sum(1 for g in cuda.order if cuda.homes[g] == "cpu") < sum(1 for g in cpu.order if cpu.homes[g] == "cpu")
+
+
+def test_bytes_per_step_count_each_link():
+    caps = Capacities(512 * MiB, 512 * MiB, None, has_disk=True)
+    plan = make_plan(model(), caps, depth=2, kv_bytes=20 * MiB, copy_to_device=True)
+    disk = sum(plan.sizes[g] for g in plan.streamed if plan.homes[g] == "disk")
+    host = sum(plan.sizes[g] for g in plan.streamed if plan.homes[g] == "cpu")
+    assert plan.bytes_per_step() == {"disk->cpu": disk, "cpu->gpu": disk + host}
+
+
+def test_ring_that_cannot_fit_names_the_minimum_gpu_capacity():
+    with pytest.raises(CapacityError, match=r"raise tiers\.gpu\.capacity to at least 423\.0 MiB or lower "
+                                            r"prefetch\.depth"):
+        make_plan(model(), Capacities(200 * MiB, None, None, True), depth=2, kv_bytes=30 * MiB)
+
+
+def test_no_disk_tier_names_the_cpu_capacity_that_would_fit():
+    with pytest.raises(CapacityError, match=r"there is no disk tier; add tiers\.disk .* raise tiers\.cpu\.capacity "
+                                            r"to at least"):
+        make_plan(model(), Capacities(512 * MiB, 512 * MiB, None, False), depth=1)
+
+
+def test_disk_capacity_below_the_store_is_refused():
+    with pytest.raises(CapacityError, match=r"the store needs .* but tiers\.disk\.capacity is"):
+        make_plan(model(), Capacities(512 * MiB, 512 * MiB, 1024 * MiB, True), depth=1)
+
+
+def test_describe_lists_every_tier_and_what_moves():
+    plan = make_plan(model(), Capacities(512 * MiB, 512 * MiB, None, True), depth=2, kv_bytes=20 * MiB,
+                     copy_to_device=False)
+    text = plan.describe()
+    for piece in ("gpu", "cpu", "disk", "ring slots", "per forward pass: disk->gpu", "layer."):
+        assert piece in text
