@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate text with a model described by a YAML config")
     run.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
+    run.add_argument("--trace", default=None, metavar="FILE.json",
+                     help="write a Chrome/Perfetto trace of the run (open it in ui.perfetto.dev)")
+    run.add_argument("--no-spans", action="store_true",
+                     help="record no spans (no summary, no trace; the timeline costs nothing)")
     _add_generation_args(run)
 
     conv = sub.add_parser("convert", help="convert a checkpoint into a zarr store for the disk tier")
@@ -44,9 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="dtype of the stored weights (default: the checkpoint's own; must match the run's dtype)")
     conv.add_argument("--force", action="store_true", help="replace a complete store")
 
-    plan = sub.add_parser("plan", help="print where each layer lives and what moves per step (reads no weights)")
-    plan.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    from offload.profiling import add_commands
+
+    add_commands(sub)
 
     demo = sub.add_parser("demo", help="generate a small model (first time only) and run it; no downloads")
     demo.add_argument("--cache-dir", type=Path, default=None,
@@ -86,11 +90,17 @@ def generate_and_print(runner, prompts: list[str], args: argparse.Namespace, out
                               on_token=on_token if stream else None)
     stats = results[0].stats
     served = runner.weights.served()
+    summary = None
+    if runner.timeline.enabled and stats.decode_steps:
+        from offload.profiling import decode_summary, trace_meta
+
+        summary = decode_summary(runner.timeline, trace_meta(runner, stats))
     if args.json:
         json.dump({"results": [{"prompt": p, "prompt_tokens": len(r.prompt_ids), "token_ids": r.token_ids,
                                 "text": r.text, "finish_reason": r.finish_reason}
                                for p, r in zip(prompts, results)],
-                   "stats": stats.to_dict(), "plan": runner.plan.to_dict(), "served_bytes": served}, out, indent=2)
+                   "stats": stats.to_dict(), "plan": runner.plan.to_dict(), "served_bytes": served,
+                   "summary": summary.to_dict() if summary else None}, out, indent=2)
         out.write("\n")
         return results
     if not stream:
@@ -98,25 +108,39 @@ def generate_and_print(runner, prompts: list[str], args: argparse.Namespace, out
             out.write(f"--- [{i}] {p}{r.text}\n")
     else:
         out.write("\n")
-    out.write(
-        f"[{stats.prompt_tokens} prompt tokens in {stats.prefill_s:.2f}s ({stats.prefill_tokens_per_s:.1f} tok/s) | "
-        f"{stats.generated_tokens} new tokens, {stats.decode_ms_per_step:.1f} ms/step, "
-        f"{stats.decode_tokens_per_s:.2f} tok/s]\n"
-    )
     if runner.plan.streamed or len(set(runner.plan.homes.values())) > 1:
         passes = max(stats.prefill_passes + stats.decode_steps, 1)
         out.write(runner.plan.describe() + "\n")
         out.write("  served per forward pass: " + ", ".join(
             f"{tier} {n / passes / 2**20:.1f} MiB" for tier, n in sorted(served.items())) + "\n")
+        if summary is not None:
+            from schedulers.trace import format_summary
+
+            out.write("decode timeline: " + format_summary(summary) + "\n")
+    out.write(  # the last line: the speed summary
+        f"[{stats.prompt_tokens} prompt tokens in {stats.prefill_s:.2f}s ({stats.prefill_tokens_per_s:.1f} tok/s) | "
+        f"{stats.generated_tokens} new tokens, {stats.decode_ms_per_step:.1f} ms/step, "
+        f"{stats.decode_tokens_per_s:.2f} tok/s]\n"
+    )
     return results
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from offload.config import OffloadConfig
     from offload.runner import Runner
+    from schedulers.timeline import Timeline
 
+    if args.trace and args.no_spans:
+        raise ConfigError("--trace needs the spans; drop --no-spans")
     prompts = _prompts(args)
-    with Runner.from_config(args.config) as runner:
+    with Runner(OffloadConfig.load(args.config), timeline=Timeline(enabled=not args.no_spans)) as runner:
         generate_and_print(runner, prompts, args)
+        if args.trace:
+            from offload.profiling import trace_meta, write_trace
+
+            write_trace(args.trace, runner.timeline, trace_meta(runner, runner.last_stats))
+            print(f"trace written to {args.trace} (open it in ui.perfetto.dev; `offload trace summary "
+                  f"{args.trace}`)", file=sys.stderr)
     return 0
 
 
@@ -134,35 +158,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from offload.checkpoint import Checkpoint
-    from offload.config import OffloadConfig
-    from offload.runner import resolve_device, resolve_dtype
-    from offload.tiered import plan_run
-
-    config = OffloadConfig.load(args.config)
-    ckpt = Checkpoint(config.model)
-    device = resolve_device(config.device)
-    rp = plan_run(config, ckpt.config, resolve_dtype(config.dtype, ckpt.config.torch_dtype), device)
-    if args.json:
-        print(json.dumps({"device": str(device), "kv_blocks": rp.kv_blocks, **rp.plan.to_dict()}, indent=2))
-        return 0
-    print(f"device {device}, model {config.model.name} ({ckpt.config.family}, {ckpt.config.num_layers} layers)")
-    print(rp.plan.describe())
-    kv = "sized per request" if rp.kv_blocks == 0 else (
-        f"{rp.kv_blocks} blocks x {config.kv_cache.block_size} tokens "
-        f"({rp.kv_blocks * rp.kv_block_bytes / 2**20:.1f} MiB)")
-    print(f"  KV cache on the device: {kv}")
-    return 0
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     from offload.demo import run_demo
 
     return run_demo(args)
 
 
-COMMANDS = {"run": cmd_run, "convert": cmd_convert, "plan": cmd_plan, "demo": cmd_demo}
+def _commands() -> dict:
+    from offload import profiling
+
+    return {"run": cmd_run, "convert": cmd_convert, "demo": cmd_demo, **profiling.COMMANDS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return COMMANDS[args.command](args)
+        return _commands()[args.command](args)
     except OffloadError as e:
         print(f"offload: error: {e}", file=sys.stderr)
         return 2

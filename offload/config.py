@@ -165,7 +165,8 @@ class KVCacheConfig:
 
 @dataclass(frozen=True)
 class PrefetchConfig:
-    depth: int = _opt(_int(0), "layers in flight ahead of compute; 0 = load then compute", 2)
+    depth: int | None = _opt(_int_or_auto(0), "layers in flight ahead of compute; 0 = load then compute; "
+                             "auto = the depth the cost model predicts fastest", 2)
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,7 @@ class OffloadConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig, metadata={"section": PrefetchConfig})
     activations: ActivationsConfig = field(default_factory=ActivationsConfig,
                                            metadata={"section": ActivationsConfig})
+    calibration: Path | None = _opt(_str, "calibration file from `offload calibrate` (default: the saved one, if any)")
     #: where a YAML file was loaded from (relative paths are resolved against its directory)
     source: Path | None = field(default=None, compare=False, metadata={"internal": True})
 
@@ -246,6 +248,8 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str, base_dir: Path, sour
     if cls is OffloadConfig:
         values["source"] = source
         values["model"] = _model_dir(values["model"], base_dir)
+        if values.get("calibration") is not None:
+            values["calibration"] = (base_dir / Path(values["calibration"]).expanduser()).resolve()
     if cls is DiskTierConfig:
         if "path" not in values:
             raise ConfigError(f"{prefix}path: missing required key; the disk tier needs a directory for its store")

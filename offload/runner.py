@@ -120,7 +120,8 @@ class Runner:
         self.cfg = self.checkpoint.config
         self.dtype = resolve_dtype(config.dtype, self.cfg.torch_dtype)
         self.tokenizer = TextTokenizer.from_checkpoint(config.model)
-        self.timeline = timeline or Timeline()
+        self.timeline = timeline or Timeline(nvtx=self.device.type == "cuda")
+        self.last_stats: RunStats | None = None
         self.rope = M.Rope(self.cfg, self.device, self.dtype)
         self._layer_groups = [f"layer.{i}" for i in range(self.cfg.num_layers)]
         # KV: with tiers, a fixed pool inside the device tier's budget; without, sized per request
@@ -167,14 +168,18 @@ class Runner:
         try:
             x = self.weights.embed(ids)  # [N, H]
             cos_sin = self.rope(layout.positions)
+            tl = self.timeline
             for i, group in enumerate(self._layer_groups):
                 w = M.LayerWeights.from_views(self.weights.acquire(group))
-                x = M.decoder_layer(x, w, kv.view(i, layout, step), layout, cos_sin, self.cfg,
-                                    self.cfg.sliding_windows[i])
+                with tl.range(f"offload/compute/{group}"):
+                    x = M.decoder_layer(x, w, kv.view(i, layout, step), layout, cos_sin, self.cfg,
+                                        self.cfg.sliding_windows[i])
                 self.weights.release(group)
             if not all_logits:
                 x = x[layout.last_token_rows()]
-            logits = M.head(x, M.HeadWeights.from_views(self.weights.acquire("head")), self.cfg)
+            w = M.HeadWeights.from_views(self.weights.acquire("head"))
+            with tl.range("offload/compute/head"):
+                logits = M.head(x, w, self.cfg)
             self.weights.release("head")
         except BaseException:
             self.weights.abort_pass()
@@ -346,6 +351,7 @@ class Runner:
             stats.step_ms.append(1000 * dt)
             retire()
         stats.generated_tokens = sum(map(len, out))
+        self.last_stats = stats
         return [
             GenerationResult(encoded[i], out[i], self.tokenizer.decode(out[i]) if self.tokenizer else "",
                              finish[i], stats)

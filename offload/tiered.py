@@ -69,22 +69,67 @@ class RunPlan:
     caps: Capacities
     kv_blocks: int  # blocks in the device pool; 0 = sized per request (no tiers, gpu_blocks auto)
     kv_block_bytes: int
+    depth_note: str = ""  # how an automatic depth was chosen
+
+
+class Planner:
+    """Plans for one config and model: homes for given capacities and depth, and the automatic depth."""
+
+    def __init__(self, config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 caps: Capacities | None = None) -> None:
+        self.config, self.cfg, self.dtype, self.device = config, cfg, dtype, device
+        kv_cfg = config.kv_cache
+        self.block_bytes = PagedKVCache.block_nbytes(cfg, kv_cfg.block_size, dtype)
+        self.kv_blocks = kv_cfg.gpu_blocks or (-(-AUTO_KV_TOKENS // kv_cfg.block_size) if config.tiers else 0)
+        self.caps = caps or resolve_capacities(config.tiers, device)
+        self.groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"))
+                       for name, layout in model_layouts(cfg, dtype).items()]
+        self.workspace = workspace_bytes(cfg, config.activations.prefill_chunk, dtype)
+
+    def plan(self, caps: Capacities, depth: int) -> Plan:
+        return make_plan(self.groups, caps, depth, kv_bytes=self.kv_blocks * self.block_bytes,
+                         workspace_bytes=self.workspace, copy_to_device=self.device.type == "cuda")
+
+    def choose_depth(self, cal, work) -> tuple[int, str]:
+        """The depth (0..6) with the fastest predicted decode step; ties go to the smaller ring."""
+        from offload.predict import predict_decode
+        from storage.errors import CapacityError
+
+        best: tuple[float, int] | None = None
+        tried = []
+        for depth in range(7):
+            try:
+                plan = self.plan(self.caps, depth)
+            except CapacityError:
+                break
+            step = predict_decode(plan, self.cfg, cal, self.device.type, work, self.dtype.itemsize).step_s
+            tried.append(f"{depth}: {1000 * step:.0f} ms")
+            if best is None or step < best[0] * 0.99:
+                best = (step, depth)
+            if not plan.streamed:
+                break
+        if best is None:
+            self.plan(self.caps, 0)  # raises the CapacityError that explains what would fit
+        return best[1], f"depth auto -> {best[1]} (predicted decode step by depth: {', '.join(tried)})"
+
+    def run_plan(self) -> RunPlan:
+        depth, note = self.config.prefetch.depth, ""
+        if depth is None:
+            from offload.calibrate import Calibration
+            from offload.predict import Workload
+
+            cal = Calibration.load(self.config.calibration)
+            depth, note = self.choose_depth(cal, Workload(prefill_chunk=self.config.activations.prefill_chunk))
+        plan = self.plan(self.caps, depth)
+        kv_blocks = self.kv_blocks
+        if self.config.kv_cache.gpu_blocks is None and self.config.tiers is not None and self.caps.gpu is not None:
+            kv_blocks += max(plan.capacity("gpu") - plan.used("gpu"), 0) // self.block_bytes  # what is left free
+        return RunPlan(plan, self.caps, kv_blocks, self.block_bytes, note)
 
 
 def plan_run(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> RunPlan:
     """Plan homes and the KV pool from the config alone (reads no weights, touches no GPU memory)."""
-    kv_cfg = config.kv_cache
-    block_bytes = PagedKVCache.block_nbytes(cfg, kv_cfg.block_size, dtype)
-    kv_blocks = kv_cfg.gpu_blocks or (-(-AUTO_KV_TOKENS // kv_cfg.block_size) if config.tiers else 0)
-    caps = resolve_capacities(config.tiers, device)
-    groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"))
-              for name, layout in model_layouts(cfg, dtype).items()]
-    plan = make_plan(groups, caps, config.prefetch.depth, kv_bytes=kv_blocks * block_bytes,
-                     workspace_bytes=workspace_bytes(cfg, config.activations.prefill_chunk, dtype),
-                     copy_to_device=device.type == "cuda")
-    if kv_cfg.gpu_blocks is None and config.tiers is not None and caps.gpu is not None:
-        kv_blocks += max(plan.capacity("gpu") - plan.used("gpu"), 0) // block_bytes  # what the plan leaves free
-    return RunPlan(plan, caps, kv_blocks, block_bytes)
+    return Planner(config, cfg, dtype, device).run_plan()
 
 
 class TieredWeights:
@@ -93,6 +138,7 @@ class TieredWeights:
     def __init__(self, config: OffloadConfig, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
                  timeline: Timeline, run_plan: RunPlan) -> None:
         self.cfg, self.device, self.dtype = ckpt.config, device, dtype
+        self.timeline = timeline
         self.layouts = model_layouts(ckpt.config, dtype)
         self.caps = run_plan.caps
         self.plan = run_plan.plan
@@ -111,6 +157,10 @@ class TieredWeights:
                 self.store = open_store(ckpt, d.path, dtype, capacity=d.capacity, page_cache=d.page_cache)
                 self.tiers["disk"] = self.store.tier
             self._fill_homes(ckpt)
+            for name in self.plan.rows_only:  # read by rows later: check the whole group once, now
+                if self.plan.homes[name] == "disk":
+                    with timeline.span("disk-read", name, nbytes=self.layouts[name].nbytes, verify=True):
+                        self.store.tier.verify_region(name)
             ring = self._slots("gpu", "ring", self.plan.ring_slots, self.plan.ring_slot_bytes)
             stage = self._slots("cpu", "stage", self.plan.stage_slots, self.plan.stage_slot_bytes)
             self.prefetcher = Prefetcher(self.plan, self.tiers, make_engine(device), timeline, ring, stage)
@@ -139,7 +189,8 @@ class TieredWeights:
             else:
                 host = dest
             if self.store is not None:
-                self.store.tier.read_into(name, host)
+                with self.timeline.span("disk-read", name, nbytes=layout.nbytes, home=home):
+                    self.store.tier.read_into(name, host)
             else:
                 fill_group(ckpt, layout, host)
             if host is not dest:
@@ -172,8 +223,9 @@ class TieredWeights:
         unique, inverse = torch.unique(ids.cpu(), return_inverse=True)
         row_bytes = spec.shape[1] * self.dtype.itemsize
         rows = torch.empty(len(unique), spec.shape[1], dtype=self.dtype)
-        for i, token in enumerate(unique.tolist()):
-            tier.read_into(self._embed_group, rows[i], offset=spec.offset + token * row_bytes)
+        with self.timeline.span("disk-read", f"{self._embed_group} rows", nbytes=len(unique) * row_bytes):
+            for i, token in enumerate(unique.tolist()):
+                tier.read_into(self._embed_group, rows[i], offset=spec.offset + token * row_bytes)
         return rows[inverse].to(self.device)
 
     def acquire(self, group: str) -> dict[str, torch.Tensor]:

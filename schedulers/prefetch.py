@@ -9,13 +9,14 @@ Compute calls, in pass order, for every group:
 Groups homed where compute can read them in place are returned at once. The others flow
 through a ring of `depth + 1` device slots: the k-th streamed load (counting across passes;
 the schedule is the plan's streamed groups, repeated) goes to slot `k % (depth + 1)`, so it
-can only start after the compute of load `k - depth - 1` released that slot. One loader
-thread walks the schedule; for each load it
+can only start after the compute of load `k - depth - 1` released that slot. Two threads:
 
-    disk -> host stage      reads the chunk into a pinned staging slot (CUDA), or straight
-                            into the device slot (CPU: host memory is device memory)
-    host -> device          copies on the transfer engine's copy stream after the slot's
-                            "compute done" marker (CUDA event), never earlier
+    stager (CUDA)           reads disk chunks into the pinned staging slots, as far ahead as
+                            the staging slots allow: the disk never waits for a ring slot
+    loader                  lands every load in order in its ring slot: a copy on the transfer
+                            engine's copy stream after the slot's "compute done" marker (CUDA
+                            event), never earlier; on a CPU, disk reads go straight into the
+                            ring slot (host memory is device memory) once the slot is free
 
 and records a span per read and copy. Compute waits only for the load it needs (an event
 on CUDA, a future-like flag on CPU). The scheduler knows groups, slots and tiers; it knows
@@ -59,6 +60,8 @@ class Prefetcher:
         self.ring, self.stage = ring, stage
         self.schedule = plan.streamed
         self.bytes_moved: dict[str, int] = {}  # per link: disk->cpu, disk->gpu, cpu->gpu
+        self._homed = {t: sum(plan.sizes[g] for g in plan.order if plan.homes[g] == t) for t in ("gpu", "cpu")}
+        self._in_ring = 0  # bytes of streamed groups sitting in ring slots (for the resident-bytes counter)
         self.served: dict[str, int] = {}  # per home tier: bytes of groups handed to compute
         self._loads: deque[Load] = deque()
         self._cond = threading.Condition()
@@ -67,7 +70,9 @@ class Prefetcher:
         self._stage_marker: list[Marker] = []
         self._stop = False
         self._current: dict[str, tuple[Load | None, float, Marker | None]] = {}
-        self._thread: threading.Thread | None = None
+        self._stage_free: list[threading.Event] = []
+        self._staged_events: dict[int, threading.Event] = {}
+        self._threads: list[threading.Thread] = []
         self.reset()
 
     # -- compute side -------------------------------------------------------------------------
@@ -106,8 +111,15 @@ class Prefetcher:
         with self._cond:
             assert self._loads[0] is load
             self._loads.popleft()
+            self._in_ring -= self.plan.sizes[group]
+            self._released += 1
+            self._count_resident()
+            self._cond.notify_all()
         self._free_marker[load.slot] = done
         self._slot_free[load.slot].set()
+
+    def _count_resident(self) -> None:
+        self.timeline.count("bytes resident", gpu=self._homed["gpu"] + self._in_ring, cpu=self._homed["cpu"])
 
     def _compute_marker(self) -> Marker | None:
         return self.engine.mark_compute() if self.engine.device.type == "cuda" else None
@@ -128,8 +140,50 @@ class Prefetcher:
         assert isinstance(tier, MemoryTier)
         return tier.view(group)
 
-    # -- loader thread ------------------------------------------------------------------------
+    # -- worker threads -----------------------------------------------------------------------
+    def _staged_loads(self):
+        """(k, stage slot) of every load that goes disk -> stage -> device, in schedule order, forever."""
+        n, j, k = len(self.schedule), 0, 0
+        while True:
+            if self.plan.route(self.schedule[k % n])[:2] == ("disk", "cpu"):
+                yield k, j % len(self.stage)
+                j += 1
+            k += 1
+
+    def _stager(self) -> None:
+        """Reads disk chunks into the pinned staging slots, running ahead of the loader (and of the ring):
+        the disk never waits for a ring slot, only for a staging slot whose copy to the device is done."""
+        n, ring = len(self.schedule), len(self.ring)
+        for k, s in self._staged_loads():
+            self._stage_free[s].wait()
+            self._stage_free[s].clear()
+            if self.plan.depth == 0:  # depth 0 is "no prefetch": read only once the slot is free
+                with self._cond:
+                    while self._released < k - ring + 1 and not self._stop:
+                        self._cond.wait()
+            if self._stop:
+                return
+            group = self.schedule[k % n]
+            size = self.plan.sizes[group]
+            try:
+                self._stage_marker[s].wait()  # the copy out of this slot has finished on the device
+                with self.timeline.span("disk-read", group, nbytes=size, slot=s, step=self._base_step + k // n,
+                                        k=k, into="stage"):
+                    self.tiers["disk"].read_into(group, self.stage[s][:size])
+                self._count("disk->cpu", size)
+            except BaseException as e:  # handed to the loader, then to compute
+                self._staged[k] = (s, e)
+                self._staged_event(k).set()
+                return
+            self._staged[k] = (s, None)
+            self._staged_event(k).set()
+
+    def _staged_event(self, k: int) -> threading.Event:
+        with self._cond:
+            return self._staged_events.setdefault(k, threading.Event())
+
     def _loader(self) -> None:
+        """Walks the schedule in order and lands every load in its ring slot."""
         n, slots = len(self.schedule), len(self.ring)
         k = 0
         while not self._stop:
@@ -144,6 +198,11 @@ class Prefetcher:
                 load.error = e
                 load.ready.set()
                 return
+            if self._stop:
+                return
+            with self._cond:
+                self._in_ring += self.plan.sizes[load.group]
+                self._count_resident()
             load.ready.set()
             k += 1
 
@@ -155,27 +214,29 @@ class Prefetcher:
     def _load(self, load: Load, step: int) -> None:
         group, size = load.group, self.plan.sizes[load.group]
         route = self.plan.route(group)
-        tl = self.timeline
-        if route[0] == "disk":
-            disk = self.tiers["disk"]
-            if route[1] == "cpu":  # CUDA: disk -> pinned stage -> device slot
-                s = load.k % len(self.stage)
-                self._stage_marker[s].wait()  # the previous copy out of this stage slot is done
-                dest = self.stage[s][:size]
-                with tl.span("disk-read", group, nbytes=size, slot=s, step=step, k=load.k, into="stage"):
-                    disk.read_into(group, dest)
-                self._count("disk->cpu", size)
-                if not self._wait_slot(load.slot):
-                    return
-                load.marker = self._copy(load, self.ring[load.slot][:size], dest, step)
-                self._stage_marker[s] = load.marker
-            else:  # CPU: disk -> device slot directly
-                if not self._wait_slot(load.slot):
-                    return
-                self._free_marker[load.slot].wait()
-                with tl.span("disk-read", group, nbytes=size, slot=load.slot, step=step, k=load.k, into="ring"):
-                    disk.read_into(group, self.ring[load.slot][:size])
-                self._count("disk->gpu", size)
+        if route[:2] == ("disk", "cpu"):  # CUDA: the stager read it into a pinned slot; copy it up
+            event = self._staged_event(load.k)
+            event.wait()
+            if self._stop:
+                return
+            with self._cond:
+                del self._staged_events[load.k]
+            s, error = self._staged.pop(load.k)
+            if error is not None:
+                raise error
+            if not self._wait_slot(load.slot):
+                return
+            load.marker = self._copy(load, self.ring[load.slot][:size], self.stage[s][:size], step)
+            self._stage_marker[s] = load.marker
+            self._stage_free[s].set()
+        elif route[0] == "disk":  # CPU: disk -> device slot directly
+            if not self._wait_slot(load.slot):
+                return
+            self._free_marker[load.slot].wait()
+            with self.timeline.span("disk-read", group, nbytes=size, slot=load.slot, step=step, k=load.k,
+                                    into="ring"):
+                self.tiers["disk"].read_into(group, self.ring[load.slot][:size])
+            self._count("disk->gpu", size)
         else:  # host -> device
             if not self._wait_slot(load.slot):
                 return
@@ -200,11 +261,14 @@ class Prefetcher:
 
     def close(self) -> None:
         self._stop = True
-        for e in self._slot_free:
+        with self._cond:
+            events = list(self._staged_events.values())
+            self._cond.notify_all()
+        for e in self._slot_free + self._stage_free + events:
             e.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        for t in self._threads:
+            t.join()
+        self._threads = []
 
     def reset(self) -> None:
         """(Re)start the schedule at its first load; also abandons a pass cut short by an exception."""
@@ -213,13 +277,21 @@ class Prefetcher:
             m.wait()
         self._loads.clear()
         self._current.clear()
+        self._in_ring = 0
+        self._released = 0  # streamed loads whose compute is done
         self._slot_free = [threading.Event() for _ in self.ring]
-        for e in self._slot_free:
+        self._stage_free = [threading.Event() for _ in self.stage]
+        for e in self._slot_free + self._stage_free:
             e.set()
         self._free_marker = [DONE for _ in self.ring]
         self._stage_marker = [DONE for _ in self.stage]
+        self._staged: dict[int, tuple[int, BaseException | None]] = {}
+        self._staged_events: dict[int, threading.Event] = {}
         self._stop = False
         self._base_step = self.timeline.step
         if self.schedule:
-            self._thread = threading.Thread(target=self._loader, name="offload-prefetch", daemon=True)
-            self._thread.start()
+            workers = [self._loader] + ([self._stager] if self.stage else [])
+            self._threads = [threading.Thread(target=w, name=f"offload-{w.__name__.strip('_')}", daemon=True)
+                             for w in workers]
+            for t in self._threads:
+                t.start()

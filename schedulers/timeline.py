@@ -41,10 +41,12 @@ class Span:
 
 
 class Timeline:
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, nvtx: bool = False) -> None:
         self.enabled = enabled
+        self.nvtx = nvtx  # also mark ranges for Nsight (CUDA runs)
         self.origin = time.perf_counter()
         self.spans: list[Span] = []
+        self.counters: list[tuple[str, float, dict[str, float]]] = []  # (name, time, values)
         self.step = 0
         self._pending: list[tuple[Span, Any, Any]] = []  # (span, start event, end event)
         self._anchor: tuple[Any, float] | None = None
@@ -73,9 +75,33 @@ class Timeline:
             return
         step, start = self.step if step is None else step, self.now()
         try:
-            yield
+            with self.range(f"offload/{track}/{name}"):
+                yield
         finally:
             self.add(track, name, start, self.now(), nbytes, slot, step=step, **args)
+
+    @contextmanager
+    def range(self, name: str) -> Iterator[None]:
+        """The same work as a torch.profiler range (and an NVTX range on CUDA), for PyTorch and Nsight users."""
+        if not self.enabled:
+            yield
+            return
+        import torch
+
+        with torch.profiler.record_function(name):
+            if self.nvtx:
+                torch.cuda.nvtx.range_push(name)
+            try:
+                yield
+            finally:
+                if self.nvtx:
+                    torch.cuda.nvtx.range_pop()
+
+    def count(self, name: str, **values: float) -> None:
+        """A sample of a counter track (e.g. bytes resident per tier)."""
+        if self.enabled:
+            with self._lock:
+                self.counters.append((name, self.now(), values))
 
     # -- CUDA ---------------------------------------------------------------------------------
     def add_cuda(self, track: str, name: str, start_event: Any, end_event: Any, nbytes: int = 0,
@@ -116,6 +142,12 @@ class Timeline:
                 self._pending = later + self._pending
 
     # -- queries ------------------------------------------------------------------------------
+    def spans_resolved(self) -> list[Span]:
+        self.resolve()
+        with self._lock:
+            return list(self.spans)
+
+
     def on(self, track: str, step: int | None = None) -> list[Span]:
         self.resolve()
         return [s for s in self.spans if s.track == track and (step is None or s.step == step)]
@@ -127,6 +159,7 @@ class Timeline:
         self.resolve()
         with self._lock:
             self.spans.clear()
+            self.counters.clear()
 
 
 # ----------------------------------------------------------------------------- interval arithmetic

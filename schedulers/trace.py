@@ -248,9 +248,10 @@ def _gaps(covered: list[tuple[float, float]], a: float, b: float) -> list[tuple[
 
 def format_summary(s: Summary, top: int = 5) -> str:
     n = max(s.steps, 1)
-    lines = [f"{s.steps} steps, {1000 * s.wall_s / n:.1f} ms/step: compute {1000 * s.split_s['compute'] / n:.1f}, "
-             f"exposed transfer {1000 * s.split_s['exposed transfer'] / n:.1f}, other {1000 * s.split_s['other'] / n:.1f}"
-             f"; {100 * s.overlap:.0f}% of transfer time hidden under compute"]
+    ms = {k: 1000 * v / n for k, v in s.split_s.items()}
+    lines = [f"{s.steps} steps, {1000 * s.wall_s / n:.1f} ms/step: compute {ms['compute']:.1f}, exposed transfer "
+             f"{ms['exposed transfer']:.1f}, other {ms['other']:.1f}; {100 * s.overlap:.0f}% of transfer time hidden "
+             "under compute"]
     if s.links:
         lines.append(f"  {'link':<14} {'bytes/step':>12} {'busy ms/step':>13} {'GB/s':>7} {'of calibrated':>14}")
         for link in s.links:

@@ -78,6 +78,7 @@ def disk_bandwidth(store: Path, groups: list[str] | None = None, threads: int = 
             n = path.stat().st_size
             fd = os.open(path, os.O_RDONLY)
             try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # as the prefetcher's reader does
                 list(pool.map(lambda s, fd=fd, n=n: preadv_into(fd, buf[s : min(s + piece, n)], s),
                               range(0, n, piece)))
             finally:
@@ -97,13 +98,15 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int
 
 # ----------------------------------------------------------------------------- workers (one per subprocess)
 def worker_offload(spec: dict) -> dict:
+    from offload.config import OffloadConfig
     from offload.runner import Runner
+    from schedulers.timeline import Timeline
 
     base = vm_hwm()
     cfg = spec["config"]
     if cfg.get("tiers", {}).get("disk"):
         evict([Path(cfg["tiers"]["disk"]["path"])])
-    with Runner.from_config(cfg) as r:
+    with Runner(OffloadConfig.load(cfg), timeline=Timeline(enabled=spec.get("spans", True))) as r:
         batch = prompts(spec["batch"], spec["prompt"], r.cfg.vocab_size)
         t0 = time.perf_counter()
         [res, *rest] = r.generate(batch, max_new_tokens=spec["new"], stop_on_eos=False)
@@ -217,6 +220,35 @@ def ensure_store(model: Path, store: Path) -> None:
     open_store(Checkpoint(model), store, torch.bfloat16).close()
 
 
+def predict_rows(rows: list[dict], model: Path, common: dict, tiers: dict, prof: dict, out: Path) -> None:
+    """The cost model's prediction for each measured row, from a calibration measured in this run."""
+    import torch
+
+    from offload.calibrate import calibrate
+    from offload.checkpoint import Checkpoint
+    from offload.config import OffloadConfig
+    from offload.predict import Workload, predict_decode
+    from offload.tiered import Planner
+
+    cal = calibrate(torch.device("cpu"), torch.bfloat16, out)
+    cfg = Checkpoint(model).config
+    for r in rows:
+        kv = common["kv_cache"] | {"gpu_blocks": r["batch"] * -(-(prof["prompt"] + prof["new"]) // 16)}
+        config = OffloadConfig.load(common | {"tiers": tiers, "kv_cache": kv, "prefetch": {"depth": r["depth"]}})
+        plan = Planner(config, cfg, torch.bfloat16, torch.device("cpu")).run_plan().plan
+        work = Workload(batch=r["batch"], context=prof["prompt"] + prof["new"] // 2)
+        pred = predict_decode(plan, cfg, cal, "cpu", work, 2)
+        r["predicted_ms_per_step"] = 1000 * pred.step_s
+        r["prediction_error"] = pred.step_s * 1000 / r["offload_ms_per_step"] - 1
+        r["calibration"] = {"disk read": cal.links["disk read"], "compute": cal.compute["cpu"]}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median ms/step (the lower middle one for an even count)."""
+    ordered = sorted(runs, key=lambda r: r["ms_per_step"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def compare(batch: int, depth: int, resident: dict, streamed: dict, peer: dict | None, disk: dict) -> dict:
     disk_ms = 1000 * streamed["disk_bytes_per_step"] / disk["bytes_per_s"]
     bound = max(resident["ms_per_step"], disk_ms)
@@ -272,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="*", default=None)
     ap.add_argument("--depths", type=int, nargs="*", default=None, help="prefetch depths to measure")
     ap.add_argument("--no-accelerate", action="store_true", help="skip the Accelerate peer")
+    ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats of every run; medians reported")
     ap.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -302,25 +335,39 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"batch": batch, "prompt": prof["prompt"], "new": prof["new"]}
         # the KV pool holds what this batch needs, so the rest of the gpu budget goes to weights
         kv = common["kv_cache"] | {"gpu_blocks": batch * -(-(prof["prompt"] + prof["new"]) // 16)}
-        resident = run_worker("offload", spec | {"config": common})
-        peer = None
-        if not args.no_accelerate:
-            peer = run_worker("accelerate", spec | {"model": str(model), "max_memory": budget,
-                                                    "offload_folder": str(out / "accelerate-offload")})
+        runs: dict[str, list] = {}
+        for _ in range(args.repeat):  # interleaved repeats: this disk drifts by tens of percent over minutes
+            runs.setdefault("resident", []).append(run_worker("offload", spec | {"config": common}))
+            # the cost of recording spans, on the compute-bound run (the disk's noise would hide it)
+            runs.setdefault("resident-no-spans", []).append(
+                run_worker("offload", spec | {"config": common, "spans": False}))
+            if not args.no_accelerate:
+                runs.setdefault("accelerate", []).append(run_worker(
+                    "accelerate", spec | {"model": str(model), "max_memory": budget,
+                                          "offload_folder": str(out / "accelerate-offload")}))
+            for depth in prof["depths"]:
+                cfg = common | {"tiers": tiers, "kv_cache": kv, "prefetch": {"depth": depth}}
+                # measure the disk right beside each streamed run, reading the very chunks the run streams,
+                # twice before and twice after; the bound uses the mean
+                homed = [g for g, h in plan_homes(cfg).items() if h == "disk" and g != "embed"]
+                samples = [disk_bandwidth(store, homed)["bytes_per_s"] for _ in range(2)]
+                streamed = run_worker("offload", spec | {"config": cfg})
+                samples += [disk_bandwidth(store, homed)["bytes_per_s"] for _ in range(2)]
+                streamed["disk"] = {"bytes_per_s": sum(samples) / len(samples), "samples": samples}
+                runs.setdefault(f"depth{depth}", []).append(streamed)
+        resident = median_run(runs["resident"])
+        peer = median_run(runs["accelerate"]) if "accelerate" in runs else None
         for depth in prof["depths"]:
-            cfg = common | {"tiers": tiers, "kv_cache": kv, "prefetch": {"depth": depth}}
-            # this disk drifts by tens of percent over minutes: measure it right beside each streamed run,
-            # reading the very chunks the run streams, twice before and twice after; the bound uses the mean
-            homed = [g for g, h in plan_homes(cfg).items() if h == "disk" and g != "embed"]
-            samples = [disk_bandwidth(store, homed)["bytes_per_s"] for _ in range(2)]
-            streamed = run_worker("offload", spec | {"config": cfg})
-            samples += [disk_bandwidth(store, homed)["bytes_per_s"] for _ in range(2)]
-            near = {"bytes_per_s": sum(samples) / len(samples), "samples": samples}
-            rows.append(compare(batch, depth, resident, streamed, peer, near))
-            r = rows[-1]
+            streamed = median_run(runs[f"depth{depth}"])
+            r = compare(batch, depth, resident, streamed, peer, streamed["disk"])
+            r["repeats_ms_per_step"] = {k: [x["ms_per_step"] for x in v] for k, v in runs.items()}
+            r["span_recording_overhead"] = (resident["ms_per_step"]
+                                            / median_run(runs["resident-no-spans"])["ms_per_step"] - 1)
+            rows.append(r)
             print(f"batch {batch} depth {depth}: offload {r['offload_ms_per_step']:.0f} ms/step, bound "
                   f"{r['bound_ms_per_step']:.0f} (ratio {r['ratio_to_bound']:.2f})"
                   + (f", accelerate {r['accelerate_ms_per_step']:.0f} ms/step" if peer else ""), file=sys.stderr)
+    predict_rows(rows, model, common, tiers, prof, out)
     result = {"profile": "quick" if args.quick else "full", "settings": prof, "model": str(model),
               "budget_bytes": budget, "disk": disk, "rows": rows,
               "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
@@ -339,9 +386,9 @@ def markdown(result: dict) -> str:
         "",
         "| batch | depth | Offload ms/step | compute-only ms/step | disk GB/step | disk GB/s | disk-time ms/step "
         "| ratio to bound | ratio to disk busy "
-        "| stall ms/step | Offload peak RSS MiB | Accelerate ms/step | Accelerate peak RSS MiB | speedup | "
-        "tokens = Accelerate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| stall ms/step | predicted ms/step | Offload peak RSS MiB | Accelerate ms/step | Accelerate peak RSS MiB "
+        "| speedup | tokens = Accelerate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         acc = "accelerate_ms_per_step" in r
@@ -349,7 +396,8 @@ def markdown(result: dict) -> str:
             f"| {r['batch']} | {r['depth']} | {r['offload_ms_per_step']:.0f} | {r['compute_only_ms_per_step']:.0f} | "
             f"{r['disk_bytes_per_step'] / 1e9:.3f} | {r['disk_bytes_per_s'] / 1e9:.2f} | {r['disk_ms_per_step']:.0f} | "
             f"{r['ratio_to_bound']:.2f} | {r['ratio_to_disk_busy']:.2f} | "
-            f"{r['offload_stall_ms_per_step']:.0f} | {mib(r['offload_peak_rss'])} | "
+            f"{r['offload_stall_ms_per_step']:.0f} | {r.get('predicted_ms_per_step', float('nan')):.0f} | "
+            f"{mib(r['offload_peak_rss'])} | "
             + (f"{r['accelerate_ms_per_step']:.0f} | {mib(r['accelerate_peak_rss'])} | "
                f"{r['speedup_vs_accelerate']:.2f}x | {r['tokens_equal_accelerate']} |" if acc else "- | - | - | - |")
         )

@@ -92,14 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         pcie_ms = 1000 * streamed["h2d_bytes_per_step"] / bw["pinned"]
         bound = max(resident["ms_per_step"], pcie_ms)
         row = {"batch": batch, "streamed_ms_per_step": streamed["ms_per_step"],
-               "compute_only_ms_per_step": resident["ms_per_step"], "h2d_bytes_per_step": streamed["h2d_bytes_per_step"],
+               "compute_only_ms_per_step": resident["ms_per_step"],
+               "h2d_bytes_per_step": streamed["h2d_bytes_per_step"],
                "pcie_ms_per_step": pcie_ms, "ratio_to_bound": streamed["ms_per_step"] / bound,
                "overlap_of_h2d_with_compute": streamed["overlap_of_h2d_with_compute"],
                "tokens_equal_resident": streamed["tokens"] == resident["tokens"], "plan": streamed["plan"]}
         rows.append(row)
-        print(f"batch {batch}: streamed {row['streamed_ms_per_step']:.1f} ms/step, compute {resident['ms_per_step']:.1f}, "
-              f"pcie {pcie_ms:.1f} -> ratio {row['ratio_to_bound']:.2f}, overlap {row['overlap_of_h2d_with_compute']:.2f}, "
-              f"tokens equal {row['tokens_equal_resident']}", file=sys.stderr)
+        print(f"batch {batch}: streamed {row['streamed_ms_per_step']:.1f} ms/step, compute "
+              f"{resident['ms_per_step']:.1f}, pcie {pcie_ms:.1f} -> ratio {row['ratio_to_bound']:.2f}, overlap "
+              f"{row['overlap_of_h2d_with_compute']:.2f}, tokens equal {row['tokens_equal_resident']}", file=sys.stderr)
     result = {"device": torch.cuda.get_device_name(), "h2d_bytes_per_s": bw, "gpu_capacity": args.gpu,
               "model": str(model), "rows": rows}
     (args.out / "gpu_bench.json").write_text(json.dumps(result, indent=2))

@@ -361,6 +361,8 @@ class DiskTier(Tier):
             crc = io.crc32c_extend(crc, part)
         if not self.page_cache:
             io.drop_page_cache(fd)
+        with self._lock:
+            self.bytes_read += chunk.nbytes
         self._check_crc(key, fd, crc)
         return crc
 

@@ -73,7 +73,7 @@ def test_relative_model_path_is_resolved_from_the_yaml_directory(tmp_path, tiny_
     ({"dtype": "float8"}, r"dtype: 'float8' is not supported.*float32, float16, bfloat16"),
     ({"dtype": "bfloat"}, r"did you mean 'bfloat16'"),
     ({"device": "tpu"}, r"device: 'tpu' is not a device"),
-    ({"prefetch": {"depth": -1}}, r"prefetch\.depth: expected an integer >= 0"),
+    ({"prefetch": {"depth": -1}}, r"prefetch\.depth: expected 'auto' or an integer >= 0"),
     ({"kv_cache": {"block_size": 0}}, r"kv_cache\.block_size: expected an integer >= 1"),
     ({"activations": {"prefill_chunk": "big"}}, r"activations\.prefill_chunk: expected an integer"),
     ({"tiers": {"disk": {"capacity": "1GiB"}}}, r"tiers\.disk\.path: missing required key"),

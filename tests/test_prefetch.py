@@ -161,7 +161,7 @@ def test_reads_run_depth_loads_ahead_of_compute(world, depth):
     """The read of load k + depth starts before the compute of load k ends (from the spans)."""
     plan, pf, timeline = build(world, dict.fromkeys(SIZES, "disk"), depth, False)
     try:
-        run_passes(pf, plan, world[0], passes=2, compute_s=0.02)
+        run_passes(pf, plan, world[0], passes=2, compute_s=0.05)  # long enough to hide thread wake-ups
     finally:
         pf.close()
     reads = {s.args["k"]: s for s in timeline.on("disk-read")}

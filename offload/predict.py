@@ -1,0 +1,121 @@
+"""Predictions for a plan: time per decode step and per prefill token, and what would help most.
+
+The model side of the cost model: a group's compute time is its weight bytes over the
+calibrated layer-kernel throughput at that pass's token count, plus reading its KV blocks;
+`schedulers.costmodel.simulate` turns those and the link bandwidths into a pass time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from offload.calibrate import Calibration
+from offload.checkpoint import ModelConfig
+from schedulers.costmodel import Prediction, link_bound, simulate
+from schedulers.placement import Plan
+
+
+@dataclass(frozen=True)
+class Workload:
+    batch: int = 1  # sequences decoded together
+    context: int = 128  # tokens of KV each sequence attends over
+    prefill_chunk: int = 512  # tokens per prefill pass
+
+
+def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, tokens: int, context: int,
+                    batch: int, dtype_bytes: int) -> dict[str, float]:
+    """Per group, seconds of compute for one pass of `tokens` rows (`batch` sequences of `context` tokens)."""
+    thr = cal.weight_bytes_per_s(device_type, tokens)
+    kv_bytes = batch * context * 2 * cfg.kv_size * dtype_bytes  # one layer's K and V, read by attention
+    out = {}
+    for g, size in plan.sizes.items():
+        if g.startswith("layer."):
+            out[g] = size / thr + kv_bytes / cal.links.get("device memory", cal.links["memcpy"])
+        elif g == "head":  # only each sequence's last token goes through the LM head
+            out[g] = size / cal.weight_bytes_per_s(device_type, min(tokens, batch))
+    return out
+
+
+def predict_decode(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, work: Workload,
+                   dtype_bytes: int) -> Prediction:
+    comp = compute_seconds(plan, cfg, cal, device_type, work.batch, work.context, work.batch, dtype_bytes)
+    return simulate(plan, comp, cal.links)
+
+
+def predict_prefill_per_token(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, work: Workload,
+                              dtype_bytes: int) -> float:
+    tokens = work.prefill_chunk
+    comp = compute_seconds(plan, cfg, cal, device_type, tokens, tokens, 1, dtype_bytes)
+    return simulate(plan, comp, cal.links).step_s / tokens
+
+
+def explain(plan: Plan, pred: Prediction, cal: Calibration) -> list[str]:
+    """Lines: the split of a step by link and compute, and the bound per link."""
+    bound = link_bound(plan, cal.links)
+    parts = [f"compute {1000 * pred.compute_s:.0f} ms"] + [
+        f"{link} {1000 * t:.0f} ms ({plan_bytes(plan, link) / 2**20:.0f} MiB at {cal.links[link] / 1e9:.1f} GB/s)"
+        for link, t in bound.items()]
+    return [f"busy per step: {', '.join(parts)}",
+            f"exposed transfer {1000 * pred.exposed_s:.0f} ms; bottleneck: {pred.bottleneck}"]
+
+
+def plan_bytes(plan: Plan, link: str) -> int:
+    moved = plan.bytes_per_step()
+    if link == "disk read":
+        return moved.get("disk->cpu", 0) + moved.get("disk->gpu", 0)
+    return moved.get("cpu->gpu", 0)
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    change: str
+    step_s: float
+    tokens_per_s: float
+    note: str = ""
+
+
+def suggestions(make_plan_for, base_caps, depth: int, cfg: ModelConfig, cal: Calibration, device_type: str,
+                work: Workload, dtype_bytes: int, current: Prediction) -> list[Suggestion]:
+    """What-ifs through the same cost model: more cpu capacity, another depth, a larger batch.
+
+    `make_plan_for(caps, depth) -> Plan` re-plans with other capacities or depth.
+    """
+    base_tps = work.batch / current.step_s
+    out: list[Suggestion] = []
+
+    def add(change: str, plan: Plan | None, batch: int = work.batch, note: str = "") -> None:
+        if plan is None:
+            return
+        w = dataclasses.replace(work, batch=batch)
+        pred = predict_decode(plan, cfg, cal, device_type, w, dtype_bytes)
+        out.append(Suggestion(change, pred.step_s, batch / pred.step_s, note))
+
+    streamed_from_disk = plan_bytes(make_plan_for(base_caps, depth), "disk read")
+    if streamed_from_disk and base_caps.cpu is not None:
+        extra = -(-streamed_from_disk // 2**20) * 2**20  # what the disk serves per step, in whole MiB
+        more = dataclasses.replace(base_caps, cpu=base_caps.cpu + extra)
+        add(f"tiers.cpu.capacity +{_size(extra)} (nothing read from disk)", _try(make_plan_for, more, depth))
+    if base_caps.gpu is not None:
+        add("tiers.gpu.capacity +50%", _try(make_plan_for, dataclasses.replace(base_caps, gpu=int(base_caps.gpu * 1.5)),
+                                            depth))
+    for d in (depth - 1, depth + 1):
+        if d >= 0:
+            add(f"prefetch.depth {d}", _try(make_plan_for, base_caps, d))
+    add(f"batch {work.batch * 8} (more sequences share each transfer)", make_plan_for(base_caps, depth),
+        batch=work.batch * 8)
+    out.sort(key=lambda s: -s.tokens_per_s)
+    return [s for s in out if s.tokens_per_s > base_tps * 1.02]
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _try(make_plan_for, caps, depth):
+    from storage.errors import CapacityError
+
+    try:
+        return make_plan_for(caps, depth)
+    except CapacityError:
+        return None

@@ -1,0 +1,131 @@
+"""The cost model: predict a plan's time per forward pass by simulating the prefetch pipeline.
+
+Inputs are plain numbers: per-group compute seconds (the caller derives them from the model
+and a calibration), each link's bytes per second, and the `Plan`. The simulation replays what
+`schedulers.prefetch` does — one loader walking the streamed groups in order, reads into a
+staging slot or straight into a ring slot, copies on one copy stream, `depth + 1` ring slots
+freed when the compute that read them ends, compute in pass order waiting only for the group
+it needs — for a few passes, and reports the steady-state pass: its time, each link's busy
+time, the exposed (not overlapped) transfer time per group, and the bottleneck.
+
+It knows groups, bytes, links and seconds; it knows nothing about models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schedulers.placement import Plan
+
+#: link names, as in the calibration file and the trace summary
+DISK, H2D = "disk read", "host->device"
+
+
+@dataclass
+class Prediction:
+    step_s: float  # one steady-state forward pass
+    compute_s: float  # compute busy time in the pass
+    link_s: dict[str, float]  # busy time per link in the pass
+    exposed_s: float  # compute idle, waiting for bytes
+    exposed_by_group: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def bottleneck(self) -> str:
+        loads = {"compute": self.compute_s, **self.link_s}
+        return max(loads, key=loads.get)
+
+    def to_dict(self) -> dict:
+        return {"step_s": self.step_s, "compute_s": self.compute_s, "link_s": dict(self.link_s),
+                "exposed_s": self.exposed_s, "bottleneck": self.bottleneck}
+
+
+def simulate(plan: Plan, compute_s: dict[str, float], bandwidth: dict[str, float], passes: int = 8) -> Prediction:
+    """Replay `passes` forward passes of the plan's pipeline; report the mean of the second half (steady state)."""
+    order = list(plan.order)
+    streamed = plan.streamed
+    n, ring = len(streamed), max(plan.ring_slots, 1)
+    loads = [(p, g) for p in range(passes + 1) for g in streamed]  # one pass more: prefetch runs ahead
+
+    stage_free = [0.0] * max(plan.stage_slots, 1)
+    loader = copy_stream = 0.0
+    stager, staged = [0.0], [0]  # the staging reader's clock, and how many loads it staged
+    ready: dict[int, float] = {}  # load index -> its bytes are on the device
+    link_busy: dict[str, list[tuple[float, float]]] = {DISK: [], H2D: []}
+    released: dict[int, float] = {}
+
+    def start_load(k: int) -> None:
+        nonlocal loader, copy_stream
+        group = loads[k][1]
+        size = plan.sizes[group]
+        route = plan.route(group)
+        # the slot is free once load k - ring was computed (known: compute runs ahead of this call)
+        free_at = released.get(k - ring, 0.0) if k >= ring else 0.0
+        if route[0] == "disk" and route[1] == "cpu":  # disk -> stage (the stager runs ahead) -> device
+            s = staged[0] % len(stage_free)
+            staged[0] += 1
+            t0 = max(stager[0], stage_free[s], free_at if plan.depth == 0 else 0.0)  # depth 0: no read-ahead
+            t1 = t0 + size / bandwidth[DISK]
+            link_busy[DISK].append((t0, t1))
+            stager[0] = t1
+            loader = max(loader, t1, free_at)  # the loader lands loads in order, each in its ring slot
+            c0 = max(copy_stream, loader)
+            c1 = c0 + size / bandwidth[H2D]
+            link_busy[H2D].append((c0, c1))
+            copy_stream, stage_free[s], ready[k] = c1, c1, c1
+        elif route[0] == "disk":  # CPU device: disk -> ring slot
+            t0 = max(loader, free_at)
+            t1 = t0 + size / bandwidth[DISK]
+            link_busy[DISK].append((t0, t1))
+            loader, ready[k] = t1, t1
+        else:  # host -> device
+            t0 = max(loader, free_at)
+            loader = t0
+            c0 = max(copy_stream, t0)
+            c1 = c0 + size / bandwidth[H2D]
+            link_busy[H2D].append((c0, c1))
+            copy_stream, ready[k] = c1, c1
+
+    clock, k_next, k = 0.0, 0, 0
+    pass_start = [0.0] * passes
+    exposed: dict[str, float] = {}
+    exposed_total = [0.0] * passes
+    compute_total = [0.0] * passes
+    for p in range(passes):
+        pass_start[p] = clock
+        for g in order:
+            if g in plan.rows_only:
+                continue
+            if not plan.is_resident(g):
+                # the loader can issue every load whose ring slot is (or will be) released by now
+                while k_next < len(loads) and (k_next < ring or (k_next - ring) in released):
+                    start_load(k_next)
+                    k_next += 1
+                wait = max(ready[k] - clock, 0.0)
+                if p >= passes // 2:
+                    exposed[g] = exposed.get(g, 0.0) + wait
+                exposed_total[p] += wait
+                clock += wait
+                clock += compute_s.get(g, 0.0)
+                released[k] = clock
+                k += 1
+            else:
+                clock += compute_s.get(g, 0.0)
+            compute_total[p] += compute_s.get(g, 0.0)
+    warm = passes // 2
+    lo, hi, n = pass_start[warm], clock, passes - warm
+    busy = {link: sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans) / n
+            for link, spans in link_busy.items() if spans}
+    return Prediction((hi - lo) / n, sum(compute_total[warm:]) / n, busy, sum(exposed_total[warm:]) / n,
+                      {g: t / n for g, t in exposed.items()})
+
+
+def link_bound(plan: Plan, bandwidth: dict[str, float]) -> dict[str, float]:
+    """Seconds each link needs per pass if it never idles (the physical bound per link)."""
+    out: dict[str, float] = {}
+    for g in plan.streamed:
+        route = plan.route(g)
+        if route[0] == "disk":
+            out[DISK] = out.get(DISK, 0.0) + plan.sizes[g] / bandwidth[DISK]
+        if route[-2:] == ("cpu", "gpu"):
+            out[H2D] = out.get(H2D, 0.0) + plan.sizes[g] / bandwidth[H2D]
+    return out

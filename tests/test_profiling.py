@@ -1,0 +1,244 @@
+"""Profiling: trace files, the summary and its stall attribution, framework hooks, calibration, predictions."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from offload.calibrate import Calibration, measure_compute, measure_disk, measure_memcpy
+from offload.cli import main
+from offload.config import OffloadConfig
+from offload.runner import Runner
+from schedulers.costmodel import simulate
+from schedulers.placement import Capacities, GroupSpec, make_plan
+from schedulers.trace import check_chrome, load_chrome, summarize
+from storage.tiers import DiskTier
+from tests.conftest import run_config
+
+
+def streaming_config(model, store, depth=1, **kw):
+    return run_config(model, tiers={"gpu": {"capacity": "3MiB"}, "cpu": {"capacity": "1MiB"},
+                                    "disk": {"path": str(store)}},
+                      prefetch={"depth": depth}, kv_cache={"gpu_blocks": 8}, activations={"prefill_chunk": 16}, **kw)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return tmp_path_factory.mktemp("prof") / "store"
+
+
+def test_trace_file_passes_the_schema_check_and_round_trips(tmp_path, tiny_llama, store):
+    import yaml
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(streaming_config(tiny_llama, store)))
+    trace = tmp_path / "t.json"
+    assert main(["run", "--config", str(cfg), "--prompt", "hi", "--max-new-tokens", "6", "--trace", str(trace)]) == 0
+    data = json.loads(trace.read_text())
+    assert check_chrome(data) == []
+    events = data["traceEvents"]
+    assert all({"ph", "ts", "pid", "tid"} <= e.keys() for e in events)
+    complete = [e for e in events if e["ph"] == "X"]
+    assert complete and all("dur" in e and e["dur"] >= 0 and e["ts"] >= 0 for e in complete)
+    tracks = {e["cat"] for e in complete}
+    assert {"compute", "disk-read"} <= tracks
+    reads = [e for e in complete if e["cat"] == "disk-read"]
+    assert all(e["args"]["bytes"] > 0 and "GB/s" in e["args"] and "step" in e["args"] for e in reads)
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"compute", "stall", "disk-read", "h2d"} <= names
+    assert any(e["ph"] == "C" and e["name"] == "bytes resident" for e in events)  # counter track
+    spans, counters, meta = load_chrome(trace)
+    assert len(spans) == len(complete) and meta["decode_steps"][1] > meta["decode_steps"][0]
+
+
+def test_check_chrome_catches_bad_events():
+    missing_dur = {"traceEvents": [{"ph": "X", "ts": 1, "pid": 1, "tid": 1}]}
+    assert check_chrome(missing_dur) == ["complete event 0 has no 'dur'"]
+    assert "event 0 has a negative time" in check_chrome({"traceEvents": [{"ph": "X", "ts": -1, "dur": 1, "pid": 1,
+                                                                           "tid": 1}]})
+    assert "event 0 has no 'pid'" in check_chrome({"traceEvents": [{"ph": "C", "ts": 1, "tid": 1}]})
+
+
+def test_summary_bytes_equal_what_the_store_moved(tiny_llama, store):
+    with Runner.from_config(streaming_config(tiny_llama, store)) as r:
+        disk = r.weights.tiers["disk"]
+        r.generate([[1, 5, 9, 11, 13]], max_new_tokens=6, stop_on_eos=False)
+        r.weights.close()  # stop prefetching ahead so nothing is read after we look
+        moved = disk.bytes_read
+        summary = summarize(r.timeline.spans_resolved())
+    link = {x.link: x for x in summary.links}["disk read"]
+    # every byte read from the store is a span: homes filled at start, streamed layers, embedding rows
+    assert link.bytes == moved > 0
+
+
+class SlowDisk:
+    """Delays every disk read by a fixed time: the disk becomes the bottleneck."""
+
+    def __init__(self, monkeypatch, seconds):
+        real = DiskTier._read_into
+
+        def slow(tier, key, dest, offset):
+            time.sleep(seconds)
+            return real(tier, key, dest, offset)
+
+        monkeypatch.setattr(DiskTier, "_read_into", slow)
+
+
+def test_stall_is_attributed_to_the_slow_disk_not_compute(tiny_llama, store, monkeypatch):
+    with Runner.from_config(streaming_config(tiny_llama, store)) as r:
+        SlowDisk(monkeypatch, 0.03)
+        r.generate([[1, 5, 9]], max_new_tokens=6, stop_on_eos=False)
+        stats = r.last_stats
+        steps = range(r.timeline.step - stats.decode_steps, r.timeline.step)
+        summary = summarize(r.timeline.spans_resolved(), steps)
+    per_step = summary.per_step()
+    assert summary.stall_s > 0.5 * summary.wall_s  # the steps mostly wait
+    assert summary.stall_by_cause["disk read"] > 0.8 * summary.stall_s  # and the disk is to blame
+    assert per_step["exposed transfer"] > per_step["compute"]
+    assert max(summary.stall_by_group, key=lambda g: sum(summary.stall_by_group[g].values())) in r.plan.streamed
+
+
+def test_framework_hooks_show_our_ranges_in_torch_profiler(tiny_llama, store):
+    from torch.profiler import ProfilerActivity, profile
+
+    with Runner.from_config(streaming_config(tiny_llama, store)) as r:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            r.generate([[1, 5, 9]], max_new_tokens=3, stop_on_eos=False)
+    names = {e.name for e in prof.events()}
+    assert "offload/compute/layer.0" in names and "offload/compute/head" in names
+    assert any(n.startswith("offload/disk-read/") for n in names)
+
+
+def test_no_spans_when_the_timeline_is_off(tiny_llama, store):
+    from schedulers.timeline import Timeline
+
+    cfg = OffloadConfig.load(streaming_config(tiny_llama, store))
+    with Runner(cfg, timeline=Timeline(enabled=False)) as r:
+        r.generate([[1, 5, 9]], max_new_tokens=4, stop_on_eos=False)
+        assert r.timeline.spans == [] and r.timeline.counters == []
+
+
+def test_trace_summary_and_plot_commands(tmp_path, tiny_llama, store, capsys):
+    pytest.importorskip("matplotlib")
+    import yaml
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(streaming_config(tiny_llama, store)))
+    trace = tmp_path / "t.json"
+    main(["run", "--config", str(cfg), "--prompt", "hi", "--max-new-tokens", "5", "--trace", str(trace)])
+    capsys.readouterr()
+    assert main(["trace", "summary", str(trace), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {"links", "stall_by_cause", "overlap", "per_step_s"} <= data.keys()
+    assert main(["trace", "plot", str(trace), "-o", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["trace", "summary", str(tmp_path / "missing.json")]) == 2
+
+
+# ----------------------------------------------------------------------------- calibration and cost model
+def test_calibration_measures_and_round_trips(tmp_path):
+    disk = measure_disk(tmp_path, nbytes=16 * 2**20)
+    assert disk > 1e6 and not list(tmp_path.iterdir())  # the test file is removed
+    assert measure_memcpy(8 * 2**20) > 1e8
+    table = measure_compute(torch.device("cpu"), torch.float32, tokens=(1, 8))
+    assert len(table["weight_bytes_per_s"]) == 2 and all(x > 0 for x in table["weight_bytes_per_s"])
+    cal = Calibration({"disk read": disk, "memcpy": 5e9}, {"cpu": table}, "measured")
+    cal.save(tmp_path / "cal.json")
+    back = Calibration.load(tmp_path / "cal.json")
+    assert back.links["disk read"] == pytest.approx(disk) and back.source == str(tmp_path / "cal.json")
+    assert back.links["host->device"] > 0  # missing links fall back to the defaults
+
+
+def test_calibration_defaults_and_bad_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "empty"))
+    assert Calibration.load().source == "defaults"
+    from offload.errors import ConfigError
+    with pytest.raises(ConfigError, match="does not exist; run `offload calibrate"):
+        Calibration.load(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a calibration file"):
+        Calibration.load(tmp_path / "bad.json")
+
+
+def test_throughput_interpolates_between_measured_token_counts():
+    cal = Calibration({}, {"cpu": {"tokens": [1, 64], "weight_bytes_per_s": [1e9, 4e9]}})
+    assert cal.weight_bytes_per_s("cpu", 1) == 1e9 and cal.weight_bytes_per_s("cpu", 64) == 4e9
+    assert 1e9 < cal.weight_bytes_per_s("cpu", 8) < 4e9
+    assert cal.weight_bytes_per_s("cpu", 128) == pytest.approx(2e9)  # past the table: time grows with tokens
+
+
+MiB = 2**20
+
+
+def small_plan(depth, copy_to_device=False, gpu=None, cpu=0):
+    gpu = gpu if gpu is not None else 10 * (depth + 1)  # the ring and nothing else: every group streams
+    groups = [GroupSpec(f"layer.{i}", 10 * MiB) for i in range(8)] + [GroupSpec("head", 5 * MiB)]
+    return make_plan(groups, Capacities(gpu * MiB, cpu * MiB, None, True), depth, copy_to_device=copy_to_device)
+
+
+def test_simulation_all_resident_is_the_sum_of_compute():
+    plan = small_plan(1, gpu=1000)  # everything fits
+    comp = {g: 0.01 for g in plan.order}
+    pred = simulate(plan, comp, {"disk read": 1e9, "host->device": 1e10})
+    assert pred.step_s == pytest.approx(0.09) and pred.exposed_s == 0 and pred.bottleneck == "compute"
+
+
+def test_simulation_disk_bound_with_prefetch_is_the_disk_time():
+    plan = small_plan(2)  # ring 3 x 10 MiB: every group streams from disk
+    assert len(plan.streamed) == 9
+    comp = {g: 0.001 for g in plan.order}
+    pred = simulate(plan, comp, {"disk read": 100 * MiB, "host->device": 1e10})  # 0.1 s per layer
+    assert pred.step_s == pytest.approx(0.85, rel=0.02) and pred.bottleneck == "disk read"
+
+
+def test_simulation_depth_zero_adds_compute_to_the_disk_time():
+    comp = {f"layer.{i}": 0.05 for i in range(8)} | {"head": 0.0}
+    bw = {"disk read": 100 * MiB, "host->device": 1e10}
+    deep = simulate(small_plan(2), comp, bw).step_s
+    none = simulate(small_plan(0), comp, bw).step_s
+    assert deep == pytest.approx(0.85, rel=0.02)  # the disk alone: every compute hides under a read
+    assert none == pytest.approx(sum(comp.values()) + 0.85, rel=0.02)  # nothing overlaps
+
+
+def test_simulation_predicts_a_run_with_a_known_slow_disk(tiny_llama, store, monkeypatch):
+    """A disk made slow by a fixed delay per read: the prediction and the measured step agree within 25%."""
+    delay = 0.04
+    with Runner.from_config(streaming_config(tiny_llama, store)) as r:
+        SlowDisk(monkeypatch, delay)
+        r.generate([[1, 5, 9]], max_new_tokens=8, stop_on_eos=False)
+        measured = r.last_stats.decode_ms_per_step / 1000
+        steps = range(r.timeline.step - r.last_stats.decode_steps, r.timeline.step)
+        comp = {}
+        for s in r.timeline.on("compute"):
+            if s.step in steps:
+                comp[s.name] = comp.get(s.name, 0.0) + s.duration / len(steps)
+        size = max(r.plan.sizes[g] for g in r.plan.streamed)
+        pred = simulate(r.plan, comp, {"disk read": size / delay, "host->device": 1e12})
+    assert pred.step_s == pytest.approx(measured, rel=0.25)
+
+
+def test_auto_depth_picks_the_fastest_predicted_depth(tiny_llama, store):
+    with Runner.from_config(streaming_config(tiny_llama, store, depth="auto")) as r:
+        assert r.plan.depth in range(7)
+    from offload.checkpoint import Checkpoint
+    from offload.tiered import Planner
+    cfg = OffloadConfig.load(streaming_config(tiny_llama, store, depth="auto"))
+    planner = Planner(cfg, Checkpoint(tiny_llama).config, torch.float32, torch.device("cpu"))
+    rp = planner.run_plan()
+    assert rp.depth_note.startswith(f"depth auto -> {rp.plan.depth}")
+
+
+def test_plan_on_paper_for_llama3_70b(capsys):
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent / "scripts"
+    assert main(["plan", "--config", str(root / "examples" / "llama3-70b-24gb.yaml"), "--calibration",
+                 str(root / "calibrations" / "rtx4090-pcie4-nvme.json")]) == 0
+    out = capsys.readouterr().out
+    assert "80 layers" in out and "70.55 B parameters" in out
+    assert "bottleneck: disk read" in out and "what would help most" in out
+    assert main(["plan", "--model-config", str(root / "examples" / "llama3-70b" / "config.json"), "--gpu", "24GiB",
+                 "--cpu", "64GiB", "--disk-path", "/tmp/x", "--calibration",
+                 str(root / "calibrations" / "rtx4090-pcie4-nvme.json"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["prediction"]["step_s"] > 1 and data["device"] == "cuda"
