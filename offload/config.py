@@ -157,10 +157,35 @@ class TiersConfig:
     disk: DiskTierConfig | None = field(default=None, metadata={"section": DiskTierConfig})
 
 
+def _number(lo: float = 0.0) -> Callable[[Any, str], float]:
+    def parse(value: Any, key: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < lo:
+            raise ConfigError(f"{key}: expected a number >= {lo}, got {value!r}")
+        return float(value)
+    return parse
+
+
+def _bool_or_auto(value: Any, key: str) -> bool | None:
+    if value is None or value == "auto":
+        return None
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true, false or auto, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     block_size: int = _opt(_int(1), "tokens per KV block (all layers of those tokens live in one block)", 16)
-    gpu_blocks: int | None = _opt(_int_or_auto(1), "blocks in the device pool; auto = sized from the request")
+    gpu_blocks: int | None = _opt(_int_or_auto(1), "blocks in the device pool; auto = sized from the request "
+                                  "(no tiers) or what the plan leaves free")
+    cpu_blocks: int = _opt(_int(0), "cold blocks kept in host RAM (counted in tiers.cpu.capacity)", 0)
+    disk_blocks: int = _opt(_int(0), "cold blocks in a slot file under tiers.disk.path", 0)
+    eviction: str = _opt(_choice("lru", "attention", "idle"), "which blocks leave the device first", "lru")
+    idle_seconds: float = _opt(_number(0.0), "for eviction: idle, how long untouched makes a block idle", 30.0)
+    quantization: str = _opt(_choice("none", "int8"), "cold blocks as int8 with per-block, per-head scales",
+                             "none")
+    cpu_attention: bool | None = _opt(_bool_or_auto, "attend host blocks on the CPU instead of moving them "
+                                      "(auto: when the host's memory is faster than the link to the device)")
 
 
 @dataclass(frozen=True)
@@ -172,6 +197,9 @@ class PrefetchConfig:
 @dataclass(frozen=True)
 class ActivationsConfig:
     prefill_chunk: int = _opt(_int(1), "prompt tokens per prefill forward pass (bounds activation memory)", 512)
+    kv_restore: str = _opt(_choice("transfer", "recompute", "auto"), "cold KV blocks keep K/V (transfer) or the "
+                           "layer inputs, rebuilt by one projection (recompute); auto: whichever is fewer bytes",
+                           "transfer")
 
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "auto")

@@ -1,147 +1,467 @@
-"""Paged KV cache: fixed-size blocks, one block table per sequence.
+"""Paged KV cache over three tiers: hot blocks on the device, cold ones in host RAM and on disk.
 
-A block holds `block_size` tokens of K and V for *all* layers, so one block is one
-contiguous byte range that can later move between tiers as a unit:
+A block holds `block_size` tokens of K and V for *all* layers. A sequence's block table
+lists *logical* block ids in token order; token t lives in block `table[t // block_size]`
+at offset `t % block_size`. Each logical block lives in exactly one tier slot at a time:
 
-    pool.data  # [num_blocks, layers, 2 (k|v), block_size, kv_heads, head_dim]
+    logical pool (storage.BlockPool)   ids and reference counts (prompt blocks shared by samples)
+    tier pools (storage.BlockPool)     free slots of the gpu / cpu / disk stores
+    stores (offload.kv_tiers)          the bytes, plane (layer) major
 
-A sequence's block table lists its blocks in token order; token t of the sequence lives in
-block `table[t // block_size]` at offset `t % block_size`. The block pool (in `storage`)
-alone owns the free list and reference counts. This module knows sequences and token
-positions, not weights or model math.
+New tokens are always written on the device. When the device is short of slots, the
+eviction policy picks victims (never the newest block of a running sequence, never a block
+written this step) and they move device -> host -> disk, converted to the cold format
+(full precision, int8 with per-block per-head scales, or the layer inputs for recompute).
+When the device has room again, the hottest cold blocks come back (transfer format only).
+
+Attention reads every block where it lives: for each layer, the blocks of each tier are
+gathered into one padded group, attended, and the groups are merged exactly with
+log-sum-exp (`offload.model.merge_attention`), so the result equals attention over a
+contiguous cache. Cold groups can be attended on the CPU without moving them. The per-block
+share of attention (from the per-block log-sum-exp) feeds the `attention` eviction policy.
+
+Prompts admitted with a worst-case reservation of logical blocks (OK / LATER / NEVER) never
+run out half way. This module knows sequences, blocks and token positions; the math is in
+`offload.model`, the bytes in `storage`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from offload import model as M
 from offload.checkpoint import ModelConfig
+from offload.config import OffloadConfig
+from offload.errors import ConfigError
+from offload.kv_tiers import ColdFormat, TierStore, cold_kv, to_cold
 from offload.model import BatchLayout
+from schedulers.eviction import Candidate, make_policy
+from schedulers.timeline import Timeline
 from storage.block_pool import Admission, BlockPool
 from storage.errors import CapacityError
+
+TIERS = ("gpu", "cpu", "disk")
+
+
+@dataclass
+class Block:
+    tier: str
+    slot: int
+    last_touch: float = 0.0
+    mass: float = 0.0  # accumulated attention probability it received (summed over heads and queries)
 
 
 @dataclass
 class Sequence:
-    blocks: list[int]
+    blocks: list[int] = field(default_factory=list)  # logical ids, in token order
     length: int = 0  # tokens whose K/V are (or are being) written
+    reserved: list[int] = field(default_factory=list)  # logical ids held for its future blocks
+
+
+@dataclass(frozen=True)
+class Group:
+    """The blocks of one tier that a step attends over, flattened over the batch."""
+
+    tier: str
+    slots: list[int]  # tier slots, one per block
+    ids: list[int]  # logical ids
+    seq: torch.Tensor  # [n] batch row of each block
+    col: torch.Tensor  # [n] column of each block in its row of the padded group
+    cols: int  # padded blocks per row
+    positions: torch.Tensor  # [B, cols * block_size] absolute position of each key slot
+    valid: torch.Tensor  # [B, cols * block_size]
 
 
 @dataclass(frozen=True)
 class StepKV:
     """Per-step index tensors, built once and shared by every layer."""
 
-    slot_blocks: torch.Tensor  # [N] block of each new token
+    slot_blocks: torch.Tensor  # [N] device slot of each new token
     slot_offsets: torch.Tensor  # [N] offset in that block
-    tables: torch.Tensor  # [B, max_blocks] block ids (padding -> block 0, masked)
-    key_positions: torch.Tensor  # [B, max_blocks * block_size] position of each gathered key
-    key_valid: torch.Tensor  # [B, max_blocks * block_size] key slot holds a real token
+    groups: tuple[Group, ...]  # one per tier holding blocks of the batch
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    block_size: int = 16
+    gpu_blocks: int = 64
+    cpu_blocks: int = 0
+    disk_blocks: int = 0
+    eviction: str = "lru"
+    idle_seconds: float = 30.0
+    quantization: str = "none"  # none | int8 (cold blocks)
+    restore: str = "transfer"  # transfer | recompute
+    cpu_attention: bool = False  # attend cold blocks on the CPU instead of moving them to the device
 
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, block_size: int, num_blocks: int, dtype: torch.dtype,
-                 device: torch.device | str, memory: torch.Tensor | None = None) -> None:
-        self.cfg = cfg
-        self.block_size = block_size
+                 device: torch.device | str, memory: torch.Tensor | None = None,
+                 settings: KVSettings | None = None, disk_dir: Path | None = None, pin_memory: bool = False,
+                 timeline: Timeline | None = None, clock: Callable[[], float] = time.monotonic,
+                 rope: M.Rope | None = None, page_cache: bool = False) -> None:
+        s = settings or KVSettings(block_size=block_size, gpu_blocks=num_blocks)
+        self.settings = s
+        self.cfg, self.block_size, self.dtype = cfg, block_size, dtype
         self.device = torch.device(device)
-        self.pool = BlockPool(num_blocks, (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
-                              dtype, device, memory=memory)
+        self.timeline = timeline or Timeline(enabled=False)
+        self.clock = clock
+        self.rope = rope
+        self.policy = make_policy(s.eviction, s.idle_seconds, clock)
+        L = cfg.num_layers
+        self.device_fmt = self.device_format(cfg, block_size, dtype, s.restore)
+        self.cold_fmt = ColdFormat.for_config(cfg, block_size, dtype, s.quantization, s.restore)
+        counts = {"gpu": num_blocks, "cpu": s.cpu_blocks, "disk": s.disk_blocks}
+        if counts["disk"] and disk_dir is None:
+            raise CapacityError("kv_cache.disk_blocks needs a disk tier (tiers.disk.path) to put its slot file in")
+        self.pools = {t: BlockPool(n) for t, n in counts.items() if n > 0}
+        if "gpu" not in self.pools:
+            raise CapacityError("the KV cache needs at least one device block; raise kv_cache.gpu_blocks")
+        self.stores: dict[str, TierStore] = {"gpu": TierStore("gpu", self.device_fmt, L, num_blocks, self.device,
+                                                              memory=memory)}
+        if counts["cpu"]:
+            self.stores["cpu"] = TierStore("cpu", self.cold_fmt, L, counts["cpu"], "cpu", pin_memory)
+        if counts["disk"]:
+            self.stores["disk"] = TierStore("disk", self.cold_fmt, L, counts["disk"], disk_dir=disk_dir,
+                                            page_cache=page_cache)
+        self.logical = BlockPool(sum(counts.values()))
+        self.blocks: dict[int, Block] = {}
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
+        self.moved: dict[str, int] = {}  # bytes per direction: demote (device->cold), promote, cold->cold
 
     @staticmethod
-    def block_nbytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    def device_format(cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str) -> ColdFormat:
+        arrays = {"kv": ((2, block_size, cfg.num_kv_heads, cfg.head_dim), dtype)}
+        if restore == "recompute":
+            arrays["hidden"] = ((block_size, cfg.hidden_size), dtype)
+        return ColdFormat("device", arrays)
+
+    @staticmethod
+    def block_nbytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str = "transfer") -> int:
+        """Device bytes of one block (all layers)."""
+        return PagedKVCache.device_format(cfg, block_size, dtype, restore).block_nbytes(cfg.num_layers)
+
+    @property
+    def pool(self) -> BlockPool:
+        """The device pool (where new tokens are written)."""
+        return self.pools["gpu"]
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
+    def close(self) -> None:
+        for store in self.stores.values():
+            store.close()
+
     # -- sequences ----------------------------------------------------------------------------
     def admit(self, tokens: int) -> Admission:
         """Could a sequence of `tokens` total tokens get its blocks (now / once others finish / never)?"""
-        return self.pool.can_allocate(self.blocks_for(tokens))
+        return self.logical.can_allocate(self.blocks_for(tokens))
 
     def add_sequence(self, reserve_tokens: int = 0) -> int:
-        """A new sequence, with blocks for `reserve_tokens` allocated up front (worst-case reservation)."""
+        """A new sequence, with logical blocks for `reserve_tokens` reserved up front (worst case)."""
         sid = self._next_id
         self._next_id += 1
-        self.seqs[sid] = Sequence(blocks=self._allocate(self.blocks_for(reserve_tokens)))
+        self.seqs[sid] = Sequence(reserved=self.logical.allocate(self.blocks_for(reserve_tokens)))
         return sid
 
-    def _allocate(self, n: int) -> list[int]:
-        """Blocks are zeroed when handed out: padded key slots are multiplied by zero attention weights,
-        and 0 * NaN from stale or never-written memory would poison the whole row."""
-        ids = self.pool.allocate(n)
-        if ids:
-            self.pool.data[torch.tensor(ids, device=self.pool.data.device)] = 0
-        return ids
+    def fork(self, sid: int, reserve_tokens: int) -> int:
+        """A copy of `sid` sharing its blocks (copy-on-write), reserving blocks for tokens past the shared ones."""
+        parent = self.seqs[sid]
+        shared_full = parent.length // self.block_size
+        need = self.blocks_for(reserve_tokens) - shared_full
+        child_id = self._next_id
+        self._next_id += 1
+        self.logical.incref(parent.blocks)
+        self.seqs[child_id] = Sequence(list(parent.blocks), parent.length, self.logical.allocate(max(need, 0)))
+        return child_id
 
     def free_sequence(self, sid: int) -> None:
         seq = self.seqs.pop(sid)
-        self.pool.free(seq.blocks)
+        self._release(self.logical.free(seq.blocks))
+        self.logical.free(seq.reserved)
+
+    def _release(self, ids: list[int]) -> None:
+        """Logical blocks nobody references any more give their tier slots back."""
+        for bid in ids:
+            b = self.blocks.pop(bid, None)
+            if b is not None:
+                self.pools[b.tier].free([b.slot])
+                self.stores[b.tier].invalidate(b.slot)
 
     def length(self, sid: int) -> int:
         return self.seqs[sid].length
 
+    def count(self, tier: str) -> int:
+        """Materialised blocks living in a tier."""
+        return sum(1 for b in self.blocks.values() if b.tier == tier)
+
+    # -- moving blocks ------------------------------------------------------------------------
+    def _take_slot(self, tier: str, protected: set[int]) -> int:
+        """A free slot in `tier`, demoting a victim further down first if the tier is full."""
+        pool = self.pools.get(tier)
+        if pool is None:
+            raise CapacityError(f"the KV cache has no {tier} blocks; raise kv_cache.{tier}_blocks")
+        if pool.num_free == 0:
+            self._demote_from(tier, 1, protected)
+        return pool.allocate(1)[0]
+
+    def _demote_from(self, tier: str, n: int, protected: set[int]) -> None:
+        below = [t for t in TIERS[TIERS.index(tier) + 1 :] if t in self.pools]
+        if not below:
+            raise CapacityError(
+                f"the KV cache is full: every {tier} block is in use and there is no tier below it; raise "
+                "kv_cache.cpu_blocks or kv_cache.disk_blocks, or admit fewer tokens"
+            )
+        candidates = [Candidate(bid, b.last_touch, b.mass) for bid, b in self.blocks.items()
+                      if b.tier == tier and bid not in protected]
+        victims = self.policy.choose(candidates, n)
+        if len(victims) < n:
+            raise CapacityError(f"the {tier} KV blocks are all in use by running sequences; raise "
+                                f"kv_cache.{tier}_blocks or lower the batch size")
+        for bid in victims:
+            self._move(bid, below[0], protected)
+
+    def _move(self, bid: int, dst: str, protected: set[int]) -> None:
+        b = self.blocks[bid]
+        src_store = self.stores[b.tier]
+        slot = self._take_slot(dst, protected | {bid})
+        parts = src_store.read_block(b.slot)
+        if b.tier == "gpu":  # device format -> cold format
+            parts = to_cold(self.cold_fmt, parts["kv"], parts.get("hidden"))
+        elif dst == "gpu":  # cold -> device (promotion; transfer formats only)
+            parts = {"kv": cold_kv(self.cold_fmt, {k: v.to(self.device) for k, v in parts.items()}, self.dtype)}
+        nbytes = sum(v.numel() * v.element_size() for v in parts.values())
+        track = "kv-spill" if TIERS.index(dst) > TIERS.index(b.tier) else "kv-fetch"
+        with self.timeline.span(track, f"block {bid}", nbytes=nbytes, src=b.tier, dst=dst):
+            self.stores[dst].write_block(slot, parts)
+        key = f"{b.tier}->{dst}"
+        self.moved[key] = self.moved.get(key, 0) + nbytes
+        self.pools[b.tier].free([b.slot])
+        src_store.invalidate(b.slot)
+        b.tier, b.slot = dst, slot
+
+    def _promote(self, room: int, protected: set[int]) -> None:
+        """Bring the hottest cold blocks back while the device has room (transfer formats only)."""
+        if room <= 0 or self.cold_fmt.name == "hidden":
+            return
+        cold = [Candidate(bid, b.last_touch, b.mass) for bid, b in self.blocks.items() if b.tier != "gpu"]
+        for bid in reversed(self.policy.order(cold)):  # the last to evict is the first to bring back
+            if room <= 0:
+                return
+            self._move(bid, "gpu", protected)
+            room -= 1
+
     # -- steps --------------------------------------------------------------------------------
     def prepare(self, sids: list[int], q_lens: list[int]) -> tuple[BatchLayout, StepKV]:
-        """Reserve blocks for `q_lens[b]` new tokens of each sequence; return the step's index tensors."""
+        """Make room and blocks for `q_lens[b]` new tokens of each sequence; index tensors for the step."""
         bs = self.block_size
-        need = sum(max(self.blocks_for(self.seqs[s].length + n) - len(self.seqs[s].blocks), 0)
-                   for s, n in zip(sids, q_lens))
-        if self.pool.can_allocate(need) is not Admission.OK:
+        now = self.clock()
+        protected = {seq.blocks[-1] for seq in self.seqs.values() if seq.blocks}  # newest blocks stay on device
+        copies, fresh = [], 0
+        for sid, n in zip(sids, q_lens):
+            seq = self.seqs[sid]
+            if seq.length % bs and n and self.logical.refcount(seq.blocks[-1]) > 1:
+                copies.append(sid)  # writes into a shared partial block: copy it first
+            fresh += max(self.blocks_for(seq.length + n) - len(seq.blocks), 0)
+        need = fresh + len(copies)
+        gpu = self.pools["gpu"]
+        if need > gpu.num_blocks - len(protected & {bid for bid, b in self.blocks.items() if b.tier == "gpu"}):
             raise CapacityError(
-                f"the KV cache needs {need} more blocks but has {self.pool.num_free} free of "
-                f"{self.pool.num_blocks}; raise kv_cache.gpu_blocks or lower the batch size"
+                f"a step needs {need} new device KV blocks but only {gpu.num_blocks} exist and running sequences "
+                "pin their newest ones; raise kv_cache.gpu_blocks or lower activations.prefill_chunk"
             )
+        if need > gpu.num_free:
+            self._demote_from("gpu", need - gpu.num_free, protected)
+        for sid in copies:
+            self._copy_on_write(sid, protected)
         slot_blocks, slot_offsets, kv_lens = [], [], []
         for sid, n in zip(sids, q_lens):
             seq = self.seqs[sid]
-            extra = self.blocks_for(seq.length + n) - len(seq.blocks)
-            if extra > 0:
-                seq.blocks += self._allocate(extra)
+            while len(seq.blocks) < self.blocks_for(seq.length + n):
+                bid = seq.reserved.pop() if seq.reserved else self.logical.allocate(1)[0]
+                slot = gpu.allocate(1)[0]
+                for arr in self.stores["gpu"].arrays.values():  # padded key slots are multiplied by zero
+                    arr.data[:, slot] = 0  # weights, and 0 * NaN from stale memory would poison a row
+                self.blocks[bid] = Block("gpu", slot, now)
+                seq.blocks.append(bid)
+                protected.add(bid)
             pos = torch.arange(seq.length, seq.length + n)
-            table = torch.tensor(seq.blocks, dtype=torch.long)
+            table = torch.tensor([self.blocks[b].slot for b in seq.blocks], dtype=torch.long)
             slot_blocks.append(table[pos // bs])
             slot_offsets.append(pos % bs)
             seq.length += n
             kv_lens.append(seq.length)
+            for bid in seq.blocks:
+                self.blocks[bid].last_touch = now
+        self._promote(gpu.num_free - len(sids), protected)
         layout = BatchLayout.build(q_lens, kv_lens, self.device)
-        max_blocks = max(len(self.seqs[s].blocks) for s in sids)
-        tables = torch.zeros(len(sids), max_blocks, dtype=torch.long)
-        for b, sid in enumerate(sids):
-            blocks = self.seqs[sid].blocks
-            tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        key_pos = torch.arange(max_blocks * bs).expand(len(sids), -1)
-        key_valid = key_pos < torch.tensor(kv_lens)[:, None]
-        step = StepKV(
-            torch.cat(slot_blocks).to(self.device), torch.cat(slot_offsets).to(self.device),
-            tables.to(self.device), key_pos.to(self.device), key_valid.to(self.device),
-        )
+        groups = tuple(g for g in (self._group(t, sids, kv_lens) for t in TIERS if t in self.pools) if g is not None)
+        step = StepKV(torch.cat(slot_blocks).to(self.device), torch.cat(slot_offsets).to(self.device), groups)
         return layout, step
 
-    def view(self, layer: int, layout: BatchLayout, step: StepKV) -> LayerKV:
-        return LayerKV(self, layer, layout, step)
+    def _copy_on_write(self, sid: int, protected: set[int]) -> None:
+        seq = self.seqs[sid]
+        old = seq.blocks[-1]
+        src = self.blocks[old]
+        assert src.tier == "gpu", "a shared partial block is the newest of its sequences: it stays on the device"
+        bid = seq.reserved.pop() if seq.reserved else self.logical.allocate(1)[0]
+        slot = self.pools["gpu"].allocate(1)[0]
+        self.stores["gpu"].write_block(slot, self.stores["gpu"].read_block(src.slot))
+        self.blocks[bid] = Block("gpu", slot, src.last_touch, src.mass)
+        seq.blocks[-1] = bid
+        protected.add(bid)
+        self._release(self.logical.free([old]))
+
+    def _group(self, tier: str, sids: list[int], kv_lens: list[int]) -> Group | None:
+        bs = self.block_size
+        slots, ids, seq_idx, col, block_idx = [], [], [], [], []
+        per_row = [0] * len(sids)
+        for b, sid in enumerate(sids):
+            for j, bid in enumerate(self.seqs[sid].blocks):
+                blk = self.blocks[bid]
+                if blk.tier == tier:
+                    slots.append(blk.slot)
+                    ids.append(bid)
+                    seq_idx.append(b)
+                    col.append(per_row[b])
+                    block_idx.append(j)
+                    per_row[b] += 1
+        if not slots:
+            return None
+        cols = max(per_row)
+        positions = torch.zeros(len(sids), cols * bs, dtype=torch.long)
+        valid = torch.zeros(len(sids), cols * bs, dtype=torch.bool)
+        offs = torch.arange(bs)
+        for b, c, j in zip(seq_idx, col, block_idx):
+            pos = j * bs + offs
+            positions[b, c * bs : (c + 1) * bs] = pos
+            valid[b, c * bs : (c + 1) * bs] = pos < kv_lens[b]
+        dev = self.device
+        return Group(tier, slots, ids, torch.tensor(seq_idx, device=dev), torch.tensor(col, device=dev), cols,
+                     positions.to(dev), valid.to(dev))
+
+    def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
+        """One layer of every cold group of the step, still in the cold format: ({tier: parts}, bytes read).
+
+        This is what the prefetcher runs ahead of compute (the "kv-fetch" track)."""
+        out, nbytes = {}, 0
+        for g in step.groups:
+            if g.tier == "gpu":
+                continue
+            parts = self.stores[g.tier].read_plane(layer, g.slots)
+            out[g.tier] = parts
+            nbytes += sum(v.numel() * v.element_size() for v in parts.values())
+        return out, nbytes
+
+    def view(self, layer: int, layout: BatchLayout, step: StepKV, cold: dict | None = None) -> LayerKV:
+        return LayerKV(self, layer, layout, step, cold)
 
 
 class LayerKV:
     """The KV cache as one layer of one step sees it (implements `offload.model.KVView`)."""
 
-    def __init__(self, cache: PagedKVCache, layer: int, layout: BatchLayout, step: StepKV) -> None:
-        self.cache, self.layer, self.layout, self.step = cache, layer, layout, step
+    def __init__(self, cache: PagedKVCache, layer: int, layout: BatchLayout, step: StepKV,
+                 cold: dict[str, dict[str, torch.Tensor]] | None) -> None:
+        self.cache, self.layer, self.layout, self.step, self._cold = cache, layer, layout, step, cold
 
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        data = self.cache.pool.data[:, self.layer]  # [blocks, 2, block_size, Hkv, D]
+    def write(self, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor | None = None) -> None:
+        """k, v: [N, Hkv, D]; h: [N, hidden] layer inputs (kept only when cold blocks are restored by recompute)."""
+        arrays = self.cache.stores["gpu"].arrays
+        data = arrays["kv"].data[self.layer]  # [slots, 2, block_size, Hkv, D]
         data[self.step.slot_blocks, 0, self.step.slot_offsets] = k
         data[self.step.slot_blocks, 1, self.step.slot_offsets] = v
+        if "hidden" in arrays:
+            assert h is not None
+            arrays["hidden"].data[self.layer][self.step.slot_blocks, self.step.slot_offsets] = h
 
-    def groups(self, window: int | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        data = self.cache.pool.data[:, self.layer]  # [blocks, 2, block_size, Hkv, D]
-        B, nb = self.step.tables.shape
-        kv = data[self.step.tables]  # [B, nb, 2, block_size, Hkv, D]
-        k = kv[:, :, 0].reshape(B, nb * self.cache.block_size, *kv.shape[-2:])
-        v = kv[:, :, 1].reshape(B, nb * self.cache.block_size, *kv.shape[-2:])
-        mask = self.layout.mask(self.step.key_positions, self.step.key_valid, window)
-        return [(k, v, mask)]
+    @property
+    def needs_inputs(self) -> bool:
+        return "hidden" in self.cache.stores["gpu"].arrays
+
+    def attend(self, q: torch.Tensor, scale: float, window: int | None,
+               restore: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Attention of padded queries q [B, Tq, Hq, D] over every group: [(out, lse)] to merge."""
+        cache = self.cache
+        track_mass = cache.settings.eviction == "attention"
+        cold = self._cold
+        if cold is None and any(g.tier != "gpu" for g in self.step.groups):
+            cold = cache.fetch_cold(self.layer, self.step)[0]
+        parts, masses = [], []
+        for g in self.step.groups:
+            if g.tier == "gpu":
+                kv = cache.stores["gpu"].arrays["kv"].data[self.layer].index_select(
+                    0, torch.tensor(g.slots, device=cache.device))  # [n, 2, bs, Hkv, D]
+            elif cache.cold_fmt.name == "hidden":
+                h = cold[g.tier]["hidden"].to(cache.device, non_blocking=True)  # [n, bs, hidden]
+                pos = g.positions.view(-1, g.cols, cache.block_size)[g.seq, g.col]  # [n, bs]
+                assert restore is not None, "kv_restore: recompute needs the layer's weights"
+                k, v = restore(h.reshape(-1, h.shape[-1]), pos.reshape(-1))
+                kv = torch.stack([k.view(len(g.slots), cache.block_size, *k.shape[1:]),
+                                  v.view(len(g.slots), cache.block_size, *v.shape[1:])], dim=1)
+            else:
+                kv = cold_kv(cache.cold_fmt, cold[g.tier], cache.dtype)
+            on_cpu = g.tier != "gpu" and cache.settings.cpu_attention
+            dev = torch.device("cpu") if on_cpu else cache.device
+            kv = kv.to(dev)
+            B, bs = q.shape[0], cache.block_size
+            padded = torch.zeros(B, g.cols, *kv.shape[1:], dtype=kv.dtype, device=dev)
+            padded[g.seq.to(dev), g.col.to(dev)] = kv
+            k = padded[:, :, 0].reshape(B, g.cols * bs, *kv.shape[-2:])
+            v = padded[:, :, 1].reshape(B, g.cols * bs, *kv.shape[-2:])
+            mask = self.layout.mask(g.positions, g.valid, window).to(dev)
+            out, lse, block_lse = M.attend_group(q.to(dev), k, v, mask, scale, block=bs if track_mass else None)
+            parts.append((out.to(cache.device), lse.to(cache.device)))
+            if track_mass:
+                masses.append((g, block_lse.to(cache.device)))
+        if masses:
+            self._account_mass(parts, masses)
+        return parts
+
+    def _account_mass(self, parts, masses) -> None:
+        """Add each block's share of this layer's attention (summed over heads and real queries) to its mass."""
+        total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)  # [B, Tq, Hq]
+        total = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+        real = (self.layout.q_pos >= 0)[:, :, None, None]  # [B, Tq, 1, 1]
+        for g, block_lse in masses:  # block_lse: [B, Tq, Hq, cols]
+            share = torch.exp(block_lse - total[..., None]).masked_fill(~real, 0).sum(dim=(1, 2))  # [B, cols]
+            values = share[g.seq, g.col].tolist()
+            for bid, m in zip(g.ids, values):
+                blk = self.cache.blocks.get(bid)
+                if blk is not None:
+                    blk.mass += m
+
+
+def kv_settings(config: OffloadConfig, cfg: ModelConfig, device: torch.device) -> KVSettings:
+    """The KV cache's settings with every `auto` resolved and impossible combinations refused."""
+    kv = config.kv_cache
+    restore = config.activations.kv_restore
+    if restore == "auto":  # keep whichever is fewer bytes: the layer inputs, or K and V
+        restore = "recompute" if cfg.hidden_size < 2 * cfg.kv_size else "transfer"
+    if restore == "recompute" and kv.quantization == "int8":
+        raise ConfigError("kv_cache.quantization: int8 applies to K/V; with activations.kv_restore: recompute the "
+                          "cold blocks hold layer inputs instead. Choose one of the two")
+    if (kv.cpu_blocks or kv.disk_blocks) and config.tiers is None:
+        raise ConfigError("kv_cache.cpu_blocks / disk_blocks need a `tiers:` section (their memory is counted "
+                          "in tiers.cpu.capacity, their file lives under tiers.disk.path)")
+    if kv.disk_blocks and config.tiers.disk is None:
+        raise ConfigError("kv_cache.disk_blocks needs tiers.disk (a directory for the KV slot file)")
+    cpu_attention = kv.cpu_attention
+    if cpu_attention is None:  # FlexGen's choice: read host blocks where they are when RAM beats the link
+        if device.type == "cuda":
+            from offload.calibrate import Calibration
+
+            links = Calibration.load(config.calibration).links
+            cpu_attention = links["memcpy"] > links["host->device"]
+        else:
+            cpu_attention = False  # on a CPU device host blocks are attended in place anyway
+    return KVSettings(block_size=kv.block_size, gpu_blocks=kv.gpu_blocks or 0, cpu_blocks=kv.cpu_blocks,
+                      disk_blocks=kv.disk_blocks, eviction=kv.eviction, idle_seconds=kv.idle_seconds,
+                      quantization=kv.quantization, restore=restore, cpu_attention=cpu_attention)

@@ -10,6 +10,7 @@ sequence using the step's `BatchLayout`. This module knows nothing about tiers o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -108,13 +109,17 @@ class BatchLayout:
 
 
 class KVView(Protocol):
-    """What a layer needs of the KV cache: write this step's K/V, then read it back in groups."""
+    """What a layer needs of the KV cache: write this step's K/V, then attend over every block."""
 
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [N, Hkv, D] for the flat new tokens of the step."""
+    needs_inputs: bool  # keep the layer inputs too (cold blocks restored by recomputation)
 
-    def groups(self, window: int | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """[(k [B, Tk, Hkv, D], v [B, Tk, Hkv, D], mask [B, Tq, Tk])] covering every visible key once."""
+    def write(self, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor | None = None) -> None:
+        """k, v: [N, Hkv, D] for the flat new tokens of the step; h: [N, hidden] their layer inputs."""
+
+    def attend(self, q: torch.Tensor, scale: float, window: int | None,
+               restore: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Padded queries q [B, Tq, Hq, D] -> [(out [B, Tq, Hq, D], lse [B, Tq, Hq])], one per group of blocks."""
 
 
 # ----------------------------------------------------------------------------- math
@@ -177,13 +182,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention of padded queries over one group of keys, returning its log-sum-exp.
+def attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                 block: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Exact attention of padded queries over one group of keys, with its log-sum-exp.
 
     q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; mask [B, Tq, Tk] -> out [B, Tq, Hq, D] (float32),
-    lse [B, Tq, Hq] (float32, -inf where a query sees no key of this group). Grouped-query
-    heads share K/V without copying it: queries are reshaped to [B, Hkv, G*Tq, D].
+    lse [B, Tq, Hq] (float32, -inf where a query sees no key of this group), and with `block`
+    the log-sum-exp of each run of `block` keys, [B, Tq, Hq, Tk / block] (None otherwise).
+    Grouped-query heads share K/V without copying it: queries are reshaped to [B, Hkv, G*Tq, D].
     """
     B, Tq, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -197,8 +203,12 @@ def attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     probs = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
     out = torch.matmul(probs.to(v.dtype), v.permute(0, 2, 1, 3)).float()  # [B, Hkv, G*Tq, D]
     out = out.view(B, Hkv, G, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D)
+    block_lse = None
+    if block is not None:
+        per = torch.logsumexp(scores.view(B, Hkv, G * Tq, -1, block), dim=-1)  # [B, Hkv, G*Tq, blocks]
+        block_lse = per.view(B, Hkv, G, Tq, -1).permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, -1)
     lse = lse.view(B, Hkv, G, Tq).permute(0, 3, 1, 2).reshape(B, Tq, Hq)
-    return out, lse
+    return out, lse, block_lse
 
 
 def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -214,20 +224,35 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
     return out
 
 
-def attention(q: torch.Tensor, kv: KVView, layout: BatchLayout, window: int | None, scale: float) -> torch.Tensor:
-    """q [N, Hq, D] flat -> [N, Hq * D] flat, attending over every group the KV view supplies."""
+def attention(q: torch.Tensor, kv: KVView, layout: BatchLayout, window: int | None, scale: float,
+              restore: Callable | None = None) -> torch.Tensor:
+    """q [N, Hq, D] flat -> [N, Hq * D] flat, attending over every group of blocks the KV view holds."""
     N, Hq, D = q.shape
     B, Tq = layout.pad_index.shape
     q_pad = q.view(B, Tq, Hq, D) if layout.uniform else q[layout.pad_index]  # [B, Tq, Hq, D]
-    parts = [attend_group(q_pad, k, v, mask, scale) for k, v, mask in kv.groups(window)]
-    out = merge_attention(parts).to(q.dtype)  # [B, Tq, Hq, D]
+    out = merge_attention(kv.attend(q_pad, scale, window, restore)).to(q.dtype)  # [B, Tq, Hq, D]
     out = out.reshape(B * Tq, Hq * D)
     return out if layout.uniform else out[layout.unpad_index]
 
 
+def restore_kv(h: torch.Tensor, positions: torch.Tensor, w: LayerWeights, rope: Rope,
+               cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of tokens from their layer inputs h [n, hidden] (after the input norm): one projection + RoPE."""
+    q_size, n = cfg.q_size, h.shape[0]
+    bias = None if w.qkv_bias is None else w.qkv_bias[q_size:]
+    k, v = F.linear(h, w.qkv[q_size:], bias).split([cfg.kv_size, cfg.kv_size], dim=-1)
+    cos, sin = rope(positions)
+    return apply_rope(k.reshape(n, cfg.num_kv_heads, cfg.head_dim), cos, sin), v.reshape(n, cfg.num_kv_heads,
+                                                                                         cfg.head_dim)
+
+
 def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLayout,
-                  rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig, window: int | None) -> torch.Tensor:
-    """One decoder layer on flat tokens x [N, H]; writes this step's K/V into `kv`."""
+                  rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig, window: int | None,
+                  rope_table: Rope | None = None) -> torch.Tensor:
+    """One decoder layer on flat tokens x [N, H]; writes this step's K/V into `kv`.
+
+    `rope_table` is needed only when the KV cache rebuilds cold blocks from their layer inputs.
+    """
     N = x.shape[0]
     Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
@@ -236,8 +261,11 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     cos, sin = rope
     q = apply_rope(q.view(N, Hq, D), cos, sin)
     k = apply_rope(k.view(N, Hkv, D), cos, sin)
-    kv.write(k, v.reshape(N, Hkv, D))
-    a = attention(q, kv, layout, window, D**-0.5)
+    kv.write(k, v.reshape(N, Hkv, D), h if kv.needs_inputs else None)
+    restore = None
+    if rope_table is not None:
+        restore = lambda hs, pos: restore_kv(hs, pos, w, rope_table, cfg)  # noqa: E731
+    a = attention(q, kv, layout, window, D**-0.5, restore)
     x = x + F.linear(a, w.o, w.o_bias)
     h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
     gate, up = F.linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)

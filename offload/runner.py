@@ -11,6 +11,8 @@ model math in `offload.model` knows neither.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 from collections import deque
@@ -25,7 +27,7 @@ from offload import model as M
 from offload.checkpoint import Checkpoint
 from offload.config import OffloadConfig
 from offload.errors import CapacityError, ConfigError
-from offload.kv_cache import PagedKVCache
+from offload.kv_cache import PagedKVCache, kv_settings
 from offload.sampling import sample
 from offload.tiered import TieredWeights, plan_run
 from offload.tokenizer import TextTokenizer
@@ -125,6 +127,7 @@ class Runner:
         self.rope = M.Rope(self.cfg, self.device, self.dtype)
         self._layer_groups = [f"layer.{i}" for i in range(self.cfg.num_layers)]
         # KV: with tiers, a fixed pool inside the device tier's budget; without, sized per request
+        self.kv_settings = kv_settings(config, self.cfg, self.device)
         run_plan = plan_run(config, self.cfg, self.dtype, self.device)
         self.plan = run_plan.plan
         self.weights: WeightSource = TieredWeights(config, self.checkpoint, self.dtype, self.device,
@@ -135,11 +138,18 @@ class Runner:
             try:
                 nbytes = run_plan.kv_blocks * run_plan.kv_block_bytes
                 memory = self.weights.allocate_kv(nbytes) if config.tiers else None
-                self.kv = PagedKVCache(self.cfg, config.kv_cache.block_size, run_plan.kv_blocks, self.dtype,
-                                       self.device, memory=memory)
+                self.kv = self._make_kv(run_plan.kv_blocks, memory)
             except BaseException:
                 self.weights.close()
                 raise
+
+    def _make_kv(self, gpu_blocks: int, memory: torch.Tensor | None = None) -> PagedKVCache:
+        s = dataclasses.replace(self.kv_settings, gpu_blocks=gpu_blocks)
+        disk = self.config.tiers.disk if self.config.tiers else None
+        return PagedKVCache(self.cfg, s.block_size, gpu_blocks, self.dtype, self.device, memory=memory, settings=s,
+                            disk_dir=disk.path / "kv-scratch" if disk is not None and s.disk_blocks else None,
+                            pin_memory=self.device.type == "cuda", timeline=self.timeline, rope=self.rope,
+                            page_cache=bool(disk and disk.page_cache))
 
     @classmethod
     def from_config(cls, source: str | Path | Mapping[str, Any] | OffloadConfig) -> Runner:
@@ -148,6 +158,8 @@ class Runner:
 
     def close(self) -> None:
         self.weights.close()
+        if self.kv is not None:
+            self.kv.close()
         self.kv = None
 
     def __enter__(self) -> Runner:
@@ -165,15 +177,21 @@ class Runner:
         kv = self._kv()
         layout, step = kv.prepare(sids, [len(t) for t in tokens])
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
+        cold = any(g.tier != "gpu" for g in step.groups)
         try:
+            if cold:  # each layer's cold KV rides with that layer's weights
+                self.weights.submit_side({g: functools.partial(kv.fetch_cold, i, step)
+                                          for i, g in enumerate(self._layer_groups)})
             x = self.weights.embed(ids)  # [N, H]
             cos_sin = self.rope(layout.positions)
+            rope_table = self.rope if self.kv_settings.restore == "recompute" else None
             tl = self.timeline
             for i, group in enumerate(self._layer_groups):
                 w = M.LayerWeights.from_views(self.weights.acquire(group))
+                view = kv.view(i, layout, step, self.weights.side_result(group) if cold else None)
                 with tl.range(f"offload/compute/{group}"):
-                    x = M.decoder_layer(x, w, kv.view(i, layout, step), layout, cos_sin, self.cfg,
-                                        self.cfg.sliding_windows[i])
+                    x = M.decoder_layer(x, w, view, layout, cos_sin, self.cfg, self.cfg.sliding_windows[i],
+                                        rope_table)
                 self.weights.release(group)
             if not all_logits:
                 x = x[layout.last_token_rows()]
@@ -198,8 +216,10 @@ class Runner:
             assert self.kv is not None
             return self.kv
         if self.kv is None or self.kv.pool.num_blocks < blocks_needed:
+            if self.kv is not None:
+                self.kv.close()
             self.kv = None  # drop the old pool before allocating the new one
-            self.kv = PagedKVCache(self.cfg, self.config.kv_cache.block_size, blocks_needed, self.dtype, self.device)
+            self.kv = self._make_kv(blocks_needed)
         return self.kv
 
     # -- public API ---------------------------------------------------------------------------
@@ -269,12 +289,15 @@ class Runner:
         seed: int | None = None,
         stop_on_eos: bool = True,
         on_token: TokenCallback | None = None,
+        num_samples: int = 1,
     ) -> list[GenerationResult]:
         """Generate up to `max_new_tokens` for each prompt (strings or token-id lists).
 
-        Prompts are admitted while their worst-case KV (prompt + max_new_tokens) fits the block
-        pool, the rest wait for blocks to free up; each prompt's tokens are the same as if it
-        ran alone. Sampling uses one generator per prompt, seeded `seed + index`.
+        Prompts are admitted while their worst-case KV (prompt + max_new_tokens, for every sample)
+        fits the KV cache; the rest wait for blocks to free up; each prompt's tokens are the same
+        as if it ran alone. With `num_samples=n` a prompt is prefilled once and its n samples
+        share the prompt's KV blocks copy-on-write; results are prompt-major (prompt i, sample s
+        at index i * n + s). Output o samples from its own generator, seeded `seed + o`.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -282,58 +305,78 @@ class Runner:
             raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if not 0 < top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
+        if num_samples < 1:
+            raise ConfigError(f"num_samples must be at least 1, got {num_samples}")
+        n = num_samples
         encoded = [self.encode(p) for p in prompts]
-        need = [self._blocks(len(p) + max_new_tokens) for p in encoded]
+        bs = self.config.kv_cache.block_size
+        per_sample = [self._blocks(len(p) + max_new_tokens) for p in encoded]
+        need = [b + (n - 1) * (b - len(p) // bs) for b, p in zip(per_sample, encoded)]  # shared full blocks
         kv = self._ensure_kv(sum(need))
-        for i, n in enumerate(need):
-            if kv.pool.can_allocate(n) is Admission.NEVER:
+        for i, blocks in enumerate(need):
+            if kv.logical.can_allocate(blocks) is Admission.NEVER:
                 raise CapacityError(
-                    f"prompt {i} needs {n} KV blocks ({len(encoded[i])} + {max_new_tokens} tokens) but the pool "
-                    f"holds {kv.pool.num_blocks}; raise kv_cache.gpu_blocks or lower max_new_tokens"
+                    f"prompt {i} needs {blocks} KV blocks ({len(encoded[i])} + {max_new_tokens} tokens"
+                    + (f", {n} samples" if n > 1 else "") + f") but the KV cache holds {kv.logical.num_blocks} in "
+                    "all tiers; raise kv_cache.gpu_blocks (or cpu_blocks / disk_blocks) or lower max_new_tokens"
                 )
-        gens = [None if seed is None else torch.Generator().manual_seed(seed + i) for i in range(len(encoded))]
+        outputs = len(encoded) * n
+        gens = [None if seed is None else torch.Generator().manual_seed(seed + o) for o in range(outputs)]
         eos = set(self.cfg.eos_token_ids) if stop_on_eos else set()
         stats = RunStats(prompt_tokens=sum(map(len, encoded)))
-        out: list[list[int]] = [[] for _ in encoded]
-        finish = [""] * len(encoded)
-        streams = [self.tokenizer.stream() if self.tokenizer and on_token else None for _ in encoded]
+        out: list[list[int]] = [[] for _ in range(outputs)]
+        finish = [""] * outputs
+        streams = [self.tokenizer.stream() if self.tokenizer and on_token else None for _ in range(outputs)]
         waiting = deque(range(len(encoded)))
-        running: dict[int, int] = {}  # prompt index -> sequence id
+        running: dict[int, int] = {}  # output index -> sequence id
+        pinned = -(-self.config.activations.prefill_chunk // bs) + 1  # device blocks one prefill pass writes
 
-        def emit(i: int, token: int) -> None:
-            out[i].append(token)
+        def emit(o: int, token: int) -> None:
+            out[o].append(token)
             if token in eos:
-                finish[i] = "eos"
-            elif len(out[i]) >= max_new_tokens:
-                finish[i] = "length"
+                finish[o] = "eos"
+            elif len(out[o]) >= max_new_tokens:
+                finish[o] = "length"
             if on_token is not None:
                 text = ""
-                if streams[i]:
-                    text = streams[i].push(token) + (streams[i].flush() if finish[i] else "")
-                on_token(i, token, text)
+                if streams[o]:
+                    text = streams[o].push(token) + (streams[o].flush() if finish[o] else "")
+                on_token(o, token, text)
 
         def retire() -> None:
-            for i in [i for i in running if finish[i]]:
-                kv.free_sequence(running.pop(i))
+            for o in [o for o in running if finish[o]]:
+                kv.free_sequence(running.pop(o))
+
+        def admissible(i: int) -> bool:
+            if kv.logical.can_allocate(need[i]) is not Admission.OK:
+                return False
+            # every running sequence pins its newest block on the device; a prefill pass writes more
+            return not running or len(running) + n + pinned <= kv.pool.num_blocks
 
         while waiting or running:
             admitted = []
-            while waiting and kv.pool.can_allocate(need[waiting[0]]) is Admission.OK:
+            while waiting and admissible(waiting[0]):
                 i = waiting.popleft()
-                sid = kv.add_sequence(reserve_tokens=len(encoded[i]) + max_new_tokens)  # worst case, up front
-                running[i] = sid
+                running[i * n] = kv.add_sequence(reserve_tokens=len(encoded[i]) + max_new_tokens)  # worst case
                 admitted.append(i)
             if admitted:
                 t0 = time.perf_counter()
                 last: dict[int, torch.Tensor] = {}
-                for chunk in self._prefill_chunks([running[i] for i in admitted], [encoded[i] for i in admitted]):
+                parents = [running[i * n] for i in admitted]
+                for chunk in self._prefill_chunks(parents, [encoded[i] for i in admitted]):
                     logits = self._forward([s for s, _, _ in chunk], [t for _, t, _ in chunk])
                     for row, (sid, _, _) in enumerate(chunk):
                         last[sid] = logits[row]  # the final pass of a prompt leaves its last-token logits
                     stats.prefill_passes += 1
-                rows = torch.stack([last[running[i]] for i in admitted])
-                for i, tok in zip(admitted, sample(rows, temperature, top_p, top_k, [gens[i] for i in admitted])):
-                    emit(i, tok)
+                firsts = []
+                for i in admitted:  # the samples share the prompt's blocks
+                    for s in range(1, n):
+                        running[i * n + s] = kv.fork(running[i * n], len(encoded[i]) + max_new_tokens)
+                    firsts += [(i * n + s, last[running[i * n]]) for s in range(n)]
+                rows = torch.stack([row for _, row in firsts])
+                picks = sample(rows, temperature, top_p, top_k, [gens[o] for o, _ in firsts])
+                for (o, _), tok in zip(firsts, picks):
+                    emit(o, tok)
                 stats.prefill_s += time.perf_counter() - t0
                 retire()
                 continue
@@ -341,9 +384,9 @@ class Runner:
                 raise AssertionError("nothing running and nothing admissible")  # NEVER was ruled out above
             order = list(running)
             t0 = time.perf_counter()
-            logits = self._forward([running[i] for i in order], [[out[i][-1]] for i in order])
-            for i, tok in zip(order, sample(logits, temperature, top_p, top_k, [gens[i] for i in order])):
-                emit(i, tok)
+            logits = self._forward([running[o] for o in order], [[out[o][-1]] for o in order])
+            for o, tok in zip(order, sample(logits, temperature, top_p, top_k, [gens[o] for o in order])):
+                emit(o, tok)
             dt = time.perf_counter() - t0
             stats.decode_s += dt
             stats.decode_steps += 1
@@ -353,7 +396,7 @@ class Runner:
         stats.generated_tokens = sum(map(len, out))
         self.last_stats = stats
         return [
-            GenerationResult(encoded[i], out[i], self.tokenizer.decode(out[i]) if self.tokenizer else "",
-                             finish[i], stats)
-            for i in range(len(encoded))
+            GenerationResult(encoded[o // n], out[o], self.tokenizer.decode(out[o]) if self.tokenizer else "",
+                             finish[o], stats)
+            for o in range(outputs)
         ]

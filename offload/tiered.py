@@ -18,7 +18,8 @@ import torch
 from offload.checkpoint import Checkpoint, ModelConfig
 from offload.config import OffloadConfig, TiersConfig
 from offload.convert import open_store
-from offload.kv_cache import PagedKVCache
+from offload.kv_cache import PagedKVCache, kv_settings
+from offload.kv_tiers import ColdFormat
 from offload.weights import embedding_source, fill_group, model_layouts
 from schedulers.placement import Capacities, GroupSpec, Plan, make_plan
 from schedulers.prefetch import Prefetcher
@@ -79,8 +80,12 @@ class Planner:
                  caps: Capacities | None = None) -> None:
         self.config, self.cfg, self.dtype, self.device = config, cfg, dtype, device
         kv_cfg = config.kv_cache
-        self.block_bytes = PagedKVCache.block_nbytes(cfg, kv_cfg.block_size, dtype)
+        self.kv = kv_settings(config, cfg, device)
+        self.block_bytes = PagedKVCache.block_nbytes(cfg, kv_cfg.block_size, dtype, self.kv.restore)
         self.kv_blocks = kv_cfg.gpu_blocks or (-(-AUTO_KV_TOKENS // kv_cfg.block_size) if config.tiers else 0)
+        cold = ColdFormat.for_config(cfg, kv_cfg.block_size, dtype, self.kv.quantization, self.kv.restore)
+        self.kv_cpu_bytes = kv_cfg.cpu_blocks * cold.block_nbytes(cfg.num_layers)
+        self.kv_disk_bytes = kv_cfg.disk_blocks * cold.block_nbytes(cfg.num_layers)
         self.caps = caps or resolve_capacities(config.tiers, device)
         self.groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"))
                        for name, layout in model_layouts(cfg, dtype).items()]
@@ -88,7 +93,8 @@ class Planner:
 
     def plan(self, caps: Capacities, depth: int) -> Plan:
         return make_plan(self.groups, caps, depth, kv_bytes=self.kv_blocks * self.block_bytes,
-                         workspace_bytes=self.workspace, copy_to_device=self.device.type == "cuda")
+                         workspace_bytes=self.workspace, copy_to_device=self.device.type == "cuda",
+                         host_reserve=self.kv_cpu_bytes, disk_reserve=self.kv_disk_bytes)
 
     def choose_depth(self, cal, work) -> tuple[int, str]:
         """The depth (0..6) with the fastest predicted decode step; ties go to the smaller ring."""
@@ -236,6 +242,12 @@ class TieredWeights:
 
     def abort_pass(self) -> None:
         self.prefetcher.reset()
+
+    def submit_side(self, jobs) -> None:
+        self.prefetcher.submit_side(jobs)
+
+    def side_result(self, group: str):
+        return self.prefetcher.side_result(group)
 
     def served(self) -> dict[str, int]:
         """Bytes of weights each home tier handed to compute so far (in place, copied or read)."""

@@ -64,6 +64,8 @@ class Plan:
     reserved_gpu: dict[str, int] = field(default_factory=dict)  # kv, workspace, ring
     rows_only: frozenset[str] = frozenset()
     lent: int = 0  # device capacity lent to the host tier (a CPU compute device: the same RAM)
+    host_reserve: int = 0  # host bytes kept for other uses (cold KV blocks)
+    disk_reserve: int = 0  # disk bytes kept for other uses (the KV slot file)
 
     def capacity(self, tier: str) -> int | None:
         """A tier's capacity under this plan (the host's includes what the device lent it)."""
@@ -99,8 +101,8 @@ class Plan:
         if tier == "gpu":
             return homed + sum(self.reserved_gpu.values())
         if tier == "cpu":
-            return homed + self.stage_slots * self.stage_slot_bytes
-        return sum(self.sizes.values())  # the store holds every group
+            return homed + self.stage_slots * self.stage_slot_bytes + self.host_reserve
+        return sum(self.sizes.values()) + self.disk_reserve  # the store holds every group
 
     def bytes_per_step(self) -> dict[str, int]:
         """Bytes each link moves per forward pass (rows-only reads are a few rows and not counted)."""
@@ -126,8 +128,12 @@ class Plan:
         if extras:
             ring = f" ({self.ring_slots} ring slots x {_gib(self.ring_slot_bytes)})" if self.ring_slots else ""
             lines.append(f"  gpu reserves: {', '.join(extras)}{ring}")
-        if self.stage_slots:
-            lines.append(f"  cpu reserves: staging {self.stage_slots} x {_gib(self.stage_slot_bytes)}")
+        host = ([f"staging {self.stage_slots} x {_gib(self.stage_slot_bytes)}"] if self.stage_slots else []) + (
+            [f"cold KV blocks {_gib(self.host_reserve)}"] if self.host_reserve else [])
+        if host:
+            lines.append(f"  cpu reserves: {', '.join(host)}")
+        if self.disk_reserve:
+            lines.append(f"  disk reserves: KV slot file {_gib(self.disk_reserve)}")
         if self.lent:
             lines.append(f"  the gpu tier lends its unused {_gib(self.lent)} to the cpu tier (on a CPU device they "
                          "are the same RAM)")
@@ -183,7 +189,9 @@ def _fill(candidates: list[str], sizes: dict[str, int], budget: int) -> list[str
 
 
 def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_bytes: int = 0,
-              workspace_bytes: int = 0, copy_to_device: bool = True) -> Plan:
+              workspace_bytes: int = 0, copy_to_device: bool = True, host_reserve: int = 0,
+              disk_reserve: int = 0) -> Plan:
+    """`host_reserve` / `disk_reserve`: bytes the host and disk tiers keep for other uses (cold KV blocks)."""
     order = tuple(g.name for g in groups)
     sizes = {g.name: g.nbytes for g in groups}
     rows = frozenset(g.name for g in groups if g.rows_only)
@@ -200,7 +208,7 @@ def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_byte
         n_stage = STAGE_SLOTS if copy_to_device and any(p.route(g)[0] == "disk" for g in p.streamed) else 0
         reserved["ring"] = n_ring * slot
         return Plan(order, sizes, homes, depth, n_ring, slot if n_ring else 0, n_stage, stage if n_stage else 0,
-                    copy_to_device, caps, reserved, rows, lent)
+                    copy_to_device, caps, reserved, rows, lent, host_reserve, disk_reserve)
 
     # everything on the device?
     if gpu_cap is None or total + fixed <= gpu_cap:
@@ -234,7 +242,10 @@ def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_byte
     # the host: rows-only groups first when there is no disk to take them, then the streamable rest;
     # two pinned staging slots come off the top when disk-homed groups must be copied to a CUDA device
     rest = ([] if caps.has_disk else sorted(rows)) + [g for g in stream if g not in homes]
-    cpu_cap = None if caps.cpu is None else caps.cpu + lent
+    cpu_cap = None if caps.cpu is None else caps.cpu + lent - host_reserve
+    if cpu_cap is not None and cpu_cap < 0:
+        raise CapacityError(f"the cpu tier ({_gib(caps.cpu)}) cannot hold the cold KV blocks ({_gib(host_reserve)}); "
+                            "raise tiers.cpu.capacity or lower kv_cache.cpu_blocks")
     stage = 0
     if cpu_cap is not None and sum(sizes[g] for g in rest) > cpu_cap:
         stage = slot if (copy_to_device and caps.has_disk) else 0
@@ -255,9 +266,10 @@ def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_byte
     for g in rows:  # rows-only groups go to the slowest tier there is
         homes.setdefault(g, "disk")
     result = plan(homes, slot, stage, lent)
-    if caps.has_disk and caps.disk is not None and total > caps.disk:
+    if caps.has_disk and caps.disk is not None and total + disk_reserve > caps.disk:
         raise CapacityError(
-            f"the store needs {_gib(total)} but tiers.disk.capacity is {_gib(caps.disk)}; raise it to at least "
-            f"{_gib(total)}"
+            f"the store{' and the KV slot file' if disk_reserve else ''} need{'' if disk_reserve else 's'} "
+            f"{_gib(total + disk_reserve)} but "
+            f"tiers.disk.capacity is {_gib(caps.disk)}; raise it to at least {_gib(total + disk_reserve)}"
         )
     return result

@@ -28,7 +28,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -104,6 +106,9 @@ class Prefetcher:
 
     def release(self, group: str) -> None:
         load, start, start_marker = self._current.pop(group)
+        with self._cond:
+            self._side_progress = getattr(self, "_side_progress", 0) + 1
+            self._cond.notify_all()
         done = self.engine.mark_compute()
         self._record_compute(group, start, start_marker, done, load)
         if load is None:
@@ -117,6 +122,58 @@ class Prefetcher:
             self._cond.notify_all()
         self._free_marker[load.slot] = done
         self._slot_free[load.slot].set()
+
+    # -- side jobs: per-pass work that rides with the weights (cold KV for each layer) --------------
+    def submit_side(self, jobs: dict[str, Callable[[], tuple[Any, int]]], track: str = "kv-fetch") -> None:
+        """Jobs for the coming pass, keyed by group. A side thread runs them in pass order, at most
+        `depth + 1` groups ahead of compute; each returns (result, bytes moved) and becomes a span."""
+        self.join_side()
+        with self._cond:
+            self._side_results: dict[str, tuple[Any, BaseException | None]] = {}
+            self._side_progress = 0
+        order = [g for g in self.plan.order if g in jobs]
+        computed = [g for g in self.plan.order if g not in self.plan.rows_only]  # every one is acquired, released
+        position = {g: i for i, g in enumerate(computed)}
+        step = self.timeline.step
+
+        def run() -> None:
+            for g in order:
+                with self._cond:  # do not run further ahead than the ring would
+                    while self._side_progress < position[g] - self.plan.depth - 1 and not self._stop:
+                        self._cond.wait()
+                if self._stop:
+                    return
+                try:
+                    start = self.timeline.now()
+                    result, nbytes = jobs[g]()
+                    self.timeline.add(track, g, start, self.timeline.now(), nbytes=nbytes, step=step)
+                    self._count(track, nbytes)
+                    outcome = (result, None)
+                except BaseException as e:  # handed to compute
+                    outcome = (None, e)
+                with self._cond:
+                    self._side_results[g] = outcome
+                    self._cond.notify_all()
+                if outcome[1] is not None:
+                    return
+
+        self._side_thread = threading.Thread(target=run, name="offload-side", daemon=True)
+        self._side_thread.start()
+
+    def side_result(self, group: str) -> Any:
+        with self._cond:
+            while group not in self._side_results:
+                self._cond.wait()
+            result, error = self._side_results.pop(group)
+        if error is not None:
+            raise error
+        return result
+
+    def join_side(self) -> None:
+        t = getattr(self, "_side_thread", None)
+        if t is not None:
+            t.join()
+            self._side_thread = None
 
     def _count_resident(self) -> None:
         self.timeline.count("bytes resident", gpu=self._homed["gpu"] + self._in_ring, cpu=self._homed["cpu"])
@@ -264,6 +321,7 @@ class Prefetcher:
         with self._cond:
             events = list(self._staged_events.values())
             self._cond.notify_all()
+        self.join_side()
         for e in self._slot_free + self._stage_free + events:
             e.set()
         for t in self._threads:

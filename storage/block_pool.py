@@ -1,9 +1,10 @@
 """A fixed pool of equally shaped blocks in one tier: the free list and reference counts.
 
-Blocks are allocated once, as one tensor `[num_blocks, *block_shape]`, and handed out by
-index. The pool is the only owner of the free list and the reference counts (several
-sequences may share a block copy-on-write), so nothing else can free a block twice or leak
-one. It is shaped as a FIFO free queue so a freed block is reused as late as possible.
+Blocks are allocated once, as one tensor `[num_blocks, *block_shape]` (or kept elsewhere,
+with an empty `block_shape`: then the pool is bookkeeping only), and handed out by index.
+The pool is the only owner of the free list and the reference counts (several sequences
+may share a block copy-on-write), so nothing else can free a block twice or leak one. It is
+shaped as a FIFO free queue so a freed block is reused as late as possible.
 It knows block shapes and bytes, never what a block means.
 """
 
@@ -31,8 +32,8 @@ class BlockPool:
     def __init__(
         self,
         num_blocks: int,
-        block_shape: tuple[int, ...],
-        dtype: torch.dtype,
+        block_shape: tuple[int, ...] = (),
+        dtype: torch.dtype = torch.uint8,
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
         memory: torch.Tensor | None = None,
@@ -43,7 +44,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_shape = tuple(block_shape)
         shape = (num_blocks, *self.block_shape)
-        if memory is None:
+        if not self.block_shape:  # bookkeeping only: the blocks' bytes live elsewhere
+            self.data = None
+        elif memory is None:
             self.data = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         else:
             n = math.prod(shape) * dtype.itemsize
@@ -54,7 +57,7 @@ class BlockPool:
 
     @property
     def block_nbytes(self) -> int:
-        return self.data[0].numel() * self.data.element_size()
+        return 0 if self.data is None else self.data[0].numel() * self.data.element_size()
 
     @property
     def num_free(self) -> int:
@@ -82,13 +85,16 @@ class BlockPool:
             assert self._refs[i] > 0, f"block {i} is free"
             self._refs[i] += 1
 
-    def free(self, ids: Iterable[int]) -> None:
-        """Drop one reference to each block; a block with no references returns to the pool."""
+    def free(self, ids: Iterable[int]) -> list[int]:
+        """Drop one reference to each block; those left with none return to the pool (and are returned)."""
+        released = []
         for i in ids:
             assert self._refs[i] > 0, f"block {i} freed twice"
             self._refs[i] -= 1
             if self._refs[i] == 0:
                 self._free.append(i)
+                released.append(i)
+        return released
 
     def refcount(self, block: int) -> int:
         return self._refs[block]

@@ -53,15 +53,19 @@ def test_tokens_land_in_their_block_and_offset_and_read_back_in_order():
     k = torch.arange(9, dtype=torch.float32)[:, None, None].expand(9, 1, 8).clone()
     view = kv.view(1, layout, step)
     view.write(k, -k)
+    data = kv.stores["gpu"].arrays["kv"].data  # [layers, slots, 2, block_size, kv_heads, head_dim]
     # block table of a: 2 blocks; token 5 -> block 1, offset 1
-    blocks_a = kv.seqs[a].blocks
-    assert len(blocks_a) == 2 and len(kv.seqs[b].blocks) == 1
-    assert kv.pool.data[blocks_a[1], 1, 0, 1, 0, 0] == 5
-    assert kv.pool.data[kv.seqs[b].blocks[0], 1, 1, 2, 0, 0] == -8
-    [(keys, values, mask)] = view.groups(window=None)
-    assert keys.shape == (2, 8, 1, 8)
-    assert keys[0, :6, 0, 0].tolist() == [0, 1, 2, 3, 4, 5]
-    assert keys[1, :3, 0, 0].tolist() == [6, 7, 8]
+    blocks_a = [kv.blocks[bid].slot for bid in kv.seqs[a].blocks]
+    blocks_b = [kv.blocks[bid].slot for bid in kv.seqs[b].blocks]
+    assert len(blocks_a) == 2 and len(blocks_b) == 1
+    assert data[1, blocks_a[1], 0, 1, 0, 0] == 5
+    assert data[1, blocks_b[0], 1, 2, 0, 0] == -8
+    [group] = step.groups
+    assert group.tier == "gpu" and group.cols == 2
+    assert group.positions[0].tolist() == list(range(8))
+    assert group.valid[0].tolist() == [True] * 6 + [False] * 2
+    assert group.valid[1].tolist() == [True] * 3 + [False] * 5
+    mask = layout.mask(group.positions, group.valid, None)
     # causal: query 2 of a (position 2) sees keys 0..2 only; padding keys of b are never visible
     assert mask[0, 2].tolist() == [True] * 3 + [False] * 5
     assert mask[1, 2].tolist() == [True] * 3 + [False] * 5
@@ -76,7 +80,8 @@ def test_decode_step_positions_and_sliding_window_mask():
     kv.prepare([s], [9])
     layout, step = kv.prepare([s], [1])
     assert layout.positions.tolist() == [9] and layout.kv_lens == [10]
-    mask = layout.mask(step.key_positions, step.key_valid, window=3)
+    [group] = step.groups
+    mask = layout.mask(group.positions, group.valid, window=3)
     # position 9 with a window of 3 sees positions 7, 8, 9 (q - k < window)
     assert mask[0, 0].nonzero().flatten().tolist() == [7, 8, 9]
 

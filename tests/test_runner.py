@@ -136,5 +136,5 @@ def test_garbage_in_fresh_kv_memory_never_reaches_the_tokens(tiny_llama, runner)
     """A pool laid over uninitialised tier memory may hold NaN bit patterns; blocks are zeroed when handed out."""
     ref = [r.token_ids for r in runner.generate(PROMPTS, max_new_tokens=8, stop_on_eos=False)]
     with Runner.from_config(run_config(tiny_llama, kv_cache={"gpu_blocks": 16})) as r:
-        r.kv.pool.data.fill_(float("nan"))
+        r.kv.stores["gpu"].arrays["kv"].data.fill_(float("nan"))
         assert [x.token_ids for x in r.generate(PROMPTS, max_new_tokens=8, stop_on_eos=False)] == ref
