@@ -263,7 +263,8 @@ class PagedKVCache:
         """Make room and blocks for `q_lens[b]` new tokens of each sequence; index tensors for the step."""
         bs = self.block_size
         now = self.clock()
-        protected = {seq.blocks[-1] for seq in self.seqs.values() if seq.blocks}  # newest blocks stay on device
+        # the newest block of a running sequence stays on the device while tokens are still appended to it
+        protected = {seq.blocks[-1] for seq in self.seqs.values() if seq.blocks and seq.length % bs}
         copies, fresh = [], 0
         for sid, n in zip(sids, q_lens):
             seq = self.seqs[sid]
@@ -288,7 +289,7 @@ class PagedKVCache:
                 bid = seq.reserved.pop() if seq.reserved else self.logical.allocate(1)[0]
                 slot = gpu.allocate(1)[0]
                 for arr in self.stores["gpu"].arrays.values():  # padded key slots are multiplied by zero
-                    arr.data[:, slot] = 0  # weights, and 0 * NaN from stale memory would poison a row
+                    arr.clear(slot)  # weights, and 0 * NaN from stale memory would poison a row
                 self.blocks[bid] = Block("gpu", slot, now)
                 seq.blocks.append(bid)
                 protected.add(bid)

@@ -89,6 +89,11 @@ class MemorySlots(SlotArray):
         self.data[:, slot] = values.to(self.device, non_blocking=True)
         self._valid[slot] = 1
 
+    def clear(self, slot: int) -> None:
+        """Zero a slot and count it as written (it is then filled in place, a token at a time)."""
+        self.data[:, slot] = 0
+        self._valid[slot] = 1
+
     def read(self, slot: int) -> torch.Tensor:
         self._check([slot])
         return self.data[:, slot]

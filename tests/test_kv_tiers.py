@@ -1,0 +1,251 @@
+"""The KV cache across tiers: exact tokens with KV far beyond the device, policies, int8, sharing, disk slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.checkpoint import ModelConfig
+from offload.errors import ConfigError
+from offload.kv_cache import KVSettings, PagedKVCache
+from offload.kv_tiers import dequantize_int8, quantize_int8
+from offload.model import attend_group
+from offload.runner import Runner
+from schedulers.eviction import Candidate, Idle, make_policy
+from storage.slots import DiskSlots, MemorySlots
+from tests.conftest import run_config
+
+PROMPTS = [list(range(1, 91)), list(range(200, 260))]  # 90 and 60 tokens
+NEW = 80  # 11 + 9 = 20 blocks of 16 tokens: 4x the 4 + 1 blocks of the device and the host
+
+
+@pytest.fixture(scope="module")
+def small(model_factory):
+    return model_factory("llama", "small")  # float32
+
+
+@pytest.fixture(scope="module")
+def reference(small):
+    with Runner.from_config(run_config(small, activations={"prefill_chunk": 16})) as r:
+        return [x.token_ids for x in r.generate(PROMPTS, max_new_tokens=NEW, stop_on_eos=False)]
+
+
+def tiered(model, tmp_path, **kv):
+    settings = {"gpu_blocks": 4, "cpu_blocks": 1, "disk_blocks": 64} | kv
+    restore = settings.pop("restore", "transfer")
+    return run_config(model, tiers={"gpu": {"capacity": "1GiB"}, "cpu": {"capacity": "256MiB"},
+                                    "disk": {"path": str(tmp_path / "store")}},
+                      kv_cache=settings, activations={"prefill_chunk": 16, "kv_restore": restore})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", [
+    {"eviction": "lru"},
+    {"eviction": "attention"},
+    {"eviction": "idle", "idle_seconds": 0.0},
+    {"eviction": "lru", "cpu_attention": True},
+    {"eviction": "lru", "restore": "recompute"},
+    {"eviction": "attention", "restore": "recompute", "cpu_attention": True},
+], ids=["lru", "attention", "idle", "cpu-attention", "recompute", "recompute-cpu-attention"])
+def test_kv_four_times_the_device_and_host_gives_the_device_tokens(small, tmp_path, reference, kv):
+    with Runner.from_config(tiered(small, tmp_path, **kv)) as r:
+        cache = r.kv
+        need = sum(cache.blocks_for(len(p) + NEW) for p in PROMPTS)
+        assert need >= 4 * (cache.pools["gpu"].num_blocks + cache.pools["cpu"].num_blocks)
+        got = [x.token_ids for x in r.generate(PROMPTS, max_new_tokens=NEW, stop_on_eos=False)]
+        moved = dict(cache.moved)
+        fetched = r.timeline.bytes_on("kv-fetch")
+    assert got == reference
+    assert moved.get("gpu->cpu", 0) > 0 and moved.get("cpu->disk", 0) > 0  # blocks really went down two tiers
+    assert fetched > 0  # and cold blocks were read back each step
+
+
+def test_restore_auto_picks_the_smaller_format(small, tmp_path):
+    with Runner.from_config(tiered(small, tmp_path, restore="auto")) as r:
+        # small llama: hidden 768 > 2 x 256 (K and V of 4 KV heads): keeping K/V is fewer bytes
+        assert r.kv_settings.restore == "transfer"
+
+
+def test_int8_with_recompute_is_refused(small, tmp_path):
+    with pytest.raises(ConfigError, match="int8 applies to K/V"):
+        Runner.from_config(tiered(small, tmp_path, restore="recompute", quantization="int8"))
+
+
+# ----------------------------------------------------------------------------- policies
+def cands(*rows):
+    return [Candidate(b, t, m) for b, t, m in rows]
+
+
+def test_lru_evicts_the_least_recently_touched():
+    assert make_policy("lru").choose(cands((1, 5.0, 0), (2, 1.0, 9), (3, 3.0, 0)), 2) == [2, 3]
+
+
+def test_attention_evicts_the_lowest_mass():
+    assert make_policy("attention").choose(cands((1, 5.0, 0.2), (2, 1.0, 9.0), (3, 3.0, 0.1)), 2) == [3, 1]
+
+
+def test_idle_evicts_blocks_untouched_for_idle_seconds_first():
+    now = [100.0]
+    policy = Idle(30.0, clock=lambda: now[0])
+    rows = cands((1, 95.0, 0), (2, 60.0, 0), (3, 65.0, 0), (4, 99.0, 0))
+    assert policy.choose(rows, 2) == [2, 3]  # idle for 40 s and 35 s; 1 and 4 are not idle
+    assert policy.order(rows) == [2, 3, 1, 4]
+    now[0] = 92.0  # block 2 idle for 32 s: the only idle one goes first, however recent the others
+    rows = cands((1, 70.0, 0), (2, 60.0, 0), (3, 65.0, 0))
+    assert policy.order(rows)[0] == 2 and Idle(30.0, clock=lambda: 200.0).order(rows) == [2, 3, 1]
+
+
+CFG = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 16, "num_attention_heads": 2,
+                             "num_key_value_heads": 1, "num_hidden_layers": 2, "intermediate_size": 32,
+                             "vocab_size": 50})
+
+
+def test_the_newest_block_of_a_running_sequence_is_never_demoted(tmp_path):
+    clock = [0.0]
+    kv = PagedKVCache(CFG, 4, 2, torch.float32, "cpu", settings=KVSettings(block_size=4, gpu_blocks=2, cpu_blocks=8),
+                      clock=lambda: clock[0])
+    a, b = kv.add_sequence(), kv.add_sequence()
+    kv.prepare([a], [4])  # a: block 0 full
+    clock[0] = 1.0
+    kv.prepare([b], [2])  # b: its newest block
+    clock[0] = 2.0
+    kv.prepare([a], [1])  # a needs a second block: the device has 2; a victim must go
+    newest = {kv.seqs[a].blocks[-1], kv.seqs[b].blocks[-1]}
+    assert all(kv.blocks[bid].tier == "gpu" for bid in newest)
+    assert kv.blocks[kv.seqs[a].blocks[0]].tier == "cpu"  # a's full first block was the one to leave
+
+
+def test_attention_mass_comes_from_attention(small, tmp_path):
+    with Runner.from_config(tiered(small, tmp_path, eviction="attention")) as r:
+        r.generate([PROMPTS[0][:40]], max_new_tokens=4, stop_on_eos=False)
+        # (blocks are freed with their sequence, so look during a run)
+        cache = r.kv
+        sid = cache.add_sequence(reserve_tokens=40)
+        r._forward([sid], [PROMPTS[0][:40]])
+        masses = [cache.blocks[b].mass for b in cache.seqs[sid].blocks]
+        cache.free_sequence(sid)
+    assert all(m > 0 for m in masses)
+    # every query's probabilities sum to one over the blocks it sees: the masses add up to heads x queries x layers
+    assert sum(masses) == pytest.approx(40 * r.cfg.num_heads * r.cfg.num_layers, rel=1e-3)
+
+
+# ----------------------------------------------------------------------------- int8
+def test_int8_kv_error_and_bytes(model_factory, tmp_path):
+    model = model_factory("llama", "small", dtype="bfloat16")
+    cfg = lambda q: run_config(model, dtype="bfloat16", **{k: v for k, v in tiered(model, tmp_path, quantization=q)
+                                                            .items() if k not in ("model", "dtype")})
+    per_step = {}
+    for q in ("none", "int8"):
+        with Runner.from_config(cfg(q)) as r:
+            r.generate(PROMPTS[:1], max_new_tokens=40, stop_on_eos=False)
+            stats = r.last_stats
+            steps = range(r.timeline.step - stats.decode_steps, r.timeline.step)
+            fetched = sum(s.nbytes for s in r.timeline.on("kv-fetch") if s.step in steps)
+            per_step[q] = fetched / stats.decode_steps
+    ratio = per_step["int8"] / per_step["none"]
+    assert 0.45 < ratio < 0.55, f"int8 moved {ratio:.3f} of the bf16 bytes per step"
+
+    assert int8_attention_error(model_factory("llama", "small")) <= 1e-2
+
+
+def int8_attention_error(model) -> float:
+    """Worst relative error, over the layers, of attention with int8 K/V against float K/V: the model's own
+    queries over the model's own keys and values for an 80-token prompt (float32)."""
+    from offload import model as M
+
+    queries = {}
+    original = M.attention
+
+    def capture(q, kv, layout, window, scale, restore=None):
+        queries[kv.layer] = q.clone()
+        return original(q, kv, layout, window, scale, restore)
+
+    with Runner.from_config(run_config(model, activations={"prefill_chunk": 128})) as r:
+        cache = r._ensure_kv(16)
+        sid = cache.add_sequence()
+        M.attention = capture
+        try:
+            r._forward([sid], [PROMPTS[0][:80]])
+        finally:
+            M.attention = original
+        slots = [cache.blocks[b].slot for b in cache.seqs[sid].blocks]
+        data = cache.stores["gpu"].arrays["kv"].data[:, slots].clone()  # [layers, 5, 2, 16, kv_heads, head_dim]
+        cache.free_sequence(sid)
+    pos = torch.arange(80)
+    mask = pos[None, :, None] >= pos[None, None, :]
+    errors = []
+    for layer, kv in enumerate(data):
+        q8, scale = quantize_int8(kv)
+        back = dequantize_int8(q8, scale, torch.float32)
+        split = lambda x: (x[:, 0].reshape(1, -1, *x.shape[-2:]), x[:, 1].reshape(1, -1, *x.shape[-2:]))  # noqa
+        (k, v), (k8, v8) = split(kv), split(back)
+        d = kv.shape[-1] ** -0.5
+        ref, _, _ = attend_group(queries[layer][None], k, v, mask, d)
+        got, _, _ = attend_group(queries[layer][None], k8, v8, mask, d)
+        errors.append(((got - ref).norm() / ref.norm()).item())
+    return max(errors)
+
+
+# ----------------------------------------------------------------------------- sharing
+def test_four_samples_of_a_512_token_prompt_share_its_blocks(small):
+    prompt = [1] + list(range(3, 514))  # 512 tokens = 32 full blocks
+    # 32 prompt blocks + 4 samples x 1 block for their 8 new tokens: 36; unshared it would be 4 x 33 = 132
+    with Runner.from_config(run_config(small, kv_cache={"gpu_blocks": 40}, activations={"prefill_chunk": 128})) as r:
+        seen = {}
+        original = r._forward
+
+        def spy(sids, toks, **kw):
+            out = original(sids, toks, **kw)
+            if len(sids) == 4:  # a decode step of the four samples
+                cache = r.kv
+                prompt_blocks = cache.seqs[sids[0]].blocks[:32]
+                seen["shared"] = all(cache.seqs[s].blocks[:32] == prompt_blocks for s in sids)
+                seen["refs"] = {cache.logical.refcount(b) for b in prompt_blocks}
+                seen["materialised"] = len(cache.blocks)
+            return out
+
+        r._forward = spy
+        greedy = r.generate([prompt], max_new_tokens=8, stop_on_eos=False, num_samples=4)
+        sampled = r.generate([prompt], max_new_tokens=8, temperature=1.0, seed=3, stop_on_eos=False,
+                             num_samples=4)
+        [alone] = r.generate([prompt], max_new_tokens=8, stop_on_eos=False)
+    assert seen == {"shared": True, "refs": {4}, "materialised": 36}
+    assert all(x.token_ids == alone.token_ids for x in greedy)  # sharing changes nothing
+    assert len({tuple(x.token_ids) for x in sampled}) > 1  # each sample draws its own tokens
+
+
+# ----------------------------------------------------------------------------- admission
+def test_admission_answers_ok_later_never(small):
+    with Runner.from_config(run_config(small, kv_cache={"gpu_blocks": 12}, activations={"prefill_chunk": 16})) as r:
+        cache = r._ensure_kv(12)
+        from storage.block_pool import Admission
+        assert cache.admit(100) is Admission.OK
+        sid = cache.add_sequence(reserve_tokens=150)  # 10 of the 12 blocks reserved
+        assert cache.admit(100) is Admission.LATER
+        assert cache.admit(1000) is Admission.NEVER
+        cache.free_sequence(sid)
+        assert cache.admit(100) is Admission.OK
+
+
+# ----------------------------------------------------------------------------- the disk slot file
+def test_disk_slots_round_trip_and_read_planes_in_runs(tmp_path, monkeypatch):
+    import zarr
+    disk = DiskSlots(tmp_path, "kv", planes=3, slots=10, slot_shape=(2, 4), dtype=torch.float32)
+    mem = MemorySlots(3, 10, (2, 4), torch.float32)
+    writes = []
+    monkeypatch.setattr(zarr.Array, "__setitem__", lambda *a, **k: writes.append(a))  # never a zarr write
+    g = torch.Generator().manual_seed(0)
+    for slot in (1, 2, 3, 7):
+        block = torch.randn(3, 2, 4, generator=g)
+        disk.write(slot, block)
+        mem.write(slot, block)
+    assert writes == []
+    assert torch.equal(disk.read(7), mem.read(7))
+    assert torch.equal(disk.read_plane(2, [7, 1, 2, 3]), mem.read_plane(2, [7, 1, 2, 3]))
+    from storage.errors import StoreError
+    with pytest.raises(StoreError, match="read before it was written"):
+        disk.read_plane(0, [5])
+    meta = zarr.open_array(str(tmp_path / "kv"), mode="r")
+    assert meta.shape == (3, 10, 32) and meta.attrs["dtype"] == "float32"
+    disk.close()
+    assert not disk.path.exists()  # scratch: removed with the cache
