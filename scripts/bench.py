@@ -119,7 +119,11 @@ def worker_offload(spec: dict) -> dict:
 
         disk_busy = busy_time([s for s in r.timeline.on("disk-read") if s.step in decode_steps])
         compute = sum(s.duration for s in r.timeline.on("compute") if s.step in decode_steps)
+        kv_spans = [s for s in r.timeline.on("kv-fetch") if s.step in decode_steps]
         out = {
+            "kv_fetch_bytes_per_step": sum(s.nbytes for s in kv_spans) / max(stats.decode_steps, 1),
+            "kv_fetch_busy_ms_per_step": 1000 * busy_time(kv_spans) / max(stats.decode_steps, 1),
+            "kv_blocks_moved": dict(r.kv.moved) if r.kv is not None else {},
             "ms_per_step": stats.decode_ms_per_step,
             "step_ms": stats.step_ms,
             "prefill_s": stats.prefill_s,
@@ -218,6 +222,52 @@ def ensure_store(model: Path, store: Path) -> None:
     from offload.convert import open_store
 
     open_store(Checkpoint(model), store, torch.bfloat16).close()
+
+
+KV_PROFILES = {
+    # the small model, a long context, the KV budget on device + host a quarter of what the batch needs
+    "full": dict(batch=4, prompt=1024, new=32, chunk=256),
+    "quick": dict(batch=2, prompt=96, new=6, chunk=32),
+}
+
+
+def bench_kv(out: Path, quick: bool, repeat: int) -> list[dict]:
+    """Decode with KV beyond the device and host: step time against its bound from the spans."""
+    prof = KV_PROFILES["quick" if quick else "full"]
+    model = ensure_model(out, "small")
+    store = out / "stores" / f"{model.name}"
+    ensure_store(model, store)
+    need = prof["batch"] * -(-(prof["prompt"] + prof["new"]) // 16)
+    quarter = need // 4
+    spec = {"batch": prof["batch"], "prompt": prof["prompt"], "new": prof["new"]}
+    common = {"model": str(model), "device": "cpu", "dtype": "bfloat16",
+              "activations": {"prefill_chunk": prof["chunk"]}}
+    cold = common | {"tiers": {"gpu": {"capacity": "2GiB"}, "cpu": {"capacity": "1GiB"},
+                               "disk": {"path": str(store)}},
+                     "kv_cache": {"block_size": 16, "gpu_blocks": quarter - quarter // 4, "cpu_blocks": quarter // 4,
+                                  "disk_blocks": need}}
+    rows = []
+    for quant in ("none", "int8"):
+        config = cold | {"kv_cache": cold["kv_cache"] | {"quantization": quant}}
+        runs = {"device": [], "tiered": []}
+        for _ in range(repeat):
+            runs["device"].append(run_worker("offload", spec | {"config": common}))
+            runs["tiered"].append(run_worker("offload", spec | {"config": config}))
+        device, tiered = median_run(runs["device"]), median_run(runs["tiered"])
+        bound = max(tiered["compute_ms_per_step"], tiered["kv_fetch_busy_ms_per_step"])
+        rows.append({
+            "quantization": quant, "batch": prof["batch"], "context": prof["prompt"] + prof["new"],
+            "kv_blocks_needed": need, "kv_blocks_gpu_cpu": quarter, "ms_per_step": tiered["ms_per_step"],
+            "all_device_ms_per_step": device["ms_per_step"], "compute_ms_per_step": tiered["compute_ms_per_step"],
+            "kv_fetch_ms_per_step": tiered["kv_fetch_busy_ms_per_step"],
+            "kv_fetch_bytes_per_step": tiered["kv_fetch_bytes_per_step"], "bound_ms_per_step": bound,
+            "ratio_to_bound": tiered["ms_per_step"] / bound,
+            "tokens_equal_device": tiered["tokens"] == device["tokens"],
+            "moved": tiered["kv_blocks_moved"],
+        })
+        print(f"kv {quant}: {rows[-1]['ms_per_step']:.0f} ms/step vs bound {bound:.0f} (all on device "
+              f"{device['ms_per_step']:.0f})", file=sys.stderr)
+    return rows
 
 
 def predict_rows(rows: list[dict], model: Path, common: dict, tiers: dict, prof: dict, out: Path) -> None:
@@ -368,8 +418,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['bound_ms_per_step']:.0f} (ratio {r['ratio_to_bound']:.2f})"
                   + (f", accelerate {r['accelerate_ms_per_step']:.0f} ms/step" if peer else ""), file=sys.stderr)
     predict_rows(rows, model, common, tiers, prof, out)
+    kv_rows = bench_kv(out, args.quick, args.repeat)
     result = {"profile": "quick" if args.quick else "full", "settings": prof, "model": str(model),
-              "budget_bytes": budget, "disk": disk, "rows": rows,
+              "budget_bytes": budget, "disk": disk, "rows": rows, "kv": kv_rows,
               "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
     (out / "bench.json").write_text(json.dumps(result, indent=2))
     (out / "bench.md").write_text(markdown(result))
@@ -401,6 +452,17 @@ def markdown(result: dict) -> str:
             + (f"{r['accelerate_ms_per_step']:.0f} | {mib(r['accelerate_peak_rss'])} | "
                f"{r['speedup_vs_accelerate']:.2f}x | {r['tokens_equal_accelerate']} |" if acc else "- | - | - | - |")
         )
+    kv = result.get("kv") or []
+    if kv:
+        lines += ["", "KV cache beyond the device and host (small model, KV budget on gpu + cpu = 1/4 of need):", "",
+                  "| KV quantization | batch | context | ms/step | all-device ms/step | compute ms/step | "
+                  "KV fetch ms/step | KV fetch MiB/step | ratio to bound | tokens = all-device |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in kv:
+            lines.append(f"| {r['quantization']} | {r['batch']} | {r['context']} | {r['ms_per_step']:.0f} | "
+                         f"{r['all_device_ms_per_step']:.0f} | {r['compute_ms_per_step']:.0f} | "
+                         f"{r['kv_fetch_ms_per_step']:.0f} | {r['kv_fetch_bytes_per_step'] / 2**20:.1f} | "
+                         f"{r['ratio_to_bound']:.2f} | {r['tokens_equal_device']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -26,5 +26,10 @@ def test_quick_benchmark_reports_ratios_rss_and_the_peer(tmp_path):
         assert row["offload_peak_rss"] > 0 and row["accelerate_peak_rss"] > 0
         assert "disk" in row["accelerate_devices"]  # the peer really offloaded to disk
         assert row["speedup_vs_accelerate"] > 0
+    kv = {row["quantization"]: row for row in result["kv"]}
+    assert kv["none"]["tokens_equal_device"]  # KV beyond the device changes nothing
+    assert kv["int8"]["kv_fetch_bytes_per_step"] < 0.6 * kv["none"]["kv_fetch_bytes_per_step"]
+    assert all(row["ratio_to_bound"] > 0 and row["kv_blocks_needed"] >= 4 * row["kv_blocks_gpu_cpu"]
+               for row in kv.values())
     table = (tmp_path / "bench.md").read_text()
     assert "ratio to bound" in table and "Accelerate ms/step" in table
