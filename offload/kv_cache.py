@@ -15,9 +15,10 @@ written this step) and they move device -> host -> disk, converted to the cold f
 When the device has room again, the hottest cold blocks come back (transfer format only).
 
 Attention reads every block where it lives: for each layer, the blocks of each tier are
-gathered into one padded group, attended, and the groups are merged exactly with
-log-sum-exp (`offload.model.merge_attention`), so the result equals attention over a
-contiguous cache. Cold groups can be attended on the CPU without moving them. The per-block
+gathered and put back in token order on the device, so the arithmetic is that of a cache
+that never left it (the tokens are identical bit for bit). With `cpu_attention`, cold
+groups are attended on the CPU without moving them, and the groups are merged exactly
+with log-sum-exp (`offload.model.merge_attention`). The per-block
 share of attention (from the per-block log-sum-exp) feeds the `attention` eviction policy.
 
 Prompts admitted with a worst-case reservation of logical blocks (OK / LATER / NEVER) never
@@ -71,7 +72,8 @@ class Group:
     slots: list[int]  # tier slots, one per block
     ids: list[int]  # logical ids
     seq: torch.Tensor  # [n] batch row of each block
-    col: torch.Tensor  # [n] column of each block in its row of the padded group
+    block: torch.Tensor  # [n] index of each block in its sequence (its column in the token-order layout)
+    col: torch.Tensor  # [n] column of each block in its row of this group alone
     cols: int  # padded blocks per row
     positions: torch.Tensor  # [B, cols * block_size] absolute position of each key slot
     valid: torch.Tensor  # [B, cols * block_size]
@@ -84,6 +86,10 @@ class StepKV:
     slot_blocks: torch.Tensor  # [N] device slot of each new token
     slot_offsets: torch.Tensor  # [N] offset in that block
     groups: tuple[Group, ...]  # one per tier holding blocks of the batch
+    cols: int  # blocks of the longest sequence: the token-order layout is [B, cols * block_size]
+    positions: torch.Tensor  # [B, cols * block_size] absolute position of each key slot
+    valid: torch.Tensor  # [B, cols * block_size]
+    block_ids: torch.Tensor  # [B, cols] logical id of each block (-1: padding), CPU
 
 
 @dataclass(frozen=True)
@@ -304,7 +310,14 @@ class PagedKVCache:
         self._promote(gpu.num_free - len(sids), protected)
         layout = BatchLayout.build(q_lens, kv_lens, self.device)
         groups = tuple(g for g in (self._group(t, sids, kv_lens) for t in TIERS if t in self.pools) if g is not None)
-        step = StepKV(torch.cat(slot_blocks).to(self.device), torch.cat(slot_offsets).to(self.device), groups)
+        cols = max(len(self.seqs[s].blocks) for s in sids)
+        positions = torch.arange(cols * bs).expand(len(sids), -1)
+        valid = positions < torch.tensor(kv_lens)[:, None]
+        block_ids = torch.full((len(sids), cols), -1, dtype=torch.long)
+        for b, sid in enumerate(sids):
+            block_ids[b, : len(self.seqs[sid].blocks)] = torch.tensor(self.seqs[sid].blocks, dtype=torch.long)
+        step = StepKV(torch.cat(slot_blocks).to(self.device), torch.cat(slot_offsets).to(self.device), groups,
+                      cols, positions.to(self.device), valid.to(self.device), block_ids)
         return layout, step
 
     def _copy_on_write(self, sid: int, protected: set[int]) -> None:
@@ -345,8 +358,8 @@ class PagedKVCache:
             positions[b, c * bs : (c + 1) * bs] = pos
             valid[b, c * bs : (c + 1) * bs] = pos < kv_lens[b]
         dev = self.device
-        return Group(tier, slots, ids, torch.tensor(seq_idx, device=dev), torch.tensor(col, device=dev), cols,
-                     positions.to(dev), valid.to(dev))
+        return Group(tier, slots, ids, torch.tensor(seq_idx, device=dev), torch.tensor(block_idx, device=dev),
+                     torch.tensor(col, device=dev), cols, positions.to(dev), valid.to(dev))
 
     def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
         """One layer of every cold group of the step, still in the cold format: ({tier: parts}, bytes read).
@@ -389,53 +402,74 @@ class LayerKV:
     def attend(self, q: torch.Tensor, scale: float, window: int | None,
                restore: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Attention of padded queries q [B, Tq, Hq, D] over every group: [(out, lse)] to merge."""
-        cache = self.cache
+        """Attention of padded queries q [B, Tq, Hq, D] over every block: [(out, lse)] to merge.
+
+        By default the blocks of every tier are placed back in token order on the device and attended
+        as one group: the very same arithmetic as a cache that never left the device, so the tokens are
+        identical bit for bit. With `cpu_attention`, cold groups are attended on the CPU where they are
+        and merged by log-sum-exp (exact in arithmetic, rounded differently).
+        """
+        cache, step, bs = self.cache, self.step, self.cache.block_size
         track_mass = cache.settings.eviction == "attention"
         cold = self._cold
-        if cold is None and any(g.tier != "gpu" for g in self.step.groups):
-            cold = cache.fetch_cold(self.layer, self.step)[0]
+        if cold is None and any(g.tier != "gpu" for g in step.groups):
+            cold = cache.fetch_cold(self.layer, step)[0]
+        split = cache.settings.cpu_attention and any(g.tier != "gpu" for g in step.groups)
+        if not split:
+            kvs = [(g, self._kv(g, cold, restore).to(cache.device)) for g in step.groups]
+            padded = torch.zeros(q.shape[0], step.cols, *kvs[0][1].shape[1:], dtype=kvs[0][1].dtype,
+                                 device=cache.device)
+            for g, kv in kvs:
+                padded[g.seq, g.block] = kv
+            blocks = [(padded, step.positions, step.valid, step.block_ids, cache.device)]
+        else:
+            blocks = []
+            for g in step.groups:
+                dev = cache.device if g.tier == "gpu" else torch.device("cpu")
+                kv = self._kv(g, cold, restore).to(dev)
+                padded = torch.zeros(q.shape[0], g.cols, *kv.shape[1:], dtype=kv.dtype, device=dev)
+                padded[g.seq.to(dev), g.col.to(dev)] = kv
+                ids = torch.full((q.shape[0], g.cols), -1, dtype=torch.long)
+                ids[g.seq.cpu(), g.col.cpu()] = torch.tensor(g.ids)
+                blocks.append((padded, g.positions, g.valid, ids, dev))
         parts, masses = [], []
-        for g in self.step.groups:
-            if g.tier == "gpu":
-                kv = cache.stores["gpu"].arrays["kv"].data[self.layer].index_select(
-                    0, torch.tensor(g.slots, device=cache.device))  # [n, 2, bs, Hkv, D]
-            elif cache.cold_fmt.name == "hidden":
-                h = cold[g.tier]["hidden"].to(cache.device, non_blocking=True)  # [n, bs, hidden]
-                pos = g.positions.view(-1, g.cols, cache.block_size)[g.seq, g.col]  # [n, bs]
-                assert restore is not None, "kv_restore: recompute needs the layer's weights"
-                k, v = restore(h.reshape(-1, h.shape[-1]), pos.reshape(-1))
-                kv = torch.stack([k.view(len(g.slots), cache.block_size, *k.shape[1:]),
-                                  v.view(len(g.slots), cache.block_size, *v.shape[1:])], dim=1)
-            else:
-                kv = cold_kv(cache.cold_fmt, cold[g.tier], cache.dtype)
-            on_cpu = g.tier != "gpu" and cache.settings.cpu_attention
-            dev = torch.device("cpu") if on_cpu else cache.device
-            kv = kv.to(dev)
-            B, bs = q.shape[0], cache.block_size
-            padded = torch.zeros(B, g.cols, *kv.shape[1:], dtype=kv.dtype, device=dev)
-            padded[g.seq.to(dev), g.col.to(dev)] = kv
-            k = padded[:, :, 0].reshape(B, g.cols * bs, *kv.shape[-2:])
-            v = padded[:, :, 1].reshape(B, g.cols * bs, *kv.shape[-2:])
-            mask = self.layout.mask(g.positions, g.valid, window).to(dev)
+        for padded, positions, valid, ids, dev in blocks:
+            B, cols = padded.shape[:2]
+            k = padded[:, :, 0].reshape(B, cols * bs, *padded.shape[-2:])
+            v = padded[:, :, 1].reshape(B, cols * bs, *padded.shape[-2:])
+            mask = self.layout.mask(positions, valid, window).to(dev)
             out, lse, block_lse = M.attend_group(q.to(dev), k, v, mask, scale, block=bs if track_mass else None)
             parts.append((out.to(cache.device), lse.to(cache.device)))
             if track_mass:
-                masses.append((g, block_lse.to(cache.device)))
+                masses.append((ids, block_lse.to(cache.device)))
         if masses:
             self._account_mass(parts, masses)
         return parts
+
+    def _kv(self, g: Group, cold: dict | None, restore) -> torch.Tensor:
+        """K/V [n, 2, block_size, Hkv, D] of a group's blocks, from wherever they live, in the compute dtype."""
+        cache = self.cache
+        if g.tier == "gpu":
+            return cache.stores["gpu"].arrays["kv"].data[self.layer].index_select(
+                0, torch.tensor(g.slots, device=cache.device))
+        if cache.cold_fmt.name != "hidden":
+            return cold_kv(cache.cold_fmt, cold[g.tier], cache.dtype)
+        assert restore is not None, "kv_restore: recompute needs the layer's weights"
+        h = cold[g.tier]["hidden"].to(cache.device, non_blocking=True)  # [n, bs, hidden]
+        pos = g.positions.view(-1, g.cols, cache.block_size)[g.seq, g.col]  # [n, bs]
+        k, v = restore(h.reshape(-1, h.shape[-1]), pos.reshape(-1))
+        n, bs = len(g.slots), cache.block_size
+        return torch.stack([k.view(n, bs, *k.shape[1:]), v.view(n, bs, *v.shape[1:])], dim=1)
 
     def _account_mass(self, parts, masses) -> None:
         """Add each block's share of this layer's attention (summed over heads and real queries) to its mass."""
         total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)  # [B, Tq, Hq]
         total = torch.where(torch.isinf(total), torch.zeros_like(total), total)
         real = (self.layout.q_pos >= 0)[:, :, None, None]  # [B, Tq, 1, 1]
-        for g, block_lse in masses:  # block_lse: [B, Tq, Hq, cols]
+        for ids, block_lse in masses:  # ids [B, cols] (-1: padding); block_lse [B, Tq, Hq, cols]
             share = torch.exp(block_lse - total[..., None]).masked_fill(~real, 0).sum(dim=(1, 2))  # [B, cols]
-            values = share[g.seq, g.col].tolist()
-            for bid, m in zip(g.ids, values):
-                blk = self.cache.blocks.get(bid)
+            for bid, m in zip(ids.flatten().tolist(), share.flatten().tolist()):
+                blk = self.cache.blocks.get(bid) if bid >= 0 else None
                 if blk is not None:
                     blk.mass += m
 

@@ -355,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", type=int, nargs="*", default=None, help="prefetch depths to measure")
     ap.add_argument("--no-accelerate", action="store_true", help="skip the Accelerate peer")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats of every run; medians reported")
+    ap.add_argument("--sections", nargs="*", choices=("stream", "kv"), default=["stream", "kv"],
+                    help="what to measure: weights streamed from disk, the KV cache beyond the device")
     ap.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -381,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
               "kv_cache": {"block_size": 16}, "activations": {"prefill_chunk": prof["chunk"]}}
     tiers = {"gpu": {"capacity": prof["gpu"]}, "cpu": {"capacity": prof["cpu"]}, "disk": {"path": str(store)}}
     rows = []
-    for batch in prof["batches"]:
+    for batch in prof["batches"] if "stream" in args.sections else []:
         spec = {"batch": batch, "prompt": prof["prompt"], "new": prof["new"]}
         # the KV pool holds what this batch needs, so the rest of the gpu budget goes to weights
         kv = common["kv_cache"] | {"gpu_blocks": batch * -(-(prof["prompt"] + prof["new"]) // 16)}
@@ -417,8 +419,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batch {batch} depth {depth}: offload {r['offload_ms_per_step']:.0f} ms/step, bound "
                   f"{r['bound_ms_per_step']:.0f} (ratio {r['ratio_to_bound']:.2f})"
                   + (f", accelerate {r['accelerate_ms_per_step']:.0f} ms/step" if peer else ""), file=sys.stderr)
-    predict_rows(rows, model, common, tiers, prof, out)
-    kv_rows = bench_kv(out, args.quick, args.repeat)
+    if rows:
+        predict_rows(rows, model, common, tiers, prof, out)
+    kv_rows = bench_kv(out, args.quick, args.repeat) if "kv" in args.sections else []
     result = {"profile": "quick" if args.quick else "full", "settings": prof, "model": str(model),
               "budget_bytes": budget, "disk": disk, "rows": rows, "kv": kv_rows,
               "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
@@ -452,6 +455,8 @@ def markdown(result: dict) -> str:
             + (f"{r['accelerate_ms_per_step']:.0f} | {mib(r['accelerate_peak_rss'])} | "
                f"{r['speedup_vs_accelerate']:.2f}x | {r['tokens_equal_accelerate']} |" if acc else "- | - | - | - |")
         )
+    if not result["rows"]:
+        lines = []
     kv = result.get("kv") or []
     if kv:
         lines += ["", "KV cache beyond the device and host (small model, KV budget on gpu + cpu = 1/4 of need):", "",

@@ -249,3 +249,19 @@ def test_disk_slots_round_trip_and_read_planes_in_runs(tmp_path, monkeypatch):
     assert meta.shape == (3, 10, 32) and meta.attrs["dtype"] == "float32"
     disk.close()
     assert not disk.path.exists()  # scratch: removed with the cache
+
+
+def test_cold_blocks_in_bf16_give_the_device_tokens_bit_for_bit(model_factory, tmp_path):
+    """Cold blocks are put back in token order and attended as one group: the arithmetic of a cache that never
+    left the device, so even bf16 (where any reordering of a sum shows) gives the very same tokens."""
+    model = model_factory("llama", "small", dtype="bfloat16")
+    prompts = [list(range(1, 121)), list(range(300, 400))]
+    base = run_config(model, dtype="bfloat16", activations={"prefill_chunk": 32})
+    with Runner.from_config(base) as r:
+        ref = [x.token_ids for x in r.generate(prompts, max_new_tokens=24, stop_on_eos=False)]
+    cfg = base | {"tiers": {"gpu": {"capacity": "1GiB"}, "cpu": {"capacity": "256MiB"},
+                            "disk": {"path": str(tmp_path / "store")}},
+                  "kv_cache": {"gpu_blocks": 5, "cpu_blocks": 2, "disk_blocks": 32}}
+    with Runner.from_config(cfg) as r:
+        assert [x.token_ids for x in r.generate(prompts, max_new_tokens=24, stop_on_eos=False)] == ref
+        assert r.kv.moved.get("cpu->disk", 0) > 0
