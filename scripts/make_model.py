@@ -102,8 +102,9 @@ def model_config(family: str, size: Size, vocab: int, dtype: str, rope_scaling: 
         cfg["sliding_window"] = size.window
     if family == "qwen2":
         cfg.update(use_sliding_window=False, sliding_window=size.window, max_window_layers=size.layers)
-    if rope_scaling == "llama3":
+    if rope_scaling == "llama3":  # Llama 3.1: trained at 8192 tokens, scaled to 128K
         cfg["rope_theta"] = 500000.0
+        cfg["max_position_embeddings"] = 131072
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     elif rope_scaling == "linear":
