@@ -311,9 +311,6 @@ class Checkpoint:
             return f"{self._prefix}lm_head.weight"
         return f"{self._prefix}{short}"
 
-    def has(self, short: str) -> bool:
-        return self.name(short) in self.entries
-
     def entry(self, short: str, shape: tuple[int, ...]) -> TensorEntry:
         full = self.name(short)
         e = self.entries.get(full)

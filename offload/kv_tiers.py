@@ -63,7 +63,7 @@ class ColdFormat:
         return cls("kv", {"kv": (kv_shape, dtype)})
 
     def block_nbytes(self, planes: int) -> int:
-        """Bytes of one block (every layer) in this format, with the per-array alignment a region needs."""
+        """Bytes of one block (every layer) in this format."""
         return sum(planes * math.prod(shape) * dt.itemsize for shape, dt in self.arrays.values())
 
 
@@ -85,7 +85,7 @@ class TierStore:
             if memory is not None:  # lay the arrays one after the other over the given region
                 n = planes * slots * math.prod(shape) * dt.itemsize
                 region = memory[offset : offset + n]
-                offset = -(-(offset + n) // 256) * 256
+                offset += n
             self.arrays[name] = MemorySlots(planes, slots, shape, dt, device, pin_memory, memory=region)
 
     @property

@@ -10,8 +10,6 @@ that can be read straight from the checkpoint. Storage gets only the resulting
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from offload.checkpoint import Checkpoint, ModelConfig
@@ -88,9 +86,3 @@ def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor) -> None
             ckpt.read_into(short, views[tensor][row : row + shape[0]])
             row += shape[0]
 
-
-def iter_checkpoint_tensors(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Every checkpoint tensor the model reads (short names), for validation."""
-    for g in group_names(cfg):
-        for _, sources in group_sources(cfg, g):
-            yield from sources

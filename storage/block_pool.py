@@ -1,21 +1,17 @@
-"""A fixed pool of equally shaped blocks in one tier: the free list and reference counts.
+"""A fixed pool of block ids in one tier (or the logical id space): the free list and reference counts.
 
-Blocks are allocated once, as one tensor `[num_blocks, *block_shape]` (or kept elsewhere,
-with an empty `block_shape`: then the pool is bookkeeping only), and handed out by index.
-The pool is the only owner of the free list and the reference counts (several sequences
-may share a block copy-on-write), so nothing else can free a block twice or leak one. It is
-shaped as a FIFO free queue so a freed block is reused as late as possible.
-It knows block shapes and bytes, never what a block means.
+The bytes of the blocks live elsewhere (a tier's slot arrays); the pool hands out ids. It is
+the only owner of the free list and the reference counts (several sequences may share a
+block copy-on-write), so nothing else can free a block twice or leak one. It is shaped as a
+FIFO free queue so a freed block is reused as late as possible. It knows ids, never what a
+block holds.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from collections import deque
 from collections.abc import Iterable
-
-import torch
 
 from storage.errors import CapacityError
 
@@ -29,35 +25,12 @@ class Admission(enum.Enum):
 
 
 class BlockPool:
-    def __init__(
-        self,
-        num_blocks: int,
-        block_shape: tuple[int, ...] = (),
-        dtype: torch.dtype = torch.uint8,
-        device: torch.device | str = "cpu",
-        pin_memory: bool = False,
-        memory: torch.Tensor | None = None,
-    ) -> None:
-        """`memory`: an already allocated uint8 region (a tier's) to lay the blocks over, instead of a new tensor."""
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise CapacityError(f"a block pool needs at least one block, got {num_blocks}; raise its capacity")
         self.num_blocks = num_blocks
-        self.block_shape = tuple(block_shape)
-        shape = (num_blocks, *self.block_shape)
-        if not self.block_shape:  # bookkeeping only: the blocks' bytes live elsewhere
-            self.data = None
-        elif memory is None:
-            self.data = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-        else:
-            n = math.prod(shape) * dtype.itemsize
-            assert memory.dtype == torch.uint8 and memory.numel() >= n, "the region is smaller than the pool"
-            self.data = memory[:n].view(dtype).view(shape)  # [num_blocks, *block_shape]
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
-
-    @property
-    def block_nbytes(self) -> int:
-        return 0 if self.data is None else self.data[0].numel() * self.data.element_size()
 
     @property
     def num_free(self) -> int:

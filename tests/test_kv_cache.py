@@ -17,7 +17,7 @@ CFG = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 16, "num_atte
 
 
 def test_pool_hands_out_each_block_once_and_takes_it_back():
-    pool = BlockPool(4, (2, 3), torch.float32)
+    pool = BlockPool(4)
     a = pool.allocate(3)
     assert len(set(a)) == 3 and pool.num_free == 1
     assert pool.can_allocate(1) is Admission.OK
@@ -25,7 +25,7 @@ def test_pool_hands_out_each_block_once_and_takes_it_back():
     assert pool.can_allocate(5) is Admission.NEVER
     with pytest.raises(CapacityError, match="asked for 2 blocks but the pool has 1 free of 4"):
         pool.allocate(2)
-    pool.free(a[:2])
+    assert pool.free(a[:2]) == a[:2]  # the blocks that came back
     assert pool.num_free == 3
     # FIFO: the block that was free all along comes out before the ones just freed
     [b] = pool.allocate(1)
@@ -33,7 +33,7 @@ def test_pool_hands_out_each_block_once_and_takes_it_back():
 
 
 def test_shared_block_returns_only_when_every_reference_is_dropped():
-    pool = BlockPool(2, (1,), torch.float32)
+    pool = BlockPool(2)
     [blk] = pool.allocate(1)
     pool.incref([blk])
     assert pool.refcount(blk) == 2
