@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from offload.errors import CheckpointError
+from storage.io import preadv_into
 
 log = logging.getLogger(__name__)
 
@@ -231,18 +232,6 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorEntry], bytes]:
     return entries, raw
 
 
-def preadv_into(fd: int, dest: torch.Tensor, offset: int) -> None:
-    """Read `dest.nbytes` bytes at `offset` straight into a contiguous CPU tensor."""
-    assert dest.is_contiguous() and dest.device.type == "cpu"
-    view = memoryview(dest.view(torch.uint8).reshape(-1).numpy())
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise OSError(f"short read at byte {offset + done}")
-        done += n
-
-
 class Checkpoint:
     """A Hugging Face checkpoint directory: its `ModelConfig` and where every tensor's bytes are."""
 
@@ -333,10 +322,10 @@ class Checkpoint:
         fd = os.open(e.file, os.O_RDONLY)
         try:
             if e.dtype == dest.dtype and dest.device.type == "cpu" and dest.is_contiguous():
-                preadv_into(fd, dest, e.start)
+                preadv_into(fd, dest, e.start, e.file)
             else:
                 tmp = torch.empty(e.shape, dtype=e.dtype)
-                preadv_into(fd, tmp, e.start)
+                preadv_into(fd, tmp, e.start, e.file)
                 dest.copy_(tmp)
         finally:
             os.close(fd)
