@@ -28,6 +28,7 @@ run out half way. This module knows sequences, blocks and token positions; the m
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,7 +112,8 @@ class PagedKVCache:
                  settings: KVSettings | None = None, disk_dir: Path | None = None, pin_memory: bool = False,
                  timeline: Timeline | None = None, clock: Callable[[], float] = time.monotonic,
                  rope: M.Rope | None = None, page_cache: bool = False) -> None:
-        s = settings or KVSettings(block_size=block_size, gpu_blocks=num_blocks)
+        # the arguments are the truth about block size and device blocks; settings bring the rest
+        s = dataclasses.replace(settings or KVSettings(), block_size=block_size, gpu_blocks=num_blocks)
         self.settings = s
         self.cfg, self.block_size, self.dtype = cfg, block_size, dtype
         self.device = torch.device(device)

@@ -11,7 +11,6 @@ model math in `offload.model` knows neither.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -27,7 +26,7 @@ from offload import model as M
 from offload.checkpoint import Checkpoint
 from offload.config import OffloadConfig
 from offload.errors import CapacityError, ConfigError
-from offload.kv_cache import PagedKVCache, kv_settings
+from offload.kv_cache import PagedKVCache
 from offload.sampling import sample
 from offload.tiered import TieredWeights, plan_run
 from offload.tokenizer import TextTokenizer
@@ -127,8 +126,8 @@ class Runner:
         self.rope = M.Rope(self.cfg, self.device, self.dtype)
         self._layer_groups = [f"layer.{i}" for i in range(self.cfg.num_layers)]
         # KV: with tiers, a fixed pool inside the device tier's budget; without, sized per request
-        self.kv_settings = kv_settings(config, self.cfg, self.device)
         run_plan = plan_run(config, self.cfg, self.dtype, self.device)
+        self.kv_settings = run_plan.kv
         self.plan = run_plan.plan
         self.weights: WeightSource = TieredWeights(config, self.checkpoint, self.dtype, self.device,
                                                    self.timeline, run_plan)
@@ -144,7 +143,7 @@ class Runner:
                 raise
 
     def _make_kv(self, gpu_blocks: int, memory: torch.Tensor | None = None) -> PagedKVCache:
-        s = dataclasses.replace(self.kv_settings, gpu_blocks=gpu_blocks)
+        s = self.kv_settings
         disk = self.config.tiers.disk if self.config.tiers else None
         return PagedKVCache(self.cfg, s.block_size, gpu_blocks, self.dtype, self.device, memory=memory, settings=s,
                             disk_dir=disk.path / "kv-scratch" if disk is not None and s.disk_blocks else None,

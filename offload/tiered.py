@@ -18,7 +18,7 @@ import torch
 from offload.checkpoint import Checkpoint, ModelConfig
 from offload.config import OffloadConfig, TiersConfig
 from offload.convert import open_store
-from offload.kv_cache import PagedKVCache, kv_settings
+from offload.kv_cache import KVSettings, PagedKVCache, kv_settings
 from offload.kv_tiers import ColdFormat
 from offload.weights import embedding_source, fill_group, model_layouts
 from schedulers.placement import Capacities, GroupSpec, Plan, make_plan
@@ -70,6 +70,7 @@ class RunPlan:
     caps: Capacities
     kv_blocks: int  # blocks in the device pool; 0 = sized per request (no tiers, gpu_blocks auto)
     kv_block_bytes: int
+    kv: KVSettings  # the KV cache's settings, every `auto` resolved
     depth_note: str = ""  # how an automatic depth was chosen
 
 
@@ -130,7 +131,7 @@ class Planner:
         kv_blocks = self.kv_blocks
         if self.config.kv_cache.gpu_blocks is None and self.config.tiers is not None and self.caps.gpu is not None:
             kv_blocks += max(plan.capacity("gpu") - plan.used("gpu"), 0) // self.block_bytes  # what is left free
-        return RunPlan(plan, self.caps, kv_blocks, self.block_bytes, note)
+        return RunPlan(plan, self.caps, kv_blocks, self.block_bytes, self.kv, note)
 
 
 def plan_run(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> RunPlan:
