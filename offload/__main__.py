@@ -1,5 +1,5 @@
 import sys
 
-from offload.cli import main
+from offload.cli.main import main
 
 sys.exit(main())

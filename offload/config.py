@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -308,3 +309,11 @@ def describe_schema(cls: type = OffloadConfig, indent: str = "") -> list[str]:
             default = f.default if f.default is not dataclasses.MISSING else "(required)"
             lines.append(f"{indent}{f.name}: {default}  # {f.metadata.get('doc', '')}")
     return lines
+
+
+def cache_dir() -> Path:
+    """Where Offload keeps what it makes for itself: the demo model, the saved calibration."""
+    if os.environ.get("OFFLOAD_CACHE"):
+        return Path(os.environ["OFFLOAD_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "offload"

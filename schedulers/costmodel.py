@@ -129,3 +129,20 @@ def link_bound(plan: Plan, bandwidth: dict[str, float]) -> dict[str, float]:
         if route[-2:] == ("cpu", "gpu"):
             out[H2D] = out.get(H2D, 0.0) + plan.sizes[g] / bandwidth[H2D]
     return out
+
+
+def explain(plan: Plan, pred: Prediction, links: dict[str, float]) -> list[str]:
+    """Lines: the split of a step by link and compute, and the bound per link."""
+    bound = link_bound(plan, links)
+    parts = [f"compute {1000 * pred.compute_s:.0f} ms"] + [
+        f"{link} {1000 * t:.0f} ms ({plan_bytes(plan, link) / 2**20:.0f} MiB at {links[link] / 1e9:.1f} GB/s)"
+        for link, t in bound.items()]
+    return [f"busy per step: {', '.join(parts)}",
+            f"exposed transfer {1000 * pred.exposed_s:.0f} ms; bottleneck: {pred.bottleneck}"]
+
+
+def plan_bytes(plan: Plan, link: str) -> int:
+    moved = plan.bytes_per_step()
+    if link == "disk read":
+        return moved.get("disk->cpu", 0) + moved.get("disk->gpu", 0)
+    return moved.get("cpu->gpu", 0)

@@ -99,7 +99,7 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int
 # ----------------------------------------------------------------------------- workers (one per subprocess)
 def worker_offload(spec: dict) -> dict:
     from offload.config import OffloadConfig
-    from offload.runner import Runner
+    from offload.runtime.runner import Runner
     from schedulers.timeline import Timeline
 
     base = vm_hwm()
@@ -193,7 +193,7 @@ def run_worker(kind: str, spec: dict, timeout: int = 3600) -> dict:
 
 # ----------------------------------------------------------------------------- orchestration
 def ensure_model(out: Path, size: str) -> Path:
-    from scripts.make_model import make_model
+    from offload.testing.make_model import make_model
 
     path = out / "models" / f"{size}-llama-bf16"
     if not (path / "config.json").is_file():
@@ -204,22 +204,23 @@ def ensure_model(out: Path, size: str) -> Path:
 
 
 def plan_homes(config: dict) -> dict[str, str]:
-    from offload.checkpoint import Checkpoint
     from offload.config import OffloadConfig
-    from offload.runner import resolve_device, resolve_dtype
-    from offload.tiered import plan_run
+    from offload.model.checkpoint import Checkpoint
+    from offload.plan.planner import Planner
+    from offload.runtime.runner import resolve_device, resolve_dtype
 
     cfg = OffloadConfig.load(config)
     ckpt = Checkpoint(cfg.model)
-    rp = plan_run(cfg, ckpt.config, resolve_dtype(cfg.dtype, ckpt.config.torch_dtype), resolve_device(cfg.device))
+    dtype = resolve_dtype(cfg.dtype, ckpt.config.torch_dtype)
+    rp = Planner(cfg, ckpt.config, dtype, resolve_device(cfg.device)).run_plan()
     return rp.plan.homes
 
 
 def ensure_store(model: Path, store: Path) -> None:
     import torch
 
-    from offload.checkpoint import Checkpoint
-    from offload.convert import open_store
+    from offload.model.checkpoint import Checkpoint
+    from offload.weights.convert import open_store
 
     open_store(Checkpoint(model), store, torch.bfloat16).close()
 
@@ -274,11 +275,11 @@ def predict_rows(rows: list[dict], model: Path, common: dict, tiers: dict, prof:
     """The cost model's prediction for each measured row, from a calibration measured in this run."""
     import torch
 
-    from offload.calibrate import calibrate
-    from offload.checkpoint import Checkpoint
     from offload.config import OffloadConfig
-    from offload.predict import Workload, predict_decode
-    from offload.tiered import Planner
+    from offload.model.checkpoint import Checkpoint
+    from offload.plan.calibrate import calibrate
+    from offload.plan.planner import Planner
+    from offload.plan.predict import Workload, predict_decode
 
     cal = calibrate(torch.device("cpu"), torch.bfloat16, out)
     cfg = Checkpoint(model).config

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from offload.runner import Runner
+from offload.runtime.runner import Runner
 from schedulers.timeline import busy_time, overlap_time
 from scripts.bench import ensure_model, prompts
 

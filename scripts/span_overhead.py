@@ -11,7 +11,7 @@ import argparse
 import statistics
 
 from offload.config import OffloadConfig
-from offload.runner import Runner
+from offload.runtime.runner import Runner
 from schedulers.timeline import Timeline
 
 

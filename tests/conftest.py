@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.make_model import make_model
+from offload.testing.make_model import make_model
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from offload.checkpoint import Checkpoint, ModelConfig
 from offload.errors import CheckpointError
-from offload.runner import Runner
+from offload.model.checkpoint import Checkpoint
+from offload.model.config import ModelConfig
+from offload.runtime.runner import Runner
 from tests.conftest import run_config
 
 

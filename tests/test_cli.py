@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
-from offload.cli import main
-from offload.runner import Runner
+from offload.cli.main import main
+from offload.runtime.runner import Runner
 from tests.conftest import run_config
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.runner import Runner
+from offload.runtime.runner import Runner
 from schedulers.placement import Capacities, Plan
 from schedulers.prefetch import Prefetcher
 from schedulers.timeline import Timeline

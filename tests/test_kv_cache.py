@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.checkpoint import ModelConfig
-from offload.kv_cache import PagedKVCache
-from offload.model import BatchLayout
+from offload.kv.cache import PagedKVCache
+from offload.model.config import ModelConfig
+from offload.model.functional import BatchLayout
 from storage.block_pool import Admission, BlockPool
 from storage.errors import CapacityError
 

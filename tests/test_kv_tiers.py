@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.checkpoint import ModelConfig
 from offload.errors import ConfigError
-from offload.kv_cache import KVSettings, PagedKVCache
-from offload.kv_tiers import dequantize_int8, quantize_int8
-from offload.model import attend_group
-from offload.runner import Runner
+from offload.kv.blocks import KVSettings
+from offload.kv.cache import PagedKVCache
+from offload.kv.formats import dequantize_int8, quantize_int8
+from offload.model.config import ModelConfig
+from offload.model.functional import attend_group
+from offload.runtime.runner import Runner
 from schedulers.eviction import Candidate, Idle, make_policy
 from storage.slots import DiskSlots, MemorySlots
 from tests.conftest import run_config
@@ -151,7 +152,7 @@ def test_int8_kv_error_and_bytes(model_factory, tmp_path):
 def int8_attention_error(model) -> float:
     """Worst relative error, over the layers, of attention with int8 K/V against float K/V: the model's own
     queries over the model's own keys and values for an 80-token prompt (float32)."""
-    from offload import model as M
+    from offload.model import functional as M
 
     queries = {}
     original = M.attention

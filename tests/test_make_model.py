@@ -8,7 +8,7 @@ import sys
 
 from safetensors.torch import load_file
 
-from scripts.make_model import SIZES, make_model, tensor_specs
+from offload.testing.make_model import SIZES, make_model, tensor_specs
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path):
@@ -51,7 +51,7 @@ def test_small_size_is_about_55m_parameters():
 
 def test_runs_without_transformers(tmp_path):
     code = ("import sys; sys.modules['transformers'] = None\n"
-            "from scripts.make_model import main\n"
+            "from offload.testing.make_model import main\n"
             f"main(['--out', r'{tmp_path / 'm'}', '--family', 'llama', '--size', 'tiny', '--rope-scaling', 'llama3'])")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
     assert json.loads((tmp_path / "m" / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.model import attend_group, merge_attention
+from offload.model.functional import attend_group, merge_attention
 
 
 def reference_attention(q, k, v, mask, scale):

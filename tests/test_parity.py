@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.runner import Runner
+from offload.runtime.runner import Runner
 from tests.conftest import run_config
 
 transformers = pytest.importorskip("transformers")

@@ -8,10 +8,11 @@ import time
 import pytest
 import torch
 
-from offload.calibrate import Calibration, measure_compute, measure_disk, measure_memcpy
-from offload.cli import main
+from offload.cli.main import main
 from offload.config import OffloadConfig
-from offload.runner import Runner
+from offload.plan.calibrate import load_calibration, measure_compute
+from offload.runtime.runner import Runner
+from schedulers.calibration import Calibration, measure_disk, measure_memcpy
 from schedulers.costmodel import simulate
 from schedulers.placement import Capacities, GroupSpec, make_plan
 from schedulers.trace import check_chrome, load_chrome, summarize
@@ -154,13 +155,13 @@ def test_calibration_measures_and_round_trips(tmp_path):
 
 def test_calibration_defaults_and_bad_files(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "empty"))
-    assert Calibration.load().source == "defaults"
+    assert load_calibration().source == "defaults"
     from offload.errors import ConfigError
     with pytest.raises(ConfigError, match="does not exist; run `offload calibrate"):
-        Calibration.load(tmp_path / "nope.json")
+        load_calibration(tmp_path / "nope.json")
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match="not a calibration file"):
-        Calibration.load(tmp_path / "bad.json")
+        load_calibration(tmp_path / "bad.json")
 
 
 def test_throughput_interpolates_between_measured_token_counts():
@@ -223,8 +224,8 @@ def test_simulation_predicts_a_run_with_a_known_slow_disk(tiny_llama, store, mon
 def test_auto_depth_picks_the_fastest_predicted_depth(tiny_llama, store):
     with Runner.from_config(streaming_config(tiny_llama, store, depth="auto")) as r:
         assert r.plan.depth in range(7)
-    from offload.checkpoint import Checkpoint
-    from offload.tiered import Planner
+    from offload.model.checkpoint import Checkpoint
+    from offload.plan.planner import Planner
     cfg = OffloadConfig.load(streaming_config(tiny_llama, store, depth="auto"))
     planner = Planner(cfg, Checkpoint(tiny_llama).config, torch.float32, torch.device("cpu"))
     rp = planner.run_plan()

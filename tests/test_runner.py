@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from offload.errors import CapacityError, ConfigError
-from offload.runner import Runner
+from offload.runtime.runner import Runner
 from tests.conftest import run_config
 
 PROMPTS = [[1, 17, 99, 23, 5, 61, 7, 300, 41], [1, 8, 2], [1, 400, 33, 12, 19, 250]]

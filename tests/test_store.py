@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from offload.checkpoint import Checkpoint
-from offload.convert import convert
 from offload.errors import CapacityError, StoreError
-from offload.runner import Runner
-from offload.weights import model_layouts
+from offload.model.checkpoint import Checkpoint
+from offload.runtime.runner import Runner
+from offload.weights.convert import convert
+from offload.weights.groups import model_layouts
 from storage.store import MARKER, Store, StoreState, store_state
 from tests.conftest import run_config
 
@@ -77,7 +77,7 @@ def test_interrupted_conversion_is_detected_and_restarted_cleanly(tmp_path, tiny
     store = tmp_path / "store"
     code = (
         "import os, torch\n"
-        "from offload.checkpoint import Checkpoint\n"
+        "from offload.model.checkpoint import Checkpoint\n"
         "import storage.store as st\n"
         "orig = st.StoreWriter.write_group\n"
         "n = [0]\n"
@@ -86,7 +86,7 @@ def test_interrupted_conversion_is_detected_and_restarted_cleanly(tmp_path, tiny
         "    n[0] += 1\n"
         "    if n[0] == 3: os._exit(9)  # like a SIGKILL half way\n"
         "st.StoreWriter.write_group = dying\n"
-        "from offload.convert import convert\n"
+        "from offload.weights.convert import convert\n"
         f"convert(Checkpoint(r'{tiny_llama}'), r'{store}', torch.float32, progress=False)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True)

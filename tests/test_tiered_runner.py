@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload.checkpoint import Checkpoint
-from offload.cli import main
-from offload.runner import Runner
-from offload.weights import model_layouts
+from offload.cli.main import main
+from offload.model.checkpoint import Checkpoint
+from offload.runtime.runner import Runner
+from offload.weights.groups import model_layouts
 from tests.conftest import run_config
 
 PROMPTS = [[1, 17, 99, 23, 5, 61, 7, 300, 41, 42, 43], [1, 8, 2], [1, 400, 33, 12, 19, 250]]
@@ -141,8 +141,8 @@ def test_run_summary_prints_the_plan_and_what_each_tier_served(tmp_path, tiny8, 
 BUDGET_SCRIPT = textwrap.dedent("""
     import json, sys
     import psutil, torch, zarr, crc32c, tokenizers
-    from offload.runner import Runner
-    import offload.tiered, schedulers.prefetch, storage.store
+    from offload.runtime.runner import Runner
+    import offload.weights.tiered, schedulers.prefetch, storage.store
     model, store = sys.argv[1], sys.argv[2]
     base = psutil.Process().memory_info().rss
     cfg = {"model": model, "device": "cpu", "dtype": "bfloat16",

@@ -31,79 +31,20 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from offload import model as M
-from offload.checkpoint import ModelConfig
-from offload.config import OffloadConfig
-from offload.errors import ConfigError
-from offload.kv_tiers import ColdFormat, TierStore, cold_kv, to_cold
-from offload.model import BatchLayout
+from offload.kv.blocks import TIERS, Block, KVSettings, Sequence, StepKV, TierBlocks
+from offload.kv.formats import ColdFormat, TierStore, cold_kv, to_cold
+from offload.kv.view import LayerKV
+from offload.model import functional as M
+from offload.model.config import ModelConfig
+from offload.model.functional import BatchLayout
 from schedulers.eviction import Candidate, make_policy
 from schedulers.timeline import Timeline
 from storage.block_pool import Admission, BlockPool
 from storage.errors import CapacityError
-
-TIERS = ("gpu", "cpu", "disk")
-
-
-@dataclass
-class Block:
-    tier: str
-    slot: int
-    last_touch: float = 0.0
-    mass: float = 0.0  # accumulated attention probability it received (summed over heads and queries)
-
-
-@dataclass
-class Sequence:
-    blocks: list[int] = field(default_factory=list)  # logical ids, in token order
-    length: int = 0  # tokens whose K/V are (or are being) written
-    reserved: list[int] = field(default_factory=list)  # logical ids held for its future blocks
-
-
-@dataclass(frozen=True)
-class Group:
-    """The blocks of one tier that a step attends over, flattened over the batch."""
-
-    tier: str
-    slots: list[int]  # tier slots, one per block
-    ids: list[int]  # logical ids
-    seq: torch.Tensor  # [n] batch row of each block
-    block: torch.Tensor  # [n] index of each block in its sequence (its column in the token-order layout)
-    col: torch.Tensor  # [n] column of each block in its row of this group alone
-    cols: int  # padded blocks per row
-    positions: torch.Tensor  # [B, cols * block_size] absolute position of each key slot
-    valid: torch.Tensor  # [B, cols * block_size]
-
-
-@dataclass(frozen=True)
-class StepKV:
-    """Per-step index tensors, built once and shared by every layer."""
-
-    slot_blocks: torch.Tensor  # [N] device slot of each new token
-    slot_offsets: torch.Tensor  # [N] offset in that block
-    groups: tuple[Group, ...]  # one per tier holding blocks of the batch
-    cols: int  # blocks of the longest sequence: the token-order layout is [B, cols * block_size]
-    positions: torch.Tensor  # [B, cols * block_size] absolute position of each key slot
-    valid: torch.Tensor  # [B, cols * block_size]
-    block_ids: torch.Tensor  # [B, cols] logical id of each block (-1: padding), CPU
-
-
-@dataclass(frozen=True)
-class KVSettings:
-    block_size: int = 16
-    gpu_blocks: int = 64
-    cpu_blocks: int = 0
-    disk_blocks: int = 0
-    eviction: str = "lru"
-    idle_seconds: float = 30.0
-    quantization: str = "none"  # none | int8 (cold blocks)
-    restore: str = "transfer"  # transfer | recompute
-    cpu_attention: bool = False  # attend cold blocks on the CPU instead of moving them to the device
 
 
 class PagedKVCache:
@@ -335,7 +276,7 @@ class PagedKVCache:
         protected.add(bid)
         self._release(self.logical.free([old]))
 
-    def _group(self, tier: str, sids: list[int], kv_lens: list[int]) -> Group | None:
+    def _group(self, tier: str, sids: list[int], kv_lens: list[int]) -> TierBlocks | None:
         bs = self.block_size
         slots, ids, seq_idx, col, block_idx = [], [], [], [], []
         per_row = [0] * len(sids)
@@ -360,7 +301,7 @@ class PagedKVCache:
             positions[b, c * bs : (c + 1) * bs] = pos
             valid[b, c * bs : (c + 1) * bs] = pos < kv_lens[b]
         dev = self.device
-        return Group(tier, slots, ids, torch.tensor(seq_idx, device=dev), torch.tensor(block_idx, device=dev),
+        return TierBlocks(tier, slots, ids, torch.tensor(seq_idx, device=dev), torch.tensor(block_idx, device=dev),
                      torch.tensor(col, device=dev), cols, positions.to(dev), valid.to(dev))
 
     def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
@@ -378,127 +319,3 @@ class PagedKVCache:
 
     def view(self, layer: int, layout: BatchLayout, step: StepKV, cold: dict | None = None) -> LayerKV:
         return LayerKV(self, layer, layout, step, cold)
-
-
-class LayerKV:
-    """The KV cache as one layer of one step sees it (implements `offload.model.KVView`)."""
-
-    def __init__(self, cache: PagedKVCache, layer: int, layout: BatchLayout, step: StepKV,
-                 cold: dict[str, dict[str, torch.Tensor]] | None) -> None:
-        self.cache, self.layer, self.layout, self.step, self._cold = cache, layer, layout, step, cold
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor | None = None) -> None:
-        """k, v: [N, Hkv, D]; h: [N, hidden] layer inputs (kept only when cold blocks are restored by recompute)."""
-        arrays = self.cache.stores["gpu"].arrays
-        data = arrays["kv"].data[self.layer]  # [slots, 2, block_size, Hkv, D]
-        data[self.step.slot_blocks, 0, self.step.slot_offsets] = k
-        data[self.step.slot_blocks, 1, self.step.slot_offsets] = v
-        if "hidden" in arrays:
-            assert h is not None
-            arrays["hidden"].data[self.layer][self.step.slot_blocks, self.step.slot_offsets] = h
-
-    @property
-    def needs_inputs(self) -> bool:
-        return "hidden" in self.cache.stores["gpu"].arrays
-
-    def attend(self, q: torch.Tensor, scale: float, window: int | None,
-               restore: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Attention of padded queries q [B, Tq, Hq, D] over every block: [(out, lse)] to merge.
-
-        By default the blocks of every tier are placed back in token order on the device and attended
-        as one group: the very same arithmetic as a cache that never left the device, so the tokens are
-        identical bit for bit. With `cpu_attention`, cold groups are attended on the CPU where they are
-        and merged by log-sum-exp (exact in arithmetic, rounded differently).
-        """
-        cache, step, bs = self.cache, self.step, self.cache.block_size
-        track_mass = cache.settings.eviction == "attention"
-        cold = self._cold
-        if cold is None and any(g.tier != "gpu" for g in step.groups):
-            cold = cache.fetch_cold(self.layer, step)[0]
-        split = cache.settings.cpu_attention and any(g.tier != "gpu" for g in step.groups)
-        if not split:
-            kvs = [(g, self._kv(g, cold, restore).to(cache.device)) for g in step.groups]
-            padded = torch.zeros(q.shape[0], step.cols, *kvs[0][1].shape[1:], dtype=kvs[0][1].dtype,
-                                 device=cache.device)
-            for g, kv in kvs:
-                padded[g.seq, g.block] = kv
-            blocks = [(padded, step.positions, step.valid, step.block_ids, cache.device)]
-        else:
-            blocks = []
-            for g in step.groups:
-                dev = cache.device if g.tier == "gpu" else torch.device("cpu")
-                kv = self._kv(g, cold, restore).to(dev)
-                padded = torch.zeros(q.shape[0], g.cols, *kv.shape[1:], dtype=kv.dtype, device=dev)
-                padded[g.seq.to(dev), g.col.to(dev)] = kv
-                ids = torch.full((q.shape[0], g.cols), -1, dtype=torch.long)
-                ids[g.seq.cpu(), g.col.cpu()] = torch.tensor(g.ids)
-                blocks.append((padded, g.positions, g.valid, ids, dev))
-        parts, masses = [], []
-        for padded, positions, valid, ids, dev in blocks:
-            B, cols = padded.shape[:2]
-            k = padded[:, :, 0].reshape(B, cols * bs, *padded.shape[-2:])
-            v = padded[:, :, 1].reshape(B, cols * bs, *padded.shape[-2:])
-            mask = self.layout.mask(positions, valid, window).to(dev)
-            out, lse, block_lse = M.attend_group(q.to(dev), k, v, mask, scale, block=bs if track_mass else None)
-            parts.append((out.to(cache.device), lse.to(cache.device)))
-            if track_mass:
-                masses.append((ids, block_lse.to(cache.device)))
-        if masses:
-            self._account_mass(parts, masses)
-        return parts
-
-    def _kv(self, g: Group, cold: dict | None, restore) -> torch.Tensor:
-        """K/V [n, 2, block_size, Hkv, D] of a group's blocks, from wherever they live, in the compute dtype."""
-        cache = self.cache
-        if g.tier == "gpu":
-            return cache.stores["gpu"].arrays["kv"].data[self.layer].index_select(
-                0, torch.tensor(g.slots, device=cache.device))
-        if cache.cold_fmt.name != "hidden":
-            return cold_kv(cache.cold_fmt, cold[g.tier], cache.dtype)
-        assert restore is not None, "kv_restore: recompute needs the layer's weights"
-        h = cold[g.tier]["hidden"].to(cache.device, non_blocking=True)  # [n, bs, hidden]
-        pos = g.positions.view(-1, g.cols, cache.block_size)[g.seq, g.col]  # [n, bs]
-        k, v = restore(h.reshape(-1, h.shape[-1]), pos.reshape(-1))
-        n, bs = len(g.slots), cache.block_size
-        return torch.stack([k.view(n, bs, *k.shape[1:]), v.view(n, bs, *v.shape[1:])], dim=1)
-
-    def _account_mass(self, parts, masses) -> None:
-        """Add each block's share of this layer's attention (summed over heads and real queries) to its mass."""
-        total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)  # [B, Tq, Hq]
-        total = torch.where(torch.isinf(total), torch.zeros_like(total), total)
-        real = (self.layout.q_pos >= 0)[:, :, None, None]  # [B, Tq, 1, 1]
-        for ids, block_lse in masses:  # ids [B, cols] (-1: padding); block_lse [B, Tq, Hq, cols]
-            share = torch.exp(block_lse - total[..., None]).masked_fill(~real, 0).sum(dim=(1, 2))  # [B, cols]
-            for bid, m in zip(ids.flatten().tolist(), share.flatten().tolist()):
-                blk = self.cache.blocks.get(bid) if bid >= 0 else None
-                if blk is not None:
-                    blk.mass += m
-
-
-def kv_settings(config: OffloadConfig, cfg: ModelConfig, device: torch.device) -> KVSettings:
-    """The KV cache's settings with every `auto` resolved and impossible combinations refused."""
-    kv = config.kv_cache
-    restore = config.activations.kv_restore
-    if restore == "auto":  # keep whichever is fewer bytes: the layer inputs, or K and V
-        restore = "recompute" if cfg.hidden_size < 2 * cfg.kv_size else "transfer"
-    if restore == "recompute" and kv.quantization == "int8":
-        raise ConfigError("kv_cache.quantization: int8 applies to K/V; with activations.kv_restore: recompute the "
-                          "cold blocks hold layer inputs instead. Choose one of the two")
-    if (kv.cpu_blocks or kv.disk_blocks) and config.tiers is None:
-        raise ConfigError("kv_cache.cpu_blocks / disk_blocks need a `tiers:` section (their memory is counted "
-                          "in tiers.cpu.capacity, their file lives under tiers.disk.path)")
-    if kv.disk_blocks and config.tiers.disk is None:
-        raise ConfigError("kv_cache.disk_blocks needs tiers.disk (a directory for the KV slot file)")
-    cpu_attention = kv.cpu_attention
-    if cpu_attention is None:  # FlexGen's choice: read host blocks where they are when RAM beats the link
-        if device.type == "cuda":
-            from offload.calibrate import Calibration
-
-            links = Calibration.load(config.calibration).links
-            cpu_attention = links["memcpy"] > links["host->device"]
-        else:
-            cpu_attention = False  # on a CPU device host blocks are attended in place anyway
-    return KVSettings(block_size=kv.block_size, gpu_blocks=kv.gpu_blocks or 0, cpu_blocks=kv.cpu_blocks,
-                      disk_blocks=kv.disk_blocks, eviction=kv.eviction, idle_seconds=kv.idle_seconds,
-                      quantization=kv.quantization, restore=restore, cpu_attention=cpu_attention)

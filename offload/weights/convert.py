@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from offload import __version__
-from offload.checkpoint import Checkpoint
 from offload.errors import StoreError
-from offload.weights import fill_group, model_layouts
+from offload.model.checkpoint import Checkpoint
+from offload.version import __version__
+from offload.weights.groups import fill_group, model_layouts
 from storage.layout import dtype_name
 from storage.store import Store, StoreState, StoreWriter, store_state
 

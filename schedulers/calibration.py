@@ -1,32 +1,35 @@
-"""Calibration: this machine's links and layer kernels, measured once and saved as JSON.
+"""Calibration: this machine's links and layer kernels, as numbers the cost model uses.
 
-    offload calibrate [--disk-path DIR] [-o FILE]
+    links     bytes per second of each link: cold disk reads (the prefetcher's pattern), memcpy,
+              and on CUDA pinned and pageable host->device and device->host copies (CUDA events)
+    compute   per device type, the layer kernels' throughput at a few token counts, as weight
+              bytes per second so it scales to any layer size (measured by the model side and
+              handed in as data)
 
-measures disk reads (cold: the test file's pages are dropped first), memcpy, and on CUDA
-pinned and pageable host->device and device->host copies (timed by CUDA events), and the
-compute throughput of a decoder layer (TinyLlama shape, the run's dtype) at a few token
-counts, expressed as weight bytes per second so it scales to any layer size. The planner
-uses the saved file (default: `$OFFLOAD_CACHE/calibration.json`) or conservative defaults,
-and says which. Example files for machines we do not have live in `scripts/calibrations/`.
+A `Calibration` is saved as JSON and loaded back; with no file, conservative defaults stand
+in and say so. This module measures links and stores numbers; it knows nothing about models.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from offload.checkpoint import ModelConfig
-from offload.errors import ConfigError
+from storage import io
+from storage.errors import OffloadError
 
-log = logging.getLogger(__name__)
+
+class CalibrationError(OffloadError):
+    """A calibration file is missing or is not one."""
+
 
 VERSION = 1
 #: Used when no calibration file exists: slow but real hardware (a SATA-class disk, PCIe 3 x8, a laptop CPU).
@@ -36,14 +39,6 @@ DEFAULTS: dict[str, Any] = {
     "compute": {"cpu": {"tokens": [1, 8, 64, 512], "weight_bytes_per_s": [4e9, 4e9, 3e9, 0.6e9]},
                 "cuda": {"tokens": [1, 8, 64, 512], "weight_bytes_per_s": [300e9, 300e9, 250e9, 60e9]}},
 }
-REFERENCE = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32,
-             "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": 32000}
-
-
-def default_path() -> Path:
-    from offload.demo import cache_dir
-
-    return cache_dir() / "calibration.json"
 
 
 @dataclass
@@ -54,19 +49,20 @@ class Calibration:
     meta: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> Calibration:
-        """The file at `path` (or the default location); conservative defaults if there is none."""
-        explicit = path is not None
-        path = Path(path) if path is not None else default_path()
+    def defaults(cls) -> Calibration:
+        return cls(dict(DEFAULTS["links"]), json.loads(json.dumps(DEFAULTS["compute"])), "defaults")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        """The file at `path` (CalibrationError if it is missing or not a calibration file)."""
+        path = Path(path)
         if not path.is_file():
-            if explicit:
-                raise ConfigError(f"calibration file {str(path)!r} does not exist; run `offload calibrate -o {path}`")
-            return cls(dict(DEFAULTS["links"]), json.loads(json.dumps(DEFAULTS["compute"])), "defaults")
+            raise CalibrationError(f"calibration file {str(path)!r} does not exist; run `offload calibrate -o {path}`")
         try:
             data = json.loads(path.read_text())
             links, compute = dict(data["links"]), dict(data["compute"])
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-            raise ConfigError(f"{path}: not a calibration file (needs 'links' and 'compute'); run `offload "
+            raise CalibrationError(f"{path}: not a calibration file (needs 'links' and 'compute'); run `offload "
                               "calibrate` again") from None
         merged = dict(DEFAULTS["links"]) | {k: float(v) for k, v in links.items()}
         return cls(merged, compute, str(path), {k: v for k, v in data.items() if k not in ("links", "compute")})
@@ -95,10 +91,6 @@ class Calibration:
 # ----------------------------------------------------------------------------- measurements
 def measure_disk(directory: Path, nbytes: int = 512 * 2**20, threads: int = 4, piece: int = 8 * 2**20) -> float:
     """Cold read of a fresh test file with `threads` preadv pieces in flight (the prefetcher's pattern)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from storage import io
-
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / ".offload-calibrate.bin"
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
@@ -166,47 +158,8 @@ def measure_cuda_links(device: torch.device, nbytes: int = 256 * 2**20) -> dict[
     return out
 
 
-def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int, ...] = (1, 8, 64, 512),
-                    context: int = 64) -> dict[str, list[float]]:
-    """Seconds of one decoder layer (TinyLlama shape) per pass of n tokens, as weight bytes per second."""
-    from offload import model as M
-    from offload.kv_cache import PagedKVCache
-    from offload.weights import group_layout
-
-    cfg = ModelConfig.from_dict(REFERENCE)
-    layout = group_layout(cfg, "layer.0", dtype)
-    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-    views = layout.views(buf)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    for t in views.values():
-        t.copy_((torch.randn(t.shape, generator=g) / max(t.shape[-1], 1) ** 0.5).to(dtype))
-    w = M.LayerWeights.from_views(views)
-    rope = M.Rope(cfg, device, dtype)
-    rates = []
-    for n in tokens:
-        batch = max(1, min(n, 8)) if n <= 8 else 1  # decode-like for small n, one prefill chunk for large
-        per_seq = n // batch
-        kv = PagedKVCache(cfg, 16, batch * -(-(context + per_seq) // 16), dtype, device)
-        sids = [kv.add_sequence() for _ in range(batch)]
-        kv.prepare(sids, [context] * batch)
-        times = []
-        for _ in range(3):
-            for s in sids:
-                kv.seqs[s].length = context
-            layout_, step = kv.prepare(sids, [per_seq] * batch)
-            x = torch.randn(batch * per_seq, cfg.hidden_size, generator=g).to(device=device, dtype=dtype)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            M.decoder_layer(x, w, kv.view(0, layout_, step), layout_, rope(layout_.positions), cfg, None)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        rates.append(layout.nbytes / min(times))
-    return {"tokens": list(tokens), "weight_bytes_per_s": rates}
-
-
-def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None) -> Calibration:
+def measure_links(device: torch.device, disk_path: Path | None) -> dict[str, float]:
+    """Every link this machine has, in bytes per second (defaults for the ones it cannot measure)."""
     links: dict[str, float] = {"memcpy": measure_memcpy()}
     if disk_path is not None:
         links["disk read"] = measure_disk(disk_path)
@@ -216,9 +169,4 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None) 
         # a CPU compute device reads host memory in place: "copies" to it are memcpy-speed at worst
         links["host->device"] = links["device->host"] = links["host->device pageable"] = links["memcpy"]
         links["device memory"] = links["memcpy"]
-    compute = {device.type: measure_compute(device, dtype)}
-    meta = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "cpus": os.cpu_count(), "dtype": str(dtype).removeprefix("torch."),
-            "disk_path": str(disk_path) if disk_path else None}
-    return Calibration(DEFAULTS["links"] | links, compute, "measured", meta)
+    return DEFAULTS["links"] | links

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from offload.checkpoint import Checkpoint, ModelConfig
+from offload.model.checkpoint import Checkpoint
+from offload.model.config import ModelConfig
 from storage.layout import GroupLayout, dtype_name
 
 #: A fused tensor is the row-wise concatenation of these checkpoint tensors: (short name, shape).

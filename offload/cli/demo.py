@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import sys
 from pathlib import Path
+
+from offload.cli.run import add_generation_args, generate_and_print, read_prompts
+from offload.config import cache_dir
+from offload.runtime.runner import Runner
+from offload.testing.make_model import make_model
 
 log = logging.getLogger(__name__)
 
@@ -33,17 +37,8 @@ activations: {prefill_chunk: 64}
 """
 
 
-def cache_dir() -> Path:
-    if os.environ.get("OFFLOAD_CACHE"):
-        return Path(os.environ["OFFLOAD_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "offload"
-
-
 def ensure_demo_model(root: Path) -> Path:
     """The demo checkpoint, generated on first use (with a progress bar) into `root`."""
-    from scripts.make_model import make_model
-
     model = root / "small-llama"
     if (model / "config.json").is_file():
         return model
@@ -62,18 +57,21 @@ def ensure_demo_config(root: Path) -> Path:
     return path
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    from offload.cli import _prompts, generate_and_print
-    from offload.runner import Runner
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    demo = sub.add_parser("demo", help="generate a small model (first time only) and run it; no downloads")
+    demo.add_argument("--cache-dir", type=Path, default=None,
+                      help="where the demo model lives (default: $OFFLOAD_CACHE or ~/.cache/offload)")
+    add_generation_args(demo)
+    demo.set_defaults(func=cmd_demo)
 
+
+def cmd_demo(args: argparse.Namespace) -> int:
     root = (args.cache_dir or cache_dir()).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     ensure_demo_model(root)
     config_path = ensure_demo_config(root)
     print(f"offload demo: config {config_path}", file=sys.stderr)
-    prompts = _prompts(args, default=DEMO_PROMPT)
+    prompts = read_prompts(args, default=DEMO_PROMPT)
     with Runner.from_config(config_path) as runner:
         generate_and_print(runner, prompts, args)
     return 0
-
-

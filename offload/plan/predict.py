@@ -8,12 +8,14 @@ calibrated layer-kernel throughput at that pass's token count, plus reading its 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from offload.calibrate import Calibration
-from offload.checkpoint import ModelConfig
-from schedulers.costmodel import Prediction, link_bound, simulate
-from schedulers.placement import Plan
+from offload.model.config import ModelConfig
+from schedulers.calibration import Calibration
+from schedulers.costmodel import Prediction, plan_bytes, simulate
+from schedulers.placement import Capacities, Plan
+from storage.errors import CapacityError
 
 
 @dataclass(frozen=True)
@@ -48,23 +50,6 @@ def predict_prefill_per_token(plan: Plan, cfg: ModelConfig, cal: Calibration, de
     tokens = work.prefill_chunk
     comp = compute_seconds(plan, cfg, cal, device_type, tokens, tokens, 1, dtype_bytes)
     return simulate(plan, comp, cal.links).step_s / tokens
-
-
-def explain(plan: Plan, pred: Prediction, cal: Calibration) -> list[str]:
-    """Lines: the split of a step by link and compute, and the bound per link."""
-    bound = link_bound(plan, cal.links)
-    parts = [f"compute {1000 * pred.compute_s:.0f} ms"] + [
-        f"{link} {1000 * t:.0f} ms ({plan_bytes(plan, link) / 2**20:.0f} MiB at {cal.links[link] / 1e9:.1f} GB/s)"
-        for link, t in bound.items()]
-    return [f"busy per step: {', '.join(parts)}",
-            f"exposed transfer {1000 * pred.exposed_s:.0f} ms; bottleneck: {pred.bottleneck}"]
-
-
-def plan_bytes(plan: Plan, link: str) -> int:
-    moved = plan.bytes_per_step()
-    if link == "disk read":
-        return moved.get("disk->cpu", 0) + moved.get("disk->gpu", 0)
-    return moved.get("cpu->gpu", 0)
 
 
 @dataclass(frozen=True)
@@ -112,9 +97,7 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def _try(make_plan_for, caps, depth):
-    from storage.errors import CapacityError
-
+def _try(make_plan_for: Callable[[Capacities, int], Plan], caps: Capacities, depth: int) -> Plan | None:
     try:
         return make_plan_for(caps, depth)
     except CapacityError:

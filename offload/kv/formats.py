@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from offload.checkpoint import ModelConfig
+from offload.model.config import ModelConfig
 from storage.slots import DiskSlots, MemorySlots, SlotArray
 
 QMAX = 127.0

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from offload.checkpoint import ModelConfig
+from offload.model.config import ModelConfig
 
 
 # ----------------------------------------------------------------------------- weights

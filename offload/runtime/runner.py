@@ -15,75 +15,28 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from offload import model as M
-from offload.checkpoint import Checkpoint
 from offload.config import OffloadConfig
 from offload.errors import CapacityError, ConfigError
-from offload.kv_cache import PagedKVCache
-from offload.sampling import sample
-from offload.tiered import TieredWeights, plan_run
-from offload.tokenizer import TextTokenizer
+from offload.kv.cache import PagedKVCache
+from offload.model import functional as M
+from offload.model.checkpoint import Checkpoint
+from offload.model.tokenizer import TextTokenizer
+from offload.plan.planner import Planner
+from offload.runtime.results import GenerationResult, RunStats, TokenCallback
+from offload.runtime.sampling import sample
+from offload.weights.tiered import TieredWeights
 from schedulers.timeline import Timeline
 from storage.block_pool import Admission
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-TokenCallback = Callable[[int, int, str], None]  # (prompt index, token id, text delta)
-
-
-@dataclass
-class RunStats:
-    """Timing of one `generate` call (shared by its results)."""
-
-    prompt_tokens: int = 0
-    prefill_passes: int = 0
-    prefill_s: float = 0.0
-    decode_steps: int = 0
-    decode_s: float = 0.0
-    decode_tokens: int = 0  # tokens sampled by decode steps (the first token of each prompt comes from prefill)
-    generated_tokens: int = 0
-    step_ms: list[float] = field(default_factory=list)
-
-    @property
-    def decode_ms_per_step(self) -> float:
-        return 1000 * self.decode_s / self.decode_steps if self.decode_steps else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens, "prefill_passes": self.prefill_passes,
-            "prefill_s": round(self.prefill_s, 6), "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 3),
-            "decode_steps": self.decode_steps, "decode_s": round(self.decode_s, 6),
-            "decode_ms_per_step": round(self.decode_ms_per_step, 3), "decode_tokens": self.decode_tokens,
-            "generated_tokens": self.generated_tokens,
-            "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
-        }
-
-
-@dataclass
-class GenerationResult:
-    prompt_ids: list[int]
-    token_ids: list[int]  # generated tokens only
-    text: str  # decoded generated tokens ("" without a tokenizer)
-    finish_reason: str  # "eos" | "length"
-    stats: RunStats
-
 
 class WeightSource(Protocol):
     """Where the runner gets each group's weights; `acquire` may wait, `release` frees its slot."""
@@ -126,11 +79,11 @@ class Runner:
         self.rope = M.Rope(self.cfg, self.device, self.dtype)
         self._layer_groups = [f"layer.{i}" for i in range(self.cfg.num_layers)]
         # KV: with tiers, a fixed pool inside the device tier's budget; without, sized per request
-        run_plan = plan_run(config, self.cfg, self.dtype, self.device)
+        run_plan = Planner(config, self.cfg, self.dtype, self.device).run_plan()
         self.kv_settings = run_plan.kv
         self.plan = run_plan.plan
         self.weights: WeightSource = TieredWeights(config, self.checkpoint, self.dtype, self.device,
-                                                   self.timeline, run_plan)
+                                                   self.timeline, run_plan.plan)
         self.kv: PagedKVCache | None = None
         self._kv_fixed = run_plan.kv_blocks > 0
         if self._kv_fixed:

@@ -1,0 +1,1 @@
+"""The command line (`offload ...`): every command, the demo included. See `offload.cli.main`."""

@@ -1,0 +1,33 @@
+"""`offload convert CHECKPOINT_DIR STORE_DIR`: pack a checkpoint into a zarr store by hand.
+
+`run` converts on first use; this command is for converting ahead of time or elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from offload.model.checkpoint import Checkpoint
+from offload.runtime.runner import resolve_dtype
+from offload.weights.convert import convert
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    conv = sub.add_parser("convert", help="convert a checkpoint into a zarr store for the disk tier")
+    conv.add_argument("checkpoint", type=Path, metavar="CHECKPOINT_DIR")
+    conv.add_argument("store", type=Path, metavar="STORE_DIR")
+    conv.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "auto"), default="auto",
+                      help="dtype of the stored weights (default: the checkpoint's own; must match the run's dtype)")
+    conv.add_argument("--force", action="store_true", help="replace a complete store")
+    conv.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    ckpt = Checkpoint(args.checkpoint)
+    dtype = resolve_dtype(args.dtype, ckpt.config.torch_dtype)
+    store = convert(ckpt, args.store, dtype, force=args.force, progress=True)
+    print(f"wrote {store.path}: {len(store.groups)} groups, {store.total_bytes / 2**30:.2f} GiB "
+          f"({str(dtype).removeprefix('torch.')})")
+    store.close()
+    return 0

@@ -1,0 +1,46 @@
+"""The `offload` command line: one module per command, wired together here.
+
+    run        generate text (cli.run)             demo       the embedded default (cli.demo)
+    convert    checkpoint -> store (cli.convert)   plan       plan + prediction (cli.plan)
+    calibrate  measure this machine (cli.plan)     trace      summarise / draw a trace (cli.trace)
+
+Library code logs through `logging`; the command modules alone print to the terminal. Every
+`OffloadError` becomes one line on stderr and exit status 2. This package may import every
+other part of `offload`; nothing imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from offload.cli import convert, demo, plan, run, trace
+from offload.errors import OffloadError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="offload", description="Run LLMs larger than GPU memory.")
+    ap.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for module in (run, convert, trace, plan, demo):
+        module.add_parser(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except OffloadError as e:
+        print(f"offload: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("offload: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

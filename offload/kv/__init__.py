@@ -1,0 +1,6 @@
+"""The paged KV cache: block tables and tiers (`cache`), what a layer sees of it (`view`), the cold
+block formats (`formats`) and the bookkeeping types and settings (`blocks`).
+
+May import `offload.model`, `schedulers` (eviction policies, the timeline), `storage` (block pools,
+slot arrays). Its settings arrive resolved (by `offload.plan`).
+"""

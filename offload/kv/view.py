@@ -1,0 +1,114 @@
+"""The KV cache as one layer of one step sees it: write the step's K/V, attend over every block.
+
+`LayerKV` implements `offload.model.functional.KVView`. Blocks are read where they live:
+device blocks in place, cold ones (already fetched ahead by the prefetcher, or read now)
+converted from their cold format; see `attend` for how tiers are combined exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from offload.kv.blocks import StepKV, TierBlocks
+from offload.kv.formats import cold_kv
+from offload.model import functional as M
+from offload.model.functional import BatchLayout
+
+
+class LayerKV:
+    """The KV cache as one layer of one step sees it (implements `offload.model.KVView`)."""
+
+    def __init__(self, cache: Any, layer: int, layout: BatchLayout, step: StepKV,
+                 cold: dict[str, dict[str, torch.Tensor]] | None) -> None:
+        self.cache, self.layer, self.layout, self.step, self._cold = cache, layer, layout, step, cold
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor | None = None) -> None:
+        """k, v: [N, Hkv, D]; h: [N, hidden] layer inputs (kept only when cold blocks are restored by recompute)."""
+        arrays = self.cache.stores["gpu"].arrays
+        data = arrays["kv"].data[self.layer]  # [slots, 2, block_size, Hkv, D]
+        data[self.step.slot_blocks, 0, self.step.slot_offsets] = k
+        data[self.step.slot_blocks, 1, self.step.slot_offsets] = v
+        if "hidden" in arrays:
+            assert h is not None
+            arrays["hidden"].data[self.layer][self.step.slot_blocks, self.step.slot_offsets] = h
+
+    @property
+    def needs_inputs(self) -> bool:
+        return "hidden" in self.cache.stores["gpu"].arrays
+
+    def attend(self, q: torch.Tensor, scale: float, window: int | None,
+               restore: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Attention of padded queries q [B, Tq, Hq, D] over every block: [(out, lse)] to merge.
+
+        By default the blocks of every tier are placed back in token order on the device and attended
+        as one group: the very same arithmetic as a cache that never left the device, so the tokens are
+        identical bit for bit. With `cpu_attention`, cold groups are attended on the CPU where they are
+        and merged by log-sum-exp (exact in arithmetic, rounded differently).
+        """
+        cache, step, bs = self.cache, self.step, self.cache.block_size
+        track_mass = cache.settings.eviction == "attention"
+        cold = self._cold
+        if cold is None and any(g.tier != "gpu" for g in step.groups):
+            cold = cache.fetch_cold(self.layer, step)[0]
+        split = cache.settings.cpu_attention and any(g.tier != "gpu" for g in step.groups)
+        if not split:
+            kvs = [(g, self._kv(g, cold, restore).to(cache.device)) for g in step.groups]
+            padded = torch.zeros(q.shape[0], step.cols, *kvs[0][1].shape[1:], dtype=kvs[0][1].dtype,
+                                 device=cache.device)
+            for g, kv in kvs:
+                padded[g.seq, g.block] = kv
+            blocks = [(padded, step.positions, step.valid, step.block_ids, cache.device)]
+        else:
+            blocks = []
+            for g in step.groups:
+                dev = cache.device if g.tier == "gpu" else torch.device("cpu")
+                kv = self._kv(g, cold, restore).to(dev)
+                padded = torch.zeros(q.shape[0], g.cols, *kv.shape[1:], dtype=kv.dtype, device=dev)
+                padded[g.seq.to(dev), g.col.to(dev)] = kv
+                ids = torch.full((q.shape[0], g.cols), -1, dtype=torch.long)
+                ids[g.seq.cpu(), g.col.cpu()] = torch.tensor(g.ids)
+                blocks.append((padded, g.positions, g.valid, ids, dev))
+        parts, masses = [], []
+        for padded, positions, valid, ids, dev in blocks:
+            B, cols = padded.shape[:2]
+            k = padded[:, :, 0].reshape(B, cols * bs, *padded.shape[-2:])
+            v = padded[:, :, 1].reshape(B, cols * bs, *padded.shape[-2:])
+            mask = self.layout.mask(positions, valid, window).to(dev)
+            out, lse, block_lse = M.attend_group(q.to(dev), k, v, mask, scale, block=bs if track_mass else None)
+            parts.append((out.to(cache.device), lse.to(cache.device)))
+            if track_mass:
+                masses.append((ids, block_lse.to(cache.device)))
+        if masses:
+            self._account_mass(parts, masses)
+        return parts
+
+    def _kv(self, g: TierBlocks, cold: dict | None, restore) -> torch.Tensor:
+        """K/V [n, 2, block_size, Hkv, D] of a group's blocks, from wherever they live, in the compute dtype."""
+        cache = self.cache
+        if g.tier == "gpu":
+            return cache.stores["gpu"].arrays["kv"].data[self.layer].index_select(
+                0, torch.tensor(g.slots, device=cache.device))
+        if cache.cold_fmt.name != "hidden":
+            return cold_kv(cache.cold_fmt, cold[g.tier], cache.dtype)
+        assert restore is not None, "kv_restore: recompute needs the layer's weights"
+        h = cold[g.tier]["hidden"].to(cache.device, non_blocking=True)  # [n, bs, hidden]
+        pos = g.positions.view(-1, g.cols, cache.block_size)[g.seq, g.col]  # [n, bs]
+        k, v = restore(h.reshape(-1, h.shape[-1]), pos.reshape(-1))
+        n, bs = len(g.slots), cache.block_size
+        return torch.stack([k.view(n, bs, *k.shape[1:]), v.view(n, bs, *v.shape[1:])], dim=1)
+
+    def _account_mass(self, parts, masses) -> None:
+        """Add each block's share of this layer's attention (summed over heads and real queries) to its mass."""
+        total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)  # [B, Tq, Hq]
+        total = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+        real = (self.layout.q_pos >= 0)[:, :, None, None]  # [B, Tq, 1, 1]
+        for ids, block_lse in masses:  # ids [B, cols] (-1: padding); block_lse [B, Tq, Hq, cols]
+            share = torch.exp(block_lse - total[..., None]).masked_fill(~real, 0).sum(dim=(1, 2))  # [B, cols]
+            for bid, m in zip(ids.flatten().tolist(), share.flatten().tolist()):
+                blk = self.cache.blocks.get(bid) if bid >= 0 else None
+                if blk is not None:
+                    blk.mass += m

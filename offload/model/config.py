@@ -1,0 +1,168 @@
+"""The shape of a Llama-family model, normalised from any supported `config.json` style.
+
+Supported families: Llama (2, 3, 3.1 with llama3 / linear rope scaling), Mistral (sliding
+window) and Qwen2 (q/k/v bias, tied embeddings, per-layer sliding windows). This module
+reads one dict; it knows nothing about weights, files or tiers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from offload.errors import CheckpointError
+
+SUPPORTED = {
+    # model_type -> architecture class name in config.json
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family model, normalised from any of the supported config.json styles."""
+
+    family: str  # llama | mistral | qwen2
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # normalised, with "rope_type"; None = plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full causal attention
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads}); the checkpoint's config is inconsistent"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        return attn + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
+        model_type = cfg.get("model_type")
+        archs = cfg.get("architectures") or []
+        if model_type not in SUPPORTED:
+            by_arch = [t for t, a in SUPPORTED.items() if a in archs]
+            if not by_arch:
+                raise CheckpointError(
+                    f"{where}: model_type {model_type!r} (architectures {archs}) is not supported; "
+                    f"Offload runs {', '.join(SUPPORTED.values())} checkpoints"
+                )
+            model_type = by_arch[0]
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"{where}: hidden_act {act!r} is not supported; Llama-family models use 'silu'")
+
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise CheckpointError(f"{where}: missing key {key!r}; the checkpoint's config.json is incomplete")
+            return cfg[key]
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        layers = int(need("num_hidden_layers"))
+        head_dim = cfg.get("head_dim") or hidden // heads
+        rope_theta, scaling = _rope(cfg, where)
+        if model_type == "llama":
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+        elif model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = False
+        windows = _sliding_windows(cfg, model_type, layers, where)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            family=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
+            sliding_windows=windows,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            raw=dict(cfg),
+        )
+
+
+def _rope(cfg: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
+    """rope_theta and the scaling dict, from the v4 (`rope_theta` + `rope_scaling`) or v5 (`rope_parameters`) style."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta, scaling = float(params["rope_theta"]), dict(params)
+    else:
+        theta, scaling = float(cfg.get("rope_theta", 10000.0)), dict(cfg.get("rope_scaling") or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(
+            f"{where}: rope scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    scaling = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta")}
+    scaling["rope_type"] = rope_type
+    if "factor" not in scaling:
+        raise CheckpointError(f"{where}: rope scaling of type {rope_type!r} needs a 'factor'")
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in scaling:
+                raise CheckpointError(f"{where}: llama3 rope scaling needs {key!r}")
+    return theta, scaling
+
+
+def _sliding_windows(cfg: dict[str, Any], model_type: str, layers: int, where: str) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window")
+    if model_type == "llama" or window is None:
+        return (None,) * layers
+    if model_type == "mistral":
+        return (int(window),) * layers
+    # qwen2: explicit layer_types (transformers >= 4.53) or use_sliding_window + max_window_layers
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != layers:
+            raise CheckpointError(f"{where}: layer_types has {len(types)} entries for {layers} layers")
+        return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    if not cfg.get("use_sliding_window", False):
+        return (None,) * layers
+    first = int(cfg.get("max_window_layers", layers))
+    return tuple(int(window) if i >= first else None for i in range(layers))

@@ -1,0 +1,54 @@
+"""What `Runner.generate` returns: each output's tokens and text, and the timing of the call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+TokenCallback = Callable[[int, int, str], None]  # (output index, token id, text delta)
+
+
+@dataclass
+class RunStats:
+    """Timing of one `generate` call (shared by its results)."""
+
+    prompt_tokens: int = 0
+    prefill_passes: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    decode_tokens: int = 0  # tokens sampled by decode steps (the first token of each prompt comes from prefill)
+    generated_tokens: int = 0
+    step_ms: list[float] = field(default_factory=list)
+
+    @property
+    def decode_ms_per_step(self) -> float:
+        return 1000 * self.decode_s / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens, "prefill_passes": self.prefill_passes,
+            "prefill_s": round(self.prefill_s, 6), "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 3),
+            "decode_steps": self.decode_steps, "decode_s": round(self.decode_s, 6),
+            "decode_ms_per_step": round(self.decode_ms_per_step, 3), "decode_tokens": self.decode_tokens,
+            "generated_tokens": self.generated_tokens,
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
+        }
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    text: str  # decoded generated tokens ("" without a tokenizer)
+    finish_reason: str  # "eos" | "length"
+    stats: RunStats

@@ -1,0 +1,237 @@
+"""Write a seeded, randomly initialised Llama-family checkpoint in the Hugging Face layout.
+
+    python scripts/make_model.py --family llama --size tiny --out /tmp/tiny-llama
+    from offload.testing.make_model import make_model; make_model("/tmp/m", family="qwen2", size="small")
+
+The directory gets `config.json`, safetensors shards with `model.safetensors.index.json`
+(or a single `model.safetensors`), and a `tokenizer.json`: a small byte-level BPE trained
+with `tokenizers` on `offload/testing/corpus.txt`. Needs torch, safetensors and tokenizers, not
+transformers. Weights are drawn tensor by tensor from a generator seeded by (seed, name),
+so the same arguments always give the same bytes and memory stays at one shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+CORPUS = Path(__file__).with_name("corpus.txt")
+FAMILIES = ("llama", "mistral", "qwen2")
+ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SPECIAL = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 as in Llama
+
+
+@dataclass(frozen=True)
+class Size:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int  # the tokenizer is trained to min(vocab, what the corpus supports)
+    shard_bytes: int  # largest safetensors shard
+    window: int  # mistral's sliding window
+
+
+SIZES = {
+    # a few MB: for tests
+    "tiny": Size(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=344, vocab=512,
+                 shard_bytes=1 << 20, window=32),
+    # ~57M parameters (113 MB in bf16): the demo
+    "small": Size(hidden=768, layers=8, heads=12, kv_heads=4, intermediate=2048, vocab=4096,
+                  shard_bytes=64 << 20, window=4096),
+    # TinyLlama-1.1B shape: the benchmark
+    "medium": Size(hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632, vocab=32000,
+                   shard_bytes=1 << 30, window=4096),
+}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def train_tokenizer(vocab_size: int, corpus: Path = CORPUS):
+    """A byte-level BPE (GPT-2 style) that prepends <s>; deterministic for a given corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus.read_text(encoding="utf-8").split("\n\n"), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    return tok
+
+
+def model_config(family: str, size: Size, vocab: int, dtype: str, rope_scaling: str | None,
+                 tie: bool | None) -> dict[str, Any]:
+    head_dim = size.hidden // size.heads
+    cfg: dict[str, Any] = {
+        "architectures": [ARCH[family]],
+        "model_type": family,
+        "hidden_size": size.hidden,
+        "intermediate_size": size.intermediate,
+        "num_hidden_layers": size.layers,
+        "num_attention_heads": size.heads,
+        "num_key_value_heads": size.kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5 if family != "qwen2" else 1e-6,
+        "rope_theta": {"llama": 10000.0, "mistral": 10000.0, "qwen2": 1000000.0}[family],
+        "vocab_size": vocab,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": (family == "qwen2") if tie is None else tie,
+        "torch_dtype": dtype,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    if family == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    if family == "mistral":
+        cfg["sliding_window"] = size.window
+    if family == "qwen2":
+        cfg.update(use_sliding_window=False, sliding_window=size.window, max_window_layers=size.layers)
+    if rope_scaling == "llama3":  # Llama 3.1: trained at 8192 tokens, scaled to 128K
+        cfg["rope_theta"] = 500000.0
+        cfg["max_position_embeddings"] = 131072
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    elif rope_scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    elif rope_scaling is not None:
+        raise ValueError(f"rope_scaling must be llama3, linear or None, not {rope_scaling!r}")
+    return cfg
+
+
+def tensor_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, init kind) of every tensor, in Hugging Face naming and order."""
+    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    D = cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * D, cfg["num_key_value_heads"] * D
+    bias = cfg["model_type"] == "qwen2" or cfg.get("attention_bias", False)
+    embed_kind = "head" if cfg["tie_word_embeddings"] else "embed"
+    specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (V, H), embed_kind)]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        specs += [(p + "input_layernorm.weight", (H,), "norm")]
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            specs.append((p + f"self_attn.{name}.weight", (rows, H), "linear"))
+            if bias:
+                specs.append((p + f"self_attn.{name}.bias", (rows,), "bias"))
+        specs.append((p + "self_attn.o_proj.weight", (H, q), "linear"))
+        if cfg.get("attention_bias", False):
+            specs.append((p + "self_attn.o_proj.bias", (H,), "bias"))
+        specs += [
+            (p + "post_attention_layernorm.weight", (H,), "norm"),
+            (p + "mlp.gate_proj.weight", (I, H), "linear"),
+            (p + "mlp.up_proj.weight", (I, H), "linear"),
+            (p + "mlp.down_proj.weight", (H, I), "linear"),
+        ]
+    specs.append(("model.norm.weight", (H,), "norm"))
+    if not cfg["tie_word_embeddings"]:
+        specs.append(("lm_head.weight", (V, H), "head"))
+    return specs
+
+
+def init_tensor(name: str, shape: tuple[int, ...], kind: str, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Variance-preserving random init (logits get a spread of a few units, so greedy ties are rare)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    x = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if kind == "embed":
+        pass  # std 1 (a tied embedding is initialised as a head: see tensor_specs)
+    elif kind == "norm":
+        x = 1.0 + 0.1 * x
+    elif kind == "bias":
+        x = 0.1 * x
+    elif kind == "head":
+        x = x * (2.0 / shape[1] ** 0.5)
+    else:  # linear: std 1 / sqrt(fan_in)
+        x = x / shape[1] ** 0.5
+    return x.to(dtype)
+
+
+def make_model(out: str | os.PathLike, family: str = "llama", size: str = "tiny", dtype: str = "float32",
+               seed: int = 0, rope_scaling: str | None = None, tie: bool | None = None,
+               shard_bytes: int | None = None, overrides: dict[str, Any] | None = None,
+               progress: bool = False) -> Path:
+    """Write the checkpoint into `out` (created; existing files of the same names are replaced)."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, not {family!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {tuple(SIZES)}, not {size!r}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = SIZES[size]
+    tok = train_tokenizer(spec.vocab)
+    vocab = spec.vocab if size == "medium" else tok.get_vocab_size()
+    cfg = model_config(family, spec, vocab, dtype, rope_scaling, tie)
+    cfg.update(overrides or {})
+    torch_dtype = DTYPES[dtype]
+    limit = shard_bytes or spec.shard_bytes
+
+    specs = tensor_specs(cfg)
+    shards: list[list[tuple[str, tuple[int, ...], str]]] = [[]]
+    used = 0
+    for s in specs:
+        nbytes = torch.Size(s[1]).numel() * torch_dtype.itemsize
+        if shards[-1] and used + nbytes > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(s)
+        used += nbytes
+    for stale in list(out.glob("*.safetensors")) + [out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map, total = {}, 0
+    bar = tqdm(total=sum(torch.Size(s[1]).numel() for s in specs) * torch_dtype.itemsize, unit="B",
+               unit_scale=True, desc=f"writing {size} {family}", disable=not progress)
+    for fname, shard in zip(names, shards):
+        tensors = {}
+        for name, shape, kind in shard:
+            tensors[name] = init_tensor(name, shape, kind, seed, torch_dtype)
+            weight_map[name] = fname
+            total += tensors[name].nbytes
+            bar.update(tensors[name].nbytes)
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        del tensors
+    bar.close()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--family", choices=FAMILIES, default="llama")
+    ap.add_argument("--size", choices=tuple(SIZES), default="tiny")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rope-scaling", choices=("llama3", "linear"), default=None)
+    ap.add_argument("--tie", choices=("yes", "no"), default=None, help="tie embeddings (default: per family)")
+    ap.add_argument("--shard-mib", type=int, default=None, help="largest shard in MiB")
+    args = ap.parse_args(argv)
+    path = make_model(args.out, args.family, args.size, args.dtype, args.seed, args.rope_scaling,
+                      None if args.tie is None else args.tie == "yes",
+                      args.shard_mib << 20 if args.shard_mib else None, progress=True)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

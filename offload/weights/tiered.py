@@ -1,0 +1,157 @@
+"""Weights over the tiers: fill every memory home once, stream the rest through the prefetcher.
+
+This is the runner's weight source. It executes a placement plan (made by `offload.plan`):
+opens (or converts) the zarr store when the plan has a disk tier, fills every memory home
+once, and hands streaming to `schedulers.prefetch`. With no `tiers:` section the plan is
+"everything on the device", so the all-in-memory run is the same mechanism with nothing to
+stream.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from offload.config import OffloadConfig
+from offload.model.checkpoint import Checkpoint
+from offload.weights.convert import open_store
+from offload.weights.groups import embedding_source, fill_group, model_layouts
+from schedulers.placement import Plan
+from schedulers.prefetch import Prefetcher
+from schedulers.timeline import Timeline
+from schedulers.transfer import make_engine
+from storage.store import Store
+from storage.tiers import DeviceTier, DiskTier, HostTier, MemoryTier, Tier
+
+log = logging.getLogger(__name__)
+
+
+class TieredWeights:
+    """The runner's weight source over GPU, pinned RAM and the zarr store."""
+
+    def __init__(self, config: OffloadConfig, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
+                 timeline: Timeline, plan: Plan) -> None:
+        self.cfg, self.device, self.dtype = ckpt.config, device, dtype
+        self.timeline = timeline
+        self.layouts = model_layouts(ckpt.config, dtype)
+        self.plan = plan
+        embed_group, self._embed_tensor = embedding_source(ckpt.config)
+        log.info("%s", self.plan.describe())
+        self.store: Store | None = None
+        tiers_cfg = config.tiers
+        self.tiers: dict[str, Tier] = {
+            "gpu": DeviceTier(self.plan.capacity("gpu"), device),
+            "cpu": HostTier(self.plan.capacity("cpu"), pinned=tiers_cfg.cpu.pinned if tiers_cfg else True),
+        }
+        self.prefetcher: Prefetcher | None = None
+        try:
+            if tiers_cfg is not None and tiers_cfg.disk is not None:
+                d = tiers_cfg.disk
+                self.store = open_store(ckpt, d.path, dtype, capacity=d.capacity, page_cache=d.page_cache)
+                self.tiers["disk"] = self.store.tier
+            self._fill_homes(ckpt)
+            for name in self.plan.rows_only:  # read by rows later: check the whole group once, now
+                if self.plan.homes[name] == "disk":
+                    with timeline.span("disk-read", name, nbytes=self.layouts[name].nbytes, verify=True):
+                        self.store.tier.verify_region(name)
+            ring = self._slots("gpu", "ring", self.plan.ring_slots, self.plan.ring_slot_bytes)
+            stage = self._slots("cpu", "stage", self.plan.stage_slots, self.plan.stage_slot_bytes)
+            self.prefetcher = Prefetcher(self.plan, self.tiers, make_engine(device), timeline, ring, stage)
+        except BaseException:
+            self.close()
+            raise
+        self._embed_group = embed_group
+        self._embed_spec = self.layouts[embed_group].spec(self._embed_tensor)
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _fill_homes(self, ckpt: Checkpoint) -> None:
+        """Every group homed in memory gets its bytes once: from the store when there is one, else the checkpoint."""
+        staging: torch.Tensor | None = None
+        for name, layout in self.layouts.items():
+            home = self.plan.homes[name]
+            if home == "disk":
+                continue
+            tier = self.tiers[home]
+            assert isinstance(tier, MemoryTier)
+            tier.allocate(name, layout.nbytes)
+            dest = tier.view(name)
+            if dest.device.type != "cpu":
+                if staging is None or staging.numel() < layout.nbytes:
+                    staging = torch.empty(layout.nbytes, dtype=torch.uint8)
+                host = staging[: layout.nbytes]
+            else:
+                host = dest
+            if self.store is not None:
+                with self.timeline.span("disk-read", name, nbytes=layout.nbytes, home=home):
+                    self.store.tier.read_into(name, host)
+            else:
+                fill_group(ckpt, layout, host)
+            if host is not dest:
+                dest.copy_(host)
+
+    def _slots(self, tier: str, prefix: str, count: int, nbytes: int) -> list[torch.Tensor]:
+        t = self.tiers[tier]
+        assert isinstance(t, MemoryTier)
+        for i in range(count):
+            t.allocate(f"{prefix}.{i}", nbytes)
+        return [t.view(f"{prefix}.{i}") for i in range(count)]
+
+    def allocate_kv(self, nbytes: int) -> torch.Tensor:
+        """The KV block pool's memory, as a region of the device tier."""
+        gpu = self.tiers["gpu"]
+        assert isinstance(gpu, MemoryTier)
+        gpu.allocate("kv", nbytes)
+        return gpu.view("kv")
+
+    # -- the weight source interface ------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [N, H], read by rows from wherever the embedding table lives."""
+        spec = self._embed_spec
+        home = self.plan.homes[self._embed_group]
+        tier = self.tiers[home]
+        if isinstance(tier, MemoryTier):
+            table = self.layouts[self._embed_group].views(tier.view(self._embed_group))[self._embed_tensor]
+            return table[ids.to(table.device)].to(self.device)
+        assert isinstance(tier, DiskTier)
+        unique, inverse = torch.unique(ids.cpu(), return_inverse=True)
+        row_bytes = spec.shape[1] * self.dtype.itemsize
+        rows = torch.empty(len(unique), spec.shape[1], dtype=self.dtype)
+        with self.timeline.span("disk-read", f"{self._embed_group} rows", nbytes=len(unique) * row_bytes):
+            for i, token in enumerate(unique.tolist()):
+                tier.read_into(self._embed_group, rows[i], offset=spec.offset + token * row_bytes)
+        return rows[inverse].to(self.device)
+
+    def acquire(self, group: str) -> dict[str, torch.Tensor]:
+        return self.layouts[group].views(self.prefetcher.acquire(group))
+
+    def release(self, group: str) -> None:
+        self.prefetcher.release(group)
+
+    def abort_pass(self) -> None:
+        self.prefetcher.reset()
+
+    def submit_side(self, jobs) -> None:
+        self.prefetcher.submit_side(jobs)
+
+    def side_result(self, group: str):
+        return self.prefetcher.side_result(group)
+
+    def served(self) -> dict[str, int]:
+        """Bytes of weights each home tier handed to compute so far (in place, copied or read)."""
+        return dict(self.prefetcher.served) if self.prefetcher else {}
+
+    def moved(self) -> dict[str, int]:
+        """Bytes each link moved so far (disk->cpu, disk->gpu, cpu->gpu), prefetched ahead included."""
+        return dict(self.prefetcher.bytes_moved) if self.prefetcher else {}
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+        for name in ("gpu", "cpu"):
+            if name in self.tiers:
+                self.tiers[name].close()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
