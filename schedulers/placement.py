@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from storage.errors import CapacityError
+from storage.tiers import TIERS
 
-TIERS = ("gpu", "cpu", "disk")
 STAGE_SLOTS = 2
 
 

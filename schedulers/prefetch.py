@@ -36,6 +36,7 @@ import torch
 
 from schedulers.placement import Plan
 from schedulers.timeline import Timeline
+from schedulers.traffic import COMPUTE, Traffic
 from schedulers.transfer import DONE, Marker, TransferEngine
 from storage.tiers import MemoryTier, Tier
 
@@ -56,15 +57,14 @@ class Load:
 
 class Prefetcher:
     def __init__(self, plan: Plan, tiers: dict[str, Tier], engine: TransferEngine, timeline: Timeline,
-                 ring: list[torch.Tensor], stage: list[torch.Tensor]) -> None:
+                 ring: list[torch.Tensor], stage: list[torch.Tensor], traffic: Traffic | None = None) -> None:
         assert len(ring) == plan.ring_slots and len(stage) == plan.stage_slots
         self.plan, self.tiers, self.engine, self.timeline = plan, tiers, engine, timeline
         self.ring, self.stage = ring, stage
         self.schedule = plan.streamed
-        self.bytes_moved: dict[str, int] = {}  # per link: disk->cpu, disk->gpu, cpu->gpu
+        self.traffic = traffic or Traffic()  # weights: every link's bytes, and each home's bytes handed to compute
         self._homed = {t: sum(plan.sizes[g] for g in plan.order if plan.homes[g] == t) for t in ("gpu", "cpu")}
         self._in_ring = 0  # bytes of streamed groups sitting in ring slots (for the resident-bytes counter)
-        self.served: dict[str, int] = {}  # per home tier: bytes of groups handed to compute
         self._loads: deque[Load] = deque()
         self._cond = threading.Condition()
         self._slot_free: list[threading.Event] = []
@@ -82,7 +82,7 @@ class Prefetcher:
         """The group's bytes on the compute device (1-D uint8, exactly its size)."""
         size = self.plan.sizes[group]
         home = self.plan.homes[group]
-        self.served[home] = self.served.get(home, 0) + size
+        self.traffic.add("weights", home, COMPUTE, size)
         if self.plan.is_resident(group):
             buf = self._home_view(group)
             self._current[group] = (None, self.timeline.now(), self._compute_marker())
@@ -126,7 +126,8 @@ class Prefetcher:
     # -- side jobs: per-pass work that rides with the weights (cold KV for each layer) --------------
     def submit_side(self, jobs: dict[str, Callable[[], tuple[Any, int]]], track: str = "kv-fetch") -> None:
         """Jobs for the coming pass, keyed by group. A side thread runs them in pass order, at most
-        `depth + 1` groups ahead of compute; each returns (result, bytes moved) and becomes a span."""
+        `depth + 1` groups ahead of compute; each returns (result, bytes moved) and becomes a span
+        (a job counts its own traffic)."""
         self.join_side()
         with self._cond:
             self._side_results: dict[str, tuple[Any, BaseException | None]] = {}
@@ -147,7 +148,6 @@ class Prefetcher:
                     start = self.timeline.now()
                     result, nbytes = jobs[g]()
                     self.timeline.add(track, g, start, self.timeline.now(), nbytes=nbytes, step=step)
-                    self._count(track, nbytes)
                     outcome = (result, None)
                 except BaseException as e:  # handed to compute
                     outcome = (None, e)
@@ -227,7 +227,7 @@ class Prefetcher:
                 with self.timeline.span("disk-read", group, nbytes=size, slot=s, step=self._base_step + k // n,
                                         k=k, into="stage"):
                     self.tiers["disk"].read_into(group, self.stage[s][:size])
-                self._count("disk->cpu", size)
+                self.traffic.add("weights", "disk", "cpu", size)
             except BaseException as e:  # handed to the loader, then to compute
                 self._staged[k] = (s, e)
                 self._staged_event(k).set()
@@ -293,7 +293,7 @@ class Prefetcher:
             with self.timeline.span("disk-read", group, nbytes=size, slot=load.slot, step=step, k=load.k,
                                     into="ring"):
                 self.tiers["disk"].read_into(group, self.ring[load.slot][:size])
-            self._count("disk->gpu", size)
+            self.traffic.add("weights", "disk", "gpu", size)
         else:  # host -> device
             if not self._wait_slot(load.slot):
                 return
@@ -310,11 +310,8 @@ class Prefetcher:
             with self.timeline.span("h2d", load.group, nbytes=dst.numel(), slot=load.slot, step=step, k=load.k,
                                     into="ring"):
                 marker = self.engine.copy(dst, src, after=[free])
-        self._count("cpu->gpu", dst.numel())
+        self.traffic.add("weights", "cpu", "gpu", dst.numel())
         return marker
-
-    def _count(self, link: str, n: int) -> None:
-        self.bytes_moved[link] = self.bytes_moved.get(link, 0) + n
 
     def close(self) -> None:
         self._stop = True

@@ -123,7 +123,7 @@ def worker_offload(spec: dict) -> dict:
         out = {
             "kv_fetch_bytes_per_step": sum(s.nbytes for s in kv_spans) / max(stats.decode_steps, 1),
             "kv_fetch_busy_ms_per_step": 1000 * busy_time(kv_spans) / max(stats.decode_steps, 1),
-            "kv_blocks_moved": dict(r.kv.moved) if r.kv is not None else {},
+            "kv_blocks_moved": r.traffic.routes("kv"),
             "ms_per_step": stats.decode_ms_per_step,
             "step_ms": stats.step_ms,
             "prefill_s": stats.prefill_s,

@@ -14,7 +14,9 @@ or a few long reads on disk when slots are adjacent. Two implementations, one in
 one preallocated file described by a zarr array of raw bytes — shape (planes, slots,
 slot_bytes), one chunk, no compression — written with `pwrite` and read with `preadv` at
 computed offsets from a small thread pool, with its own validity map: never a zarr write per
-slot (see STORAGE-NOTES.md). The file is scratch space for one process and is removed when
+slot (measured here: one zarr chunk per block writes at 50-60 MB/s, `pwrite` into one
+preallocated file at ~2.9 GB/s; random block reads through zarr 60-80 MB/s, `preadv` at queue
+depth 16 ~1 GB/s cold). The file is scratch space for one process and is removed when
 closed. This module knows shapes and bytes, not what a slot holds.
 """
 

@@ -11,8 +11,10 @@ properties, a read-only guard):
 
 Memory tiers also hand out `view(key)`, a uint8 tensor other code can compute on. The disk
 tier keeps each region as a zarr array of raw bytes, one chunk, with a crc32c codec; it
-reads chunks with `preadv` straight into the destination (the format-respecting fast path
-described in STORAGE-NOTES.md) and verifies the checksum. Tiers know bytes and names only.
+reads chunks with `preadv` straight into the destination and verifies the checksum: the
+format-respecting fast path (zarr itself copies each chunk through a fresh `bytes` object and
+read ~1.3 GB/s cold where `preadv` into the chunk file read ~2 GB/s on the same disk; zarr
+stays for metadata, writing and a checked fallback read). Tiers know bytes and names only.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ import torch
 
 from storage import io
 from storage.errors import CapacityError, StoreError
+
+#: The tiers, fastest first, named as in the YAML `tiers:` section.
+TIERS = ("gpu", "cpu", "disk")
 
 
 def _mib(n: int) -> str:

@@ -54,7 +54,7 @@ def test_kv_four_times_the_device_and_host_gives_the_device_tokens(small, tmp_pa
         need = sum(cache.blocks_for(len(p) + NEW) for p in PROMPTS)
         assert need >= 4 * (cache.pools["gpu"].num_blocks + cache.pools["cpu"].num_blocks)
         got = [x.token_ids for x in r.generate(PROMPTS, max_new_tokens=NEW, stop_on_eos=False)]
-        moved = dict(cache.moved)
+        moved = cache.traffic.routes("kv")
         fetched = r.timeline.bytes_on("kv-fetch")
     assert got == reference
     assert moved.get("gpu->cpu", 0) > 0 and moved.get("cpu->disk", 0) > 0  # blocks really went down two tiers
@@ -265,4 +265,4 @@ def test_cold_blocks_in_bf16_give_the_device_tokens_bit_for_bit(model_factory, t
                   "kv_cache": {"gpu_blocks": 5, "cpu_blocks": 2, "disk_blocks": 32}}
     with Runner.from_config(cfg) as r:
         assert [x.token_ids for x in r.generate(prompts, max_new_tokens=24, stop_on_eos=False)] == ref
-        assert r.kv.moved.get("cpu->disk", 0) > 0
+        assert r.traffic.routes("kv").get("cpu->disk", 0) > 0

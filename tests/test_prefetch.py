@@ -97,7 +97,7 @@ def test_every_route_and_depth_returns_the_right_bytes(world, homes, depth, copy
         run_passes(pf, plan, world[0])
     finally:
         pf.close()
-    moved = pf.bytes_moved
+    moved = pf.traffic.routes("weights")
     disk_bytes = sum(SIZES[g] for g in plan.streamed if plan.homes[g] == "disk")
     if disk_bytes:
         link = "disk->cpu" if copy_to_device else "disk->gpu"

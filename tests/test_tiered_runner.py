@@ -91,7 +91,7 @@ def test_bytes_per_step_match_the_plan(tiny8, store):
         reads = [s for s in r.timeline.on("disk-read") if "k" in s.args]  # streamed loads only
         for step in range(passes):
             assert sum(s.nbytes for s in reads if s.step == step) == per_pass
-        served = r.weights.served()
+        served = r.traffic.served()
     assert served["disk"] == passes * sum(r.plan.sizes[g] for g in r.plan.order
                                           if r.plan.homes[g] == "disk" and g != "embed")
 

@@ -75,7 +75,7 @@ def generate_and_print(runner: Runner, prompts: list[str], args: argparse.Namesp
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                               on_token=on_token if stream else None)
     stats = results[0].stats
-    served = runner.weights.served()
+    served = runner.traffic.served()
     summary = None
     if runner.timeline.enabled and stats.decode_steps:
         summary = decode_summary(runner.timeline, trace_meta(runner, stats))

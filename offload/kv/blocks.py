@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-TIERS = ("gpu", "cpu", "disk")
-
 
 @dataclass
 class Block:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from offload.kv.blocks import TIERS, Block, KVSettings, Sequence, StepKV, TierBlocks
+from offload.kv.blocks import Block, KVSettings, Sequence, StepKV, TierBlocks
 from offload.kv.formats import ColdFormat, TierStore, cold_kv, to_cold
 from offload.kv.view import LayerKV
 from offload.model import functional as M
@@ -43,8 +43,10 @@ from offload.model.config import ModelConfig
 from offload.model.functional import BatchLayout
 from schedulers.eviction import Candidate, make_policy
 from schedulers.timeline import Timeline
+from schedulers.traffic import COMPUTE, Traffic
 from storage.block_pool import Admission, BlockPool
 from storage.errors import CapacityError
+from storage.tiers import TIERS
 
 
 class PagedKVCache:
@@ -52,7 +54,7 @@ class PagedKVCache:
                  device: torch.device | str, memory: torch.Tensor | None = None,
                  settings: KVSettings | None = None, disk_dir: Path | None = None, pin_memory: bool = False,
                  timeline: Timeline | None = None, clock: Callable[[], float] = time.monotonic,
-                 rope: M.Rope | None = None, page_cache: bool = False) -> None:
+                 rope: M.Rope | None = None, page_cache: bool = False, traffic: Traffic | None = None) -> None:
         # the arguments are the truth about block size and device blocks; settings bring the rest
         s = dataclasses.replace(settings or KVSettings(), block_size=block_size, gpu_blocks=num_blocks)
         self.settings = s
@@ -82,7 +84,7 @@ class PagedKVCache:
         self.blocks: dict[int, Block] = {}
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
-        self.moved: dict[str, int] = {}  # bytes per direction: demote (device->cold), promote, cold->cold
+        self.traffic = traffic or Traffic()  # kind "kv": blocks demoted and promoted, cold blocks read by attention
 
     @staticmethod
     def device_format(cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str) -> ColdFormat:
@@ -190,8 +192,7 @@ class PagedKVCache:
         track = "kv-spill" if TIERS.index(dst) > TIERS.index(b.tier) else "kv-fetch"
         with self.timeline.span(track, f"block {bid}", nbytes=nbytes, src=b.tier, dst=dst):
             self.stores[dst].write_block(slot, parts)
-        key = f"{b.tier}->{dst}"
-        self.moved[key] = self.moved.get(key, 0) + nbytes
+        self.traffic.add("kv", b.tier, dst, nbytes)
         self.pools[b.tier].free([b.slot])
         src_store.invalidate(b.slot)
         b.tier, b.slot = dst, slot
@@ -314,7 +315,9 @@ class PagedKVCache:
                 continue
             parts = self.stores[g.tier].read_plane(layer, g.slots)
             out[g.tier] = parts
-            nbytes += sum(v.numel() * v.element_size() for v in parts.values())
+            n = sum(v.numel() * v.element_size() for v in parts.values())
+            self.traffic.add("kv", g.tier, COMPUTE, n)
+            nbytes += n
         return out, nbytes
 
     def view(self, layer: int, layout: BatchLayout, step: StepKV, cold: dict | None = None) -> LayerKV:

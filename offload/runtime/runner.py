@@ -32,6 +32,7 @@ from offload.runtime.results import GenerationResult, RunStats, TokenCallback
 from offload.runtime.sampling import sample
 from offload.weights.tiered import TieredWeights
 from schedulers.timeline import Timeline
+from schedulers.traffic import Traffic
 from storage.block_pool import Admission
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class Runner:
         self.dtype = resolve_dtype(config.dtype, self.cfg.torch_dtype)
         self.tokenizer = TextTokenizer.from_checkpoint(config.model)
         self.timeline = timeline or Timeline(nvtx=self.device.type == "cuda")
+        self.traffic = Traffic()  # bytes moved by weights and KV blocks, per route
         self.last_stats: RunStats | None = None
         self.rope = M.Rope(self.cfg, self.device, self.dtype)
         self._layer_groups = [f"layer.{i}" for i in range(self.cfg.num_layers)]
@@ -83,7 +85,7 @@ class Runner:
         self.kv_settings = run_plan.kv
         self.plan = run_plan.plan
         self.weights: WeightSource = TieredWeights(config, self.checkpoint, self.dtype, self.device,
-                                                   self.timeline, run_plan.plan)
+                                                   self.timeline, run_plan.plan, self.traffic)
         self.kv: PagedKVCache | None = None
         self._kv_fixed = run_plan.kv_blocks > 0
         if self._kv_fixed:
@@ -101,6 +103,7 @@ class Runner:
         return PagedKVCache(self.cfg, s.block_size, gpu_blocks, self.dtype, self.device, memory=memory, settings=s,
                             disk_dir=disk.path / "kv-scratch" if disk is not None and s.disk_blocks else None,
                             pin_memory=self.device.type == "cuda", timeline=self.timeline, rope=self.rope,
+                            traffic=self.traffic,
                             page_cache=bool(disk and disk.page_cache))
 
     @classmethod

@@ -20,6 +20,7 @@ from offload.weights.groups import embedding_source, fill_group, model_layouts
 from schedulers.placement import Plan
 from schedulers.prefetch import Prefetcher
 from schedulers.timeline import Timeline
+from schedulers.traffic import Traffic
 from schedulers.transfer import make_engine
 from storage.store import Store
 from storage.tiers import DeviceTier, DiskTier, HostTier, MemoryTier, Tier
@@ -31,7 +32,7 @@ class TieredWeights:
     """The runner's weight source over GPU, pinned RAM and the zarr store."""
 
     def __init__(self, config: OffloadConfig, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
-                 timeline: Timeline, plan: Plan) -> None:
+                 timeline: Timeline, plan: Plan, traffic: Traffic | None = None) -> None:
         self.cfg, self.device, self.dtype = ckpt.config, device, dtype
         self.timeline = timeline
         self.layouts = model_layouts(ckpt.config, dtype)
@@ -57,7 +58,7 @@ class TieredWeights:
                         self.store.tier.verify_region(name)
             ring = self._slots("gpu", "ring", self.plan.ring_slots, self.plan.ring_slot_bytes)
             stage = self._slots("cpu", "stage", self.plan.stage_slots, self.plan.stage_slot_bytes)
-            self.prefetcher = Prefetcher(self.plan, self.tiers, make_engine(device), timeline, ring, stage)
+            self.prefetcher = Prefetcher(self.plan, self.tiers, make_engine(device), timeline, ring, stage, traffic)
         except BaseException:
             self.close()
             raise
@@ -136,14 +137,6 @@ class TieredWeights:
 
     def side_result(self, group: str):
         return self.prefetcher.side_result(group)
-
-    def served(self) -> dict[str, int]:
-        """Bytes of weights each home tier handed to compute so far (in place, copied or read)."""
-        return dict(self.prefetcher.served) if self.prefetcher else {}
-
-    def moved(self) -> dict[str, int]:
-        """Bytes each link moved so far (disk->cpu, disk->gpu, cpu->gpu), prefetched ahead included."""
-        return dict(self.prefetcher.bytes_moved) if self.prefetcher else {}
 
     def close(self) -> None:
         if self.prefetcher is not None:
