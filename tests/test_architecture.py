@@ -1,0 +1,171 @@
+"""The shape of the code: one-way dependencies, no import cycles, no hidden imports, small modules.
+
+The import graph is read from the source (every `import`, at any depth, TYPE_CHECKING blocks
+included), so an import moved into a function to dodge a cycle still counts as an edge.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("storage", "schedulers", "offload")
+#: What each top-level package may import of ours (the card's one-way dependency).
+ALLOWED = {"storage": {"storage"}, "schedulers": {"schedulers", "storage"},
+           "offload": {"offload", "schedulers", "storage"}}
+MAX_LINES = 400
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+MODULES = modules()
+
+
+def resolve(name: str) -> str | None:
+    """The module (or package) of ours that `name` denotes, None if it is not ours."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(module of ours imported, line, inside a function or class?) for every import in the file."""
+    tree = ast.parse(path.read_text(), str(path))
+    out: list[tuple[str, int, bool]] = []
+
+    def visit(node: ast.AST, nested: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = nested or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                targets = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                # `from pkg import sub` imports the submodule when there is one
+                targets = [f"{child.module}.{a.name}" if f"{child.module}.{a.name}" in MODULES else child.module
+                           for a in child.names]
+            else:
+                visit(child, inner)
+                continue
+            for t in targets:
+                ours = resolve(t)
+                if ours is not None:
+                    out.append((ours, child.lineno, nested))
+    visit(tree, False)
+    return out
+
+
+GRAPH = {m: imports(p) for m, p in MODULES.items()}
+
+
+def unit(module: str) -> str:
+    """The unit cycles are checked between: a subpackage of offload, else the module itself."""
+    parts = module.split(".")
+    if parts[0] == "offload" and len(parts) >= 2 and (ROOT / parts[0] / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    return module
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            strong(v)
+    return found
+
+
+def test_the_graph_sees_the_packages_and_their_imports():
+    # guards the test itself: an empty graph would pass everything below
+    assert {"storage.tiers", "schedulers.prefetch", "offload.runtime.runner"} <= set(MODULES)
+    assert "storage.errors" in {m for m, _, _ in GRAPH["storage.tiers"]}
+    assert any(m.startswith("offload.kv") for m, _, _ in GRAPH["offload.runtime.runner"])
+
+
+def test_no_upward_imports():
+    bad = [f"{m} imports {t} (line {line})" for m, edges in GRAPH.items() for t, line, _ in edges
+           if t.split(".")[0] not in ALLOWED[m.split(".")[0]]]
+    assert bad == [], "storage imports nothing of ours; schedulers only storage:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles_between_modules():
+    edges = {m: {t for t, _, _ in e if t != m} for m, e in GRAPH.items()}
+    assert cycles(edges) == []
+
+
+def test_no_import_cycles_between_the_concepts_of_offload():
+    edges: dict[str, set[str]] = {}
+    for m, e in GRAPH.items():
+        edges.setdefault(unit(m), set()).update(unit(t) for t, _, _ in e if unit(t) != unit(m))
+    assert cycles(edges) == []
+
+
+def test_nothing_imports_the_top_level_package_or_the_cli():
+    # `offload/__init__` imports the runtime: importing it from inside would close a loop
+    bad = [f"{m} imports {t}" for m, e in GRAPH.items() for t, _, _ in e
+           if (t == "offload" or t.startswith("offload.cli")) and not m.startswith(("offload.cli", "offload.__main__"))]
+    assert bad == []
+
+
+def test_no_function_level_imports_of_our_own_code():
+    hidden = [f"{m}: line {line} imports {t}" for m, e in GRAPH.items() for t, line, nested in e if nested]
+    assert hidden == [], "an import inside a function usually hides a cycle:\n" + "\n".join(hidden)
+
+
+def test_the_product_never_imports_scripts():
+    for m, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "scripts" or n.startswith("scripts.") for n in names), m
+
+
+@pytest.mark.parametrize("package", sorted(p for p in MODULES if (ROOT / p.replace(".", "/")).is_dir()))
+def test_every_package_says_what_lives_there(package):
+    doc = ast.get_docstring(ast.parse(MODULES[package].read_text()))
+    assert doc and len(doc.split()) >= 8, f"{package}/__init__.py needs a docstring saying what lives there"
+
+
+def test_modules_stay_small():
+    big = {m: n for m, p in MODULES.items() if m.startswith("offload") and (n := len(p.read_text().splitlines()))
+           > MAX_LINES}
+    assert big == {}, f"modules over {MAX_LINES} lines (split them by idea): {big}"
