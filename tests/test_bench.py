@@ -19,17 +19,22 @@ def test_quick_benchmark_reports_ratios_rss_and_the_peer(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert result["disk"]["bytes_per_s"] > 0
+    assert result["disk"]["bytes_per_s"] > 1e6
     for row in result["rows"]:
         assert row["tokens_equal_resident"]  # streaming never changes the tokens
-        assert row["disk_bytes_per_step"] > 0 and row["ratio_to_bound"] > 0
-        assert row["offload_peak_rss"] > 0 and row["accelerate_peak_rss"] > 0
+        # the bytes read per decode step are the plan's streamed bytes (plus a few embedding rows)
+        assert row["disk_bytes_per_step"] == pytest.approx(row["plan"]["bytes_per_step"]["disk->gpu"], rel=1e-3)
+        # a step cannot beat its physical bound, nor be shorter than the time the disk was busy in it
+        assert row["ratio_to_bound"] >= 0.8 and row["ratio_to_disk_busy"] >= 0.8, row
+        assert row["offload_peak_rss"] > row["offload_base_rss"] and row["accelerate_peak_rss"] > 0
         assert "disk" in row["accelerate_devices"]  # the peer really offloaded to disk
-        assert row["speedup_vs_accelerate"] > 0
+        assert row["speedup_vs_accelerate"] == pytest.approx(row["accelerate_ms_per_step"]
+                                                             / row["offload_ms_per_step"])
     kv = {row["quantization"]: row for row in result["kv"]}
     assert kv["none"]["tokens_equal_device"]  # KV beyond the device changes nothing
     assert kv["int8"]["kv_fetch_bytes_per_step"] < 0.6 * kv["none"]["kv_fetch_bytes_per_step"]
-    assert all(row["ratio_to_bound"] > 0 and row["kv_blocks_needed"] >= 4 * row["kv_blocks_gpu_cpu"]
-               for row in kv.values())
+    for row in kv.values():
+        assert row["kv_blocks_needed"] >= 4 * row["kv_blocks_gpu_cpu"]  # most of the KV really is cold
+        assert row["ms_per_step"] >= 0.9 * row["all_device_ms_per_step"]  # cold KV is never free
     table = (tmp_path / "bench.md").read_text()
     assert "ratio to bound" in table and "Accelerate ms/step" in table

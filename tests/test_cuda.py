@@ -86,16 +86,19 @@ def test_cuda_scheduler_never_overwrites_a_slot_in_use(tmp_path):
     timeline = Timeline()
     pf = Prefetcher(plan, tiers, CudaEngine("cuda"), timeline, ring, stage)
     expected = {n: d.cuda() for n, d in data.items()}
+    seen = []
     try:
         for _ in range(4):
             for name in order:
                 buf = pf.acquire(name)
-                torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time while the slot is in use
-                assert torch.equal(buf, expected[name])
-                pf.release(name)
+                torch.cuda._sleep(2_000_000)  # the compute stream is busy ~1 ms before it reads the slot
+                seen.append((name, buf.clone()))  # queued after the sleep; the host does not wait for it
+                pf.release(name)  # only an event on the compute stream: the next copy into the slot must wait on it
             timeline.next_step()
         torch.cuda.synchronize()
     finally:
         pf.close()
         disk.close()
+    # had a copy into a slot not waited for the release event, it would have landed during the sleep
+    assert [n for n, got in seen if not torch.equal(got, expected[n])] == []
     assert overwrites(timeline.on("h2d") + timeline.on("compute")) == []

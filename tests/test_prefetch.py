@@ -186,10 +186,11 @@ def test_depth_zero_loads_then_computes(world):
     finally:
         pf.close()
     reads = {s.args["k"]: s for s in timeline.on("disk-read")}
-    for comp in (s for s in timeline.on("compute") if "k" in s.args):
-        nxt = reads.get(comp.args["k"] + 1)
-        if nxt is not None:
-            assert nxt.start >= comp.end - 1e-3  # no overlap at depth 0
+    pairs = [(comp, reads[comp.args["k"] + 1]) for comp in timeline.on("compute")
+             if "k" in comp.args and comp.args["k"] + 1 in reads]
+    assert len(pairs) >= 2 * len(plan.streamed) - 1  # every load but the last is followed by the next read
+    for comp, nxt in pairs:
+        assert nxt.start >= comp.end - 1e-3  # no overlap at depth 0
 
 
 def test_acquiring_out_of_order_is_refused_and_reset_recovers(world):

@@ -10,12 +10,16 @@ import torch
 
 from offload.cli.main import main
 from offload.config import OffloadConfig
+from offload.model.checkpoint import Checkpoint
 from offload.plan.calibrate import load_calibration, measure_compute
+from offload.plan.planner import Planner
+from offload.plan.predict import Workload, predict_decode
 from offload.runtime.runner import Runner
 from schedulers.calibration import Calibration, measure_disk, measure_memcpy
 from schedulers.costmodel import simulate
 from schedulers.placement import Capacities, GroupSpec, make_plan
 from schedulers.trace import check_chrome, load_chrome, summarize
+from storage.errors import CapacityError
 from storage.tiers import DiskTier
 from tests.conftest import run_config
 
@@ -221,15 +225,32 @@ def test_simulation_predicts_a_run_with_a_known_slow_disk(tiny_llama, store, mon
     assert pred.step_s == pytest.approx(measured, rel=0.25)
 
 
-def test_auto_depth_picks_the_fastest_predicted_depth(tiny_llama, store):
-    with Runner.from_config(streaming_config(tiny_llama, store, depth="auto")) as r:
-        assert r.plan.depth in range(7)
-    from offload.model.checkpoint import Checkpoint
-    from offload.plan.planner import Planner
-    cfg = OffloadConfig.load(streaming_config(tiny_llama, store, depth="auto"))
-    planner = Planner(cfg, Checkpoint(tiny_llama).config, torch.float32, torch.device("cpu"))
+def test_auto_depth_picks_the_fastest_predicted_depth(model_factory, tmp_path):
+    # a machine whose disk is as slow as its compute: no prefetch doubles the step, a deeper ring hides compute
+    cal = Calibration({"disk read": 0.2e9, "memcpy": 5e9},
+                      {"cpu": {"tokens": [1, 512], "weight_bytes_per_s": [0.2e9, 0.2e9]}}, "measured")
+    cal.save(tmp_path / "cal.json")
+    tiny8 = model_factory("llama", overrides={"num_hidden_layers": 8})
+    raw = streaming_config(tiny8, tmp_path / "store", depth="auto", calibration=str(tmp_path / "cal.json"))
+    raw["tiers"]["gpu"]["capacity"], raw["tiers"]["cpu"]["capacity"] = "4MiB", 0  # rings of 1..5 slots fit
+    cfg = OffloadConfig.load(raw)
+    planner = Planner(cfg, Checkpoint(tiny8).config, torch.float32, torch.device("cpu"))
     rp = planner.run_plan()
-    assert rp.depth_note.startswith(f"depth auto -> {rp.plan.depth}")
+    work = Workload(prefill_chunk=cfg.activations.prefill_chunk)
+    steps = {}
+    for depth in range(7):
+        try:
+            plan = planner.placement(planner.caps, depth)
+        except CapacityError:
+            break
+        steps[depth] = predict_decode(plan, planner.cfg, load_calibration(cfg.calibration), "cpu", work, 4).step_s
+    chosen, best = rp.plan.depth, min(steps.values())
+    assert len(steps) >= 3 and steps[0] > 1.1 * best  # the choice matters here
+    assert steps[chosen] <= 1.01 * best  # the fastest, within the 1% tie margin ...
+    assert all(steps[d] > 1.01 * best for d in steps if d < chosen)  # ... and the smallest ring among ties
+    assert rp.depth_note.startswith(f"depth auto -> {chosen}")
+    with Runner.from_config(raw) as r:
+        assert r.plan.depth == chosen
 
 
 def test_plan_on_paper_for_llama3_70b(capsys):

@@ -17,11 +17,3 @@ def test_ci_runs_the_readme_setup_commands_verbatim():
         assert cmd in ci, f"{cmd!r} is in the README but not in .ci/run"
     assert "torch==2.13.0" in commands[0] and "offload demo" in commands[0]
     assert "[test]" in commands[1] and "pytest" in commands[1]
-
-
-def test_storage_and_schedulers_never_import_upwards():
-    for package, forbidden in (("storage", ("offload", "schedulers")), ("schedulers", ("offload",))):
-        for path in (ROOT / package).rglob("*.py"):
-            for line in path.read_text().splitlines():
-                m = re.match(r"\s*(?:from|import)\s+(\w+)", line)
-                assert not (m and m.group(1) in forbidden), f"{path}: {line.strip()}"

@@ -96,10 +96,15 @@ def test_bytes_per_step_match_the_plan(tiny8, store):
                                           if r.plan.homes[g] == "disk" and g != "embed")
 
 
-def test_each_placement_has_its_own_group_spread(tiny8, store):
+def test_describe_lists_what_each_tier_homes(tiny8, store):
     with Runner.from_config(config(tiny8, "mixed", store, 1)) as r:
-        text = r.plan.describe()
-    assert "gpu" in text and "cpu" in text and "disk" in text and "ring slots" in text
+        plan = r.plan
+        text = plan.describe()
+    assert "ring slots" in text
+    for tier in ("gpu", "cpu", "disk"):
+        [line] = [x for x in text.splitlines() if x.startswith(f"  {tier} ") and " homes " in x]
+        homed = [g for g in plan.order if plan.homes[g] == tier]
+        assert f"homes {len(homed):>3} groups" in line and homed, (tier, line)
 
 
 def test_plan_command_reads_no_weights_and_refuses_what_cannot_fit(tmp_path, tiny8, store, capsys):
