@@ -112,7 +112,7 @@ def worker_offload(spec: dict) -> dict:
         [res, *rest] = r.generate(batch, max_new_tokens=spec["new"], stop_on_eos=False)
         wall = time.perf_counter() - t0
         stats = res.stats
-        decode_steps = range(stats.prefill_passes, stats.prefill_passes + stats.decode_steps)
+        decode_steps = set(stats.decode_only_steps)  # the steady state: passes that only decoded
         disk = r.timeline.bytes_on("disk-read", decode_steps)
         stall = sum(s.duration for s in r.timeline.on("stall") if s.step in decode_steps)
         from schedulers.timeline import busy_time
@@ -121,17 +121,17 @@ def worker_offload(spec: dict) -> dict:
         compute = sum(s.duration for s in r.timeline.on("compute") if s.step in decode_steps)
         kv_spans = [s for s in r.timeline.on("kv-fetch") if s.step in decode_steps]
         out = {
-            "kv_fetch_bytes_per_step": sum(s.nbytes for s in kv_spans) / max(stats.decode_steps, 1),
-            "kv_fetch_busy_ms_per_step": 1000 * busy_time(kv_spans) / max(stats.decode_steps, 1),
+            "kv_fetch_bytes_per_step": sum(s.nbytes for s in kv_spans) / max(len(decode_steps), 1),
+            "kv_fetch_busy_ms_per_step": 1000 * busy_time(kv_spans) / max(len(decode_steps), 1),
             "kv_blocks_moved": r.traffic.routes("kv"),
-            "ms_per_step": stats.decode_ms_per_step,
+            "ms_per_step": stats.decode_only_ms_per_step,
             "step_ms": stats.step_ms,
             "prefill_s": stats.prefill_s,
             "wall_s": wall,
-            "disk_bytes_per_step": disk / max(stats.decode_steps, 1),
-            "stall_ms_per_step": 1000 * stall / max(stats.decode_steps, 1),
-            "disk_busy_ms_per_step": 1000 * disk_busy / max(stats.decode_steps, 1),
-            "compute_ms_per_step": 1000 * compute / max(stats.decode_steps, 1),
+            "disk_bytes_per_step": disk / max(len(decode_steps), 1),
+            "stall_ms_per_step": 1000 * stall / max(len(decode_steps), 1),
+            "disk_busy_ms_per_step": 1000 * disk_busy / max(len(decode_steps), 1),
+            "compute_ms_per_step": 1000 * compute / max(len(decode_steps), 1),
             "tokens": [x.token_ids for x in [res, *rest]],
             "plan": r.plan.to_dict(),
         }

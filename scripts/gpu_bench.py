@@ -49,14 +49,14 @@ def run(config: dict, batch: int, prompt: int, new: int) -> dict:
         res = r.generate(ids, max_new_tokens=new, stop_on_eos=False)
         wall = time.perf_counter() - t0
         stats = res[0].stats
-        decode = range(r.timeline.step - stats.decode_steps, r.timeline.step)  # the last passes were decode
+        decode = set(stats.decode_only_steps)  # the passes that only decoded
         h2d = [s for s in r.timeline.on("h2d") if s.step in decode]
         compute = [s for s in r.timeline.on("compute") if s.step in decode]
         spans = [{"track": s.track, "name": s.name, "step": s.step, "start": s.start, "end": s.end,
                   "bytes": s.nbytes} for s in r.timeline.spans]
         return {
-            "ms_per_step": stats.decode_ms_per_step, "wall_s": wall,
-            "h2d_bytes_per_step": sum(s.nbytes for s in h2d) / max(stats.decode_steps, 1),
+            "ms_per_step": stats.decode_only_ms_per_step, "wall_s": wall,
+            "h2d_bytes_per_step": sum(s.nbytes for s in h2d) / max(len(decode), 1),
             "h2d_busy_s": busy_time(h2d), "compute_busy_s": busy_time(compute),
             "overlap_of_h2d_with_compute": overlap_time(h2d, compute) / max(busy_time(h2d), 1e-9),
             "plan": r.plan.to_dict(), "tokens": [x.token_ids for x in res], "spans": spans,

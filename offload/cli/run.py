@@ -93,7 +93,7 @@ def generate_and_print(runner: Runner, prompts: list[str], args: argparse.Namesp
     else:
         out.write("\n")
     if runner.plan.streamed or len(set(runner.plan.homes.values())) > 1:
-        passes = max(stats.prefill_passes + stats.decode_steps, 1)
+        passes = max(len(stats.passes), 1)
         out.write(runner.plan.describe() + "\n")
         out.write("  served per forward pass: " + ", ".join(
             f"{tier} {n / passes / 2**20:.1f} MiB" for tier, n in sorted(served.items())) + "\n")

@@ -27,10 +27,11 @@ CALIBRATED = {"disk read": "disk read", "host->device": "host->device", "device-
 
 # ----------------------------------------------------------------------------- traces
 def trace_meta(runner, stats) -> dict[str, Any]:
-    first_decode = runner.timeline.step - stats.decode_steps
+    decode = stats.decode_only_steps
+    first_decode, end = (decode[0], decode[-1] + 1) if decode else (runner.timeline.step, runner.timeline.step)
     return {"model": str(runner.config.model), "device": str(runner.device), "dtype": str(runner.dtype),
             "plan": runner.plan.to_dict(), "prefill_passes": stats.prefill_passes,
-            "decode_steps": [first_decode, runner.timeline.step], "calibration": calibration_links(runner.config)}
+            "decode_steps": [first_decode, end], "calibration": calibration_links(runner.config)}
 
 
 def calibration_links(config: OffloadConfig) -> dict[str, float]:

@@ -21,6 +21,18 @@ class RunStats:
     decode_tokens: int = 0  # tokens sampled by decode steps (the first token of each prompt comes from prefill)
     generated_tokens: int = 0
     step_ms: list[float] = field(default_factory=list)
+    #: (timeline step, "prefill" | "decode" | "mixed", milliseconds) of every forward pass, in order
+    passes: list[tuple[int, str, float]] = field(default_factory=list)
+
+    @property
+    def decode_only_steps(self) -> list[int]:
+        """Timeline steps of the passes that only decoded (the steady state benchmarks measure)."""
+        return [step for step, kind, _ in self.passes if kind == "decode"]
+
+    @property
+    def decode_only_ms_per_step(self) -> float:
+        ms = [t for _, kind, t in self.passes if kind == "decode"]
+        return sum(ms) / len(ms) if ms else 0.0
 
     @property
     def decode_ms_per_step(self) -> float:

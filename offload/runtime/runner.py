@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,18 +21,17 @@ from typing import Any, Protocol
 import torch
 
 from offload.config import OffloadConfig
-from offload.errors import CapacityError, ConfigError
+from offload.errors import ConfigError
 from offload.kv.cache import PagedKVCache
 from offload.model import functional as M
 from offload.model.checkpoint import Checkpoint
 from offload.model.tokenizer import TextTokenizer
 from offload.plan.planner import Planner
+from offload.runtime.engine import Engine, Request, Sampling, blocks_needed
 from offload.runtime.results import GenerationResult, RunStats, TokenCallback
-from offload.runtime.sampling import sample
 from offload.weights.tiered import TieredWeights
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic
-from storage.block_pool import Admission
 
 log = logging.getLogger(__name__)
 
@@ -249,10 +247,11 @@ class Runner:
         """Generate up to `max_new_tokens` for each prompt (strings or token-id lists).
 
         Prompts are admitted while their worst-case KV (prompt + max_new_tokens, for every sample)
-        fits the KV cache; the rest wait for blocks to free up; each prompt's tokens are the same
-        as if it ran alone. With `num_samples=n` a prompt is prefilled once and its n samples
-        share the prompt's KV blocks copy-on-write; results are prompt-major (prompt i, sample s
-        at index i * n + s). Output o samples from its own generator, seeded `seed + o`.
+        fits the KV cache; the rest wait for blocks to free up and join the running batch at a pass
+        boundary; each prompt's tokens are the same as if it ran alone. With `num_samples=n` a prompt
+        is prefilled once and its n samples share the prompt's KV blocks copy-on-write; results are
+        prompt-major (prompt i, sample s at index i * n + s). Output o samples from its own generator,
+        seeded `seed + o`.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -262,96 +261,18 @@ class Runner:
             raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
         if num_samples < 1:
             raise ConfigError(f"num_samples must be at least 1, got {num_samples}")
-        n = num_samples
         encoded = [self.encode(p) for p in prompts]
-        bs = self.config.kv_cache.block_size
-        per_sample = [self._blocks(len(p) + max_new_tokens) for p in encoded]
-        need = [b + (n - 1) * (b - len(p) // bs) for b, p in zip(per_sample, encoded)]  # shared full blocks
-        kv = self._ensure_kv(sum(need))
-        for i, blocks in enumerate(need):
-            if kv.logical.can_allocate(blocks) is Admission.NEVER:
-                raise CapacityError(
-                    f"prompt {i} needs {blocks} KV blocks ({len(encoded[i])} + {max_new_tokens} tokens"
-                    + (f", {n} samples" if n > 1 else "") + f") but the KV cache holds {kv.logical.num_blocks} in "
-                    "all tiers; raise kv_cache.gpu_blocks (or cpu_blocks / disk_blocks) or lower max_new_tokens"
-                )
-        outputs = len(encoded) * n
-        gens = [None if seed is None else torch.Generator().manual_seed(seed + o) for o in range(outputs)]
-        eos = set(self.cfg.eos_token_ids) if stop_on_eos else set()
+        stop = frozenset(self.cfg.eos_token_ids) if stop_on_eos else frozenset()
+        requests = [Request(p, Sampling(max_new_tokens, temperature, top_p, top_k,
+                                        None if seed is None else seed + i * num_samples, num_samples, stop),
+                            name=f"prompt {i}", on_token=on_token)
+                    for i, p in enumerate(encoded)]
         stats = RunStats(prompt_tokens=sum(map(len, encoded)))
-        out: list[list[int]] = [[] for _ in range(outputs)]
-        finish = [""] * outputs
-        streams = [self.tokenizer.stream() if self.tokenizer and on_token else None for _ in range(outputs)]
-        waiting = deque(range(len(encoded)))
-        running: dict[int, int] = {}  # output index -> sequence id
-        pinned = -(-self.config.activations.prefill_chunk // bs) + 1  # device blocks one prefill pass writes
-
-        def emit(o: int, token: int) -> None:
-            out[o].append(token)
-            if token in eos:
-                finish[o] = "eos"
-            elif len(out[o]) >= max_new_tokens:
-                finish[o] = "length"
-            if on_token is not None:
-                text = ""
-                if streams[o]:
-                    text = streams[o].push(token) + (streams[o].flush() if finish[o] else "")
-                on_token(o, token, text)
-
-        def retire() -> None:
-            for o in [o for o in running if finish[o]]:
-                kv.free_sequence(running.pop(o))
-
-        def admissible(i: int) -> bool:
-            if kv.logical.can_allocate(need[i]) is not Admission.OK:
-                return False
-            # every running sequence pins its newest block on the device; a prefill pass writes more
-            return not running or len(running) + n + pinned <= kv.pool.num_blocks
-
-        while waiting or running:
-            admitted = []
-            while waiting and admissible(waiting[0]):
-                i = waiting.popleft()
-                running[i * n] = kv.add_sequence(reserve_tokens=len(encoded[i]) + max_new_tokens)  # worst case
-                admitted.append(i)
-            if admitted:
-                t0 = time.perf_counter()
-                last: dict[int, torch.Tensor] = {}
-                parents = [running[i * n] for i in admitted]
-                for chunk in self._prefill_chunks(parents, [encoded[i] for i in admitted]):
-                    logits = self._forward([s for s, _, _ in chunk], [t for _, t, _ in chunk])
-                    for row, (sid, _, _) in enumerate(chunk):
-                        last[sid] = logits[row]  # the final pass of a prompt leaves its last-token logits
-                    stats.prefill_passes += 1
-                firsts = []
-                for i in admitted:  # the samples share the prompt's blocks
-                    for s in range(1, n):
-                        running[i * n + s] = kv.fork(running[i * n], len(encoded[i]) + max_new_tokens)
-                    firsts += [(i * n + s, last[running[i * n]]) for s in range(n)]
-                rows = torch.stack([row for _, row in firsts])
-                picks = sample(rows, temperature, top_p, top_k, [gens[o] for o, _ in firsts])
-                for (o, _), tok in zip(firsts, picks):
-                    emit(o, tok)
-                stats.prefill_s += time.perf_counter() - t0
-                retire()
-                continue
-            if not running:
-                raise AssertionError("nothing running and nothing admissible")  # NEVER was ruled out above
-            order = list(running)
-            t0 = time.perf_counter()
-            logits = self._forward([running[o] for o in order], [[out[o][-1]] for o in order])
-            for o, tok in zip(order, sample(logits, temperature, top_p, top_k, [gens[o] for o in order])):
-                emit(o, tok)
-            dt = time.perf_counter() - t0
-            stats.decode_s += dt
-            stats.decode_steps += 1
-            stats.decode_tokens += len(order)
-            stats.step_ms.append(1000 * dt)
-            retire()
-        stats.generated_tokens = sum(map(len, out))
+        bs = self.kv_settings.block_size
+        self._ensure_kv(sum(blocks_needed(len(r.prompt), r.sampling, bs) for r in requests))  # unless fixed
+        Engine(self, stats).run(requests)
+        stats.generated_tokens = sum(len(o.token_ids) for r in requests for o in r.outputs)
         self.last_stats = stats
-        return [
-            GenerationResult(encoded[o // n], out[o], self.tokenizer.decode(out[o]) if self.tokenizer else "",
-                             finish[o], stats)
-            for o in range(outputs)
-        ]
+        return [GenerationResult(r.prompt, o.token_ids, self.tokenizer.decode(o.token_ids) if self.tokenizer else "",
+                                 o.finish_reason, stats)
+                for r in requests for o in r.outputs]

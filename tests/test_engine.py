@@ -1,0 +1,80 @@
+"""The engine loop: requests join running batches at pass boundaries and leave when done."""
+
+from __future__ import annotations
+
+import pytest
+
+from offload.errors import CapacityError
+from offload.runtime.engine import Engine, Request, Sampling
+from offload.runtime.runner import Runner
+from tests.conftest import run_config
+
+PROMPTS = [[1, 17, 99, 23, 5, 61, 7, 300, 41], [1, 8, 2], [1, 400, 33, 12, 19, 250]]
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama):
+    with Runner.from_config(run_config(tiny_llama, kv_cache={"gpu_blocks": 32},
+                                       activations={"prefill_chunk": 8})) as r:
+        yield r
+
+
+def alone(runner, prompt, n=12):
+    return runner.generate([prompt], max_new_tokens=n, stop_on_eos=False)[0].token_ids
+
+
+def test_a_request_that_joins_a_decoding_batch_gets_its_own_tokens(runner):
+    engine = Engine(runner)
+    first = engine.submit(Request(PROMPTS[0], Sampling(max_new_tokens=12)))
+    for _ in range(4):  # prefill (2 passes of 8 + 1 tokens) and a few decode steps
+        engine.step()
+    assert engine.decoding == [first] and len(first.outputs[0].token_ids) >= 2
+    later = [engine.submit(Request(p, Sampling(max_new_tokens=12))) for p in PROMPTS[1:]]
+    passes, mixed = 0, 0
+    while engine.busy:
+        decoding = sum(1 for r in engine.decoding for o in r.outputs if not o.finish_reason)
+        prefilling = len(engine.prefilling) + len(engine.waiting)
+        mixed += bool(decoding and prefilling)
+        engine.step()
+        passes += 1
+    assert mixed >= 1  # the newcomers' prompts rode in passes that also decoded the first request
+    for req, prompt in zip([first, *later], PROMPTS):
+        assert req.outputs[0].token_ids == alone(runner, prompt)
+        assert req.outputs[0].finish_reason == "length"
+    assert runner.kv.pool.num_free == runner.kv.pool.num_blocks  # every block came back
+
+
+def test_a_pass_never_holds_more_prompt_tokens_than_the_budget(runner):
+    seen = []
+    original = runner._forward
+    runner._forward = lambda sids, toks, **kw: (seen.append([len(t) for t in toks]), original(sids, toks, **kw))[1]
+    try:
+        engine = Engine(runner)
+        engine.run([Request(p, Sampling(max_new_tokens=4)) for p in PROMPTS])
+    finally:
+        runner._forward = original
+    # decode rows are one token each; the prompt chunks of a pass add up to at most the budget
+    assert seen and all(sum(n for n in lens if n > 1) <= 8 for lens in seen), seen
+
+
+def test_abort_frees_the_blocks_at_once(runner):
+    engine = Engine(runner)
+    keep = engine.submit(Request(PROMPTS[0], Sampling(max_new_tokens=30)))
+    drop = engine.submit(Request(PROMPTS[2], Sampling(max_new_tokens=30, n=2, temperature=1.0, seed=1)))
+    for _ in range(5):
+        engine.step()
+    held = runner.kv.pool.num_free
+    engine.abort(drop)
+    assert [o.finish_reason for o in drop.outputs] == ["abort", "abort"]
+    assert runner.kv.pool.num_free > held and drop not in engine.decoding
+    while engine.busy:
+        engine.step()
+    assert keep.outputs[0].token_ids == alone(runner, PROMPTS[0], 30)
+    assert runner.kv.pool.num_free == runner.kv.pool.num_blocks
+
+
+def test_a_request_that_can_never_fit_is_refused_before_anything_runs(runner):
+    engine = Engine(runner)
+    with pytest.raises(CapacityError, match="big needs .* KV blocks"):
+        engine.submit(Request([1] * 600, Sampling(max_new_tokens=1), name="big"))
+    assert not engine.busy
