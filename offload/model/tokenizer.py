@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from offload.errors import CheckpointError
 
@@ -26,32 +27,44 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids; `add_special_tokens=False` for text that already carries them (a rendered chat template)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_id(self, text: str) -> int | None:
+        return self._tok.token_to_id(text)
 
     def stream(self) -> StreamDecoder:
         return StreamDecoder(self)
 
 
 class StreamDecoder:
-    """Turns a growing list of ids into text deltas, holding back incomplete UTF-8 sequences."""
+    """Turns a growing list of ids into text deltas in O(1) per token (`tokenizers`' DecodeStream), holding
+    back incomplete UTF-8 sequences until they complete."""
 
     def __init__(self, tok: TextTokenizer) -> None:
-        self.tok, self.ids, self.emitted = tok, [], ""
+        self.tok, self.ids = tok, []
+        self._pieces: list[str] = []
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    @property
+    def emitted(self) -> str:
+        return "".join(self._pieces)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd") or not text.startswith(self.emitted):
-            return ""
-        delta, self.emitted = text[len(self.emitted):], text
+        delta = self._stream.step(self.tok._tok, token_id) or ""
+        if delta:
+            self._pieces.append(delta)
         return delta
 
     def flush(self) -> str:
-        """Whatever is still held back (an incomplete or invalid tail), at the end of a sequence."""
-        text = self.tok.decode(self.ids)
-        delta, self.emitted = text[len(self.emitted):] if text.startswith(self.emitted) else "", text
+        """Whatever is still held back (an incomplete or invalid tail), at the end of a sequence (O(n), once)."""
+        text, emitted = self.tok.decode(self.ids), self.emitted
+        delta = text[len(emitted):] if text.startswith(emitted) else ""
+        if delta:
+            self._pieces.append(delta)
         return delta
