@@ -47,6 +47,15 @@ class Sampling:
     seed: int | None = None  # output s of the request samples from a generator seeded `seed + s`
     n: int = 1  # outputs (samples) sharing the prompt's KV blocks
     stop_token_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest alternatives
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability under the model (before temperature), and the likeliest alternatives."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), likeliest first
 
 
 @dataclass
@@ -58,8 +67,9 @@ class Output:
     stream: StreamDecoder | None = None
     sid: int | None = None
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # "" while running; "eos" | "length" | "abort"
+    finish_reason: str = ""  # "" while running; "eos" | "length" | "abort", or what on_token set (a stop string)
     first_token_s: float | None = None  # seconds from submission to the first token
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when sampling.logprobs is set
 
 
 @dataclass
@@ -98,16 +108,20 @@ class Engine:
         self._pass_blocks = -(-self.budget // bs) + 1
 
     # -- requests -----------------------------------------------------------------------------
-    def submit(self, req: Request) -> Request:
-        """Queue a request; one whose KV could never fit is refused now (CapacityError) and costs nothing."""
+    def check_fits(self, req: Request) -> None:
+        """CapacityError if the request's worst-case KV could never fit (reads only the pool's fixed size)."""
         need = blocks_needed(len(req.prompt), req.sampling, self.kv.block_size)
-        if self.kv.logical.can_allocate(need) is Admission.NEVER:
+        if need > self.kv.logical.num_blocks:
             s = req.sampling
             raise CapacityError(
                 f"{req.name} needs {need} KV blocks ({len(req.prompt)} + {s.max_new_tokens} tokens"
                 + (f", {s.n} samples" if s.n > 1 else "") + f") but the KV cache holds {self.kv.logical.num_blocks} "
                 "in all tiers; raise kv_cache.gpu_blocks (or cpu_blocks / disk_blocks) or lower max_new_tokens"
             )
+
+    def submit(self, req: Request) -> Request:
+        """Queue a request; one whose KV could never fit is refused now (CapacityError) and costs nothing."""
+        self.check_fits(req)
         seed = req.sampling.seed
         for s in range(req.sampling.n):
             o = self._next_output
@@ -203,10 +217,21 @@ class Engine:
         for p in picks:
             by_params.setdefault(p[0].sampling, []).append(p)
         for s, group in by_params.items():
-            tokens = sample(torch.stack([row for _, _, row in group]), s.temperature, s.top_p, s.top_k,
-                            [o.generator for _, o, _ in group])
+            rows = torch.stack([row for _, _, row in group])  # [B, V] float32
+            tokens = sample(rows, s.temperature, s.top_p, s.top_k, [o.generator for _, o, _ in group])
+            if s.logprobs is not None:
+                self._record_logprobs(rows, tokens, [o for _, o, _ in group], s.logprobs)
             for (req, o, _), tok in zip(group, tokens):
                 self._emit(req, o, tok)
+
+    @staticmethod
+    def _record_logprobs(rows: torch.Tensor, tokens: list[int], outputs: list[Output], k: int) -> None:
+        logp = torch.log_softmax(rows.float(), dim=-1).cpu()  # [B, V]
+        chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        top = torch.topk(logp, k) if k else None
+        for b, o in enumerate(outputs):
+            alts = tuple(zip(top.indices[b].tolist(), top.values[b].tolist())) if top is not None else ()
+            o.logprobs.append(TokenLogprob(chosen[b], alts))
 
     def _emit(self, req: Request, o: Output, token: int) -> None:
         if not o.token_ids:

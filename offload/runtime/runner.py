@@ -175,6 +175,13 @@ class Runner:
             self.kv = self._make_kv(blocks_needed)
         return self.kv
 
+    def fix_kv_pool(self, gpu_blocks: int) -> PagedKVCache:
+        """Keep one device KV pool for a long-lived engine (a server): a fixed pool stays as planned,
+        a per-request one is made with `gpu_blocks` blocks now and no longer resized."""
+        kv = self._ensure_kv(gpu_blocks)
+        self._kv_fixed = True
+        return kv
+
     # -- public API ---------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

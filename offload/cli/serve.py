@@ -1,0 +1,90 @@
+"""`offload serve`: an OpenAI-compatible HTTP server over one engine loop (uvicorn + FastAPI).
+
+Plans and fills the memory homes once, fixes the KV pool, starts the engine loop's thread and
+serves until SIGINT/SIGTERM; then uvicorn stops accepting connections and waits for the
+running requests to finish (at most --drain-timeout seconds), the loop drains, and the runner
+is closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from offload.config import OffloadConfig
+from offload.errors import ConfigError
+from offload.runtime.runner import Runner
+from offload.serve.api import create_app
+from offload.serve.loop import EngineLoop, Limits
+from offload.serve.schema import ServedModel
+
+log = logging.getLogger(__name__)
+
+#: KV tokens a server keeps room for when the config leaves the pool per request (no tiers, gpu_blocks auto)
+AUTO_SERVE_KV_TOKENS = 16384
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="the model id clients name (default: the checkpoint's "
+                                                       "directory name)")
+    add_loop_args(p)
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests waiting to join the batch; beyond it the server answers 429 with Retry-After")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="a request not finished this many seconds after it arrived is aborted (504)")
+    p.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
+                   help="reply length for chat requests that do not say max_tokens")
+    p.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
+                   help="on SIGTERM, how long running requests may take to finish")
+    p.set_defaults(func=cmd_serve)
+
+
+def add_loop_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-batch", type=int, default=256, metavar="N",
+                   help="outputs computed together by each pass over the weights (the KV cache may admit fewer)")
+    p.add_argument("--kv-tokens", type=int, default=None, metavar="N",
+                   help="KV tokens to keep room for when the config sizes the pool per request (no tiers and "
+                        f"kv_cache.gpu_blocks: auto; default {AUTO_SERVE_KV_TOKENS}); else kv_cache decides")
+
+
+def fixed_pool(runner: Runner, kv_tokens: int | None) -> None:
+    """A long-lived engine needs one KV pool: the planned one, or room for `kv_tokens` tokens now."""
+    if kv_tokens is not None and kv_tokens < 1:
+        raise ConfigError(f"--kv-tokens must be at least 1, got {kv_tokens}")
+    planned = runner.kv
+    block = runner.kv_settings.block_size
+    kv = runner.fix_kv_pool(-(-(kv_tokens or AUTO_SERVE_KV_TOKENS) // block))
+    if planned is None:
+        log.info("KV pool: %d blocks of %d tokens (--kv-tokens)", kv.pool.num_blocks, block)
+    elif kv_tokens is not None:
+        log.warning("--kv-tokens is ignored: the config fixes the KV pool (%d blocks; kv_cache.gpu_blocks)",
+                    kv.pool.num_blocks)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    for flag in ("max_batch", "max_queue", "default_max_tokens"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1")
+    runner = Runner(OffloadConfig.load(args.config))
+    try:
+        fixed_pool(runner, args.kv_tokens)
+        loop = EngineLoop(runner, Limits(args.max_batch, args.max_queue, args.request_timeout))
+        served = ServedModel.from_runner(runner, args.model_name, args.default_max_tokens)
+        loop.start()
+        server = uvicorn.Server(uvicorn.Config(create_app(served, loop), host=args.host, port=args.port,
+                                               log_level="info", timeout_graceful_shutdown=args.drain_timeout))
+        print(f"offload: serving {served.name} on http://{args.host}:{args.port}/v1 "
+              f"(KV {runner.kv.pool.num_blocks} device blocks, batch up to {args.max_batch})", file=sys.stderr)
+        server.run()  # returns after SIGINT/SIGTERM, once the open requests finished (or the drain timed out)
+        loop.stop(drain=False, timeout_s=args.drain_timeout)
+    finally:
+        runner.close()
+    print("offload: server stopped", file=sys.stderr)
+    return 0
