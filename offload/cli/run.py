@@ -16,6 +16,7 @@ from offload.cli.trace import decode_summary, trace_meta, write_trace
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.runtime.runner import GenerationResult, Runner
+from offload.serve.files import FileDefaults, run_file
 from schedulers.timeline import Timeline
 from schedulers.trace import format_summary
 
@@ -28,6 +29,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--no-spans", action="store_true",
                      help="record no spans (no summary, no trace; the timeline costs nothing)")
     add_generation_args(run)
+    files = run.add_argument_group("throughput mode (a file of requests)")
+    files.add_argument("--input", default=None, metavar="FILE.jsonl",
+                       help="one request per line: {\"id\", \"prompt\" or \"messages\", max_tokens, ...}")
+    files.add_argument("--output", default=None, metavar="FILE.jsonl",
+                       help="results, appended as they finish; a rerun skips the ids already there")
+    files.add_argument("--batch", type=int, default=256, metavar="N",
+                       help="outputs decoded together by each pass over the weights (default 256)")
     run.set_defaults(func=cmd_run)
 
 
@@ -110,6 +118,8 @@ def generate_and_print(runner: Runner, prompts: list[str], args: argparse.Namesp
 def cmd_run(args: argparse.Namespace) -> int:
     if args.trace and args.no_spans:
         raise ConfigError("--trace needs the spans; drop --no-spans")
+    if args.input or args.output:
+        return run_jsonl(args)
     prompts = read_prompts(args)
     with Runner(OffloadConfig.load(args.config), timeline=Timeline(enabled=not args.no_spans)) as runner:
         generate_and_print(runner, prompts, args)
@@ -117,4 +127,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             write_trace(args.trace, runner.timeline, trace_meta(runner, runner.last_stats))
             print(f"trace written to {args.trace} (open it in ui.perfetto.dev; `offload trace summary "
                   f"{args.trace}`)", file=sys.stderr)
+    return 0
+
+
+def run_jsonl(args: argparse.Namespace) -> int:
+    """`--input/--output`: every request of a JSONL file, a large batch per pass, results as they finish."""
+    if not (args.input and args.output):
+        raise ConfigError("the throughput mode needs both --input FILE.jsonl and --output FILE.jsonl")
+    if args.prompt or args.prompt_file:
+        raise ConfigError("--prompt / --prompt-file and --input are exclusive; put the prompts in the --input file")
+    if args.batch < 1:
+        raise ConfigError(f"--batch must be at least 1, got {args.batch}")
+    defaults = FileDefaults(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
+    with Runner(OffloadConfig.load(args.config), timeline=Timeline(enabled=not args.no_spans)) as runner:
+        report = run_file(runner, Path(args.input), Path(args.output), defaults, args.batch)
+        if args.trace:
+            write_trace(args.trace, runner.timeline, {})
+    print(f"[{report.done} requests done, {report.skipped} already in {args.output} | {report.tokens} new tokens "
+          f"in {report.seconds:.1f}s, {report.tokens_per_s:.2f} tok/s]")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 import uvicorn
@@ -82,6 +83,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                log_level="info", timeout_graceful_shutdown=args.drain_timeout))
         print(f"offload: serving {served.name} on http://{args.host}:{args.port}/v1 "
               f"(KV {runner.kv.pool.num_blocks} device blocks, batch up to {args.max_batch})", file=sys.stderr)
+        # uvicorn re-raises the signal it stopped for once it has drained; these handlers take it so the
+        # engine loop and the runner still close in order and the exit status is 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: log.info("signal %d: stopping", signum))
         server.run()  # returns after SIGINT/SIGTERM, once the open requests finished (or the drain timed out)
         loop.stop(drain=False, timeout_s=args.drain_timeout)
     finally:
