@@ -36,6 +36,8 @@ from offload.serve.text import StopText
 
 log = logging.getLogger(__name__)
 
+#: every this many steps the loop drops older spans and per-pass stats, so memory stays flat
+HISTORY_STEPS = 1024
 #: engine finish reasons as an OpenAI client reads them
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "timeout": "timeout"}
 
@@ -201,6 +203,8 @@ class EngineLoop:
             if self.engine.busy:
                 self.engine.step()
                 self.steps += 1
+                if self.steps % HISTORY_STEPS == 0:
+                    self._forget_history()
         except Exception as e:  # a real error (a corrupt chunk, out of memory): fail who was running, keep serving
             log.exception("a forward pass failed; the requests it carried end with an error")
             self.failed = e
@@ -210,6 +214,12 @@ class EngineLoop:
         with self._lock:
             self._active = [j for j in self._active if not j.done]
             self._lock.notify_all()
+
+    def _forget_history(self) -> None:
+        """A server runs for days: keep the timeline's spans and the per-pass stats of recent steps only."""
+        self.runner.timeline.clear()
+        st = self.engine.stats
+        del st.step_ms[:-HISTORY_STEPS], st.passes[:-HISTORY_STEPS]
 
     def _feed(self) -> None:
         running = sum(len(r.outputs) for r in [*self.engine.waiting, *self.engine.prefilling, *self.engine.decoding])
