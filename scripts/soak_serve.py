@@ -1,10 +1,10 @@
 """Soak: a server under mixed load and faults for 2000+ engine steps; RSS and KV block counts must stay flat.
 
-    python scripts/soak_serve.py [--steps 2000] [--clients 8]
+    python scripts/soak_serve.py [--steps 3000] [--clients 8]
 
 Clients (one thread each, the official openai client) loop over: non-streamed completions,
 streamed ones read to the end, streams dropped after a few tokens (cancellation), n=2 samples,
-chat, requests that time out in the queue, and requests refused (too long: 400). Every 0.5 s
+chat, requests that run past the timeout (504), and requests whose KV could never fit (400). Every 0.5 s
 the script samples the process RSS and the loop's counters. Pass: after a warm-up (the first
 fifth of the steps), the RSS of the last quarter exceeds that of the first quarter by less than
 `--max-growth-mib`, and once the clients stop every KV block is free and no sequence is left.
@@ -46,7 +46,7 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven tired owls watch 
 def client_loop(c: openai.OpenAI, seed: int, stop: threading.Event, counts: dict[str, int], lock) -> None:
     rng = random.Random(seed)
     while not stop.is_set():
-        kind = rng.choice(["plain", "stream", "drop", "samples", "chat", "refused"])
+        kind = rng.choice(["plain", "stream", "drop", "samples", "chat", "refused", "slow"])
         prompt = " ".join(rng.choices(WORDS, k=rng.randint(1, 30)))
         n = rng.randint(1, 48)
         try:
@@ -65,8 +65,10 @@ def client_loop(c: openai.OpenAI, seed: int, stop: threading.Event, counts: dict
                 c.completions.create(model="soak", prompt=prompt, max_tokens=n, n=2, temperature=1.0, seed=seed)
             elif kind == "chat":
                 c.chat.completions.create(model="soak", messages=[{"role": "user", "content": prompt}], max_tokens=n)
-            else:
-                c.completions.create(model="soak", prompt=prompt, max_tokens=4000)
+            elif kind == "slow":  # more tokens than the timeout allows
+                c.completions.create(model="soak", prompt=prompt, max_tokens=600)
+            else:  # its KV could never fit the pool: refused with 400 before it is queued
+                c.completions.create(model="soak", prompt=prompt, max_tokens=3000)
         except openai.APIStatusError as e:
             kind = f"{kind}:{e.status_code}"
         except openai.APIError as e:  # a stream that ended with an error event (a timeout)
@@ -77,7 +79,7 @@ def client_loop(c: openai.OpenAI, seed: int, stop: threading.Event, counts: dict
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-growth-mib", type=float, default=16.0)
     ap.add_argument("--results", type=Path, default=ROOT / "scripts" / "results")
@@ -88,12 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         model = make_model(tmp / "soak", family="llama", size="tiny")
         (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
         config = OffloadConfig.load({"model": str(model), "device": "cpu", "dtype": "float32",
-                                     "kv_cache": {"gpu_blocks": 256}})
+                                     "kv_cache": {"gpu_blocks": 128}})
         samples: list[dict] = []
         counts: dict[str, int] = {}
         lock = threading.Lock()
         with Runner(config, timeline=Timeline(enabled=True)) as runner, \
-                BackgroundServer(runner, Limits(max_batch=16, max_queue=16, timeout_s=5.0), name="soak") as srv:
+                BackgroundServer(runner, Limits(max_batch=16, max_queue=16, timeout_s=3.0), name="soak") as srv:
             proc = psutil.Process()
             stop = threading.Event()
             c = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=60)

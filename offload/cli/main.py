@@ -1,9 +1,9 @@
 """The `offload` command line: one module per command, wired together here.
 
-    run        generate text, or a JSONL file (cli.run)   serve   an OpenAI-compatible server (cli.serve)
+    run        generate text; a JSONL file (cli.run)     serve      an OpenAI-compatible server (cli.serve)
+    convert    checkpoint -> store (cli.convert)         plan       plan + prediction (cli.plan)
+    calibrate  measure this machine (cli.plan)           trace      summarise / draw a trace (cli.trace)
     demo       the embedded default (cli.demo)
-    convert    checkpoint -> store (cli.convert)   plan       plan + prediction (cli.plan)
-    calibrate  measure this machine (cli.plan)     trace      summarise / draw a trace (cli.trace)
 
 Library code logs through `logging`; the command modules alone print to the terminal. Every
 `OffloadError` becomes one line on stderr and exit status 2. This package may import every
