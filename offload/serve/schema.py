@@ -146,8 +146,7 @@ class ServedModel:
         if isinstance(prompt, str) and self.tokenizer is None:
             raise BadRequest(f"{self.runner.config.model} has no tokenizer.json: send prompts as token ids", param)
         try:
-            ids = (self.tokenizer.encode(prompt, add_special_tokens=special) if isinstance(prompt, str)
-                   else self.runner.encode(prompt))
+            ids = self.tokenizer.encode(prompt, add_special_tokens=special) if isinstance(prompt, str) else prompt
             return self.runner.encode(ids)  # checks: not empty, every id inside the vocabulary
         except OffloadError as e:
             raise BadRequest(str(e), param) from None
