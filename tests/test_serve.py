@@ -22,6 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from offload.cli.main import main
 from offload.model.chat import ChatTemplate
 from offload.runtime.runner import Runner
 from offload.serve.background import BackgroundServer
@@ -274,3 +275,18 @@ def test_throughput_mode_writes_results_as_they_finish_and_resumes(chat_llama, r
         assert got[r["id"]]["choices"][0]["token_ids"] == ids and got[r["id"]]["choices"][0]["text"] == text
     with Runner.from_config(run_config(chat_llama)) as runner:  # a rerun finds nothing left to do
         assert run_file(runner, inp, out, FileDefaults(), progress=False).done == 0
+
+
+def test_offload_run_input_output_from_the_command_line(chat_llama, tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {chat_llama}\ndevice: cpu\ndtype: float32\n")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"prompt": "the fox"}\n{"prompt": [1, 5, 9], "max_tokens": 3}\n')
+    assert main(["run", "--config", str(cfg), "--input", str(inp), "--output", str(out),
+                 "--max-new-tokens", "4"]) == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in got) == ["1", "2"]
+    assert {r["id"]: len(r["choices"][0]["token_ids"]) for r in got} == {"1": 4, "2": 3}
+    assert "2 requests done, 0 already in" in capsys.readouterr().out
+    assert main(["run", "--config", str(cfg), "--input", str(inp)]) == 2  # --output missing: one clear error
+    assert "--output" in capsys.readouterr().err
