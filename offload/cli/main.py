@@ -1,6 +1,7 @@
 """The `offload` command line: one module per command, wired together here.
 
     run        generate text (cli.run)             demo       the embedded default (cli.demo)
+    chat       a multi-turn conversation (cli.chat)
     convert    checkpoint -> store (cli.convert)   plan       plan + prediction (cli.plan)
     calibrate  measure this machine (cli.plan)     trace      summarise / draw a trace (cli.trace)
 
@@ -15,7 +16,7 @@ import argparse
 import logging
 import sys
 
-from offload.cli import convert, demo, plan, run, trace
+from offload.cli import chat, convert, demo, plan, run, trace
 from offload.errors import OffloadError
 
 
@@ -23,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="offload", description="Run LLMs larger than GPU memory.")
     ap.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
     sub = ap.add_subparsers(dest="command", required=True)
-    for module in (run, convert, trace, plan, demo):
+    for module in (run, chat, convert, trace, plan, demo):
         module.add_parser(sub)
     return ap
 
