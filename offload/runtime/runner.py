@@ -24,6 +24,7 @@ from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.kv.cache import PagedKVCache
 from offload.model import functional as M
+from offload.model import hub
 from offload.model.chat import GenerationDefaults
 from offload.model.checkpoint import Checkpoint
 from offload.model.tokenizer import TextTokenizer
@@ -68,6 +69,8 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None) -> torch.dtype:
 
 class Runner:
     def __init__(self, config: OffloadConfig, timeline: Timeline | None = None) -> None:
+        if config.hub:  # a Hub id: the weights come now (resumed if a download was interrupted)
+            config = config.replace(model=hub.fetch(config.hub))
         self.config = config
         self.device = resolve_device(config.device)
         self.checkpoint = Checkpoint(config.model)
