@@ -1,6 +1,7 @@
 """`offload chat`: a multi-turn conversation in the terminal, the KV cache kept between turns.
 
     offload chat --config model.yaml [--system TEXT] [--stop TEXT ...] [--max-new-tokens N]
+    offload chat --auto MODEL_OR_PATH [--disk DIR]     # set up for this machine first (cli.auto), once
 
 Each line read from stdin is a user message; the reply streams to stdout, followed by a
 newline, and a one-line account of the turn goes to stderr (prompt tokens reused from the
@@ -13,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import TextIO
 
+from offload.cli import auto
 from offload.cli.run import add_sampling_args, sampling_args
 from offload.config import OffloadConfig
+from offload.errors import ConfigError
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Sampling
 from offload.runtime.runner import Runner
@@ -24,7 +28,9 @@ from offload.runtime.runner import Runner
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     chat = sub.add_parser("chat", help="talk to a chat model (multi-turn; the conversation's KV is kept)")
-    chat.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
+    chat.add_argument("--config", default=None, metavar="FILE", help="YAML configuration")
+    chat.add_argument("--model", default=None, metavar="DIR_OR_HUB_ID", help="override the YAML's model:")
+    auto.add_arguments(chat)
     chat.add_argument("--system", default=None, metavar="TEXT", help="a system message to start with")
     chat.add_argument("--context", type=int, default=None, metavar="TOKENS",
                       help="longest conversation, for sizing the KV cache when no tiers are configured")
@@ -81,5 +87,17 @@ def chat_with(runner: Runner, args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    with Runner(OffloadConfig.load(args.config)) as runner:
+    if (args.config is None) == (args.auto is None):
+        raise ConfigError("give --config FILE or --auto MODEL_OR_PATH (one of the two)")
+    if args.auto is None and (args.disk or args.weights):
+        raise ConfigError("--disk and --weights go with --auto; with --config set tiers.disk.path in the YAML")
+    if args.auto is not None:
+        config = auto.prepare(args.auto, args.disk, args.weights)
+        print("loading the weights into their homes ...", file=sys.stderr)
+    else:
+        config = OffloadConfig.load(args.config, model=args.model)
+    t0 = time.perf_counter()
+    with Runner(config) as runner:
+        print(f"ready in {time.perf_counter() - t0:.1f}s; type a message (/reset starts over, /exit quits)",
+              file=sys.stderr)
         return chat_with(runner, args)

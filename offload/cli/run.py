@@ -24,6 +24,7 @@ from schedulers.trace import format_summary
 def add_parser(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="generate text with a model described by a YAML config")
     run.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
+    run.add_argument("--model", default=None, metavar="DIR_OR_HUB_ID", help="override the YAML's model:")
     run.add_argument("--trace", default=None, metavar="FILE.json",
                      help="write a Chrome/Perfetto trace of the run (open it in ui.perfetto.dev)")
     run.add_argument("--no-spans", action="store_true",
@@ -145,7 +146,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.trace and args.no_spans:
         raise ConfigError("--trace needs the spans; drop --no-spans")
     prompts = read_prompts(args)
-    with Runner(OffloadConfig.load(args.config), timeline=Timeline(enabled=not args.no_spans)) as runner:
+    config = OffloadConfig.load(args.config, model=args.model)
+    with Runner(config, timeline=Timeline(enabled=not args.no_spans)) as runner:
         generate_and_print(runner, prompts, args)
         if args.trace:
             write_trace(args.trace, runner.timeline, trace_meta(runner, runner.last_stats))
