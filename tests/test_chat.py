@@ -175,3 +175,26 @@ def test_run_chat_renders_the_prompt_as_one_user_message(chat_dir, tmp_path, cap
     assert data["stats"]["prompt_tokens"] == len(ids)
     with Runner.from_config(cfg) as r:
         assert data["results"][0]["token_ids"] == r.generate([ids], max_new_tokens=5)[0].token_ids
+
+
+def test_kept_conversations_give_their_blocks_back_oldest_first_when_nothing_else_can_run(chat_dir):
+    cfg = run_config(chat_dir, kv_cache={"block_size": 4, "gpu_blocks": 12}, activations={"prefill_chunk": 8})
+    with Runner.from_config(cfg) as r:
+        def alone(ids, n):
+            return r.generate([ids], max_new_tokens=n, stop_on_eos=False)[0].token_ids
+
+        engine = Engine(r)
+        old = engine.submit(Request([1, 5, 9, 13, 17], Sampling(4), keep=True))
+        engine.run([])
+        young = engine.submit(Request([1, 6, 10, 14], Sampling(4), keep=True))
+        engine.run([])
+        big_prompt = list(range(3, 33))  # 30 + 6 tokens: 9 blocks of 4, and the two kept hold 4 of 12
+        big = engine.submit(Request(big_prompt, Sampling(6)))
+        engine.run([])
+        assert big.outputs[0].token_ids == alone(big_prompt, 6)
+        assert old.kept.sid not in r.kv.seqs and r.kv.length(young.kept.sid) == len(young.kept.tokens)
+        again = engine.continue_(old.kept, list(old.kept.tokens) + [3, 4], Sampling(4), keep=False)
+        engine.run([])  # the dropped conversation is computed again from its start
+        assert again.context == [] and again.outputs[0].token_ids == alone(list(old.kept.tokens) + [3, 4], 4)
+        engine.drop(young.kept)
+        assert not r.kv.seqs and r.kv.logical.num_free == r.kv.logical.num_blocks

@@ -28,6 +28,7 @@ knows requests, sequences and tokens; the model is the runner's business.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -41,6 +42,8 @@ from offload.runtime.results import RunStats, TokenCallback
 from offload.runtime.sampling import sample
 from offload.runtime.stops import StopMatcher
 from storage.block_pool import Admission
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,9 @@ class Engine:
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
         self._next_output = 0
-        self._kept: set[int] = set()  # sequences of finished `keep` requests, still holding their blocks
+        # sequences of finished `keep` requests, still holding their blocks, oldest first; when a waiting
+        # request cannot be admitted and nothing runs, they give their blocks back (a cache, not a promise)
+        self._kept: dict[int, None] = {}
         bs = self.kv.block_size
         # device blocks one prefill pass may write: every running sequence pins its newest block besides
         self._pass_blocks = -(-self.budget // bs) + 1
@@ -137,7 +142,7 @@ class Engine:
             stream = tok.stream() if tok and (req.on_token or stops) else None
             req.outputs.append(Output(o, gen, stream, stops=stops))
         if continues is not None:
-            self._kept.discard(continues.sid)
+            self._kept.pop(continues.sid, None)
             req.outputs[0].sid = continues.sid
         req.submitted_s = time.perf_counter()
         self.waiting.append(req)
@@ -163,7 +168,7 @@ class Engine:
             if sid is not None:  # a continued sequence not admitted yet: it stays kept as it was
                 req.outputs[0].sid = None
                 req.kept = Kept(sid, tuple(req.context[: self.kv.length(sid)]))
-                self._kept.add(sid)
+                self._kept[sid] = None
         self._retire()
 
     def continue_(self, kept: Kept, prompt: Sequence[int], sampling: Sampling, name: str = "request",
@@ -171,9 +176,12 @@ class Engine:
         """Continue a kept sequence with `prompt`, the whole token list of the next turn (context included).
 
         The cache keeps the longest prefix it shares with `prompt` (at least one token is left to
-        compute the next logits); only the rest is prefilled. Returns the queued request.
+        compute the next logits); only the rest is prefilled. Returns the queued request. A kept
+        sequence the engine has dropped since (to admit others) is computed again from the start.
         """
         prompt = [int(t) for t in prompt]
+        if kept.sid not in self._kept:
+            return self.submit(Request(prompt, sampling, name, on_token, keep=keep))
         common = 0
         for a, b in zip(kept.tokens, prompt):
             if a != b:
@@ -188,7 +196,7 @@ class Engine:
     def drop(self, kept: Kept) -> None:
         """Free a kept sequence (the conversation is over)."""
         if kept.sid in self._kept:
-            self._kept.discard(kept.sid)
+            del self._kept[kept.sid]
             self.kv.free_sequence(kept.sid)
 
     @property
@@ -197,25 +205,32 @@ class Engine:
 
     # -- one pass -----------------------------------------------------------------------------
     def _admit(self) -> None:
-        # kept sequences pin their newest device block too
-        running = sum(len(r.outputs) for r in self.prefilling + self.decoding) + len(self._kept)
         while self.waiting:
             req = self.waiting[0]
-            if running and running + req.sampling.n + self._pass_blocks > self.kv.pool.num_blocks:
-                return  # the device could not hold every running sequence's newest block and a prefill pass
-            total = len(req.context) + len(req.prompt) + req.sampling.max_new_tokens
-            sid = req.outputs[0].sid
-            if sid is not None:  # a continued sequence: reserve what it will grow by
-                if self.kv.reserve(sid, total) is not Admission.OK:
-                    return
-            else:
-                need = blocks_needed(len(req.prompt), req.sampling, self.kv.block_size)
-                if self.kv.logical.can_allocate(need) is not Admission.OK:
-                    return
-                req.outputs[0].sid = self.kv.add_sequence(reserve_tokens=total)
+            if not self._reserve(req):
+                if self.prefilling or self.decoding or not self._kept:
+                    return  # wait for running requests to finish
+                oldest = next(iter(self._kept))  # nothing runs: kept conversations make room, oldest first
+                log.info("dropping a kept sequence (%d tokens) to admit %s", self.kv.length(oldest), req.name)
+                self.drop(Kept(oldest, ()))
+                continue
             self.waiting.popleft()
             self.prefilling.append(req)
-            running += req.sampling.n
+
+    def _reserve(self, req: Request) -> bool:
+        """Admit `req` if its worst case fits: its sequence, with blocks reserved for every future token."""
+        # every running and kept sequence pins its newest device block
+        running = sum(len(r.outputs) for r in self.prefilling + self.decoding) + len(self._kept)
+        if running and running + req.sampling.n + self._pass_blocks > self.kv.pool.num_blocks:
+            return False  # the device could not hold every running sequence's newest block and a prefill pass
+        total = len(req.context) + len(req.prompt) + req.sampling.max_new_tokens
+        if req.outputs[0].sid is not None:  # a continued sequence: reserve what it will grow by
+            return self.kv.reserve(req.outputs[0].sid, total) is Admission.OK
+        need = blocks_needed(len(req.prompt), req.sampling, self.kv.block_size)
+        if self.kv.logical.can_allocate(need) is not Admission.OK:
+            return False
+        req.outputs[0].sid = self.kv.add_sequence(reserve_tokens=total)
+        return True
 
     def step(self) -> None:
         """One forward pass: a token for every decoding output, then prompt chunks within the budget."""
@@ -307,7 +322,7 @@ class Engine:
                     self.kv.release_reservation(sid)
                     history = req.context + req.prompt + req.outputs[0].token_ids
                     req.kept = Kept(sid, tuple(history[: self.kv.length(sid)]))
-                    self._kept.add(sid)
+                    self._kept[sid] = None
                 for o in req.outputs:
                     if o.finish_reason and o.sid is not None and (group is self.decoding or o is req.outputs[0]):
                         self.kv.free_sequence(o.sid)
