@@ -54,8 +54,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- plan
 def _plan_inputs(args: argparse.Namespace) -> tuple[OffloadConfig, ModelConfig]:
     """The config (YAML, or flags) and the model shape (config.json alone is enough: no weights are read)."""
-    if args.config:
-        config = OffloadConfig.load(args.config)
+    if args.config or args.model:  # a model given by --model (a directory or a Hub id: config.json alone is fetched)
+        config = (OffloadConfig.load(args.config, model=args.model) if args.config else
+                  OffloadConfig.load({"model": args.model, "device": args.device or "cuda"}))
         model_json = Path(args.model_config) if args.model_config else config.model / "config.json"
     elif args.model_config:
         model_json = Path(args.model_config)
@@ -63,7 +64,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[OffloadConfig, ModelConfig]:
             raise ConfigError(f"--model-config {str(model_json)!r} does not exist; give a model's config.json")
         config = OffloadConfig.load({"model": str(model_json.resolve().parent), "device": args.device or "cuda"})
     else:
-        raise ConfigError("give --config FILE or --model-config config.json")
+        raise ConfigError("give --config FILE, --model DIR_OR_HUB_ID or --model-config config.json")
     if not model_json.is_file():
         raise ConfigError(f"{model_json} does not exist; the plan needs the model's config.json")
     try:
@@ -151,6 +152,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="where each layer lives, the predicted step time, what would help "
                                        "(reads no weights)")
     plan.add_argument("--config", default=None, metavar="FILE", help="YAML configuration")
+    plan.add_argument("--model", default=None, metavar="DIR_OR_HUB_ID",
+                      help="the model (overrides the YAML's model:); a Hub id fetches its config.json only")
     plan.add_argument("--model-config", default=None, metavar="config.json",
                       help="plan from a model's config.json alone (with --config or the flags below)")
     plan.add_argument("--calibration", default=None, metavar="FILE", help="a file from `offload calibrate`")
