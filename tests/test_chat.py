@@ -198,3 +198,22 @@ def test_kept_conversations_give_their_blocks_back_oldest_first_when_nothing_els
         assert again.context == [] and again.outputs[0].token_ids == alone(list(old.kept.tokens) + [3, 4], 4)
         engine.drop(young.kept)
         assert not r.kv.seqs and r.kv.logical.num_free == r.kv.logical.num_blocks
+
+
+def test_sampling_defaults_come_from_generation_config_unless_flags_override(chat_dir, tmp_path, capsys):
+    d = tmp_path / "m"
+    shutil.copytree(chat_dir, d)
+    (d / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 3.0, "top_k": 50,
+                                                          "max_new_tokens": 7}))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(run_config(d)))
+
+    def run(*flags):
+        assert main(["run", "--config", str(cfg), "--prompt", "Hello", "--seed", "3", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["results"][0]["token_ids"]
+
+    with Runner.from_config(cfg) as r:
+        hot = r.generate(["Hello"], max_new_tokens=7, temperature=3.0, top_k=50, seed=3)[0].token_ids
+        greedy_ids = r.generate(["Hello"], max_new_tokens=5)[0].token_ids
+    assert run() == hot and len(hot) == 7
+    assert run("--temperature", "0", "--max-new-tokens", "5") == greedy_ids != hot[:5]
