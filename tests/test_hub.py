@@ -97,6 +97,13 @@ def test_download_only_what_a_run_reads_then_run_offline_from_the_cache(hub, tmp
     empty = drive({"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty")}, "org/tiny")
     assert "HF_HUB_OFFLINE is set" in empty["org/tiny"]["error"]
 
+    # a download cut short: the files already in the cache are not fetched again, the missing one is
+    link = Path(home) / "hub" / "models--org--tiny" / "snapshots" / Repo(Path()).sha / shards[-1]
+    link.resolve().unlink()
+    link.unlink()
+    again = drive({"HF_ENDPOINT": hub.url, "HF_HOME": home}, "org/tiny")
+    assert again["org/tiny"]["tokens"] == local and hub.downloaded() == [shards[-1]]
+
 
 def test_a_token_opens_a_gated_repository(hub, tmp_path):
     got = drive({"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "hf_test"}, "org/gated")
