@@ -217,3 +217,17 @@ def test_sampling_defaults_come_from_generation_config_unless_flags_override(cha
         greedy_ids = r.generate(["Hello"], max_new_tokens=5)[0].token_ids
     assert run() == hot and len(hot) == 7
     assert run("--temperature", "0", "--max-new-tokens", "5") == greedy_ids != hot[:5]
+
+
+def test_a_turn_that_outgrows_the_kv_cache_is_an_error_line_and_reset_starts_over(chat_dir, tmp_path, monkeypatch,
+                                                                                  capsys):
+    cfg = tmp_path / "chat.yaml"
+    cfg.write_text(yaml.safe_dump(run_config(chat_dir)))
+    lines = [TURNS[0], TURNS[1], "/reset", TURNS[1]]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["chat", "--config", str(cfg), "--max-new-tokens", "4", "--context", "64"]) == 0
+    out, err = capsys.readouterr()
+    assert "offload: error: the conversation needs" in err and "raise kv_cache.gpu_blocks" in err
+    assert "(conversation cleared)" in err
+    turns = re.findall(r"\[turn (\d): (\d+) prompt tokens from the cache", err)
+    assert turns == [("1", "0"), ("2", "0")]  # the second message, alone after /reset, was answered

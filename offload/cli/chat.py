@@ -6,7 +6,8 @@
 Each line read from stdin is a user message; the reply streams to stdout, followed by a
 newline, and a one-line account of the turn goes to stderr (prompt tokens reused from the
 cache and computed, new tokens, why it ended). `/reset` starts over, `/exit` (or end of
-input) quits. Sampling defaults come from the checkpoint's generation_config.json; flags
+input) quits; Ctrl-C stops a reply, and an error (a conversation longer than the KV cache) ends
+only the turn. Sampling defaults come from the checkpoint's generation_config.json; flags
 override them. Every EOS id it names ends a reply, and so does any `--stop` text.
 """
 
@@ -20,7 +21,7 @@ from typing import TextIO
 from offload.cli import auto
 from offload.cli.run import add_sampling_args, sampling_args
 from offload.config import OffloadConfig
-from offload.errors import ConfigError
+from offload.errors import ConfigError, OffloadError
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Sampling
 from offload.runtime.runner import Runner
@@ -68,7 +69,16 @@ def repl(conv: Conversation, inp: TextIO, out: TextIO, err: TextIO) -> int:
         def show(delta: str) -> None:
             out.write(delta)
             out.flush()
-        reply = conv.say(text, on_text=show)
+        try:
+            reply = conv.say(text, on_text=show)
+        except OffloadError as e:  # e.g. the conversation outgrew the KV cache: say so, keep the session
+            out.write("\n")
+            err.write(f"offload: error: {e} (/reset starts a new conversation)\n")
+            continue
+        except KeyboardInterrupt:  # Ctrl-C stops this reply (it is not kept); end of input quits
+            out.write("\n")
+            err.write("(reply interrupted)\n")
+            continue
         out.write("\n")
         out.flush()
         turns += 1
