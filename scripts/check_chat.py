@@ -59,7 +59,7 @@ def main() -> None:
     ref = reference(args.model, args.new)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = {"model": str(args.model), "device": "cpu", "dtype": "float32",
-               "tiers": {"gpu": {"capacity": "160MiB"}, "cpu": {"capacity": "128MiB"}, "disk": {"path": f"{tmp}/s"}},
+               "tiers": {"gpu": {"capacity": "480MiB"}, "cpu": {"capacity": "48MiB"}, "disk": {"path": f"{tmp}/s"}},
                "kv_cache": {"block_size": 16, "gpu_blocks": 64}, "prefetch": {"depth": 2},
                "activations": {"prefill_chunk": 64}}
         turns = []
