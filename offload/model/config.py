@@ -18,8 +18,8 @@ SUPPORTED = {
     # model_type -> architecture class name in config.json
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
