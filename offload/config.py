@@ -1,7 +1,8 @@
 """The run configuration: a typed, validated view of the YAML file (or a dict).
 
 ```yaml
-model: path/to/checkpoint-dir      # a Hugging Face style directory (relative to the YAML file)
+model: path/to/checkpoint-dir      # a Hugging Face style directory (relative to the YAML file),
+                                    # or a Hub id: meta-llama/Llama-3.1-70B-Instruct[@revision]
 device: cpu                         # cpu | cuda | cuda:N; default: cuda if available else cpu
 dtype: bfloat16                     # float32 | float16 | bfloat16 | auto (the checkpoint's)
 tiers:
@@ -32,6 +33,7 @@ from typing import Any
 import yaml
 
 from offload.errors import ConfigError
+from offload.model import hub
 
 _UNITS = {
     "": 1, "b": 1,
@@ -210,7 +212,8 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16", "auto")
 class OffloadConfig:
     """Everything a run needs to know; build it with `OffloadConfig.load(path_or_dict)`."""
 
-    model: Path = field(metadata={"parse": _str, "doc": "checkpoint directory (Hugging Face layout)"})
+    model: Path = field(metadata={"parse": _str, "doc": "checkpoint directory (Hugging Face layout) or a Hub id "
+                                                        "(org/name[@revision], fetched into the Hugging Face cache)"})
     device: str = _opt(_device, "compute device: cpu, cuda, cuda:N or auto", "auto")
     dtype: str = _opt(_choice(*DTYPE_NAMES), "compute and storage dtype of the weights", "bfloat16")
     tiers: TiersConfig | None = field(default=None, metadata={"section": TiersConfig})
@@ -221,12 +224,16 @@ class OffloadConfig:
     calibration: Path | None = _opt(_str, "calibration file from `offload calibrate` (default: the saved one, if any)")
     #: where a YAML file was loaded from (relative paths are resolved against its directory)
     source: Path | None = field(default=None, compare=False, metadata={"internal": True})
+    #: the Hub id `model:` named (None: a local directory); `model` is then its snapshot in the Hub cache,
+    #: holding config and tokenizer files until a runner fetches the weights (`offload.model.hub.fetch`)
+    hub: str | None = field(default=None, metadata={"internal": True})
 
     @classmethod
-    def load(cls, source: str | Path | Mapping[str, Any]) -> OffloadConfig:
-        """Load from a YAML file path or a dict; raises ConfigError with the key path on bad input."""
+    def load(cls, source: str | Path | Mapping[str, Any], model: str | None = None) -> OffloadConfig:
+        """Load from a YAML file or a dict (`model` overrides its model:); ConfigError names the key on bad input."""
         if isinstance(source, Mapping):
-            return _build(cls, source, "", base_dir=Path.cwd(), source=None)
+            data = dict(source) | ({"model": model} if model else {})
+            return _build(cls, data, "", base_dir=Path.cwd(), source=None)
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
@@ -238,6 +245,7 @@ class OffloadConfig:
             raise ConfigError(f"{path}: not valid YAML{where} ({getattr(e, 'problem', e)}); fix the syntax") from None
         if not isinstance(data, Mapping):
             raise ConfigError(f"{path}: expected a mapping of keys (model:, device:, ...) at the top level")
+        data = dict(data) | ({"model": model} if model else {})
         return _build(cls, data, "", base_dir=path.resolve().parent, source=path.resolve())
 
     def to_dict(self) -> dict[str, Any]:
@@ -246,7 +254,7 @@ class OffloadConfig:
                 return {f.name: conv(getattr(obj, f.name)) for f in dataclasses.fields(obj)
                         if not f.metadata.get("internal")}
             return str(obj) if isinstance(obj, Path) else obj
-        return conv(self)
+        return conv(self) | ({"model": self.hub} if self.hub else {})
 
     def replace(self, **changes: Any) -> OffloadConfig:
         return dataclasses.replace(self, **changes)
@@ -276,7 +284,11 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str, base_dir: Path, sour
             values[name] = f.metadata["parse"](value, key)
     if cls is OffloadConfig:
         values["source"] = source
-        values["model"] = _model_dir(values["model"], base_dir)
+        if hub.is_hub_id(values["model"], base_dir):
+            values["hub"] = values["model"]
+            values["model"] = hub.fetch(values["model"], weights=False)  # what `offload plan` needs, no weights
+        else:
+            values["model"] = _model_dir(values["model"], base_dir)
         if values.get("calibration") is not None:
             values["calibration"] = (base_dir / Path(values["calibration"]).expanduser()).resolve()
     if cls is DiskTierConfig:
@@ -291,7 +303,8 @@ def _model_dir(value: str, base_dir: Path) -> Path:
     if not path.is_dir():
         raise ConfigError(
             f"model: checkpoint directory {str(path)!r} does not exist; point it at a directory with "
-            "config.json and *.safetensors (relative paths are resolved from the config file's directory)"
+            "config.json and *.safetensors (relative paths are resolved from the config file's directory), "
+            "or give a Hub id like org/name"
         )
     return path
 

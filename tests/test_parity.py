@@ -53,6 +53,11 @@ CASES = [
     pytest.param("llama", {"rope_scaling": "linear"}, id="linear-rope"),
     pytest.param("mistral", {}, id="mistral-sliding-window"),
     pytest.param("qwen2", {}, id="qwen2-bias-tied"),
+    pytest.param("llama", {"rope_scaling": "llama3", "tie": True}, id="llama3.2-rope-tied"),
+    pytest.param("mistral", {"head_dim": 48}, id="mistral-window-head-dim"),  # Mistral Nemo: 128 != 5120 / 32
+    pytest.param("qwen2", {"tie": False}, id="qwen2.5-bias-untied"),
+    pytest.param("qwen3", {}, id="qwen3-qk-norm-head-dim-tied"),
+    pytest.param("qwen3", {"tie": False}, id="qwen3-untied"),
 ]
 
 
@@ -84,3 +89,20 @@ def test_greedy_tokens_match_transformers(model_factory, family, kw, chunk):
         ragged = r.generate(batch, max_new_tokens=NEW_TOKENS, stop_on_eos=False)
     assert single[0].token_ids == refs[0]
     assert [res.token_ids for res in ragged] == refs
+
+
+def test_qwen3_cold_kv_rebuilt_from_layer_inputs_matches_transformers(model_factory, tmp_path):
+    """Recompute restore applies Qwen3's k norm before RoPE when it rebuilds K from the layer inputs."""
+    path = model_factory("qwen3")
+    ids = prompts(Runner.from_config(run_config(path)).cfg.vocab_size, seed=2)[0]
+    ref = hf_greedy(path, ids, 16)
+    cfg = run_config(path, tiers={"gpu": {"capacity": "1GiB"}, "cpu": {"capacity": "64MiB"},
+                                  "disk": {"path": str(tmp_path / "store")}},
+                     kv_cache={"block_size": 4, "gpu_blocks": 6, "cpu_blocks": 32},
+                     activations={"prefill_chunk": 8, "kv_restore": "recompute"})
+    with Runner.from_config(cfg) as r:
+        cold = []
+        res = r.generate([ids], max_new_tokens=16, stop_on_eos=False,
+                         on_token=lambda *_: cold.append(r.kv.count("cpu")))
+        assert res[0].token_ids == ref
+        assert max(cold) > 0 and r.kv.cold_fmt.name == "hidden"  # blocks were cold, kept as layer inputs

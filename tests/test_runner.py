@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -80,7 +82,7 @@ def test_top_k_one_is_greedy(runner):
 def test_stops_at_eos(tiny_llama, runner):
     ref = runner.generate([PROMPTS[0]], max_new_tokens=10, stop_on_eos=False)[0].token_ids
     runner_eos = Runner.from_config(run_config(tiny_llama))
-    object.__setattr__(runner_eos.cfg, "eos_token_ids", (ref[3],))  # pretend the 4th token is EOS
+    runner_eos.generation = dataclasses.replace(runner_eos.generation, eos_token_ids=(ref[3],))  # 4th token: EOS
     res = runner_eos.generate([PROMPTS[0]], max_new_tokens=10)[0]
     assert res.token_ids == ref[: ref.index(ref[3]) + 1] and res.finish_reason == "eos"
 

@@ -1,6 +1,7 @@
 """`offload convert CHECKPOINT_DIR STORE_DIR`: pack a checkpoint into a zarr store by hand.
 
 `run` converts on first use; this command is for converting ahead of time or elsewhere.
+CHECKPOINT_DIR may be a Hub id (org/name[@revision]), fetched into the Hugging Face cache first.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from offload.model import hub
 from offload.model.checkpoint import Checkpoint
 from offload.runtime.runner import resolve_dtype
 from offload.weights.convert import convert
@@ -15,7 +17,7 @@ from offload.weights.convert import convert
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     conv = sub.add_parser("convert", help="convert a checkpoint into a zarr store for the disk tier")
-    conv.add_argument("checkpoint", type=Path, metavar="CHECKPOINT_DIR")
+    conv.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a checkpoint directory or a Hub id")
     conv.add_argument("store", type=Path, metavar="STORE_DIR")
     conv.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "auto"), default="auto",
                       help="dtype of the stored weights (default: the checkpoint's own; must match the run's dtype)")
@@ -24,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    ckpt = Checkpoint(args.checkpoint)
+    ckpt = Checkpoint(hub.fetch(args.checkpoint) if hub.is_hub_id(args.checkpoint) else Path(args.checkpoint))
     dtype = resolve_dtype(args.dtype, ckpt.config.torch_dtype)
     store = convert(ckpt, args.store, dtype, force=args.force, progress=True)
     print(f"wrote {store.path}: {len(store.groups)} groups, {store.total_bytes / 2**30:.2f} GiB "

@@ -1,9 +1,9 @@
 """The `offload` command line: one module per command, wired together here.
 
     run        generate text; a JSONL file (cli.run)     serve      an OpenAI-compatible server (cli.serve)
+    chat       a multi-turn conversation (cli.chat)      demo       the embedded default (cli.demo)
     convert    checkpoint -> store (cli.convert)         plan       plan + prediction (cli.plan)
     calibrate  measure this machine (cli.plan)           trace      summarise / draw a trace (cli.trace)
-    demo       the embedded default (cli.demo)
 
 Library code logs through `logging`; the command modules alone print to the terminal. Every
 `OffloadError` becomes one line on stderr and exit status 2. This package may import every
@@ -16,7 +16,7 @@ import argparse
 import logging
 import sys
 
-from offload.cli import convert, demo, plan, run, serve, trace
+from offload.cli import chat, convert, demo, plan, run, serve, trace
 from offload.errors import OffloadError
 
 
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="offload", description="Run LLMs larger than GPU memory.")
     ap.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
     sub = ap.add_subparsers(dest="command", required=True)
-    for module in (run, serve, convert, trace, plan, demo):
+    for module in (run, chat, serve, convert, trace, plan, demo):
         module.add_parser(sub)
     return ap
 

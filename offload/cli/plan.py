@@ -54,8 +54,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- plan
 def _plan_inputs(args: argparse.Namespace) -> tuple[OffloadConfig, ModelConfig]:
     """The config (YAML, or flags) and the model shape (config.json alone is enough: no weights are read)."""
-    if args.config:
-        config = OffloadConfig.load(args.config)
+    if args.config or args.model:  # a model given by --model (a directory or a Hub id: config.json alone is fetched)
+        config = (OffloadConfig.load(args.config, model=args.model) if args.config else
+                  OffloadConfig.load({"model": args.model, "device": args.device or "cuda"}))
         model_json = Path(args.model_config) if args.model_config else config.model / "config.json"
     elif args.model_config:
         model_json = Path(args.model_config)
@@ -63,7 +64,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[OffloadConfig, ModelConfig]:
             raise ConfigError(f"--model-config {str(model_json)!r} does not exist; give a model's config.json")
         config = OffloadConfig.load({"model": str(model_json.resolve().parent), "device": args.device or "cuda"})
     else:
-        raise ConfigError("give --config FILE or --model-config config.json")
+        raise ConfigError("give --config FILE, --model DIR_OR_HUB_ID or --model-config config.json")
     if not model_json.is_file():
         raise ConfigError(f"{model_json} does not exist; the plan needs the model's config.json")
     try:
@@ -86,6 +87,13 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[OffloadConfig, ModelConfig]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     config, cfg = _plan_inputs(args)
+    show_plan(config, cfg, args.batch, args.context, args.json)
+    return 0
+
+
+def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: int = 128,
+              as_json: bool = False) -> None:
+    """Print where each group lives, the KV cache, the predicted speed and what would help most."""
     device = torch.device(config.device if config.device != "auto" else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and config.tiers is not None and config.tiers.gpu.capacity is None \
@@ -96,16 +104,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     planner = Planner(config, cfg, dtype, device)
     rp = planner.run_plan()
     cal = load_calibration(config.calibration)
-    work = Workload(batch=args.batch, context=args.context, prefill_chunk=config.activations.prefill_chunk)
+    work = Workload(batch=batch, context=context, prefill_chunk=config.activations.prefill_chunk)
     pred = predict_decode(rp.plan, cfg, cal, device.type, work, dtype.itemsize)
     per_token = predict_prefill_per_token(rp.plan, cfg, cal, device.type, work, dtype.itemsize)
     helps = suggestions(planner.placement, planner.caps, rp.plan.depth, cfg, cal, device.type, work, dtype.itemsize,
                         pred)
-    if args.json:
+    if as_json:
         print(json.dumps({"device": str(device), "kv_blocks": rp.kv_blocks, "calibration": cal.source,
                           "prediction": pred.to_dict() | {"prefill_s_per_token": per_token},
                           "suggestions": [s.__dict__ for s in helps], **rp.plan.to_dict()}, indent=2))
-        return 0
+        return
     params = sum(g.nbytes for g in planner.groups) / dtype.itemsize
     count = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
     print(f"device {device}, {cfg.family} model, {cfg.num_layers} layers, {count} parameters "
@@ -121,7 +129,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
            else cal.source)
     print(f"prediction (calibration: {src}):")
     print(f"  decode step, batch {work.batch}, context {work.context}: {1000 * pred.step_s:.0f} ms "
-          f"({work.batch / pred.step_s:.2f} tokens/s)")
+          f"({work.batch / pred.step_s:.2f} tokens/s, {pred.step_s / work.batch:.3g} s/token)")
     for line in explain(rp.plan, pred, cal.links):
         print(f"  {line}")
     print(f"  prefill: {1000 * per_token:.2f} ms per prompt token (passes of {work.prefill_chunk} tokens)")
@@ -130,7 +138,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for s in helps[:4]:
             print(f"  {s.change}: {1000 * s.step_s:.0f} ms/step, {s.tokens_per_s:.2f} tokens/s "
                   f"({s.tokens_per_s / (work.batch / pred.step_s):.1f}x)")
-    return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -145,6 +152,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="where each layer lives, the predicted step time, what would help "
                                        "(reads no weights)")
     plan.add_argument("--config", default=None, metavar="FILE", help="YAML configuration")
+    plan.add_argument("--model", default=None, metavar="DIR_OR_HUB_ID",
+                      help="the model (overrides the YAML's model:); a Hub id fetches its config.json only")
     plan.add_argument("--model-config", default=None, metavar="config.json",
                       help="plan from a model's config.json alone (with --config or the flags below)")
     plan.add_argument("--calibration", default=None, metavar="FILE", help="a file from `offload calibrate`")

@@ -15,6 +15,7 @@ from typing import TextIO
 from offload.cli.trace import decode_summary, trace_meta, write_trace
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
+from offload.model.chat import ChatTemplate
 from offload.runtime.runner import GenerationResult, Runner
 from offload.serve.files import FileDefaults, run_file
 from schedulers.timeline import Timeline
@@ -24,10 +25,14 @@ from schedulers.trace import format_summary
 def add_parser(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="generate text with a model described by a YAML config")
     run.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
+    run.add_argument("--model", default=None, metavar="DIR_OR_HUB_ID", help="override the YAML's model:")
     run.add_argument("--trace", default=None, metavar="FILE.json",
                      help="write a Chrome/Perfetto trace of the run (open it in ui.perfetto.dev)")
     run.add_argument("--no-spans", action="store_true",
                      help="record no spans (no summary, no trace; the timeline costs nothing)")
+    run.add_argument("--chat", action="store_true",
+                     help="each prompt is one user message, rendered with the checkpoint's chat template")
+    run.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message first")
     add_generation_args(run)
     files = run.add_argument_group("throughput mode (a file of requests)")
     files.add_argument("--input", default=None, metavar="FILE.jsonl",
@@ -44,12 +49,32 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-file", action="append", default=[], metavar="FILE",
                    help="a file whose whole text is one prompt (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
-    p.add_argument("--seed", type=int, default=None, metavar="S")
+    add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one machine-readable JSON result instead of text")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """Sampling flags; each left out takes the checkpoint's generation_config.json default (else greedy)."""
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help="default: generation_config.json's max_new_tokens, else 64 (run) / 512 (chat)")
+    p.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="0 = greedy; default: generation_config.json (do_sample, temperature), else greedy")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="default: generation_config.json, else 1")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="0 = off; default: generation_config.json")
+    p.add_argument("--seed", type=int, default=None, metavar="S")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a reply when its text contains TEXT (repeat for several; the reply excludes it)")
+
+
+def sampling_args(runner: Runner, args: argparse.Namespace, max_new_tokens: int = 64) -> dict:
+    """The flags given, else generation_config.json's defaults: max_new_tokens, temperature, top_p, top_k."""
+    g = runner.generation
+
+    def pick(flag, default):
+        return default if flag is None else flag
+    return {"max_new_tokens": pick(args.max_new_tokens, g.max_new_tokens or max_new_tokens),
+            "temperature": pick(args.temperature, g.temperature), "top_p": pick(args.top_p, g.top_p),
+            "top_k": pick(args.top_k, g.top_k)}
 
 
 def read_prompts(args: argparse.Namespace, default: str | None = None) -> list[str]:
@@ -68,8 +93,19 @@ def read_prompts(args: argparse.Namespace, default: str | None = None) -> list[s
 
 def generate_and_print(runner: Runner, prompts: list[str], args: argparse.Namespace,
                        out: TextIO | None = None) -> list[GenerationResult]:
-    """Stream tokens (one prompt) or print results (a batch), then a one-line speed summary."""
+    """Stream tokens (one prompt) or print results (a batch), then a one-line speed summary.
+
+    With `--chat` each prompt is one user message rendered with the checkpoint's chat template."""
     out = out or sys.stdout
+    inputs: list = prompts
+    if getattr(args, "chat", False):
+        template = ChatTemplate.from_checkpoint(runner.config.model)
+        if template is None or runner.tokenizer is None:
+            raise ConfigError(f"--chat: {runner.config.model} has no chat template (tokenizer_config.json: "
+                              "chat_template) or no tokenizer.json; drop --chat for plain completion")
+        system = [{"role": "system", "content": args.system}] if getattr(args, "system", None) else []
+        inputs = [runner.tokenizer.encode(template.render(system + [{"role": "user", "content": p}]),
+                                          add_special_tokens=False) for p in prompts]
     stream = not args.json and len(prompts) == 1
 
     def on_token(i: int, token: int, text: str) -> None:
@@ -79,8 +115,7 @@ def generate_and_print(runner: Runner, prompts: list[str], args: argparse.Namesp
     if stream:
         out.write(prompts[0])
         out.flush()
-    results = runner.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+    results = runner.generate(inputs, **sampling_args(runner, args), seed=args.seed, stop=args.stop,
                               on_token=on_token if stream else None)
     stats = results[0].stats
     served = runner.traffic.served()
@@ -121,7 +156,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.input or args.output:
         return run_jsonl(args)
     prompts = read_prompts(args)
-    with Runner(OffloadConfig.load(args.config), timeline=Timeline(enabled=not args.no_spans)) as runner:
+    config = OffloadConfig.load(args.config, model=args.model)
+    with Runner(config, timeline=Timeline(enabled=not args.no_spans)) as runner:
         generate_and_print(runner, prompts, args)
         if args.trace:
             write_trace(args.trace, runner.timeline, trace_meta(runner, runner.last_stats))

@@ -133,6 +133,45 @@ class PagedKVCache:
         self.seqs[child_id] = Sequence(list(parent.blocks), parent.length, self.logical.allocate(max(need, 0)))
         return child_id
 
+    def reserve(self, sid: int, total_tokens: int) -> Admission:
+        """Reserve logical blocks so `sid` can grow to `total_tokens` (a kept sequence continued)."""
+        seq = self.seqs[sid]
+        total = self.blocks_for(total_tokens)
+        if total > self.logical.num_blocks:
+            return Admission.NEVER
+        need = total - len(seq.blocks) - len(seq.reserved)
+        if need <= 0:
+            return Admission.OK
+        status = self.logical.can_allocate(need)
+        if status is Admission.OK:
+            seq.reserved += self.logical.allocate(need)
+        return status
+
+    def release_reservation(self, sid: int) -> None:
+        """Give back the blocks `sid` reserved and did not fill (a finished sequence that is kept)."""
+        seq = self.seqs[sid]
+        self.logical.free(seq.reserved)
+        seq.reserved = []
+
+    def truncate(self, sid: int, length: int) -> int:
+        """Forget the tokens of `sid` from `length` on; returns the length kept.
+
+        New tokens are written on the device into a block this sequence owns alone, so when the
+        block that would end the sequence part-filled is cold or shared, it goes too (the kept
+        length drops to the block boundary and those tokens are computed again).
+        """
+        seq = self.seqs[sid]
+        length = min(length, seq.length)
+        if length % self.block_size:
+            last = seq.blocks[length // self.block_size]
+            if self.blocks[last].tier != "gpu" or self.logical.refcount(last) > 1:
+                length -= length % self.block_size
+        keep = self.blocks_for(length)
+        dropped, seq.blocks = seq.blocks[keep:], seq.blocks[:keep]
+        seq.length = length
+        self._release(self.logical.free(dropped))
+        return length
+
     def free_sequence(self, sid: int) -> None:
         seq = self.seqs.pop(sid)
         self._release(self.logical.free(seq.blocks))

@@ -1,7 +1,9 @@
 """The shape of a Llama-family model, normalised from any supported `config.json` style.
 
-Supported families: Llama (2, 3, 3.1 with llama3 / linear rope scaling), Mistral (sliding
-window) and Qwen2 (q/k/v bias, tied embeddings, per-layer sliding windows). This module
+Supported families: Llama (2, 3, 3.1-3.3 with llama3 / linear rope scaling, tied or not), Mistral
+(sliding window, head_dim != hidden / heads), Qwen2 / Qwen2.5 (q/k/v bias, tied embeddings,
+per-layer sliding windows) and Qwen3 (per-head RMSNorm of q and k before RoPE, no bias,
+head_dim != hidden / heads). This module
 reads one dict; it knows nothing about weights, files or tiers.
 """
 
@@ -17,6 +19,7 @@ SUPPORTED = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -25,7 +28,7 @@ ROPE_TYPES = ("default", "linear", "llama3")
 class ModelConfig:
     """The shape of a Llama-family model, normalised from any of the supported config.json styles."""
 
-    family: str  # llama | mistral | qwen2
+    family: str  # llama | mistral | qwen2 | qwen3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,6 +45,7 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     sliding_windows: tuple[int | None, ...]  # per layer; None = full causal attention
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of every q and k head, before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -91,7 +95,7 @@ class ModelConfig:
         layers = int(need("num_hidden_layers"))
         head_dim = cfg.get("head_dim") or hidden // heads
         rope_theta, scaling = _rope(cfg, where)
-        if model_type == "llama":
+        if model_type in ("llama", "qwen3"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         elif model_type == "qwen2":
             qkv_bias, o_bias = True, False
@@ -118,6 +122,7 @@ class ModelConfig:
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
             sliding_windows=windows,
+            qk_norm=model_type == "qwen3",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -156,7 +161,7 @@ def _sliding_windows(cfg: dict[str, Any], model_type: str, layers: int, where: s
         return (None,) * layers
     if model_type == "mistral":
         return (int(window),) * layers
-    # qwen2: explicit layer_types (transformers >= 4.53) or use_sliding_window + max_window_layers
+    # qwen2, qwen3: explicit layer_types (transformers >= 4.53) or use_sliding_window + max_window_layers
     types = cfg.get("layer_types")
     if types:
         if len(types) != layers:

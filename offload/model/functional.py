@@ -33,11 +33,14 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None  # [2 I]
     down: torch.Tensor  # [H, I]
     down_bias: torch.Tensor | None  # [H]
+    q_norm: torch.Tensor | None = None  # [D] (Qwen3: per-head RMSNorm of q before RoPE)
+    k_norm: torch.Tensor | None = None  # [D]
 
     @classmethod
     def from_views(cls, v: dict[str, torch.Tensor]) -> LayerWeights:
         return cls(v["input_norm"], v["qkv"], v.get("qkv_bias"), v["o"], v.get("o_bias"), v["post_norm"],
-                   v["gate_up"], v.get("gate_up_bias"), v["down"], v.get("down_bias"))
+                   v["gate_up"], v.get("gate_up_bias"), v["down"], v.get("down_bias"), v.get("q_norm"),
+                   v.get("k_norm"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,9 +244,11 @@ def restore_kv(h: torch.Tensor, positions: torch.Tensor, w: LayerWeights, rope: 
     q_size, n = cfg.q_size, h.shape[0]
     bias = None if w.qkv_bias is None else w.qkv_bias[q_size:]
     k, v = F.linear(h, w.qkv[q_size:], bias).split([cfg.kv_size, cfg.kv_size], dim=-1)
+    k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    if w.k_norm is not None:
+        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
     cos, sin = rope(positions)
-    return apply_rope(k.reshape(n, cfg.num_kv_heads, cfg.head_dim), cos, sin), v.reshape(n, cfg.num_kv_heads,
-                                                                                         cfg.head_dim)
+    return apply_rope(k, cos, sin), v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
 
 
 def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLayout,
@@ -258,9 +263,12 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
     qkv = F.linear(h, w.qkv, w.qkv_bias)  # [N, (Hq + 2 Hkv) * D]
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    q, k = q.view(N, Hq, D), k.view(N, Hkv, D)
+    if w.q_norm is not None:  # Qwen3: each head normalised over D before RoPE
+        q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
     cos, sin = rope
-    q = apply_rope(q.view(N, Hq, D), cos, sin)
-    k = apply_rope(k.view(N, Hkv, D), cos, sin)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
     kv.write(k, v.reshape(N, Hkv, D), h if kv.needs_inputs else None)
     restore = None
     if rope_table is not None:

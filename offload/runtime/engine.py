@@ -11,7 +11,13 @@ A request is one prompt and its `n` outputs (samples). Its life:
     waiting     admission said LATER (its worst-case KV does not fit next to the running ones)
     prefilling  its prompt goes through in chunks, within the pass's token budget
     decoding    one new token per output per pass
-    finished    EOS, max_new_tokens, or aborted; its KV blocks go back to the pool
+    finished    EOS, a stop string, max_new_tokens, or aborted; its KV blocks go back to the pool
+                (or, with `keep=True`, stay as a `Kept` sequence for `Engine.continue_`)
+
+A conversation keeps its KV between turns: `Request(..., keep=True)` leaves the finished
+sequence in the cache (its unused reservation given back), and `engine.continue_(kept, ids)`
+submits the next turn's whole prompt; only the tokens after the longest prefix the cache
+already holds are prefilled.
 
 A pass holds a token for every decoding output plus up to `activations.prefill_chunk` prompt
 tokens of prefilling requests (oldest first), so a request
@@ -22,6 +28,7 @@ knows requests, sequences and tokens; the model is the runner's business.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -29,11 +36,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.errors import CapacityError
+from offload.errors import CapacityError, ConfigError
 from offload.model.tokenizer import StreamDecoder
 from offload.runtime.results import RunStats, TokenCallback
 from offload.runtime.sampling import sample
+from offload.runtime.stops import StopMatcher
 from storage.block_pool import Admission
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,8 @@ class Sampling:
     top_k: int = 0  # 0: off
     seed: int | None = None  # output s of the request samples from a generator seeded `seed + s`
     n: int = 1  # outputs (samples) sharing the prompt's KV blocks
-    stop_token_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()  # every EOS id: the token ends the output (and is kept in it)
+    stop_strings: tuple[str, ...] = ()  # the decoded text containing one ends the output; the text excludes it
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest alternatives
 
 
@@ -67,9 +78,18 @@ class Output:
     stream: StreamDecoder | None = None
     sid: int | None = None
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # "" while running; "eos" | "length" | "abort", or what on_token set (a stop string)
+    finish_reason: str = ""  # "" while running; "eos" | "stop" (a stop string) | "length" | "abort"
     first_token_s: float | None = None  # seconds from submission to the first token
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when sampling.logprobs is set
+    stops: StopMatcher | None = None  # with stop strings: the text shown so far, stop string excluded
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A finished request's sequence left in the KV cache, to be continued (`Engine.continue_`) or dropped."""
+
+    sid: int
+    tokens: tuple[int, ...]  # the tokens whose K/V the cache holds, in order
 
 
 @dataclass
@@ -81,6 +101,9 @@ class Request:
     outputs: list[Output] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens already in the KV cache
     submitted_s: float = 0.0
+    keep: bool = False  # when finished, keep the sequence's KV (as `kept`) instead of freeing it
+    context: list[int] = field(default_factory=list)  # tokens of a continued sequence already cached before `prompt`
+    kept: Kept | None = None  # set when a `keep` request finishes
 
     @property
     def finished(self) -> bool:
@@ -103,6 +126,9 @@ class Engine:
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
         self._next_output = 0
+        # sequences of finished `keep` requests, still holding their blocks, oldest first; when a waiting
+        # request cannot be admitted and nothing runs, they give their blocks back (a cache, not a promise)
+        self._kept: dict[int, None] = {}
         bs = self.kv.block_size
         # device blocks one prefill pass may write: every running sequence pins its newest block besides
         self._pass_blocks = -(-self.budget // bs) + 1
@@ -110,28 +136,40 @@ class Engine:
     # -- requests -----------------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
         """CapacityError if the request's worst-case KV could never fit (reads only the pool's fixed size)."""
-        need = blocks_needed(len(req.prompt), req.sampling, self.kv.block_size)
-        if need > self.kv.logical.num_blocks:
-            s = req.sampling
-            raise CapacityError(
-                f"{req.name} needs {need} KV blocks ({len(req.prompt)} + {s.max_new_tokens} tokens"
-                + (f", {s.n} samples" if s.n > 1 else "") + f") but the KV cache holds {self.kv.logical.num_blocks} "
-                "in all tiers; raise kv_cache.gpu_blocks (or cpu_blocks / disk_blocks) or lower max_new_tokens"
-            )
+        self._refuse_never(len(req.context) + len(req.prompt), req.sampling, req.name)
 
-    def submit(self, req: Request) -> Request:
+    def submit(self, req: Request, continues: Kept | None = None) -> Request:
         """Queue a request; one whose KV could never fit is refused now (CapacityError) and costs nothing."""
+        if req.keep and req.sampling.n != 1:
+            raise ConfigError(f"{req.name}: a kept (conversation) request has one output, not n={req.sampling.n}")
         self.check_fits(req)
         seed = req.sampling.seed
         for s in range(req.sampling.n):
             o = self._next_output
             self._next_output += 1
             gen = None if seed is None else torch.Generator().manual_seed(seed + s)
-            stream = self.runner.tokenizer.stream() if self.runner.tokenizer and req.on_token else None
-            req.outputs.append(Output(o, gen, stream))
+            tok = self.runner.tokenizer
+            stops = StopMatcher(req.sampling.stop_strings) if req.sampling.stop_strings else None
+            if stops is not None and tok is None:
+                raise ConfigError(f"{self.runner.config.model} has no tokenizer.json, so stop strings cannot be "
+                                  "matched; use stop token ids instead")
+            stream = tok.stream() if tok and (req.on_token or stops) else None
+            req.outputs.append(Output(o, gen, stream, stops=stops))
+        if continues is not None:
+            self._kept.pop(continues.sid, None)
+            req.outputs[0].sid = continues.sid
         req.submitted_s = time.perf_counter()
         self.waiting.append(req)
         return req
+
+    def _refuse_never(self, prompt_len: int, s: Sampling, name: str) -> None:
+        need = blocks_needed(prompt_len, s, self.kv.block_size)
+        if need > self.kv.logical.num_blocks:  # NEVER; reads only the pool's fixed size: safe from any thread
+            raise CapacityError(
+                f"{name} needs {need} KV blocks ({prompt_len} + {s.max_new_tokens} tokens"
+                + (f", {s.n} samples" if s.n > 1 else "") + f") but the KV cache holds {self.kv.logical.num_blocks} "
+                "in all tiers; raise kv_cache.gpu_blocks (or cpu_blocks / disk_blocks) or lower max_new_tokens"
+            )
 
     def abort(self, req: Request) -> None:
         """Stop a request now (a client went away): its blocks are freed, its outputs end with "abort"."""
@@ -140,7 +178,40 @@ class Engine:
                 o.finish_reason = "abort"
         if req in self.waiting:
             self.waiting.remove(req)
+            sid = req.outputs[0].sid if req.outputs else None
+            if sid is not None:  # a continued sequence not admitted yet: it stays kept as it was
+                req.outputs[0].sid = None
+                req.kept = Kept(sid, tuple(req.context[: self.kv.length(sid)]))
+                self._kept[sid] = None
         self._retire()
+
+    def continue_(self, kept: Kept, prompt: Sequence[int], sampling: Sampling, name: str = "request",
+                  on_token: TokenCallback | None = None, keep: bool = True) -> Request:
+        """Continue a kept sequence with `prompt`, the whole token list of the next turn (context included).
+
+        The cache keeps the longest prefix it shares with `prompt` (at least one token is left to
+        compute the next logits); only the rest is prefilled. Returns the queued request. A kept
+        sequence the engine has dropped since (to admit others) is computed again from the start.
+        """
+        prompt = [int(t) for t in prompt]
+        if kept.sid not in self._kept:
+            return self.submit(Request(prompt, sampling, name, on_token, keep=keep))
+        common = 0
+        for a, b in zip(kept.tokens, prompt):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(prompt) - 1)
+        self._refuse_never(len(prompt), sampling, name)  # before touching the kept sequence
+        common = self.kv.truncate(kept.sid, common)
+        req = Request(prompt[common:], sampling, name, on_token, keep=keep, context=prompt[:common])
+        return self.submit(req, continues=kept)
+
+    def drop(self, kept: Kept) -> None:
+        """Free a kept sequence (the conversation is over)."""
+        if kept.sid in self._kept:
+            del self._kept[kept.sid]
+            self.kv.free_sequence(kept.sid)
 
     @property
     def busy(self) -> bool:
@@ -148,18 +219,32 @@ class Engine:
 
     # -- one pass -----------------------------------------------------------------------------
     def _admit(self) -> None:
-        running = sum(len(r.outputs) for r in self.prefilling + self.decoding)
         while self.waiting:
             req = self.waiting[0]
-            need = blocks_needed(len(req.prompt), req.sampling, self.kv.block_size)
-            if self.kv.logical.can_allocate(need) is not Admission.OK:
-                return
-            if running and running + req.sampling.n + self._pass_blocks > self.kv.pool.num_blocks:
-                return  # the device could not hold every running sequence's newest block and a prefill pass
+            if not self._reserve(req):
+                if self.prefilling or self.decoding or not self._kept:
+                    return  # wait for running requests to finish
+                oldest = next(iter(self._kept))  # nothing runs: kept conversations make room, oldest first
+                log.info("dropping a kept sequence (%d tokens) to admit %s", self.kv.length(oldest), req.name)
+                self.drop(Kept(oldest, ()))
+                continue
             self.waiting.popleft()
-            req.outputs[0].sid = self.kv.add_sequence(reserve_tokens=len(req.prompt) + req.sampling.max_new_tokens)
             self.prefilling.append(req)
-            running += req.sampling.n
+
+    def _reserve(self, req: Request) -> bool:
+        """Admit `req` if its worst case fits: its sequence, with blocks reserved for every future token."""
+        # every running and kept sequence pins its newest device block
+        running = sum(len(r.outputs) for r in self.prefilling + self.decoding) + len(self._kept)
+        if running and running + req.sampling.n + self._pass_blocks > self.kv.pool.num_blocks:
+            return False  # the device could not hold every running sequence's newest block and a prefill pass
+        total = len(req.context) + len(req.prompt) + req.sampling.max_new_tokens
+        if req.outputs[0].sid is not None:  # a continued sequence: reserve what it will grow by
+            return self.kv.reserve(req.outputs[0].sid, total) is Admission.OK
+        need = blocks_needed(len(req.prompt), req.sampling, self.kv.block_size)
+        if self.kv.logical.can_allocate(need) is not Admission.OK:
+            return False
+        req.outputs[0].sid = self.kv.add_sequence(reserve_tokens=total)
+        return True
 
     def step(self) -> None:
         """One forward pass: a token for every decoding output, then prompt chunks within the budget."""
@@ -191,7 +276,7 @@ class Engine:
                 continue
             if outs is req.outputs and req in self.prefilling:  # the prompt is in: fork the samples, decode next
                 for o in outs[1:]:
-                    o.sid = self.kv.fork(outs[0].sid, len(req.prompt) + req.sampling.max_new_tokens)
+                    o.sid = self.kv.fork(outs[0].sid, len(req.context) + len(req.prompt) + req.sampling.max_new_tokens)
                 self.prefilling.remove(req)
                 self.decoding.append(req)
                 picks += [(req, o, row) for o in outs]
@@ -241,16 +326,28 @@ class Engine:
             o.finish_reason = "eos"
         elif len(o.token_ids) >= req.sampling.max_new_tokens:
             o.finish_reason = "length"
+        text = ""
+        if o.stream is not None:
+            text = o.stream.push(token) + (o.stream.flush() if o.finish_reason else "")
+            if o.stops is not None:
+                text, stopped = o.stops.push(text)
+                if stopped:
+                    o.finish_reason = "stop"
+                elif o.finish_reason:
+                    text += o.stops.flush()
         if req.on_token is not None:
-            text = ""
-            if o.stream is not None:
-                text = o.stream.push(token) + (o.stream.flush() if o.finish_reason else "")
             req.on_token(o.index, token, text)
 
     def _retire(self) -> None:
         """Free the sequences of finished outputs; requests whose outputs all finished leave."""
         for group in (self.prefilling, self.decoding):
             for req in list(group):
+                if req.keep and req.finished and req.outputs[0].sid is not None:
+                    sid, req.outputs[0].sid = req.outputs[0].sid, None
+                    self.kv.release_reservation(sid)
+                    history = req.context + req.prompt + req.outputs[0].token_ids
+                    req.kept = Kept(sid, tuple(history[: self.kv.length(sid)]))
+                    self._kept[sid] = None
                 for o in req.outputs:
                     if o.finish_reason and o.sid is not None and (group is self.decoding or o is req.outputs[0]):
                         self.kv.free_sequence(o.sid)

@@ -24,10 +24,12 @@ from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.kv.cache import PagedKVCache
 from offload.model import functional as M
+from offload.model import hub
+from offload.model.chat import GenerationDefaults
 from offload.model.checkpoint import Checkpoint
 from offload.model.tokenizer import TextTokenizer
 from offload.plan.planner import Planner
-from offload.runtime.engine import Engine, Request, Sampling, blocks_needed
+from offload.runtime.engine import Engine, Output, Request, Sampling, blocks_needed
 from offload.runtime.results import GenerationResult, RunStats, TokenCallback
 from offload.weights.tiered import TieredWeights
 from schedulers.timeline import Timeline
@@ -67,12 +69,16 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None) -> torch.dtype:
 
 class Runner:
     def __init__(self, config: OffloadConfig, timeline: Timeline | None = None) -> None:
+        if config.hub:  # a Hub id: the weights come now (resumed if a download was interrupted)
+            config = config.replace(model=hub.fetch(config.hub))
         self.config = config
         self.device = resolve_device(config.device)
         self.checkpoint = Checkpoint(config.model)
         self.cfg = self.checkpoint.config
         self.dtype = resolve_dtype(config.dtype, self.cfg.torch_dtype)
         self.tokenizer = TextTokenizer.from_checkpoint(config.model)
+        # generation_config.json: every EOS id (with config.json's) and the default sampling
+        self.generation = GenerationDefaults.from_checkpoint(config.model, self.cfg.eos_token_ids)
         self.timeline = timeline or Timeline(nvtx=self.device.type == "cuda")
         self.traffic = Traffic()  # bytes moved by weights and KV blocks, per route
         self.last_stats: RunStats | None = None
@@ -250,6 +256,7 @@ class Runner:
         stop_on_eos: bool = True,
         on_token: TokenCallback | None = None,
         num_samples: int = 1,
+        stop: Sequence[str] = (),
     ) -> list[GenerationResult]:
         """Generate up to `max_new_tokens` for each prompt (strings or token-id lists).
 
@@ -258,7 +265,8 @@ class Runner:
         boundary; each prompt's tokens are the same as if it ran alone. With `num_samples=n` a prompt
         is prefilled once and its n samples share the prompt's KV blocks copy-on-write; results are
         prompt-major (prompt i, sample s at index i * n + s). Output o samples from its own generator,
-        seeded `seed + o`.
+        seeded `seed + o`. An output ends at any EOS id of generation_config.json / config.json
+        (`stop_on_eos`) or when its text contains a `stop` string (its text then ends before it).
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -269,9 +277,10 @@ class Runner:
         if num_samples < 1:
             raise ConfigError(f"num_samples must be at least 1, got {num_samples}")
         encoded = [self.encode(p) for p in prompts]
-        stop = frozenset(self.cfg.eos_token_ids) if stop_on_eos else frozenset()
+        eos = frozenset(self.generation.eos_token_ids) if stop_on_eos else frozenset()
         requests = [Request(p, Sampling(max_new_tokens, temperature, top_p, top_k,
-                                        None if seed is None else seed + i * num_samples, num_samples, stop),
+                                        None if seed is None else seed + i * num_samples, num_samples, eos,
+                                        tuple(stop)),
                             name=f"prompt {i}", on_token=on_token)
                     for i, p in enumerate(encoded)]
         stats = RunStats(prompt_tokens=sum(map(len, encoded)))
@@ -280,6 +289,11 @@ class Runner:
         Engine(self, stats).run(requests)
         stats.generated_tokens = sum(len(o.token_ids) for r in requests for o in r.outputs)
         self.last_stats = stats
-        return [GenerationResult(r.prompt, o.token_ids, self.tokenizer.decode(o.token_ids) if self.tokenizer else "",
-                                 o.finish_reason, stats)
+        return [GenerationResult(r.prompt, o.token_ids, self.output_text(o), o.finish_reason, stats)
                 for r in requests for o in r.outputs]
+
+    def output_text(self, o: Output) -> str:
+        """An output's text: decoded, and cut before the stop string when one ended it."""
+        if o.stops is not None:
+            return o.stops.text
+        return self.tokenizer.decode(o.token_ids) if self.tokenizer else ""

@@ -25,8 +25,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 CORPUS = Path(__file__).with_name("corpus.txt")
-FAMILIES = ("llama", "mistral", "qwen2")
-ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM"}
 SPECIAL = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 as in Llama
 
 
@@ -72,8 +73,9 @@ def train_tokenizer(vocab_size: int, corpus: Path = CORPUS):
 
 
 def model_config(family: str, size: Size, vocab: int, dtype: str, rope_scaling: str | None,
-                 tie: bool | None) -> dict[str, Any]:
-    head_dim = size.hidden // size.heads
+                 tie: bool | None, head_dim: int | None = None) -> dict[str, Any]:
+    # Qwen3 checkpoints have head_dim != hidden / heads (128 with 1024 / 16 in Qwen3-0.6B): so does ours
+    head_dim = head_dim or (2 if family == "qwen3" else 1) * size.hidden // size.heads
     cfg: dict[str, Any] = {
         "architectures": [ARCH[family]],
         "model_type": family,
@@ -85,12 +87,12 @@ def model_config(family: str, size: Size, vocab: int, dtype: str, rope_scaling: 
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5 if family != "qwen2" else 1e-6,
-        "rope_theta": {"llama": 10000.0, "mistral": 10000.0, "qwen2": 1000000.0}[family],
+        "rms_norm_eps": 1e-5 if family not in ("qwen2", "qwen3") else 1e-6,
+        "rope_theta": {"llama": 10000.0, "mistral": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}[family],
         "vocab_size": vocab,
         "bos_token_id": 1,
         "eos_token_id": 2,
-        "tie_word_embeddings": (family == "qwen2") if tie is None else tie,
+        "tie_word_embeddings": (family in ("qwen2", "qwen3")) if tie is None else tie,
         "torch_dtype": dtype,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
@@ -100,8 +102,10 @@ def model_config(family: str, size: Size, vocab: int, dtype: str, rope_scaling: 
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     if family == "mistral":
         cfg["sliding_window"] = size.window
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3"):
         cfg.update(use_sliding_window=False, sliding_window=size.window, max_window_layers=size.layers)
+    if family == "qwen3":
+        cfg.update(attention_bias=False)
     if rope_scaling == "llama3":  # Llama 3.1: trained at 8192 tokens, scaled to 128K
         cfg["rope_theta"] = 500000.0
         cfg["max_position_embeddings"] = 131072
@@ -132,6 +136,8 @@ def tensor_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
         specs.append((p + "self_attn.o_proj.weight", (H, q), "linear"))
         if cfg.get("attention_bias", False):
             specs.append((p + "self_attn.o_proj.bias", (H,), "bias"))
+        if cfg["model_type"] == "qwen3":
+            specs += [(p + "self_attn.q_norm.weight", (D,), "norm"), (p + "self_attn.k_norm.weight", (D,), "norm")]
         specs += [
             (p + "post_attention_layernorm.weight", (H,), "norm"),
             (p + "mlp.gate_proj.weight", (I, H), "linear"),
@@ -165,7 +171,7 @@ def init_tensor(name: str, shape: tuple[int, ...], kind: str, seed: int, dtype: 
 def make_model(out: str | os.PathLike, family: str = "llama", size: str = "tiny", dtype: str = "float32",
                seed: int = 0, rope_scaling: str | None = None, tie: bool | None = None,
                shard_bytes: int | None = None, overrides: dict[str, Any] | None = None,
-               progress: bool = False) -> Path:
+               progress: bool = False, head_dim: int | None = None) -> Path:
     """Write the checkpoint into `out` (created; existing files of the same names are replaced)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, not {family!r}")
@@ -176,7 +182,7 @@ def make_model(out: str | os.PathLike, family: str = "llama", size: str = "tiny"
     spec = SIZES[size]
     tok = train_tokenizer(spec.vocab)
     vocab = spec.vocab if size == "medium" else tok.get_vocab_size()
-    cfg = model_config(family, spec, vocab, dtype, rope_scaling, tie)
+    cfg = model_config(family, spec, vocab, dtype, rope_scaling, tie, head_dim)
     cfg.update(overrides or {})
     torch_dtype = DTYPES[dtype]
     limit = shard_bytes or spec.shard_bytes
@@ -226,10 +232,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rope-scaling", choices=("llama3", "linear"), default=None)
     ap.add_argument("--tie", choices=("yes", "no"), default=None, help="tie embeddings (default: per family)")
     ap.add_argument("--shard-mib", type=int, default=None, help="largest shard in MiB")
+    ap.add_argument("--head-dim", type=int, default=None, help="head_dim (default: hidden / heads; qwen3: twice)")
     args = ap.parse_args(argv)
     path = make_model(args.out, args.family, args.size, args.dtype, args.seed, args.rope_scaling,
                       None if args.tie is None else args.tie == "yes",
-                      args.shard_mib << 20 if args.shard_mib else None, progress=True)
+                      args.shard_mib << 20 if args.shard_mib else None, progress=True, head_dim=args.head_dim)
     print(path)
 
 

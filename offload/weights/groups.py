@@ -49,6 +49,9 @@ def group_sources(cfg: ModelConfig, group: str) -> list[tuple[str, Sources]]:
         ("qkv", [(attn + "q_proj.weight", (q, H)), (attn + "k_proj.weight", (kv, H)),
                  (attn + "v_proj.weight", (kv, H))]),
     ]
+    if cfg.qk_norm:
+        out += [("q_norm", [(attn + "q_norm.weight", (cfg.head_dim,))]),
+                ("k_norm", [(attn + "k_norm.weight", (cfg.head_dim,))])]
     if cfg.qkv_bias:
         out.append(("qkv_bias", [(attn + "q_proj.bias", (q,)), (attn + "k_proj.bias", (kv,)),
                                  (attn + "v_proj.bias", (kv,))]))

@@ -1,0 +1,170 @@
+"""`offload chat --auto MODEL_OR_PATH [--disk DIR] [--weights int4]`: from a model to a chat in one command.
+
+The first start looks at this machine (the GPU's free memory, the RAM, the disk and its free
+space), writes an editable YAML next to the store, converts the checkpoint into the store
+(with progress), calibrates the machine, prints the plan with its predicted seconds per
+token and what would help, then opens the chat. Every later start reuses all of it and says
+so: the YAML is read as the user left it, a complete store is not converted again, a saved
+calibration is not measured again. `scripts/run_70b.sh` is this command.
+
+    DIR/offload.yaml        the run's configuration (written once, never overwritten)
+    DIR/store/              the zarr store of the weights (the disk tier)
+    DIR/calibration.json    this machine's links and kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from offload.cli.plan import show_plan
+from offload.config import OffloadConfig, cache_dir, format_size
+from offload.errors import ConfigError
+from offload.model import hub
+from offload.model.checkpoint import Checkpoint
+from offload.plan.calibrate import calibrate
+from offload.runtime.runner import resolve_dtype
+from offload.weights.convert import convert
+from storage.store import StoreState, store_state
+
+WEIGHT_SCHEMES = ("int4",)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this machine has free right now."""
+
+    device: str  # "cuda" or "cpu"
+    gpu_name: str | None
+    gpu_free: int | None  # bytes free on the GPU (None: no GPU)
+    ram_available: int
+    disk: Path
+    disk_free: int
+
+    @classmethod
+    def detect(cls, disk: Path) -> Machine:
+        gpu_name = gpu_free = None
+        if torch.cuda.is_available():
+            gpu_free = torch.cuda.mem_get_info()[0]
+            gpu_name = torch.cuda.get_device_name()
+        probe = disk
+        while not probe.exists():
+            probe = probe.parent
+        return cls("cuda" if gpu_free is not None else "cpu", gpu_name, gpu_free,
+                   psutil.virtual_memory().available, disk, shutil.disk_usage(probe).free)
+
+    def describe(self) -> str:
+        gpu = f"{self.gpu_name} with {format_size(self.gpu_free)} free" if self.gpu_free is not None else \
+            "none (the model runs on the CPU)"
+        return (f"GPU: {gpu}; RAM: {format_size(self.ram_available)} available; disk: {self.disk} with "
+                f"{format_size(self.disk_free)} free")
+
+
+def config_yaml(model: str, m: Machine, weights: str | None) -> str:
+    """The editable configuration for this machine; `auto` wherever the planner fits it at each start."""
+    if m.device == "cuda":
+        memory = ("  gpu:  {capacity: auto}          # free GPU memory at start (x0.9): homes, ring, KV, workspace\n"
+                  "  cpu:  {capacity: auto}          # available RAM at start (x0.8): pinned homes of layers\n")
+    else:  # on a CPU device `auto` would mean all of RAM for the device tier: split what is free now
+        memory = (f"  gpu:  {{capacity: {m.ram_available // 4 // 2**20}MiB}}   # CPU run: the compute device's share "
+                  "of RAM (1/4 of what was free)\n"
+                  f"  cpu:  {{capacity: {m.ram_available // 2 // 2**20}MiB}}   # layers homed in RAM (1/2 of what "
+                  "was free)\n")
+    lines = [
+        f"# Written by `offload chat --auto` on {time.strftime('%Y-%m-%d %H:%M')} for {model}.",
+        "# Edit freely: later starts read this file and never overwrite it.",
+        f"# This machine then: {m.describe()}.",
+        f"model: {model}",
+        f"device: {m.device}",
+        "dtype: auto                       # the checkpoint's own (bfloat16 for most)",
+    ]
+    if weights:
+        lines.append(f"weights: {{quantization: {weights}}}")
+    lines += [
+        "tiers:",
+        memory.rstrip("\n"),
+        "  disk: {path: store, capacity: auto}   # the converted weights, streamed from here",
+        "kv_cache: {block_size: 16, gpu_blocks: auto}",
+        "prefetch: {depth: auto}           # layers in flight: the depth the cost model predicts fastest",
+        "activations: {prefill_chunk: 256}",
+        "calibration: calibration.json     # measured once by the first start",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _name(model: str) -> str:
+    return (hub.split_id(model)[0].replace("/", "--") if hub.is_hub_id(model) else Path(model).resolve().name)
+
+
+def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig:
+    """Write (first start) or read the YAML, convert and calibrate once; returns the run's configuration."""
+    if weights is not None:
+        if weights not in WEIGHT_SCHEMES:
+            raise ConfigError(f"--weights {weights!r} is not supported; use one of: {', '.join(WEIGHT_SCHEMES)}")
+        if "weights" not in {f.name for f in dataclasses.fields(OffloadConfig)}:
+            raise ConfigError("--weights int4 needs quantized weights (the `weights: {quantization: int4}` key), "
+                              "which this version of Offload does not have yet; drop --weights to run the "
+                              "checkpoint's own dtype")
+    if not hub.is_hub_id(model):
+        path = Path(model).expanduser().resolve()
+        if not path.is_dir():
+            raise ConfigError(f"{model!r} is neither a checkpoint directory nor a Hub id like org/name")
+        model = str(path)
+    root = (disk or cache_dir() / "models" / _name(model)).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    machine = Machine.detect(root)
+    print(f"this machine: {machine.describe()}")
+    yaml_path = root / "offload.yaml"
+    if yaml_path.is_file():
+        print(f"config: {yaml_path} (reused; edit it to change the run)")
+    else:
+        yaml_path.write_text(config_yaml(model, machine, weights))
+        print(f"config: {yaml_path} (written for this machine; edit it freely)")
+    config = OffloadConfig.load(yaml_path)
+    if config.hub:
+        print(f"checkpoint: {config.hub} from the Hugging Face cache (downloading what is missing)")
+        config = config.replace(model=hub.fetch(config.hub))
+    ckpt = Checkpoint(config.model)
+    dtype = resolve_dtype(config.dtype, ckpt.config.torch_dtype)
+    if config.tiers is not None and config.tiers.disk is not None:
+        store = config.tiers.disk.path
+        state = store_state(store)
+        if state is StoreState.COMPLETE:
+            print(f"store: {store} is complete (no conversion)")
+        else:
+            again = " (an interrupted conversion is started again)" if state is StoreState.PARTIAL else ""
+            print(f"store: converting {ckpt.path} into {store}, once{again}")
+            t0 = time.perf_counter()
+            convert(ckpt, store, dtype, capacity=config.tiers.disk.capacity, progress=True).close()
+            print(f"store: converted in {time.perf_counter() - t0:.1f}s")
+    cal_path = config.calibration or root / "calibration.json"
+    if cal_path.is_file():
+        print(f"calibration: {cal_path} (reused; no calibration)")
+    else:
+        device = torch.device("cuda" if config.device.startswith("cuda") else "cpu")
+        print(f"calibration: measuring this machine's disk, copies and layer kernels, once -> {cal_path}")
+        t0 = time.perf_counter()
+        calibrate(device, dtype, config.tiers.disk.path.parent if config.tiers and config.tiers.disk else root) \
+            .save(cal_path)
+        print(f"calibration: done in {time.perf_counter() - t0:.1f}s")
+    config = config.replace(calibration=cal_path)
+    show_plan(config, ckpt.config)
+    return config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--auto", default=None, metavar="MODEL_OR_PATH",
+                   help="set everything up for this machine (YAML, store, calibration; reused later) and chat: "
+                        "a checkpoint directory or a Hub id (org/name[@revision])")
+    p.add_argument("--disk", type=Path, default=None, metavar="DIR",
+                   help="with --auto: where the YAML, the store and the calibration live "
+                        "(default: $OFFLOAD_CACHE/models/NAME)")
+    p.add_argument("--weights", default=None, choices=WEIGHT_SCHEMES,
+                   help="with --auto: store the weights quantized (needs the weights.quantization key)")

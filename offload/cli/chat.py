@@ -1,0 +1,113 @@
+"""`offload chat`: a multi-turn conversation in the terminal, the KV cache kept between turns.
+
+    offload chat --config model.yaml [--system TEXT] [--stop TEXT ...] [--max-new-tokens N]
+    offload chat --auto MODEL_OR_PATH [--disk DIR]     # set up for this machine first (cli.auto), once
+
+Each line read from stdin is a user message; the reply streams to stdout, followed by a
+newline, and a one-line account of the turn goes to stderr (prompt tokens reused from the
+cache and computed, new tokens, why it ended). `/reset` starts over, `/exit` (or end of
+input) quits; Ctrl-C stops a reply, and an error (a conversation longer than the KV cache) ends
+only the turn. Sampling defaults come from the checkpoint's generation_config.json; flags
+override them. Every EOS id it names ends a reply, and so does any `--stop` text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TextIO
+
+from offload.cli import auto
+from offload.cli.run import add_sampling_args, sampling_args
+from offload.config import OffloadConfig
+from offload.errors import ConfigError, OffloadError
+from offload.runtime.conversation import Conversation
+from offload.runtime.engine import Sampling
+from offload.runtime.runner import Runner
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    chat = sub.add_parser("chat", help="talk to a chat model (multi-turn; the conversation's KV is kept)")
+    chat.add_argument("--config", default=None, metavar="FILE", help="YAML configuration")
+    chat.add_argument("--model", default=None, metavar="DIR_OR_HUB_ID", help="override the YAML's model:")
+    auto.add_arguments(chat)
+    chat.add_argument("--system", default=None, metavar="TEXT", help="a system message to start with")
+    chat.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                      help="longest conversation, for sizing the KV cache when no tiers are configured")
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+
+def session_sampling(runner: Runner, args: argparse.Namespace) -> Sampling:
+    kw = sampling_args(runner, args, max_new_tokens=512)
+    return Sampling(kw["max_new_tokens"], kw["temperature"], kw["top_p"], kw["top_k"], args.seed, 1,
+                    frozenset(runner.generation.eos_token_ids), tuple(args.stop))
+
+
+def repl(conv: Conversation, inp: TextIO, out: TextIO, err: TextIO) -> int:
+    """Read user lines until end of input or /exit; stream each reply. Returns the number of turns."""
+    turns = 0
+    interactive = inp.isatty()
+    while True:
+        if interactive:
+            out.write("> ")
+            out.flush()
+        line = inp.readline()
+        if not line:
+            break
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        if text.strip() in ("/exit", "/quit"):
+            break
+        if text.strip() == "/reset":
+            conv.reset()
+            err.write("(conversation cleared)\n")
+            continue
+
+        def show(delta: str) -> None:
+            out.write(delta)
+            out.flush()
+        try:
+            reply = conv.say(text, on_text=show)
+        except OffloadError as e:  # e.g. the conversation outgrew the KV cache: say so, keep the session
+            out.write("\n")
+            err.write(f"offload: error: {e} (/reset starts a new conversation)\n")
+            continue
+        except KeyboardInterrupt:  # Ctrl-C stops this reply (it is not kept); end of input quits
+            out.write("\n")
+            err.write("(reply interrupted)\n")
+            continue
+        out.write("\n")
+        out.flush()
+        turns += 1
+        err.write(f"[turn {turns}: {reply.cached} prompt tokens from the cache, {reply.prefilled} computed | "
+                  f"{len(reply.token_ids)} new tokens ({reply.finish_reason}) in {reply.seconds:.2f}s]\n")
+    return turns
+
+
+def chat_with(runner: Runner, args: argparse.Namespace) -> int:
+    conv = Conversation(runner, session_sampling(runner, args), system=args.system, context=args.context)
+    try:
+        repl(conv, sys.stdin, sys.stdout, sys.stderr)
+    finally:
+        conv.close()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    if (args.config is None) == (args.auto is None):
+        raise ConfigError("give --config FILE or --auto MODEL_OR_PATH (one of the two)")
+    if args.auto is None and (args.disk or args.weights):
+        raise ConfigError("--disk and --weights go with --auto; with --config set tiers.disk.path in the YAML")
+    if args.auto is not None:
+        config = auto.prepare(args.auto, args.disk, args.weights)
+        print("loading the weights into their homes ...", file=sys.stderr)
+    else:
+        config = OffloadConfig.load(args.config, model=args.model)
+    t0 = time.perf_counter()
+    with Runner(config) as runner:
+        print(f"ready in {time.perf_counter() - t0:.1f}s; type a message (/reset starts over, /exit quits)",
+              file=sys.stderr)
+        return chat_with(runner, args)
