@@ -96,7 +96,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     planner = Planner(config, cfg, dtype, device)
     rp = planner.run_plan()
     cal = load_calibration(config.calibration)
-    work = Workload(batch=args.batch, context=args.context, prefill_chunk=config.activations.prefill_chunk)
+    work = Workload(batch=args.batch, context=args.context, prefill_chunk=rp.prefill_chunk)
     pred = predict_decode(rp.plan, cfg, cal, device.type, work, dtype.itemsize)
     per_token = predict_prefill_per_token(rp.plan, cfg, cal, device.type, work, dtype.itemsize)
     helps = suggestions(planner.placement, planner.caps, rp.plan.depth, cfg, cal, device.type, work, dtype.itemsize,
