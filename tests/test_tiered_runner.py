@@ -119,7 +119,7 @@ def test_plan_command_reads_no_weights_and_refuses_what_cannot_fit(tmp_path, tin
     path.write_text(yaml.safe_dump(cfg))
     assert main(["plan", "--config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "raise tiers.gpu.capacity to at least" in err and "or lower prefetch.depth" in err
+    assert "cannot hold the smallest plan at prefetch depth 2" in err and "tiers.gpu.capacity: " in err
     cfg["tiers"] = {"gpu": {"capacity": "4MiB"}, "cpu": {"capacity": "1MiB"}}  # no disk
     path.write_text(yaml.safe_dump(cfg))
     assert main(["plan", "--config", str(path)]) == 2
