@@ -1,7 +1,7 @@
 """Benchmark: Llama-3-70B's exact layer shapes, a few layers, streamed from disk through small tiers.
 
-    python scripts/bench_70b_layers.py                    # 2 layers (~7.6 GB bf16) under /tmp/offload-70b
-    python scripts/bench_70b_layers.py --layers 3 --work /big/disk
+    python -m scripts.bench_70b_layers                    # 2 layers (~7.6 GB bf16) under /tmp/offload-70b
+    python -m scripts.bench_70b_layers --layers 3 --work /big/disk      # (from the repository root)
 
 A generated checkpoint (`offload.testing.make_model` with overrides: hidden 8192, 64 heads, 8 KV
 heads, intermediate 28672, vocab 128256, llama3 rope; random weights, bf16) is converted once to a
@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.bench import evict, vm_hwm
+
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=28672,
              vocab_size=128256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
@@ -47,23 +49,6 @@ def cpu_flags() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, {' '.join(keep)}"
 
 
-def vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def evict(root: Path) -> None:
-    for f in [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 # ----------------------------------------------------------------------------- workers (own processes)
 def worker_offload(spec: dict) -> dict:
     from offload.config import OffloadConfig
@@ -71,7 +56,7 @@ def worker_offload(spec: dict) -> dict:
     from offload.plan.predict import Workload, compute_seconds, predict_decode
     from offload.runtime.runner import Runner
 
-    evict(Path(spec["config"]["tiers"]["disk"]["path"]))
+    evict([Path(spec["config"]["tiers"]["disk"]["path"])])
     cfg = OffloadConfig.load(spec["config"])
     with Runner(cfg) as r:
         t0 = time.perf_counter()
@@ -118,7 +103,7 @@ WORKERS = {"offload": worker_offload, "transformers": worker_transformers}
 
 
 def run_worker(kind: str, spec: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)],
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench_70b_layers", "--worker", kind, "--spec", json.dumps(spec)],
                           capture_output=True, text=True, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
