@@ -103,8 +103,8 @@ WORKERS = {"offload": worker_offload, "transformers": worker_transformers}
 
 
 def run_worker(kind: str, spec: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench_70b_layers", "--worker", kind, "--spec", json.dumps(spec)],
-                          capture_output=True, text=True, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    cmd = [sys.executable, "-m", "scripts.bench_70b_layers", "--worker", kind, "--spec", json.dumps(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
