@@ -16,10 +16,12 @@ run of the same checkpoint (no tiers) in the same process. Results: scripts/resu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,19 +46,18 @@ def model(work: Path, name: str, **kw) -> Path:
     return path
 
 
-def examples(work: Path) -> list[tuple[str, Path, dict, list[list[int]]]]:
-    """(name, checkpoint, config overrides, prompts) for every example."""
-    medium = model(work, "medium", size="medium", dtype="bfloat16")
-    small = model(work, "small", size="small")
-    smollm = model(work, "smollm", size="tiny", tie=True, overrides=SMOLLM)
-    layer = model_layouts(Checkpoint(small).config, torch.float32)["layer.0"].nbytes
+def examples(work: Path) -> list[tuple[str, Callable[[], Path], dict, list[list[int]]]]:
+    """(name, checkpoint maker, config overrides, prompts) for every example; checkpoints are written on first use."""
+    medium = functools.partial(model, work, "medium", size="medium", dtype="bfloat16")
+    small = functools.partial(model, work, "small", size="small")
+    smollm = functools.partial(model, work, "smollm", size="tiny", tie=True, overrides=SMOLLM)
     out = [("medium depth 2", medium, {"dtype": "bfloat16", "prefetch": {"depth": 2},
                                         "tiers": {"gpu": {"capacity": "512MiB"}, "cpu": {"capacity": "512MiB"},
                                                   "disk": {"path": str(work / "store-medium")}}}, PROMPTS)]
     for depth in range(4):
         out.append((f"small8 gpu=5 layers depth {depth}", small,
-                    {"prefetch": {"depth": depth}, "tiers": {"gpu": {"capacity": 5 * layer},
-                                                             "cpu": {"capacity": 2 * layer},
+                    {"prefetch": {"depth": depth}, "tiers": {"gpu": {"capacity": "5 layers"},
+                                                             "cpu": {"capacity": "2 layers"},
                                                              "disk": {"path": str(work / "store-small")}}},
                     PROMPTS))
     out.append(("gpu_blocks 3, 150-token prompt", small,
@@ -66,6 +67,15 @@ def examples(work: Path) -> list[tuple[str, Path, dict, list[list[int]]]]:
                 {"tiers": {"gpu": {"capacity": "200MiB"}, "cpu": {"capacity": "100MiB"},
                            "disk": {"path": str(work / "store-smollm")}}}, PROMPTS))
     return out
+
+
+def in_layers(ckpt: Path, overrides: dict) -> dict:
+    """Capacities written as "N layers" become N times the checkpoint's layer size (float32)."""
+    layer = model_layouts(Checkpoint(ckpt).config, torch.float32)["layer.0"].nbytes
+    tiers = {t: ({"capacity": int(v["capacity"].split()[0]) * layer}
+                 if isinstance(v.get("capacity"), str) and v["capacity"].endswith("layers") else v)
+             for t, v in overrides.get("tiers", {}).items()}
+    return overrides | ({"tiers": tiers} if tiers else {})
 
 
 def run(ckpt: Path, overrides: dict, prompts: list[list[int]]) -> dict:
@@ -92,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# Issue 9's refused budgets, every knob `auto`", "", f"load average at start: {os.getloadavg()}", ""]
     resident: dict[str, list[list[int]]] = {}
     ok = True
-    for name, ckpt, overrides, prompts in examples(work):
+    for name, make, overrides, prompts in examples(work):
         if args.only and not any(name.startswith(p) for p in args.only):
             continue
+        ckpt = make()
+        overrides = in_layers(ckpt, overrides)
         key = json.dumps([str(ckpt), overrides.get("dtype"), prompts])
         if key not in resident:
             resident[key] = run(ckpt, {"dtype": overrides.get("dtype", "float32")}, prompts)["tokens"]

@@ -132,15 +132,16 @@ def ensure(work: Path, layers: int) -> tuple[Path, Path, Path]:
     return ckpt, store, cal
 
 
-def on_paper(cal: Path, ckpt: Path, gpu: str) -> tuple[str, str]:
-    """The planner's 80-layer prediction for this machine (same tiers), and the RTX 4090 example's plan."""
+def on_paper(config: dict, ckpt: Path) -> tuple[str, str]:
+    """The planner's 80-layer prediction for this machine (the run's own config), and the RTX 4090 example's plan."""
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     cfg80 = json.loads((ckpt / "config.json").read_text()) | {"num_hidden_layers": 80}
     path = ckpt.parent / "config-80.json"
     path.write_text(json.dumps(cfg80))
-    here = subprocess.run([sys.executable, "-m", "offload", "plan", "--model-config", str(path), "--device", "cpu",
-                           "--gpu", gpu, "--cpu", "0", "--disk-path", str(ckpt.parent / "store"), "--calibration",
-                           str(cal), "--context", str(len(PROMPT) + NEW // 2)],
+    run_yaml = ckpt.parent / "run.yaml"
+    run_yaml.write_text(json.dumps(config))  # JSON is YAML
+    here = subprocess.run([sys.executable, "-m", "offload", "plan", "--config", str(run_yaml), "--model-config",
+                           str(path), "--context", str(len(PROMPT) + NEW // 2)],
                           capture_output=True, text=True, cwd=ROOT, env=env)
     paper = subprocess.run([sys.executable, "-m", "offload", "plan", "--config",
                             "scripts/examples/llama3-70b-24gb.yaml", "--calibration",
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--gpu", default="4600MiB", help="the gpu tier: two ring slots of the 2.1 GB head, no layer homed")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results"))
+    ap.add_argument("--replan", action="store_true", help="reuse the measured runs of the last report; replan only")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -167,9 +169,14 @@ def main(argv: list[str] | None = None) -> int:
               "tiers": {"gpu": {"capacity": args.gpu}, "cpu": {"capacity": 0}, "disk": {"path": str(store)}},
               "prefetch": {"depth": 1}}  # kv_cache and activations: auto
     load_before = os.getloadavg()
-    ours = run_worker("offload", {"config": config})
-    ref = run_worker("transformers", {"model": str(ckpt)})
-    here, paper = on_paper(cal, ckpt, args.gpu)
+    out = Path(args.out)
+    if args.replan:  # keep the measured runs, redo the plans and the report
+        old = json.loads((out / "bench-70b-layers.json").read_text())
+        ours, ref, load_before = old["offload"], old["transformers"], old["load_before"]
+    else:
+        ours = run_worker("offload", {"config": config})
+        ref = run_worker("transformers", {"model": str(ckpt)})
+    here, paper = on_paper(config, ckpt)
     layers = [g for g in ours["per_group"] if g.startswith("layer.")]
     per_layer_ms = sum(max(ours["per_group"][g]["read_s"], ours["per_group"][g]["compute_s"]) for g in layers) \
         / len(layers) * 1000
@@ -180,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
               "tokens_equal": ours["tokens"] == ref["tokens"], "per_layer_ms_measured": per_layer_ms,
               "extrapolated_80_layers_ms_per_token": extrapolated, "plan_80_layers_here": here,
               "plan_on_paper_rtx4090": paper}
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench-70b-layers.json").write_text(json.dumps(result, indent=2))
     text = markdown(result)
