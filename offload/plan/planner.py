@@ -142,10 +142,11 @@ class Planner:
         limit = None if blocks is None else (blocks - 1) * self.bs + 1  # a pass writes at most this many tokens
         if chunk is not None:
             if limit is not None and chunk > limit:
+                need = -(-(chunk - 1) // self.bs) + 1  # the chunk's blocks when it starts inside a partial block
                 raise ConfigError(
-                    f"activations.prefill_chunk: {chunk} writes up to {-(-chunk // self.bs) + 1} device KV blocks "
-                    f"in a pass but kv_cache.gpu_blocks is {blocks}; lower prefill_chunk to at most {limit} (or "
-                    f"auto), or raise gpu_blocks to at least {-(-(chunk - 1) // self.bs) + 1} (or auto)")
+                    f"activations.prefill_chunk: {chunk} can need {need} device KV blocks in a pass but "
+                    f"kv_cache.gpu_blocks is {blocks}; lower prefill_chunk to at most {limit} (or auto), or raise "
+                    f"gpu_blocks to at least {need} (or auto)")
             return (chunk,)
         if limit is None:
             return AUTO_CHUNKS
