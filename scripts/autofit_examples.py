@@ -8,7 +8,8 @@
   smollm    SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads / 3 KV heads, vocab 49152, tied; float32,
             ~540 MB), gpu 200 MiB + cpu 100 MiB + disk, three short prompts
 
-Every other key is left `auto`. Each example prints the resolved prefill chunk, the device,
+Every other key is left `auto`. `--plans` only plans each example at its real shape (no weights).
+Each example prints the resolved prefill chunk, the device,
 host and disk KV blocks and the plan, and compares its greedy tokens with the all-resident
 run of the same checkpoint (no tiers) in the same process. Results: scripts/results/autofit-examples.md.
 """
@@ -16,19 +17,21 @@ run of the same checkpoint (no tiers) in the same process. Results: scripts/resu
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from offload.config import OffloadConfig
+from offload.errors import CapacityError
 from offload.model.checkpoint import Checkpoint
-from offload.runtime.runner import Runner
-from offload.testing.make_model import make_model
+from offload.model.config import ModelConfig
+from offload.plan.planner import Planner
+from offload.runtime.runner import DTYPES, Runner
+from offload.testing.make_model import SIZES, make_model, model_config
 from offload.weights.groups import model_layouts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,21 +43,44 @@ SMOLLM = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
 
 
 def model(work: Path, name: str, **kw) -> Path:
+    """The example's checkpoint, written on first use."""
     path = work / name
     if not (path / "config.json").is_file():
         make_model(path, **kw)
     return path
 
 
-def examples(work: Path) -> list[tuple[str, Callable[[], Path], dict, list[list[int]]]]:
-    """(name, checkpoint maker, config overrides, prompts) for every example; checkpoints are written on first use."""
-    medium = functools.partial(model, work, "medium", size="medium", dtype="bfloat16")
-    small = functools.partial(model, work, "small", size="small")
-    smollm = functools.partial(model, work, "smollm", size="tiny", tie=True, overrides=SMOLLM)
+def shape(spec: dict) -> ModelConfig:
+    """The example's model shape without writing weights (the size's nominal vocabulary)."""
+    size = SIZES[spec["size"]]
+    raw = model_config("llama", size, size.vocab, spec.get("dtype", "float32"), None, spec.get("tie"))
+    return ModelConfig.from_dict(raw | spec.get("overrides", {}))
+
+
+def plan_only(work: Path, spec: dict, overrides: dict) -> str:
+    """The resolved plan for the example's shape and budget, or the refusal; reads no weights."""
+    cfg = shape(spec)
+    layer = model_layouts(cfg, torch.float32)["layer.0"].nbytes
+    overrides = in_layers(layer, overrides)
+    config = OffloadConfig.load({"model": str(work), "device": "cpu", "dtype": "float32"} | overrides)
+    try:
+        rp = Planner(config, cfg, DTYPES[config.dtype], torch.device("cpu")).run_plan()
+    except CapacityError as e:
+        return f"refused: {e}"
+    return (f"depth {rp.plan.depth}, prefill chunk {rp.prefill_chunk}, KV blocks gpu {rp.kv_blocks} / cpu "
+            f"{rp.kv.cpu_blocks} / disk {rp.kv.disk_blocks}, workspace {rp.plan.reserved_gpu['workspace'] / 2**20:.1f}"
+            f" MiB, ring {rp.plan.ring_slots} x {rp.plan.ring_slot_bytes / 2**20:.1f} MiB")
+
+
+def examples(work: Path) -> list[tuple[str, dict, dict, list[list[int]]]]:
+    """(name, make_model arguments, config overrides, prompts) for every example."""
+    medium = {"name": "medium", "size": "medium", "dtype": "bfloat16"}
+    small = {"name": "small", "size": "small"}
+    smollm = {"name": "smollm", "size": "tiny", "tie": True, "overrides": SMOLLM}
     out = [("medium depth 2", medium, {"dtype": "bfloat16", "prefetch": {"depth": 2},
                                         "tiers": {"gpu": {"capacity": "512MiB"}, "cpu": {"capacity": "512MiB"},
                                                   "disk": {"path": str(work / "store-medium")}}}, PROMPTS)]
-    for depth in range(4):
+    for depth in range(5):  # depth 4: five ring slots fill the tier, refused naming depth 3
         out.append((f"small8 gpu=5 layers depth {depth}", small,
                     {"prefetch": {"depth": depth}, "tiers": {"gpu": {"capacity": "5 layers"},
                                                              "cpu": {"capacity": "2 layers"},
@@ -69,9 +95,8 @@ def examples(work: Path) -> list[tuple[str, Callable[[], Path], dict, list[list[
     return out
 
 
-def in_layers(ckpt: Path, overrides: dict) -> dict:
-    """Capacities written as "N layers" become N times the checkpoint's layer size (float32)."""
-    layer = model_layouts(Checkpoint(ckpt).config, torch.float32)["layer.0"].nbytes
+def in_layers(layer: int, overrides: dict) -> dict:
+    """Capacities written as "N layers" become N times the layer size."""
     tiers = {t: ({"capacity": int(v["capacity"].split()[0]) * layer}
                  if isinstance(v.get("capacity"), str) and v["capacity"].endswith("layers") else v)
              for t, v in overrides.get("tiers", {}).items()}
@@ -95,18 +120,27 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="/tmp/offload-autofit")
     ap.add_argument("--only", nargs="*", default=None, help="run the examples whose name starts with these")
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "autofit-examples.md"))
+    ap.add_argument("--plans", action="store_true", help="only plan each example (no weights, seconds)")
+    ap.add_argument("--out", default=None, help="default: scripts/results/autofit-{examples,plans}.md")
     args = ap.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    results = ROOT / "scripts" / "results"
+    if args.plans:
+        lines = ["# Issue 9's refused budgets, every knob `auto`: the plans (no weights read)", ""]
+        lines += [f"- {name}: {plan_only(work, spec, overrides)}" for name, spec, overrides, _ in examples(work)]
+        Path(args.out or results / "autofit-plans.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0
     lines = ["# Issue 9's refused budgets, every knob `auto`", "", f"load average at start: {os.getloadavg()}", ""]
     resident: dict[str, list[list[int]]] = {}
     ok = True
-    for name, make, overrides, prompts in examples(work):
+    for name, spec, overrides, prompts in examples(work):
         if args.only and not any(name.startswith(p) for p in args.only):
             continue
-        ckpt = make()
-        overrides = in_layers(ckpt, overrides)
+        spec = dict(spec)
+        ckpt = model(work, spec.pop("name"), **spec)
+        overrides = in_layers(model_layouts(Checkpoint(ckpt).config, torch.float32)["layer.0"].nbytes, overrides)
         key = json.dumps([str(ckpt), overrides.get("dtype"), prompts])
         if key not in resident:
             resident[key] = run(ckpt, {"dtype": overrides.get("dtype", "float32")}, prompts)["tokens"]
@@ -117,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"prefill chunk {got['prefill_chunk']} ({got['passes']} prefill passes), KV blocks {got['kv_blocks']}"
                   f", KV moved {got['kv_moved']}, {got['s']:.1f} s", "", "```", got["plan"], "```", ""]
         print("\n".join(lines[-7:]), flush=True)
-    Path(args.out).write_text("\n".join(lines))
+    Path(args.out or results / "autofit-examples.md").write_text("\n".join(lines))
     return 0 if ok else 1
 
 
