@@ -11,7 +11,7 @@ tiers:
   disk: {path: /nvme/offload, capacity: 500GiB}
 kv_cache: {block_size: 16}
 prefetch: {depth: 2}
-activations: {prefill_chunk: 512}
+activations: {prefill_chunk: auto}
 ```
 
 Sizes are bytes as `int` everywhere inside; strings like "20GiB" exist only here. Every
@@ -180,9 +180,11 @@ def _bool_or_auto(value: Any, key: str) -> bool | None:
 class KVCacheConfig:
     block_size: int = _opt(_int(1), "tokens per KV block (all layers of those tokens live in one block)", 16)
     gpu_blocks: int | None = _opt(_int_or_auto(1), "blocks in the device pool; auto = sized from the request "
-                                  "(no tiers) or what the plan leaves free")
-    cpu_blocks: int = _opt(_int(0), "cold blocks kept in host RAM (counted in tiers.cpu.capacity)", 0)
-    disk_blocks: int = _opt(_int(0), "cold blocks in a slot file under tiers.disk.path", 0)
+                                  "(no tiers), else 2048 tokens plus what the plan leaves free, shrunk to fit")
+    cpu_blocks: int | None = _opt(_int_or_auto(0), "cold blocks kept in host RAM (counted in tiers.cpu.capacity); "
+                                  "auto = what the cpu tier leaves free, at most 16384 tokens (0 without tiers)")
+    disk_blocks: int | None = _opt(_int_or_auto(0), "cold blocks in a slot file under tiers.disk.path; auto = "
+                                   "what the disk tier leaves free, at most 65536 tokens (0 without tiers.disk)")
     eviction: str = _opt(_choice("lru", "attention", "idle"), "which blocks leave the device first", "lru")
     idle_seconds: float = _opt(_number(0.0), "for eviction: idle, how long untouched makes a block idle", 30.0)
     quantization: str = _opt(_choice("none", "int8"), "cold blocks as int8 with per-block, per-head scales",
@@ -199,7 +201,8 @@ class PrefetchConfig:
 
 @dataclass(frozen=True)
 class ActivationsConfig:
-    prefill_chunk: int = _opt(_int(1), "prompt tokens per prefill forward pass (bounds activation memory)", 512)
+    prefill_chunk: int | None = _opt(_int_or_auto(1), "prompt tokens per prefill forward pass (bounds activation "
+                                     "memory); auto = 512, fewer when the device tier cannot hold its workspace")
     kv_restore: str = _opt(_choice("transfer", "recompute", "auto"), "cold KV blocks keep K/V (transfer) or the "
                            "layer inputs, rebuilt by one projection (recompute); auto: whichever is fewer bytes",
                            "transfer")

@@ -188,6 +188,18 @@ def _fill(candidates: list[str], sizes: dict[str, int], budget: int) -> list[str
     return chosen
 
 
+def min_device_bytes(groups: Sequence[GroupSpec], depth: int, fixed: int = 0) -> int:
+    """The smallest device tier a plan at this depth fits in beside `fixed` reserved bytes (KV, workspace).
+
+    Everything homed on the device, or `depth + 1` ring slots of one group size with every larger
+    group homed: the same test `make_plan` applies.
+    """
+    stream = [g.nbytes for g in groups if not g.rows_only]
+    total = sum(g.nbytes for g in groups)
+    ring = [(depth + 1) * slot + sum(n for n in stream if n > slot) for slot in set(stream)]
+    return fixed + min([total, *ring])
+
+
 def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_bytes: int = 0,
               workspace_bytes: int = 0, copy_to_device: bool = True, host_reserve: int = 0,
               disk_reserve: int = 0) -> Plan:
@@ -227,10 +239,12 @@ def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_byte
             best = (score, slot, homed)
     largest = max((sizes[g] for g in stream), default=0)
     if best is None:
+        lower = [d for d in range(depth) if min_device_bytes(groups, d, fixed) <= gpu_cap]
         raise CapacityError(
             f"the gpu tier ({_gib(gpu_cap)}) cannot hold the KV blocks and workspace ({_gib(fixed)}) plus "
-            f"{ring_slots} ring slots of the largest group ({_gib(largest)}); raise tiers.gpu.capacity to at "
-            f"least {_gib(fixed + ring_slots * largest)} or lower prefetch.depth"
+            f"{ring_slots} ring slots; raise tiers.gpu.capacity to at least "
+            f"{_gib(min_device_bytes(groups, depth, fixed))}"
+            + (f" or lower prefetch.depth to {max(lower)}" if lower else "")
         )
     _, slot, on_gpu = best
     homes = dict.fromkeys(on_gpu, "gpu")

@@ -53,7 +53,8 @@ activations: {{prefill_chunk: 128}}
 def test_defaults_from_a_minimal_dict(tiny_llama):
     cfg = OffloadConfig.load({"model": str(tiny_llama)})
     assert cfg.device == "auto" and cfg.dtype == "bfloat16" and cfg.tiers is None
-    assert cfg.kv_cache.block_size == 16 and cfg.prefetch.depth == 2 and cfg.activations.prefill_chunk == 512
+    assert cfg.kv_cache.block_size == 16 and cfg.prefetch.depth == 2 and cfg.activations.prefill_chunk is None
+    assert cfg.kv_cache.gpu_blocks is cfg.kv_cache.cpu_blocks is cfg.kv_cache.disk_blocks is None  # auto: fit
     assert cfg.to_dict()["model"] == str(tiny_llama.resolve())
 
 
@@ -75,7 +76,7 @@ def test_relative_model_path_is_resolved_from_the_yaml_directory(tmp_path, tiny_
     ({"device": "tpu"}, r"device: 'tpu' is not a device"),
     ({"prefetch": {"depth": -1}}, r"prefetch\.depth: expected 'auto' or an integer >= 0"),
     ({"kv_cache": {"block_size": 0}}, r"kv_cache\.block_size: expected an integer >= 1"),
-    ({"activations": {"prefill_chunk": "big"}}, r"activations\.prefill_chunk: expected an integer"),
+    ({"activations": {"prefill_chunk": "big"}}, r"activations\.prefill_chunk: expected 'auto' or an integer"),
     ({"tiers": {"disk": {"capacity": "1GiB"}}}, r"tiers\.disk\.path: missing required key"),
     ({"tiers": {"cpu": {"pinned": "yes"}}}, r"tiers\.cpu\.pinned: expected true or false"),
     ({"kv_cache": 16}, r"kv_cache: expected a mapping"),

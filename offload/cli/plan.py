@@ -104,7 +104,7 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     planner = Planner(config, cfg, dtype, device)
     rp = planner.run_plan()
     cal = load_calibration(config.calibration)
-    work = Workload(batch=batch, context=context, prefill_chunk=config.activations.prefill_chunk)
+    work = Workload(batch=batch, context=context, prefill_chunk=rp.prefill_chunk)
     pred = predict_decode(rp.plan, cfg, cal, device.type, work, dtype.itemsize)
     per_token = predict_prefill_per_token(rp.plan, cfg, cal, device.type, work, dtype.itemsize)
     helps = suggestions(planner.placement, planner.caps, rp.plan.depth, cfg, cal, device.type, work, dtype.itemsize,

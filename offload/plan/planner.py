@@ -9,7 +9,9 @@ so `offload plan` can plan for machines we do not have. The runtime executes the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 
 import psutil
@@ -25,13 +27,20 @@ from offload.plan.calibrate import load_calibration
 from offload.plan.predict import Workload, predict_decode
 from offload.weights.groups import model_layouts
 from schedulers.calibration import Calibration
-from schedulers.placement import Capacities, GroupSpec, Plan, make_plan
+from schedulers.placement import Capacities, GroupSpec, Plan, make_plan, min_device_bytes
 from storage.errors import CapacityError
 
 log = logging.getLogger(__name__)
 
-#: KV tokens the device keeps room for when kv_cache.gpu_blocks is auto and tiers are set.
+#: KV tokens the device keeps room for when kv_cache.gpu_blocks is auto and tiers are set (if they fit).
 AUTO_KV_TOKENS = 2048
+#: prefill chunks an automatic activations.prefill_chunk tries, largest first; the last is the stated minimum.
+AUTO_CHUNKS = (512, 256, 128, 64, 32, 16)
+#: keys per query the workspace holds attention for, as a multiple of the chunk; longer contexts get smaller passes.
+ATTENTION_KEYS_PER_CHUNK = 4
+#: bounds of automatic cold KV tiers (kv_cache.cpu_blocks / disk_blocks: auto), in tokens.
+AUTO_HOST_KV_TOKENS = 16384
+AUTO_DISK_KV_TOKENS = 65536
 
 
 def resolve_capacities(tiers: TiersConfig | None, device: torch.device) -> Capacities:
@@ -49,54 +58,162 @@ def resolve_capacities(tiers: TiersConfig | None, device: torch.device) -> Capac
     return Capacities(gpu=gpu, cpu=cpu, disk=None if disk is None else disk.capacity, has_disk=disk is not None)
 
 
-def workspace_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype) -> int:
-    """Activation memory of one prefill pass of `chunk` tokens (an estimate, reserved on the device).
+def workspace_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, keys: int = 0) -> int:
+    """Activation memory of one prefill pass of `chunk` tokens attending over `keys` keys (an estimate, reserved).
 
-    Flat activations (residual, norm output, fused qkv, gate/up, attention output) at the
-    compute dtype, float32 attention scores and probabilities over a context of one chunk,
-    and float32 logits for a batch of up to 64 last tokens.
+    Flat activations (residual, norm output, fused qkv, gate/up, attention output) at the compute dtype;
+    the attention as `offload.model.attend_group` materialises it: float32 scores, their masked copy and
+    the probabilities plus the probabilities in the compute dtype (each [heads, chunk, keys]), the boolean
+    mask expanded over the query groups, and the keys' K/V gathered into token order (gathered, padded and
+    split: three copies); and float32 logits for a batch of up to 64 last tokens.
     """
+    keys = max(keys, chunk)
     per_token = 3 * cfg.hidden_size + (cfg.q_size + 2 * cfg.kv_size) + 3 * cfg.intermediate_size + cfg.q_size
-    scores = 3 * chunk * cfg.num_heads * chunk * 4
+    scores = cfg.num_heads * chunk * keys * (3 * 4 + 2 * dtype.itemsize)
+    mask = cfg.num_heads // cfg.num_kv_heads * chunk * keys
+    gathered = 3 * keys * 2 * cfg.kv_size * dtype.itemsize
     logits = min(chunk, 64) * cfg.vocab_size * 4
-    return chunk * per_token * dtype.itemsize + scores + logits
+    return chunk * per_token * dtype.itemsize + scores + mask + gathered + logits
+
+
+def pass_tokens(chunk: int, context: int) -> int:
+    """Prompt tokens a pass may take for a sequence with `context` tokens already cached.
+
+    The workspace holds attention for `chunk` queries over `ATTENTION_KEYS_PER_CHUNK * chunk` keys;
+    a pass over a longer context takes fewer tokens so that queries x keys stays within it (at least one).
+    """
+    budget = chunk * ATTENTION_KEYS_PER_CHUNK * chunk
+    if context + chunk <= ATTENTION_KEYS_PER_CHUNK * chunk:
+        return chunk
+    t = int((math.sqrt(context * context + 4 * budget) - context) / 2)  # t * (context + t) <= budget
+    return max(1, min(chunk, t))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One depth's plan and what the device keeps beside the weights."""
+
+    plan: Plan
+    prefill_chunk: int  # prompt tokens per pass (the workspace is sized for it)
+    kv_blocks: int  # device KV blocks reserved before weights are homed (0: sized per request)
 
 
 @dataclass(frozen=True)
 class RunPlan:
-    """The placement plan plus the KV pool it leaves room for."""
+    """The placement plan plus the KV pool and the prefill chunk it leaves room for."""
 
     plan: Plan
     caps: Capacities
     kv_blocks: int  # blocks in the device pool; 0 = sized per request (no tiers, gpu_blocks auto)
     kv_block_bytes: int
-    kv: KVSettings  # the KV cache's settings, every `auto` resolved
+    kv: KVSettings  # the KV cache's settings, every `auto` resolved (cpu_blocks / disk_blocks included)
+    prefill_chunk: int  # activations.prefill_chunk resolved
     depth_note: str = ""  # how an automatic depth was chosen
 
 
 class Planner:
-    """Plans for one config and model: homes for given capacities and depth, and the automatic depth."""
+    """Plans for one config and model: homes for given capacities and depth, and the automatic depth.
+
+    `auto` means fit: an automatic prefill chunk and device KV pool shrink (down to one chunk of
+    `AUTO_CHUNKS[-1]` tokens and its blocks plus one) until the ring fits beside them; explicit
+    values are kept as given. A plan that cannot fit even at the minimum is refused with every
+    knob that would make it fit and the value it would need (`refusal`).
+    """
 
     def __init__(self, config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  caps: Capacities | None = None) -> None:
         self.config, self.cfg, self.dtype, self.device = config, cfg, dtype, device
         kv_cfg = config.kv_cache
+        self.bs = kv_cfg.block_size
         self.kv = resolve_kv(config, cfg, device)
         self.block_bytes = PagedKVCache.block_nbytes(cfg, kv_cfg.block_size, dtype, self.kv.restore)
-        self.kv_blocks = kv_cfg.gpu_blocks or (-(-AUTO_KV_TOKENS // kv_cfg.block_size) if config.tiers else 0)
         cold = ColdFormat.for_config(cfg, kv_cfg.block_size, dtype, self.kv.quantization, self.kv.restore)
-        self.kv_cpu_bytes = kv_cfg.cpu_blocks * cold.block_nbytes(cfg.num_layers)
-        self.kv_disk_bytes = kv_cfg.disk_blocks * cold.block_nbytes(cfg.num_layers)
+        self.cold_block_bytes = cold.block_nbytes(cfg.num_layers)
+        self.kv_cpu_bytes = (kv_cfg.cpu_blocks or 0) * self.cold_block_bytes  # explicit ones; auto: what is left
+        self.kv_disk_bytes = (kv_cfg.disk_blocks or 0) * self.cold_block_bytes
         self.caps = caps or resolve_capacities(config.tiers, device)
         self.groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"))
                        for name, layout in model_layouts(cfg, dtype).items()]
-        self.workspace = workspace_bytes(cfg, config.activations.prefill_chunk, dtype)
+        self.chunks = self._chunk_choices()
+
+    def _chunk_choices(self) -> tuple[int, ...]:
+        """The prefill chunks to try, largest first: the explicit one, or the automatic ones the KV pool allows."""
+        chunk, blocks = self.config.activations.prefill_chunk, self.config.kv_cache.gpu_blocks
+        limit = None if blocks is None else (blocks - 1) * self.bs + 1  # a pass writes at most this many tokens
+        if chunk is not None:
+            if limit is not None and chunk > limit:
+                need = -(-(chunk - 1) // self.bs) + 1  # the chunk's blocks when it starts inside a partial block
+                raise ConfigError(
+                    f"activations.prefill_chunk: {chunk} can need {need} device KV blocks in a pass but "
+                    f"kv_cache.gpu_blocks is {blocks}; lower prefill_chunk to at most {limit} (or auto), or raise "
+                    f"gpu_blocks to at least {need} (or auto)")
+            return (chunk,)
+        if limit is None:
+            return AUTO_CHUNKS
+        return tuple(sorted({min(c, max(limit - 1, 1)) for c in AUTO_CHUNKS}, reverse=True))
+
+    def _kv_choices(self, chunk: int) -> list[int]:
+        """Device KV blocks to try: the explicit count, 0 (sized per request), or 2048 tokens then the least."""
+        blocks = self.config.kv_cache.gpu_blocks
+        if blocks is not None:
+            return [blocks]
+        if self.config.tiers is None:
+            return [0]
+        least = -(-chunk // self.bs) + 1  # a chunk's blocks plus the newest block of the sequence
+        return sorted({max(-(-AUTO_KV_TOKENS // self.bs), least), least}, reverse=True)
+
+    def _make(self, caps: Capacities, depth: int, chunk: int, kv_blocks: int) -> Plan:
+        ws = workspace_bytes(self.cfg, chunk, self.dtype, ATTENTION_KEYS_PER_CHUNK * chunk)
+        return make_plan(self.groups, caps, depth, kv_bytes=kv_blocks * self.block_bytes, workspace_bytes=ws,
+                         copy_to_device=self.device.type == "cuda", host_reserve=self.kv_cpu_bytes,
+                         disk_reserve=self.kv_disk_bytes)
+
+    def fit(self, caps: Capacities, depth: int) -> Fit:
+        """The largest prefill chunk and device KV pool (among the allowed ones) a plan at this depth fits beside."""
+        for chunk in self.chunks:
+            for kv_blocks in self._kv_choices(chunk):
+                fixed = kv_blocks * self.block_bytes + workspace_bytes(
+                    self.cfg, chunk, self.dtype, ATTENTION_KEYS_PER_CHUNK * chunk)
+                if caps.gpu is None or min_device_bytes(self.groups, depth, fixed) <= caps.gpu:
+                    return Fit(self._make(caps, depth, chunk, kv_blocks), chunk, kv_blocks)  # host errors raise here
+        raise self.refusal(caps, depth)
+
+    def refusal(self, caps: Capacities, depth: int) -> CapacityError:
+        """Why the device tier cannot hold even the smallest plan at this depth, naming every knob that would help."""
+        assert caps.gpu is not None
+        chunk, gpu, bs = self.chunks[-1], caps.gpu, self.bs
+        explicit_kv = self.config.kv_cache.gpu_blocks
+
+        def need(depth: int = depth, chunk: int = chunk, kv: int | None = None, dtype: torch.dtype = self.dtype) -> int:
+            kv = self._kv_choices(chunk)[-1] if kv is None else kv
+            groups = [dataclasses.replace(g, nbytes=g.nbytes * dtype.itemsize // self.dtype.itemsize)
+                      for g in self.groups]
+            fixed = kv * self.block_bytes * dtype.itemsize // self.dtype.itemsize + workspace_bytes(
+                self.cfg, chunk, dtype, ATTENTION_KEYS_PER_CHUNK * chunk)
+            return min_device_bytes(groups, depth, fixed)
+
+        helps = [f"tiers.gpu.capacity: {_size_up(need())}"]
+        if any(need(depth=d) <= gpu for d in range(depth)):
+            helps.append(f"prefetch.depth: {max(d for d in range(depth) if need(depth=d) <= gpu)}")
+        least = -(-chunk // bs) + 1
+        if explicit_kv is not None and need(kv=least) <= gpu:
+            most = (gpu - need(kv=0)) // self.block_bytes
+            helps.append(f"kv_cache.gpu_blocks: {most} (or auto)")
+        if self.config.activations.prefill_chunk is not None:
+            smaller = [c for c in AUTO_CHUNKS if c < chunk and need(chunk=c, kv=explicit_kv) <= gpu]
+            if smaller:
+                helps.append(f"activations.prefill_chunk: {smaller[0]} (or auto)")
+        if self.dtype.itemsize == 4 and need(dtype=torch.bfloat16) <= gpu:
+            helps.append("dtype: bfloat16")
+        kv = self._kv_choices(chunk)[-1]
+        return CapacityError(
+            f"the gpu tier ({_size_up(gpu)}) cannot hold the smallest plan at prefetch depth {depth} "
+            f"({depth + 1} ring slots, a prefill chunk of {chunk} tokens and {kv} device KV blocks need "
+            f"{_size_up(need())}); any one of these fits: " + "; ".join(helps))
 
     def placement(self, caps: Capacities, depth: int) -> Plan:
         """Homes, ring and staging for these capacities and depth (CapacityError if they cannot fit)."""
-        return make_plan(self.groups, caps, depth, kv_bytes=self.kv_blocks * self.block_bytes,
-                         workspace_bytes=self.workspace, copy_to_device=self.device.type == "cuda",
-                         host_reserve=self.kv_cpu_bytes, disk_reserve=self.kv_disk_bytes)
+        return self.fit(caps, depth).plan
 
     def choose_depth(self, cal: Calibration, work: Workload) -> tuple[int, str]:
         """The depth (0..6) with the fastest predicted decode step; ties go to the smaller ring."""
@@ -122,12 +239,40 @@ class Planner:
         depth, note = self.config.prefetch.depth, ""
         if depth is None:
             cal = load_calibration(self.config.calibration)
-            depth, note = self.choose_depth(cal, Workload(prefill_chunk=self.config.activations.prefill_chunk))
-        plan = self.placement(self.caps, depth)
-        kv_blocks = self.kv_blocks
+            depth, note = self.choose_depth(cal, Workload(prefill_chunk=self.chunks[0]))
+        fit = self.fit(self.caps, depth)
+        plan, kv_blocks = fit.plan, fit.kv_blocks
         if self.config.kv_cache.gpu_blocks is None and self.config.tiers is not None and self.caps.gpu is not None:
             kv_blocks += max(plan.capacity("gpu") - plan.used("gpu"), 0) // self.block_bytes  # what is left free
-        return RunPlan(plan, self.caps, kv_blocks, self.block_bytes, self.kv, note)
+        cpu_blocks, disk_blocks = self._cold_blocks(plan)
+        plan = dataclasses.replace(plan, host_reserve=cpu_blocks * self.cold_block_bytes,
+                                   disk_reserve=disk_blocks * self.cold_block_bytes)
+        kv = dataclasses.replace(self.kv, cpu_blocks=cpu_blocks, disk_blocks=disk_blocks)
+        return RunPlan(plan, self.caps, kv_blocks, self.block_bytes, kv, fit.prefill_chunk, note)
+
+    def _cold_blocks(self, plan: Plan) -> tuple[int, int]:
+        """kv_cache.cpu_blocks / disk_blocks, `auto` resolved: what the tier leaves free, within a bound."""
+        kv_cfg, tiers = self.config.kv_cache, self.config.tiers
+
+        def auto(tier: str, bound_tokens: int) -> int:
+            cap = plan.capacity(tier)
+            bound = -(-bound_tokens // self.bs)
+            return bound if cap is None else min(bound, max(cap - plan.used(tier), 0) // self.cold_block_bytes)
+
+        cpu = kv_cfg.cpu_blocks
+        if cpu is None:
+            cpu = 0 if tiers is None else auto("cpu", AUTO_HOST_KV_TOKENS)
+        disk = kv_cfg.disk_blocks
+        if disk is None:
+            disk = 0 if tiers is None or tiers.disk is None else auto("disk", AUTO_DISK_KV_TOKENS)
+        return cpu, disk
+
+
+def _size_up(n: int) -> str:
+    """Bytes as a YAML size, rounded up: whole KiB below 64 MiB, whole MiB below 10 GiB, then 0.01 GiB."""
+    if n > 10 * 2**30:
+        return f"{math.ceil(n / 2**30 * 100) / 100:.2f}GiB"
+    return f"{-(-n // 2**20)}MiB" if n >= 64 * 2**20 else f"{-(-n // 2**10)}KiB"
 
 
 def resolve_kv(config: OffloadConfig, cfg: ModelConfig, device: torch.device) -> KVSettings:
@@ -151,6 +296,6 @@ def resolve_kv(config: OffloadConfig, cfg: ModelConfig, device: torch.device) ->
             cpu_attention = links["memcpy"] > links["host->device"]
         else:
             cpu_attention = False  # on a CPU device host blocks are attended in place anyway
-    return KVSettings(block_size=kv.block_size, gpu_blocks=kv.gpu_blocks or 0, cpu_blocks=kv.cpu_blocks,
-                      disk_blocks=kv.disk_blocks, eviction=kv.eviction, idle_seconds=kv.idle_seconds,
+    return KVSettings(block_size=kv.block_size, gpu_blocks=kv.gpu_blocks or 0, cpu_blocks=kv.cpu_blocks or 0,
+                      disk_blocks=kv.disk_blocks or 0, eviction=kv.eviction, idle_seconds=kv.idle_seconds,
                       quantization=kv.quantization, restore=restore, cpu_attention=cpu_attention)

@@ -20,7 +20,8 @@ submits the next turn's whole prompt; only the tokens after the longest prefix t
 already holds are prefilled.
 
 A pass holds a token for every decoding output plus up to `activations.prefill_chunk` prompt
-tokens of prefilling requests (oldest first), so a request
+tokens of prefilling requests (oldest first; fewer once a prompt's context outgrows the attention
+workspace, see `offload.plan.planner.pass_tokens`), so a request
 that arrives while others decode joins at the next pass: the weights are read once for all
 of them. The n outputs of a request share its prompt's blocks copy-on-write. The engine
 knows requests, sequences and tokens; the model is the runner's business.
@@ -38,6 +39,7 @@ import torch
 
 from offload.errors import CapacityError, ConfigError
 from offload.model.tokenizer import StreamDecoder
+from offload.plan.planner import pass_tokens
 from offload.runtime.results import RunStats, TokenCallback
 from offload.runtime.sampling import sample
 from offload.runtime.stops import StopMatcher
@@ -120,7 +122,7 @@ class Engine:
     def __init__(self, runner, stats: RunStats | None = None) -> None:
         self.runner = runner
         self.kv = runner._kv()
-        self.budget = runner.config.activations.prefill_chunk
+        self.budget = runner.prefill_chunk  # activations.prefill_chunk, `auto` resolved by the planner
         self.stats = stats or RunStats()
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
@@ -259,7 +261,7 @@ class Engine:
         for req in self.prefilling:
             if left <= 0:
                 break
-            take = min(left, len(req.prompt) - req.prefilled)
+            take = min(left, len(req.prompt) - req.prefilled, pass_tokens(self.budget, req.prefilled))
             chunk = req.prompt[req.prefilled : req.prefilled + take]
             req.prefilled += take
             left -= take

@@ -28,7 +28,7 @@ from offload.model import hub
 from offload.model.chat import GenerationDefaults
 from offload.model.checkpoint import Checkpoint
 from offload.model.tokenizer import TextTokenizer
-from offload.plan.planner import Planner
+from offload.plan.planner import Planner, pass_tokens
 from offload.runtime.engine import Engine, Output, Request, Sampling, blocks_needed
 from offload.runtime.results import GenerationResult, RunStats, TokenCallback
 from offload.weights.tiered import TieredWeights
@@ -88,6 +88,7 @@ class Runner:
         run_plan = Planner(config, self.cfg, self.dtype, self.device).run_plan()
         self.kv_settings = run_plan.kv
         self.plan = run_plan.plan
+        self.prefill_chunk = run_plan.prefill_chunk  # activations.prefill_chunk, `auto` resolved
         self.weights: WeightSource = TieredWeights(config, self.checkpoint, self.dtype, self.device,
                                                    self.timeline, run_plan.plan, self.traffic)
         self.kv: PagedKVCache | None = None
@@ -231,13 +232,12 @@ class Runner:
 
     def _prefill_chunks(self, sids: list[int], prompts: list[list[int]]):
         """Yield passes of at most `prefill_chunk` tokens: [(sid, tokens, start position)], in prompt order."""
-        budget = self.config.activations.prefill_chunk
         pending = deque((sid, p, 0) for sid, p in zip(sids, prompts))
         while pending:
-            chunk, left = [], budget
+            chunk, left = [], self.prefill_chunk
             while pending and left > 0:
                 sid, p, start = pending.popleft()
-                take = min(left, len(p) - start)
+                take = min(left, len(p) - start, pass_tokens(self.prefill_chunk, start))
                 chunk.append((sid, p[start : start + take], start))
                 left -= take
                 if start + take < len(p):
