@@ -33,9 +33,10 @@ print(out[0].token_ids)
 
 
 def five_line_config(model: Path, store: Path) -> dict:
-    """bf16; the ring and a few layers on the "gpu" tier, one layer in RAM, the rest streamed from the store."""
+    """bf16, prefetch depth 2: the ring (3 slots) on the "gpu" tier, one layer in RAM, the other three layers,
+    the embeddings and the head streamed from the store (the loader is busy every pass)."""
     return {"model": str(model), "device": "cpu", "dtype": "bfloat16",
-            "tiers": {"gpu": {"capacity": "2MiB"}, "cpu": {"capacity": "512KiB"}, "disk": {"path": str(store)}},
+            "tiers": {"gpu": {"capacity": "1300KiB"}, "cpu": {"capacity": "384KiB"}, "disk": {"path": str(store)}},
             "prefetch": {"depth": 2}, "kv_cache": {"gpu_blocks": 8}, "activations": {"prefill_chunk": 8}}
 
 

@@ -530,13 +530,15 @@ def test_a_disk_full_while_writing_the_trace_leaves_no_half_file(tmp_path, tiny_
 
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(streamed(tiny_llama, tmp_path / "s")))
-    import storage.io
-    monkeypatch.setattr(storage.io.os, "fsync", enospc)
+    tokens(streamed(tiny_llama, tmp_path / "s"), n=1)  # the store is converted before the disk fills up
+    monkeypatch.setattr(os, "fsync", enospc)
     trace = tmp_path / "out" / "run.json"
     trace.parent.mkdir()
     assert main(["run", "--config", str(config), "--prompt", "Hi", "--max-new-tokens", "4", "--trace",
                  str(trace)]) == 2
-    assert "the disk is full" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert out.startswith("Hi") and "new tokens" in out  # the run itself went through and was printed
+    assert f"{trace}: the disk is full" in err
     assert list(trace.parent.iterdir()) == []
 
 
