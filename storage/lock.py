@@ -16,6 +16,7 @@ processes that died. This module knows files and processes, never what is stored
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -36,14 +37,23 @@ class FileLock:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        try:
-            self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise io.disk_error(e, self.path) from None
         self.mode: str | None = None  # None | "shared" | "exclusive"
+        self.fd: int | None = None
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise io.disk_error(e, self.path) from None
+            try:  # read-only media or someone else's store: flock works on a read-only descriptor too
+                self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self.fd = -1  # no lock file and no way to make one: nobody can write here, nothing to guard
+                log.debug("%s: cannot create the lock file; using the store unlocked", self.path)
 
     def _flock(self, op: int, wait: bool) -> bool:
         assert self.fd is not None, "the lock is closed"
+        if self.fd < 0:
+            return True
         try:
             fcntl.flock(self.fd, op | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
@@ -72,7 +82,7 @@ class FileLock:
 
     def shared(self, on_wait: Callable[[str], None] | None = None) -> None:
         """Share the lock with other readers, waiting while a writer holds it (also downgrades our own)."""
-        if self.mode == "exclusive" and self.fd is not None:
+        if self.mode == "exclusive" and self.fd is not None and self.fd >= 0:
             os.ftruncate(self.fd, 0)  # the announcement is over
         if not self.try_shared():
             if on_wait is not None:
@@ -81,13 +91,13 @@ class FileLock:
             self.mode = "shared"
 
     def unlock(self) -> None:
-        if self.fd is not None:
+        if self.fd is not None and self.fd >= 0:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
         self.mode = None
 
     def announce(self, what: str) -> None:
         """Write who holds the lock and why (read by those who wait); only the exclusive holder writes."""
-        assert self.mode == "exclusive" and self.fd is not None
+        assert self.mode == "exclusive" and self.fd is not None and self.fd >= 0
         text = f"pid {os.getpid()} ({what} since {time.strftime('%H:%M:%S')})".encode()
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, text, 0)
@@ -102,9 +112,9 @@ class FileLock:
         return text or "another process"
 
     def close(self) -> None:
-        if self.fd is not None:
+        if self.fd is not None and self.fd >= 0:
             os.close(self.fd)  # releases the lock
-            self.fd = None
+        self.fd = None
         self.mode = None
 
     def __del__(self) -> None:
