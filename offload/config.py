@@ -25,6 +25,7 @@ import difflib
 import math
 import os
 import re
+import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,13 +42,50 @@ _UNITS = {
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+#: Bounds on what a config may ask for: far above any real machine, low enough that no number in a
+#: config can make Offload allocate or loop absurdly before a planner refuses it.
+MAX_INT = 2**31 - 1
+MAX_SIZE = 2**60  # 1 EiB
+MAX_STR = 4096  # a path longer than this is refused by the OS anyway
+#: A YAML file is read whole: configs are a few hundred bytes; anything past this is refused unread.
+MAX_YAML_BYTES = 1 << 20
+#: Aliases (`*name`) a config may use; an alias bomb needs thousands.
+MAX_YAML_ALIASES = 100
+
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 80
+_repr.maxlong = 40
+_repr.maxlevel = 2
+
+
+def _short(value: Any) -> str:
+    """A value for an error message, bounded in length however big or deep (or self-similar) it is."""
+    return _repr.repr(value)
+
+
+def _key_name(key: Any) -> str:
+    """A mapping key as the user wrote it (bounded; non-string keys shown as values)."""
+    return key if isinstance(key, str) and len(key) <= 80 else _short(key)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses documents using more than MAX_YAML_ALIASES aliases (alias bombs)."""
+
+    def compose_node(self, parent, index):  # type: ignore[override]
+        if self.check_event(yaml.AliasEvent):
+            self._aliases = getattr(self, "_aliases", 0) + 1
+            if self._aliases > MAX_YAML_ALIASES:
+                raise yaml.YAMLError(f"more than {MAX_YAML_ALIASES} aliases (*name); write the values out")
+        return super().compose_node(parent, index)
+
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(value: Any, key: str = "size") -> int:
     """`512MiB`, `20GiB`, `1.5GB`, `4096` -> bytes. KB/MB/GB are decimal, KiB/MiB/GiB binary."""
     if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a size like 512MiB or 20GiB, got {value!r}")
+        raise ConfigError(f"{key}: expected a size like 512MiB or 20GiB, got {_short(value)}")
     if isinstance(value, int):
         number, unit = float(value), ""
     elif isinstance(value, float):
@@ -56,11 +94,11 @@ def parse_size(value: Any, key: str = "size") -> int:
         number, unit = float(m.group(1)), m.group(2).lower()
     else:
         raise ConfigError(
-            f"{key}: {value!r} is not a size; write bytes as an integer or a number with a unit "
+            f"{key}: {_short(value)} is not a size; write bytes as an integer or a number with a unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 512MiB"
         )
-    if not math.isfinite(number) or number < 0:
-        raise ConfigError(f"{key}: a size must be a non-negative number of bytes, got {value!r}")
+    if not math.isfinite(number) or number < 0 or number * _UNITS[unit] > MAX_SIZE:
+        raise ConfigError(f"{key}: a size must be a number of bytes from 0 to 1 EiB, got {_short(value)}")
     return int(number * _UNITS[unit])
 
 
@@ -74,16 +112,16 @@ def format_size(n: int | float) -> str:
 
 
 # ----------------------------------------------------------------------------- parsers
-def _int(lo: int = 0) -> Callable[[Any, str], int]:
+def _int(lo: int = 0, hi: int = MAX_INT) -> Callable[[Any, str], int]:
     def parse(value: Any, key: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-            raise ConfigError(f"{key}: expected an integer >= {lo}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ConfigError(f"{key}: expected an integer from {lo} to {hi}, got {_short(value)}")
         return value
     return parse
 
 
-def _int_or_auto(lo: int = 0) -> Callable[[Any, str], int | None]:
-    inner = _int(lo)
+def _int_or_auto(lo: int = 0, hi: int = MAX_INT) -> Callable[[Any, str], int | None]:
+    inner = _int(lo, hi)
 
     def parse(value: Any, key: str) -> int | None:
         if value is None or value == "auto":
@@ -91,13 +129,13 @@ def _int_or_auto(lo: int = 0) -> Callable[[Any, str], int | None]:
         try:
             return inner(value, key)
         except ConfigError:
-            raise ConfigError(f"{key}: expected 'auto' or an integer >= {lo}, got {value!r}") from None
+            raise ConfigError(f"{key}: expected 'auto' or an integer from {lo} to {hi}, got {_short(value)}") from None
     return parse
 
 
 def _bool(value: Any, key: str) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{key}: expected true or false, got {_short(value)}")
     return value
 
 
@@ -108,16 +146,17 @@ def _size_or_auto(value: Any, key: str) -> int | None:
 def _choice(*allowed: str) -> Callable[[Any, str], str]:
     def parse(value: Any, key: str) -> str:
         if value not in allowed:
-            hint = difflib.get_close_matches(str(value), allowed, n=1)
+            hint = difflib.get_close_matches(_short(value), allowed, n=1)
             did = f" (did you mean {hint[0]!r}?)" if hint else ""
-            raise ConfigError(f"{key}: {value!r} is not supported{did}; use one of: {', '.join(allowed)}")
+            raise ConfigError(f"{key}: {_short(value)} is not supported{did}; use one of: {', '.join(allowed)}")
         return value
     return parse
 
 
 def _str(value: Any, key: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
+    if not isinstance(value, str) or not value or len(value) > MAX_STR or "\0" in value:
+        raise ConfigError(f"{key}: expected a non-empty string (a path) without NUL characters, at most {MAX_STR} "
+                          f"characters, got {_short(value)}")
     return value
 
 
@@ -125,7 +164,7 @@ def _device(value: Any, key: str) -> str:
     if value is None or value == "auto":
         return "auto"
     if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", value):
-        raise ConfigError(f"{key}: {value!r} is not a device; use cpu, cuda, cuda:N or auto")
+        raise ConfigError(f"{key}: {_short(value)} is not a device; use cpu, cuda, cuda:N or auto")
     return value
 
 
@@ -162,8 +201,8 @@ class TiersConfig:
 
 def _number(lo: float = 0.0) -> Callable[[Any, str], float]:
     def parse(value: Any, key: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < lo:
-            raise ConfigError(f"{key}: expected a number >= {lo}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= 1e12:
+            raise ConfigError(f"{key}: expected a number from {lo} to 1e12, got {_short(value)}")
         return float(value)
     return parse
 
@@ -172,13 +211,13 @@ def _bool_or_auto(value: Any, key: str) -> bool | None:
     if value is None or value == "auto":
         return None
     if not isinstance(value, bool):
-        raise ConfigError(f"{key}: expected true, false or auto, got {value!r}")
+        raise ConfigError(f"{key}: expected true, false or auto, got {_short(value)}")
     return value
 
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    block_size: int = _opt(_int(1), "tokens per KV block (all layers of those tokens live in one block)", 16)
+    block_size: int = _opt(_int(1, 2**16), "tokens per KV block (all layers of those tokens live in one block)", 16)
     gpu_blocks: int | None = _opt(_int_or_auto(1), "blocks in the device pool; auto = sized from the request "
                                   "(no tiers), else 2048 tokens plus what the plan leaves free, shrunk to fit")
     cpu_blocks: int | None = _opt(_int_or_auto(0), "cold blocks kept in host RAM (counted in tiers.cpu.capacity); "
@@ -195,17 +234,32 @@ class KVCacheConfig:
 
 @dataclass(frozen=True)
 class PrefetchConfig:
-    depth: int | None = _opt(_int_or_auto(0), "layers in flight ahead of compute; 0 = load then compute; "
+    depth: int | None = _opt(_int_or_auto(0, 64), "layers in flight ahead of compute; 0 = load then compute; "
                              "auto = the depth the cost model predicts fastest", 2)
 
 
 @dataclass(frozen=True)
 class ActivationsConfig:
-    prefill_chunk: int | None = _opt(_int_or_auto(1), "prompt tokens per prefill forward pass (bounds activation "
-                                     "memory); auto = 512, fewer when the device tier cannot hold its workspace")
+    prefill_chunk: int | None = _opt(_int_or_auto(1, 2**20), "prompt tokens per prefill forward pass (bounds "
+                                     "activation memory); auto = 512, fewer when the device tier cannot hold its "
+                                     "workspace")
     kv_restore: str = _opt(_choice("transfer", "recompute", "auto"), "cold KV blocks keep K/V (transfer) or the "
                            "layer inputs, rebuilt by one projection (recompute); auto: whichever is fewer bytes",
                            "transfer")
+
+
+def _steps_or_all(value: Any, key: str) -> int | None:
+    if value == "all":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_INT:
+        raise ConfigError(f"{key}: expected 'all' or an integer from 1 to {MAX_INT}, got {_short(value)}")
+    return value
+
+
+@dataclass(frozen=True)
+class TimelineConfig:
+    keep_steps: int | None = _opt(_steps_or_all, "spans kept in memory: those of the last N steps (a long-lived "
+                                  "process stays flat); all = every span (`run --trace` keeps all)", 512)
 
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "auto")
@@ -224,6 +278,7 @@ class OffloadConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig, metadata={"section": PrefetchConfig})
     activations: ActivationsConfig = field(default_factory=ActivationsConfig,
                                            metadata={"section": ActivationsConfig})
+    timeline: TimelineConfig = field(default_factory=TimelineConfig, metadata={"section": TimelineConfig})
     calibration: Path | None = _opt(_str, "calibration file from `offload calibrate` (default: the saved one, if any)")
     #: where a YAML file was loaded from (relative paths are resolved against its directory)
     source: Path | None = field(default=None, compare=False, metadata={"internal": True})
@@ -240,12 +295,19 @@ class OffloadConfig:
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
+        if path.stat().st_size > MAX_YAML_BYTES:
+            raise ConfigError(f"{path}: {path.stat().st_size} bytes is too large for a config file (at most "
+                              f"{MAX_YAML_BYTES}); pass the YAML run configuration")
         try:
-            data = yaml.safe_load(path.read_text())
+            data = yaml.load(path.read_bytes(), Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"{path}: not valid YAML{where} ({getattr(e, 'problem', e)}); fix the syntax") from None
+            raise ConfigError(f"{path}: not valid YAML{where} ({getattr(e, 'problem', None) or e}); "
+                              "fix the syntax") from None
+        except (ValueError, RecursionError, OverflowError) as e:  # 10^5-digit integers, 10^4-deep nesting
+            raise ConfigError(f"{path}: a value cannot be read ({type(e).__name__}: {_short(str(e))}); "
+                              "write plain numbers and shallow mappings") from None
         if not isinstance(data, Mapping):
             raise ConfigError(f"{path}: expected a mapping of keys (model:, device:, ...) at the top level")
         data = dict(data) | ({"model": model} if model else {})
@@ -265,13 +327,13 @@ class OffloadConfig:
 
 def _build(cls: type, data: Mapping[str, Any], prefix: str, base_dir: Path, source: Path | None) -> Any:
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {_short(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     for key in data:
         if key not in fields:
-            hint = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = difflib.get_close_matches(_key_name(key), list(fields), n=1)
             did = f"did you mean {hint[0]!r}? " if hint else ""
-            raise ConfigError(f"{prefix}{key}: unknown key; {did}allowed here: {', '.join(fields)}")
+            raise ConfigError(f"{prefix}{_key_name(key)}: unknown key; {did}allowed here: {', '.join(fields)}")
     values: dict[str, Any] = {}
     for name, f in fields.items():
         key = f"{prefix}{name}"

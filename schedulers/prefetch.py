@@ -42,6 +42,16 @@ from storage.tiers import MemoryTier, Tier
 
 log = logging.getLogger(__name__)
 
+#: How long `close` waits for a worker in the middle of one read or copy; a worker still busy after
+#: that (a hung disk) is left behind, a daemon, rather than blocking the program's exit.
+JOIN_TIMEOUT_S = 10.0
+
+
+def _join(t: threading.Thread) -> None:
+    t.join(JOIN_TIMEOUT_S)
+    if t.is_alive():
+        log.warning("%s is still busy after %.0f s (a hung disk?); leaving it behind", t.name, JOIN_TIMEOUT_S)
+
 
 @dataclass
 class Load:
@@ -172,7 +182,7 @@ class Prefetcher:
     def join_side(self) -> None:
         t = getattr(self, "_side_thread", None)
         if t is not None:
-            t.join()
+            _join(t)
             self._side_thread = None
 
     def _count_resident(self) -> None:
@@ -322,7 +332,7 @@ class Prefetcher:
         for e in self._slot_free + self._stage_free + events:
             e.set()
         for t in self._threads:
-            t.join()
+            _join(t)
         self._threads = []
 
     def reset(self) -> None:

@@ -10,6 +10,10 @@ Times are seconds since the timeline's origin (`time.perf_counter`). CUDA spans 
 event pairs and resolved against an anchor event on `resolve()`, so recording never
 synchronises the GPU. A disabled timeline records nothing and costs one branch.
 Recording knows tracks, names and bytes; it knows nothing about models.
+
+A long-lived process keeps a bounded window: with `keep_steps=N` only the spans (and counter
+samples) of the last N to 1.25 N steps are kept, so memory stays flat however many steps
+run; `keep_steps=None` keeps everything (what writing a trace of the whole run needs).
 """
 
 from __future__ import annotations
@@ -41,9 +45,12 @@ class Span:
 
 
 class Timeline:
-    def __init__(self, enabled: bool = True, nvtx: bool = False) -> None:
+    def __init__(self, enabled: bool = True, nvtx: bool = False, keep_steps: int | None = None) -> None:
         self.enabled = enabled
         self.nvtx = nvtx  # also mark ranges for Nsight (CUDA runs)
+        if keep_steps is not None and keep_steps < 1:
+            raise ValueError(f"keep_steps must be None or at least 1, got {keep_steps}")
+        self.keep_steps = keep_steps  # None: keep every span; N: the last N steps (bounded memory)
         self.origin = time.perf_counter()
         self.spans: list[Span] = []
         self.counters: list[tuple[str, float, dict[str, float]]] = []  # (name, time, values)
@@ -59,6 +66,15 @@ class Timeline:
         self.step += 1
         if self._pending:
             self.resolve(block=False)  # keep the pending list (and its CUDA events) short
+        if self.keep_steps is not None and self.step % max(1, self.keep_steps // 4) == 0:
+            self._forget_before(self.step - self.keep_steps)
+
+    def _forget_before(self, step: int) -> None:
+        """Drop the spans of steps before `step`, and the counter samples older than every span kept."""
+        with self._lock:
+            self.spans = [s for s in self.spans if s.step >= step]
+            oldest = min((s.start for s in self.spans), default=self.now())
+            self.counters = [c for c in self.counters if c[1] >= oldest]
 
     def add(self, track: str, name: str, start: float, end: float, nbytes: int = 0, slot: int | None = None,
             step: int | None = None, **args: Any) -> None:

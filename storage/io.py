@@ -46,6 +46,18 @@ def pwrite_from(fd: int, src: torch.Tensor, offset: int, path: str | os.PathLike
         raise disk_error(e, path) from None
 
 
+def preallocate(fd: int, nbytes: int) -> None:
+    """Size the file to `nbytes` with its blocks reserved (ENOSPC now, not on a later write); where the
+    file system cannot reserve, a sparse file of that size."""
+    os.ftruncate(fd, nbytes)
+    if nbytes and hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+
+
 def drop_page_cache(fd: int, offset: int = 0, length: int = 0) -> None:
     """Tell the kernel we will not read these pages again (keeps a RAM-short machine's cache clean)."""
     if hasattr(os, "posix_fadvise"):

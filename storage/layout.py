@@ -8,6 +8,7 @@ module knows names, dtypes, shapes and offsets; it does not know what the names 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -104,14 +105,50 @@ class GroupLayout:
 
     @classmethod
     def from_json(cls, name: str, data: Mapping) -> GroupLayout:
-        tensors = tuple(
-            TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), int(t["offset"])) for t in data["tensors"]
-        )
-        for t in tensors:
-            if t.dtype not in DTYPES:
-                raise ValueError(f"unknown dtype {t.dtype!r}")
-        layout = cls(name, tensors, int(data["nbytes"]))
-        end = max((t.offset + t.nbytes for t in tensors), default=0)
-        if end > layout.nbytes:
-            raise ValueError(f"group {name!r}: tensors end at byte {end}, past the group size {layout.nbytes}")
-        return layout
+        """Read a layout written by `to_json`, checking every field (a manifest may have been edited by
+        hand): ValueError saying which field is wrong, before anything is allocated from it."""
+        if not isinstance(data, Mapping):
+            raise ValueError("is not an object")
+        nbytes, raw = data.get("nbytes"), data.get("tensors")
+        if not _is_int(nbytes) or not 0 < nbytes <= MAX_GROUP_BYTES or nbytes % GROUP_ALIGN:
+            raise ValueError(f"nbytes {str(nbytes)[:40]} is not a positive multiple of {GROUP_ALIGN}")
+        if not isinstance(raw, list) or not raw:
+            raise ValueError("tensors is not a non-empty list")
+        tensors, end = [], 0
+        for i, t in enumerate(raw):
+            if not isinstance(t, Mapping):
+                raise ValueError(f"tensors[{i}] is not an object")
+            tname, dtype, shape, offset = t.get("name"), t.get("dtype"), t.get("shape"), t.get("offset")
+            check_name(tname, f"tensors[{i}].name")
+            if not isinstance(dtype, str) or dtype not in DTYPES:
+                raise ValueError(f"tensors[{i}].dtype {str(dtype)[:40]!r} is not one of {', '.join(DTYPES)}")
+            if not isinstance(shape, list) or len(shape) > 8 or not all(_is_int(d) and d >= 0 for d in shape):
+                raise ValueError(f"tensors[{i}].shape {str(shape)[:60]} is not a list of non-negative integers")
+            if not _is_int(offset) or offset < end or offset % TENSOR_ALIGN:
+                raise ValueError(f"tensors[{i}].offset {str(offset)[:40]} is not aligned to {TENSOR_ALIGN} after the "
+                                 f"previous tensor's end ({end}): tensors overlap or are out of order")
+            spec = TensorSpec(tname, dtype, tuple(shape), offset)
+            end = offset + spec.nbytes
+            if end > nbytes:
+                raise ValueError(f"tensors[{i}] ends at byte {end}, past the group size {nbytes}")
+            tensors.append(spec)
+        return cls(name, tuple(tensors), nbytes)
+
+
+#: No group is larger than this (a layer of the largest models is a few GiB).
+MAX_GROUP_BYTES = 2**40
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_name(name: object, what: str) -> str:
+    """A group or tensor name: letters, digits, `_ . -`, not starting with a dot, no `..` (ValueError otherwise),
+    so that no name read from a file can reach outside the store's directory."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"{what} {str(name)[:80]!r} is not allowed (letters, digits, '_', '.', '-'; "
+                         "no '/', '..' or NUL)")
+    return name

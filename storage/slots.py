@@ -17,7 +17,9 @@ computed offsets from a small thread pool, with its own validity map: never a za
 slot (measured here: one zarr chunk per block writes at 50-60 MB/s, `pwrite` into one
 preallocated file at ~2.9 GB/s; random block reads through zarr 60-80 MB/s, `preadv` at queue
 depth 16 ~1 GB/s cold). The file is scratch space for one process and is removed when
-closed. This module knows shapes and bytes, not what a slot holds.
+closed. The file's blocks are reserved when it is made (`posix_fallocate`), so a disk too
+full for it is refused before the run starts rather than during a spill. This module knows
+shapes and bytes, not what a slot holds.
 """
 
 from __future__ import annotations
@@ -131,8 +133,12 @@ class DiskSlots(SlotArray):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.ftruncate(self.fd, self.nbytes)  # preallocated (sparse); the chunk is raw bytes, offsets are exact
+            io.preallocate(self.fd, self.nbytes)  # a full disk is refused now, not half way through a spill
         except OSError as e:
+            if getattr(self, "fd", None) is not None:
+                os.close(self.fd)
+                self.fd = None
+            self.path.unlink(missing_ok=True)
             raise io.disk_error(e, self.path) from None
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kv-disk") if threads > 1 else None
 

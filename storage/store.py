@@ -7,20 +7,29 @@
                                     checksum, and the caller's opaque `meta` (model config,
                                     checkpoint fingerprint, dtype)
     STORE/.offload-converting       present only while a conversion is running
+    STORE/.offload-lock             the inter-process lock (storage.lock): exclusive while converting,
+                                    shared by every process reading the complete store
 
 A directory with a marker and no manifest is a conversion that was interrupted: it is
 wiped and started again. A complete store is never overwritten without `force`. A
 directory that is neither is not ours, and is never deleted. This module knows groups,
 layouts and bytes; the meaning of `meta` belongs to the caller.
+
+Several processes may start on one store at once (`open_or_build`): the first takes the lock
+exclusively and converts, the others wait (saying for whom) and then share the finished
+store; a converter that died (even by SIGKILL) releases the lock with its life, and the
+next process finds its half-written store and converts again. A forced re-conversion waits
+until no process reads the store.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import logging
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,13 +38,17 @@ import torch
 
 from storage import io
 from storage.errors import CapacityError, StoreError
-from storage.layout import GroupLayout
-from storage.tiers import DiskTier, read_json
+from storage.layout import GroupLayout, check_name
+from storage.lock import FileLock
+from storage.tiers import DiskTier
+
+log = logging.getLogger(__name__)
 
 FORMAT = "offload-store"
 VERSION = 1
 MANIFEST = "manifest.json"
 MARKER = ".offload-converting"
+LOCK = ".offload-lock"
 #: Room left on the file system beyond the store itself (metadata, temp files).
 FREE_SPACE_MARGIN = 64 * 2**20
 
@@ -49,7 +62,7 @@ class StoreState(enum.Enum):
 
 def store_state(path: str | Path) -> StoreState:
     path = Path(path)
-    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+    if not path.exists() or (path.is_dir() and all(p.name == LOCK for p in path.iterdir())):
         return StoreState.MISSING
     if not path.is_dir():
         return StoreState.FOREIGN
@@ -70,18 +83,49 @@ class GroupRecord:
         return self.layout.nbytes
 
 
+def _waiting(path: Path) -> Callable[[str], None]:
+    return lambda holder: log.warning("%s: waiting for %s to finish with this store", path, holder)
+
+
+def _refuse_foreign(path: Path) -> None:
+    if store_state(path) is StoreState.FOREIGN:
+        raise StoreError(
+            f"{path} exists and is not an Offload store; choose an empty or new directory "
+            "(Offload never deletes a directory it did not create)"
+        )
+
+
 class StoreWriter:
-    """Creates a store group by group; `finish` writes the manifest (last) and returns the opened store."""
+    """Creates a store group by group; `finish` writes the manifest (last) and returns the opened store.
+
+    Holds the store's lock exclusively from start to finish: `lock`, already exclusive, when the caller
+    took it (`open_or_build`), else its own, taken here (waiting for other users of the store).
+    """
 
     def __init__(self, path: str | Path, total_bytes: int, force: bool = False,
-                 capacity: int | None = None) -> None:
+                 capacity: int | None = None, lock: FileLock | None = None) -> None:
         self.path = Path(path)
+        _refuse_foreign(self.path)
+        created = not self.path.exists()
+        self._own_lock = lock is None
+        if lock is None:
+            self.path.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(self.path / LOCK)
+            lock.exclusive(on_wait=_waiting(self.path))
+        assert lock.mode == "exclusive", "a store is written under its exclusive lock"
+        self.lock = lock
+        try:
+            self._start(total_bytes, force, capacity)
+        except BaseException:
+            if self._own_lock:
+                lock.close()
+            if created and store_state(self.path) is StoreState.MISSING:  # leave no trace of a refusal
+                (self.path / LOCK).unlink(missing_ok=True)
+                self.path.rmdir()
+            raise
+
+    def _start(self, total_bytes: int, force: bool, capacity: int | None) -> None:
         state = store_state(self.path)
-        if state is StoreState.FOREIGN:
-            raise StoreError(
-                f"{self.path} exists and is not an Offload store; choose an empty or new directory "
-                "(Offload never deletes a directory it did not create)"
-            )
         if state is StoreState.COMPLETE and not force:
             raise StoreError(f"{self.path} already holds a converted store; pass --force to replace it")
         if capacity is not None and total_bytes > capacity:
@@ -102,6 +146,7 @@ class StoreWriter:
             )
         self.path.mkdir(parents=True, exist_ok=True)
         try:
+            self.lock.announce("converting")
             (self.path / MARKER).write_text(json.dumps({"started": time.time()}))
         except OSError as e:
             raise io.disk_error(e, self.path) from None
@@ -125,16 +170,29 @@ class StoreWriter:
         self.tier.close()
         io.atomic_write_bytes(self.path / MANIFEST, json.dumps(manifest, indent=1).encode())
         (self.path / MARKER).unlink(missing_ok=True)
-        return Store.open(self.path)
+        if not self._own_lock:
+            return Store.open(self.path, lock=self.lock)
+        self.lock.shared()  # from writer to reader; the store now owns the lock
+        try:
+            return Store.open(self.path, lock=self.lock, own_lock=True)
+        except BaseException:
+            self.lock.close()
+            raise
 
     def abort(self) -> None:
-        """Remove what was written (the directory was empty or ours when we started)."""
-        self.tier.close()
-        _wipe(self.path)
+        """Remove what was written (the directory was empty or ours when we started); keeps the lock file."""
+        try:
+            self.tier.close()
+            _wipe(self.path)
+        finally:
+            if self._own_lock:
+                self.lock.close()
 
 
 def _wipe(path: Path) -> None:
     for child in path.iterdir():
+        if child.name == LOCK:
+            continue  # others may be waiting on it
         if child.is_dir() and not child.is_symlink():
             shutil.rmtree(child)
         else:
@@ -146,12 +204,10 @@ class Store:
 
     def __init__(self, path: Path, manifest: dict[str, Any], tier: DiskTier) -> None:
         self.path = path
+        self._lock: FileLock | None = None  # the shared lock this store releases on close, if it owns one
         self.manifest = manifest
         self.meta: dict[str, Any] = manifest["meta"]
-        self.groups: dict[str, GroupRecord] = {
-            name: GroupRecord(GroupLayout.from_json(name, g), int(g["crc32c"]))
-            for name, g in manifest["groups"].items()
-        }
+        self.groups: dict[str, GroupRecord] = manifest["records"]
         self.tier = tier
 
     @property
@@ -160,34 +216,51 @@ class Store:
 
     @classmethod
     def open(cls, path: str | Path, page_cache: bool = False, verify: str = "always",
-             read_threads: int = 4, capacity: int | None = None) -> Store:
+             read_threads: int = 4, capacity: int | None = None, lock: FileLock | None = None,
+             own_lock: bool = False) -> Store:
+        """Open a complete store. Without `lock`, takes the store's lock shared (waiting while a conversion
+        runs) and releases it on close; with one (held by the caller), releases it only if `own_lock`."""
         path = Path(path)
-        state = store_state(path)
+        if lock is None:
+            if store_state(path) in (StoreState.MISSING, StoreState.FOREIGN):
+                cls._refuse(path, store_state(path))
+            lock, own_lock = FileLock(path / LOCK), True
+            try:
+                lock.shared(on_wait=_waiting(path))
+            except BaseException:
+                lock.close()
+                raise
+        try:
+            store = cls._open(path, page_cache, verify, read_threads, capacity)
+        except BaseException:
+            if own_lock:
+                lock.close()
+            raise
+        store._lock = lock if own_lock else None
+        return store
+
+    @staticmethod
+    def _refuse(path: Path, state: StoreState) -> None:
         if state is StoreState.MISSING:
             raise StoreError(f"{path}: no store here; run `offload convert CHECKPOINT {path}` first")
         if state is StoreState.PARTIAL:
             raise StoreError(f"{path}: the conversion into this store was interrupted; run `offload convert` again")
         if state is StoreState.FOREIGN:
             raise StoreError(f"{path}: not an Offload store (no {MANIFEST}); convert a checkpoint into it first")
-        manifest = read_json(path / MANIFEST)
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "groups" not in manifest:
-            raise StoreError(f"{path / MANIFEST}: unreadable or not an Offload manifest; convert again with --force")
-        if manifest.get("version") != VERSION:
-            raise StoreError(
-                f"{path}: store format version {manifest.get('version')} is not {VERSION}, the one this Offload "
-                "reads; convert again with --force"
-            )
-        if capacity is not None and manifest.get("total_bytes", 0) > capacity:
+
+    @classmethod
+    def _open(cls, path: Path, page_cache: bool, verify: str, read_threads: int, capacity: int | None) -> Store:
+        state = store_state(path)
+        if state is not StoreState.COMPLETE:
+            cls._refuse(path, state)
+        manifest = read_manifest(path / MANIFEST)
+        if capacity is not None and manifest["total_bytes"] > capacity:
             raise CapacityError(
                 f"{path}: the store takes {manifest['total_bytes'] / 2**30:.2f} GiB but tiers.disk.capacity is "
                 f"{capacity / 2**30:.2f} GiB; raise it"
             )
         tier = DiskTier(path, read_only=True, page_cache=page_cache, verify=verify, read_threads=read_threads)
-        try:
-            store = cls(path, manifest, tier)
-        except (KeyError, TypeError, ValueError) as e:
-            tier.close()
-            raise StoreError(f"{path / MANIFEST}: malformed ({e}); convert again with --force") from None
+        store = cls(path, manifest, tier)
         try:
             for name, rec in store.groups.items():
                 tier.open_existing(name, rec.nbytes)
@@ -203,3 +276,74 @@ class Store:
 
     def close(self) -> None:
         self.tier.close()
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+
+#: A manifest is a few KiB per group; one larger than this is not ours and is not read.
+MAX_MANIFEST_BYTES = 64 * 2**20
+
+
+def read_manifest(file: Path) -> dict[str, Any]:
+    """The manifest, every field checked (it may have been edited by hand), with `records`: each group's
+    GroupRecord. Anything wrong is one StoreError naming the file and the field, before a byte is allocated."""
+    def bad(field: str, why: str) -> StoreError:
+        return StoreError(f"{file}: {field} {why}; the manifest was edited or damaged, convert again with --force")
+
+    try:
+        if file.stat().st_size > MAX_MANIFEST_BYTES:
+            raise bad("the file", f"is larger than {MAX_MANIFEST_BYTES} bytes")
+        manifest = json.loads(file.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        raise StoreError(f"{file}: unreadable or not an Offload manifest; convert again with --force") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "groups" not in manifest:
+        raise StoreError(f"{file}: unreadable or not an Offload manifest; convert again with --force")
+    if manifest.get("version") != VERSION:
+        raise StoreError(f"{file.parent}: store format version {str(manifest.get('version'))[:20]} is not {VERSION}, "
+                         "the one this Offload reads; convert again with --force")
+    groups, meta = manifest["groups"], manifest.get("meta")
+    if not isinstance(meta, dict):
+        raise bad("meta", "is not an object")
+    if not isinstance(groups, dict) or not groups:
+        raise bad("groups", "is not a non-empty object")
+    records = {}
+    for name, g in groups.items():
+        try:
+            check_name(name, "the group name")
+            crc = g.get("crc32c") if isinstance(g, dict) else None
+            if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 2**32:
+                raise ValueError(f"crc32c {str(crc)[:20]} is not a 32-bit checksum")
+            records[name] = GroupRecord(GroupLayout.from_json(name, g), crc)
+        except ValueError as e:
+            raise bad(f"groups.{name[:80]}:", str(e)) from None
+    total = manifest.get("total_bytes")
+    if total != sum(r.nbytes for r in records.values()) or isinstance(total, bool):
+        raise bad("total_bytes", f"({str(total)[:20]}) is not the sum of its groups' sizes")
+    return {**manifest, "records": records}
+
+
+def open_or_build(path: str | Path, build: Callable[[FileLock], None] | None, **open_args: Any) -> Store:
+    """Open the store at `path`, safely shared with other processes; `build(lock)` converts it (holding the lock
+    exclusively) when it is missing or half-written. Waits, with a message naming the holder, while another
+    process converts; `build=None` only opens. The returned store holds the lock shared until closed."""
+    path = Path(path)
+    if store_state(path) is StoreState.FOREIGN:
+        Store._refuse(path, StoreState.FOREIGN)
+    path.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path / LOCK)
+    try:
+        while True:
+            if build is not None and store_state(path) is not StoreState.COMPLETE:
+                lock.exclusive(on_wait=_waiting(path))
+                if store_state(path) is not StoreState.COMPLETE:  # nobody finished it while we waited
+                    build(lock)
+                lock.shared()  # not atomic: a forced re-conversion may slip in between, hence the loop
+            else:
+                lock.shared(on_wait=_waiting(path))
+            if build is None or store_state(path) is StoreState.COMPLETE:
+                return Store.open(path, lock=lock, own_lock=True, **open_args)
+            lock.unlock()
+    except BaseException:
+        lock.close()
+        raise

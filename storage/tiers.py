@@ -32,6 +32,7 @@ import torch
 
 from storage import io
 from storage.errors import CapacityError, StoreError
+from storage.layout import check_name
 
 #: The tiers, fastest first, named as in the YAML `tiers:` section.
 TIERS = ("gpu", "cpu", "disk")
@@ -230,6 +231,7 @@ class DiskTier(Tier):
     # -- regions as zarr arrays ---------------------------------------------------------------
     def open_existing(self, key: str, nbytes: int) -> None:
         """Register an array that is already on disk (read-only stores), checking its metadata and chunk size."""
+        self._check_key(key)
         try:
             arr = self._group[key]
         except KeyError:
@@ -250,6 +252,12 @@ class DiskTier(Tier):
         self._chunks[key] = chunk
         self.sizes[key] = nbytes
 
+    def _check_key(self, key: str) -> None:
+        try:
+            check_name(key, f"{self.path}: array")
+        except ValueError as e:
+            raise StoreError(str(e)) from None
+
     def _chunk_file(self, key: str, arr) -> ChunkFile:
         names = [c.to_dict()["name"] for c in arr.metadata.codecs]
         if names != ["bytes", "crc32c"]:
@@ -260,6 +268,7 @@ class DiskTier(Tier):
     def _allocate(self, key: str, nbytes: int) -> None:
         from zarr.codecs import BytesCodec, Crc32cCodec
 
+        self._check_key(key)
         arr = self._group.create_array(
             key, shape=(nbytes,), chunks=(nbytes,), dtype="uint8", serializer=BytesCodec(),
             compressors=[Crc32cCodec()], filters=None, fill_value=0,

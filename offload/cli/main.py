@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from offload.cli import chat, convert, demo, plan, run, serve, trace
@@ -33,14 +34,28 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    previous = signal.signal(signal.SIGTERM, _terminate)  # SIGTERM stops like Ctrl-C: cleanly
     try:
         return args.func(args)
     except OffloadError as e:
         print(f"offload: error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("offload: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("offload: interrupted", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that the same clean-up runs (threads joined, nothing half-written)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
 
 
 if __name__ == "__main__":

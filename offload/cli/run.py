@@ -107,16 +107,23 @@ def generate_and_print(runner: Runner, prompts: list[str], args: argparse.Namesp
         inputs = [runner.tokenizer.encode(template.render(system + [{"role": "user", "content": p}]),
                                           add_special_tokens=False) for p in prompts]
     stream = not args.json and len(prompts) == 1
+    generated: dict[int, list[int]] = {}  # output index -> tokens so far (what an interrupt still prints)
 
     def on_token(i: int, token: int, text: str) -> None:
-        out.write(text)
-        out.flush()
+        generated.setdefault(i, []).append(token)
+        if stream:
+            out.write(text)
+            out.flush()
 
     if stream:
         out.write(prompts[0])
         out.flush()
-    results = runner.generate(inputs, **sampling_args(runner, args), seed=args.seed, stop=args.stop,
-                              on_token=on_token if stream else None)
+    try:
+        results = runner.generate(inputs, **sampling_args(runner, args), seed=args.seed, stop=args.stop,
+                                  on_token=on_token)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: show what was generated, then stop
+        print_interrupted(runner, prompts, generated, stream, args.json, out)
+        raise
     stats = results[0].stats
     served = runner.traffic.served()
     summary = None
@@ -150,6 +157,22 @@ def generate_and_print(runner: Runner, prompts: list[str], args: argparse.Namesp
     return results
 
 
+def print_interrupted(runner: Runner, prompts: list[str], generated: dict[int, list[int]], stream: bool,
+                      as_json: bool, out: TextIO) -> None:
+    n = sum(map(len, generated.values()))
+    if as_json:
+        json.dump({"interrupted": True, "results": [
+            {"prompt": p, "token_ids": generated.get(i, []),
+             "text": runner.tokenizer.decode(generated.get(i, [])) if runner.tokenizer else "",
+             "finish_reason": "interrupted"} for i, p in enumerate(prompts)]}, out, indent=2)
+    elif not stream:
+        for i, p in enumerate(prompts):
+            text = runner.tokenizer.decode(generated.get(i, [])) if runner.tokenizer else str(generated.get(i, []))
+            out.write(f"--- [{i}] {p}{text}\n")
+    (sys.stderr if as_json else out).write(f"\n[interrupted after {n} new tokens]\n")
+    out.flush()
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     if args.trace and args.no_spans:
         raise ConfigError("--trace needs the spans; drop --no-spans")
@@ -157,7 +180,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return run_jsonl(args)
     prompts = read_prompts(args)
     config = OffloadConfig.load(args.config, model=args.model)
-    with Runner(config, timeline=Timeline(enabled=not args.no_spans)) as runner:
+    # a trace covers the whole run: keep every span; otherwise the configured window (bounded memory)
+    timeline = Timeline(enabled=not args.no_spans, keep_steps=None if args.trace else config.timeline.keep_steps)
+    with Runner(config, timeline=timeline) as runner:
         generate_and_print(runner, prompts, args)
         if args.trace:
             write_trace(args.trace, runner.timeline, trace_meta(runner, runner.last_stats))

@@ -18,6 +18,7 @@ from offload.errors import ConfigError
 from offload.plan.calibrate import load_calibration
 from schedulers.timeline import Timeline
 from schedulers.trace import Counter, format_summary, load_chrome, summarize, to_chrome
+from storage.io import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,9 @@ def calibration_links(config: OffloadConfig) -> dict[str, float]:
 
 
 def write_trace(path: str | Path, timeline: Timeline, meta: dict[str, Any]) -> None:
+    """Written to a temporary file and renamed: a full disk or a kill leaves no half-written trace."""
     counters = [Counter(name, t, values) for name, t, values in timeline.counters]
-    Path(path).write_text(json.dumps(to_chrome(timeline.spans_resolved(), counters, meta)))
+    atomic_write_bytes(Path(path), json.dumps(to_chrome(timeline.spans_resolved(), counters, meta)).encode())
 
 
 def decode_summary(timeline: Timeline, meta: dict[str, Any]):

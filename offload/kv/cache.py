@@ -46,6 +46,7 @@ from schedulers.timeline import Timeline
 from schedulers.traffic import COMPUTE, Traffic
 from storage.block_pool import Admission, BlockPool
 from storage.errors import CapacityError
+from storage.lock import ScratchDir
 from storage.tiers import TIERS
 
 
@@ -77,9 +78,15 @@ class PagedKVCache:
                                                               memory=memory)}
         if counts["cpu"]:
             self.stores["cpu"] = TierStore("cpu", self.cold_fmt, L, counts["cpu"], "cpu", pin_memory)
+        self._scratch: ScratchDir | None = None  # this process's own directory under disk_dir (its slot files)
         if counts["disk"]:
-            self.stores["disk"] = TierStore("disk", self.cold_fmt, L, counts["disk"], disk_dir=disk_dir,
-                                            page_cache=page_cache)
+            self._scratch = ScratchDir(disk_dir)
+            try:
+                self.stores["disk"] = TierStore("disk", self.cold_fmt, L, counts["disk"], disk_dir=self._scratch.path,
+                                                page_cache=page_cache)
+            except BaseException:
+                self.close()
+                raise
         self.logical = BlockPool(sum(counts.values()))
         self.blocks: dict[int, Block] = {}
         self.seqs: dict[int, Sequence] = {}
@@ -107,8 +114,13 @@ class PagedKVCache:
         return -(-tokens // self.block_size)
 
     def close(self) -> None:
-        for store in self.stores.values():
-            store.close()
+        try:
+            for store in self.stores.values():
+                store.close()
+        finally:
+            if self._scratch is not None:
+                self._scratch.close()
+                self._scratch = None
 
     # -- sequences ----------------------------------------------------------------------------
     def admit(self, tokens: int) -> Admission:

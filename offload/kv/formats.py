@@ -79,7 +79,12 @@ class TierStore:
         for name, (shape, dt) in fmt.arrays.items():
             if tier == "disk":
                 assert disk_dir is not None
-                self.arrays[name] = DiskSlots(disk_dir, f"kv-{name}", planes, slots, shape, dt, page_cache=page_cache)
+                try:
+                    self.arrays[name] = DiskSlots(disk_dir, f"kv-{name}", planes, slots, shape, dt,
+                                                  page_cache=page_cache)
+                except BaseException:
+                    self.close()
+                    raise
                 continue
             region = None
             if memory is not None:  # lay the arrays one after the other over the given region

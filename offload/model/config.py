@@ -22,6 +22,13 @@ SUPPORTED = {
     "qwen3": "Qwen3ForCausalLM",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
+#: Bounds on a config.json's sizes: several times the largest public models, so that a corrupt or hostile
+#: config is refused here rather than by an allocation that cannot succeed.
+LIMITS = {
+    "hidden_size": 2**17, "intermediate_size": 2**19, "num_hidden_layers": 2**12, "num_attention_heads": 2**12,
+    "num_key_value_heads": 2**12, "head_dim": 2**12, "vocab_size": 2**23, "max_position_embeddings": 2**25,
+    "sliding_window": 2**25,
+}
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
+        """Every key is checked for type and range; whatever else is malformed is still one CheckpointError."""
+        try:
+            return cls._from_dict(cfg, where)
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
+            raise CheckpointError(f"{where}: malformed ({type(e).__name__}: {str(e)[:120]}); "
+                                  "fix or re-download the checkpoint's config.json") from None
+
+    @classmethod
+    def _from_dict(cls, cfg: dict[str, Any], where: str) -> ModelConfig:
         model_type = cfg.get("model_type")
         archs = cfg.get("architectures") or []
         if model_type not in SUPPORTED:
@@ -86,14 +102,19 @@ class ModelConfig:
         if act != "silu":
             raise CheckpointError(f"{where}: hidden_act {act!r} is not supported; Llama-family models use 'silu'")
 
-        def need(key: str) -> Any:
+        def need(key: str) -> int:
             if key not in cfg:
                 raise CheckpointError(f"{where}: missing key {key!r}; the checkpoint's config.json is incomplete")
-            return cfg[key]
+            return _size(cfg, key, where)
 
-        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        layers = int(need("num_hidden_layers"))
-        head_dim = cfg.get("head_dim") or hidden // heads
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        layers = need("num_hidden_layers")
+        if cfg.get("head_dim") is None and hidden % heads:
+            raise CheckpointError(f"{where}: hidden_size ({hidden}) is not a multiple of num_attention_heads "
+                                  f"({heads}) and no head_dim is given; the checkpoint's config is inconsistent")
+        head_dim = _size(cfg, "head_dim", where) if cfg.get("head_dim") is not None else hidden // heads
+        kv_heads = _size(cfg, "num_key_value_heads", where) if cfg.get("num_key_value_heads") else heads
+        eps, theta = _positive(cfg, "rms_norm_eps", 1e-6, where), _positive(cfg, "rope_theta", 10000.0, where)
         rope_theta, scaling = _rope(cfg, where)
         if model_type in ("llama", "qwen3"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
@@ -103,20 +124,24 @@ class ModelConfig:
             qkv_bias = o_bias = False
         windows = _sliding_windows(cfg, model_type, layers, where)
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        bos = cfg.get("bos_token_id")
+        if not all(_is_int(t) for t in eos_ids) or not (bos is None or _is_int(bos)):
+            raise CheckpointError(f"{where}: bos_token_id / eos_token_id must be integers; fix config.json")
+        del eps, theta  # checked above; _rope reads the same values
         return cls(
             family=model_type,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=need("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=need("intermediate_size"),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_size(cfg, "max_position_embeddings", where, 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
@@ -128,6 +153,26 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             raw=dict(cfg),
         )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _size(cfg: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    """cfg[key] as a positive integer within LIMITS[key] (or `default` when absent)."""
+    v = cfg.get(key, default)
+    if not _is_int(v) or not 1 <= v <= LIMITS[key]:
+        raise CheckpointError(f"{where}: {key} is {str(v)[:40]}, expected an integer from 1 to {LIMITS[key]}; "
+                              "the checkpoint's config.json is corrupt")
+    return v
+
+
+def _positive(cfg: dict[str, Any], key: str, default: float, where: str) -> float:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e30:
+        raise CheckpointError(f"{where}: {key} is {str(v)[:40]}, expected a positive number; fix config.json")
+    return float(v)
 
 
 def _rope(cfg: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
@@ -159,15 +204,16 @@ def _sliding_windows(cfg: dict[str, Any], model_type: str, layers: int, where: s
     window = cfg.get("sliding_window")
     if model_type == "llama" or window is None:
         return (None,) * layers
+    window = _size(cfg, "sliding_window", where)
     if model_type == "mistral":
-        return (int(window),) * layers
+        return (window,) * layers
     # qwen2, qwen3: explicit layer_types (transformers >= 4.53) or use_sliding_window + max_window_layers
     types = cfg.get("layer_types")
     if types:
         if len(types) != layers:
             raise CheckpointError(f"{where}: layer_types has {len(types)} entries for {layers} layers")
-        return tuple(int(window) if t == "sliding_attention" else None for t in types)
+        return tuple(window if t == "sliding_attention" else None for t in types)
     if not cfg.get("use_sliding_window", False):
         return (None,) * layers
     first = int(cfg.get("max_window_layers", layers))
-    return tuple(int(window) if i >= first else None for i in range(layers))
+    return tuple(window if i >= first else None for i in range(layers))

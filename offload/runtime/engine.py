@@ -359,8 +359,16 @@ class Engine:
 
     def run(self, requests: Sequence[Request]) -> list[Request]:
         """Submit every request (refusing any that could never fit before running one), then step until done."""
-        for req in requests:
-            self.submit(req)
-        while self.busy:
-            self.step()
+        try:
+            for req in requests:
+                self.submit(req)
+            while self.busy:
+                self.step()
+        except BaseException:  # Ctrl-C, a full disk, a refusal: free every block, so the runner stays usable
+            self.abort_all()
+            raise
         return list(requests)
+
+    def abort_all(self) -> None:
+        for req in list(self.waiting) + self.prefilling + self.decoding:
+            self.abort(req)

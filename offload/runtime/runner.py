@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ from offload.model.tokenizer import TextTokenizer
 from offload.plan.planner import Planner, pass_tokens
 from offload.runtime.engine import Engine, Output, Request, Sampling, blocks_needed
 from offload.runtime.results import GenerationResult, RunStats, TokenCallback
+from offload.weights.groups import check_checkpoint
 from offload.weights.tiered import TieredWeights
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic
@@ -67,19 +69,43 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None) -> torch.dtype:
     return DTYPES[name]
 
 
+class _Owned:
+    """What a runner must release (loader threads, thread pools, slot files, the store's lock), kept apart
+    from the runner so that a finalizer can release it after the runner itself is gone."""
+
+    def __init__(self) -> None:
+        self.weights: WeightSource | None = None
+        self.kv: PagedKVCache | None = None
+
+    def close(self) -> None:
+        weights, kv, self.weights, self.kv = self.weights, self.kv, None, None
+        try:
+            if weights is not None:
+                weights.close()
+        finally:
+            if kv is not None:
+                kv.close()
+
+
 class Runner:
+    """Everything it starts is released by `close()` (or `with`), else when it is garbage-collected, else at
+    interpreter exit (a `weakref.finalize`), so a script that never calls `close()` still exits cleanly."""
+
     def __init__(self, config: OffloadConfig, timeline: Timeline | None = None) -> None:
+        self._owned = _Owned()
+        self._finalizer = weakref.finalize(self, self._owned.close)
         if config.hub:  # a Hub id: the weights come now (resumed if a download was interrupted)
             config = config.replace(model=hub.fetch(config.hub))
         self.config = config
         self.device = resolve_device(config.device)
         self.checkpoint = Checkpoint(config.model)
+        check_checkpoint(self.checkpoint)  # every tensor config.json implies, from the headers: before any allocation
         self.cfg = self.checkpoint.config
         self.dtype = resolve_dtype(config.dtype, self.cfg.torch_dtype)
         self.tokenizer = TextTokenizer.from_checkpoint(config.model)
         # generation_config.json: every EOS id (with config.json's) and the default sampling
         self.generation = GenerationDefaults.from_checkpoint(config.model, self.cfg.eos_token_ids)
-        self.timeline = timeline or Timeline(nvtx=self.device.type == "cuda")
+        self.timeline = timeline or Timeline(nvtx=self.device.type == "cuda", keep_steps=config.timeline.keep_steps)
         self.traffic = Traffic()  # bytes moved by weights and KV blocks, per route
         self.last_stats: RunStats | None = None
         self.rope = M.Rope(self.cfg, self.device, self.dtype)
@@ -91,7 +117,6 @@ class Runner:
         self.prefill_chunk = run_plan.prefill_chunk  # activations.prefill_chunk, `auto` resolved
         self.weights: WeightSource = TieredWeights(config, self.checkpoint, self.dtype, self.device,
                                                    self.timeline, run_plan.plan, self.traffic)
-        self.kv: PagedKVCache | None = None
         self._kv_fixed = run_plan.kv_blocks > 0
         if self._kv_fixed:
             try:
@@ -99,8 +124,26 @@ class Runner:
                 memory = self.weights.allocate_kv(nbytes) if config.tiers else None
                 self.kv = self._make_kv(run_plan.kv_blocks, memory)
             except BaseException:
-                self.weights.close()
+                self.close()
                 raise
+
+    # what the runner owns lives in `_owned`, which the finalizer closes
+    @property
+    def weights(self) -> WeightSource:
+        assert self._owned.weights is not None, "the runner is closed"
+        return self._owned.weights
+
+    @weights.setter
+    def weights(self, value: WeightSource) -> None:
+        self._owned.weights = value
+
+    @property
+    def kv(self) -> PagedKVCache | None:
+        return self._owned.kv
+
+    @kv.setter
+    def kv(self, value: PagedKVCache | None) -> None:
+        self._owned.kv = value
 
     def _make_kv(self, gpu_blocks: int, memory: torch.Tensor | None = None) -> PagedKVCache:
         s = self.kv_settings
@@ -117,10 +160,8 @@ class Runner:
         return cls(config)
 
     def close(self) -> None:
-        self.weights.close()
-        if self.kv is not None:
-            self.kv.close()
-        self.kv = None
+        """Stop and join every thread, close files and release memory; safe to call twice."""
+        self._finalizer()
 
     def __enter__(self) -> Runner:
         return self

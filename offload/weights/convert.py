@@ -16,9 +16,10 @@ from tqdm import tqdm
 from offload.errors import StoreError
 from offload.model.checkpoint import Checkpoint
 from offload.version import __version__
-from offload.weights.groups import fill_group, model_layouts
+from offload.weights.groups import check_checkpoint, fill_group, model_layouts
 from storage.layout import dtype_name
-from storage.store import Store, StoreState, StoreWriter, store_state
+from storage.lock import FileLock
+from storage.store import Store, StoreState, StoreWriter, open_or_build, store_state
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +35,16 @@ def store_meta(ckpt: Checkpoint, dtype: torch.dtype) -> dict:
 
 
 def convert(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, force: bool = False,
-            capacity: int | None = None, progress: bool | None = None) -> Store:
-    """Write the store; on any failure (a full disk, Ctrl-C) remove what was written and re-raise."""
+            capacity: int | None = None, progress: bool | None = None, lock: FileLock | None = None) -> Store:
+    """Write the store; on any failure (a full disk, Ctrl-C) remove what was written and re-raise.
+
+    Holds the store's lock exclusively while writing: `lock` if the caller holds it, else taken here
+    (waiting, with a message, while other processes use the store).
+    """
+    check_checkpoint(ckpt)
     layouts = model_layouts(ckpt.config, dtype)
     total = sum(layout.nbytes for layout in layouts.values())
-    writer = StoreWriter(store_dir, total, force=force, capacity=capacity)
+    writer = StoreWriter(store_dir, total, force=force, capacity=capacity, lock=lock)
     log.info("converting %s into %s (%.2f GiB, %s)", ckpt.path, store_dir, total / 2**30, dtype_name(dtype))
     try:
         buf = torch.empty(max(layout.nbytes for layout in layouts.values()), dtype=torch.uint8)
@@ -58,14 +64,19 @@ def convert(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, force: 
 
 def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capacity: int | None = None,
                page_cache: bool = False, verify: str = "always", auto_convert: bool = True) -> Store:
-    """The store for this checkpoint and dtype: converted first if missing or interrupted, checked if present."""
+    """The store for this checkpoint and dtype: converted first if missing or interrupted, checked if present.
+
+    Safe with several processes on one store: one converts, the others wait for it (see `open_or_build`).
+    """
     store_dir = Path(store_dir)
-    state = store_state(store_dir)
-    if state in (StoreState.MISSING, StoreState.PARTIAL) and auto_convert:
-        if state is StoreState.PARTIAL:
+
+    def build(lock: FileLock) -> None:
+        if store_state(store_dir) is StoreState.PARTIAL:
             log.warning("%s holds an interrupted conversion; starting it again", store_dir)
-        convert(ckpt, store_dir, dtype, capacity=capacity).close()
-    store = Store.open(store_dir, page_cache=page_cache, verify=verify, capacity=capacity)
+        convert(ckpt, store_dir, dtype, capacity=capacity, lock=lock).close()
+
+    store = open_or_build(store_dir, build if auto_convert else None, page_cache=page_cache, verify=verify,
+                          capacity=capacity)
     meta = store.meta
     if meta.get("checkpoint_fingerprint") != ckpt.fingerprint():
         store.close()

@@ -80,6 +80,15 @@ def model_layouts(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, GroupLayout
     return {g: group_layout(cfg, g, dtype) for g in group_names(cfg)}
 
 
+def check_checkpoint(ckpt: Checkpoint) -> None:
+    """Every tensor config.json implies is in the checkpoint with its shape (CheckpointError otherwise): checked
+    from the headers alone, before a byte is allocated for it, so an absurd config costs nothing."""
+    for group in group_names(ckpt.config):
+        for _, sources in group_sources(ckpt.config, group):
+            for short, shape in sources:
+                ckpt.entry(short, shape)
+
+
 def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor) -> None:
     """Read a group's tensors from the checkpoint into `buf` (1-D uint8, CPU), converting dtype."""
     buf[: layout.nbytes].zero_()
