@@ -138,6 +138,35 @@ class PagedKVCache:
         self._release(self.logical.free(seq.blocks))
         self.logical.free(seq.reserved)
 
+    def truncate(self, sid: int, length: int) -> None:
+        """Roll `sid` back to its first `length` tokens (speculative tokens the target rejected).
+
+        Whole blocks past the new end leave the table: a block only this sequence holds gives its tier
+        slot back and its logical id returns to the sequence's reservation (the worst case it was admitted
+        with still holds); a block shared copy-on-write only loses this sequence's reference. The slots
+        past the end of a kept, unshared device block are zeroed, so the cache holds exactly what a run
+        that never saw the rejected tokens would hold.
+        """
+        seq = self.seqs[sid]
+        if not 0 <= length <= seq.length:
+            raise ValueError(f"cannot truncate sequence {sid} of {seq.length} tokens to {length}")
+        keep = self.blocks_for(length)
+        dropped, seq.blocks = seq.blocks[keep:], seq.blocks[:keep]
+        for bid in reversed(dropped):
+            if self.logical.refcount(bid) == 1:
+                self._release([bid])  # its slot goes back to its tier's pool
+                seq.reserved.append(bid)  # still counted as this sequence's (logical refcount stays 1)
+            else:
+                self.logical.free([bid])
+        seq.length = length
+        if length % self.block_size and seq.blocks and self.logical.refcount(seq.blocks[-1]) == 1:
+            b = self.blocks[seq.blocks[-1]]
+            if b.tier == "gpu":  # (the newest block of a running sequence is on the device)
+                arrays, off = self.stores["gpu"].arrays, length % self.block_size
+                arrays["kv"].data[:, b.slot, :, off:] = 0  # [L, slots, 2, block_size, Hkv, D]
+                if "hidden" in arrays:
+                    arrays["hidden"].data[:, b.slot, off:] = 0  # [L, slots, block_size, hidden]
+
     def _release(self, ids: list[int]) -> None:
         """Logical blocks nobody references any more give their tier slots back."""
         for bid in ids:

@@ -11,6 +11,7 @@ model math in `offload.model` knows neither.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections import deque
@@ -21,15 +22,19 @@ from typing import Any, Protocol
 import torch
 
 from offload.config import OffloadConfig
-from offload.errors import ConfigError
+from offload.errors import CapacityError, ConfigError
 from offload.kv.cache import PagedKVCache
 from offload.model import functional as M
 from offload.model.checkpoint import Checkpoint
 from offload.model.tokenizer import TextTokenizer
-from offload.plan.planner import Planner
+from offload.plan.calibrate import load_calibration
+from offload.plan.planner import AUTO_KV_TOKENS, Planner, resolve_capacities
+from offload.plan.speculative import verify_cost
 from offload.runtime.engine import Engine, Request, Sampling, blocks_needed
 from offload.runtime.results import GenerationResult, RunStats, TokenCallback
+from offload.runtime.speculative import Speculator, check_draft, draft_config
 from offload.weights.tiered import TieredWeights
+from schedulers.placement import Capacities
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic
 
@@ -78,9 +83,22 @@ class Runner:
         self.last_stats: RunStats | None = None
         self.rope = M.Rope(self.cfg, self.device, self.dtype)
         self._layer_groups = [f"layer.{i}" for i in range(self.cfg.num_layers)]
+        # speculative decoding: the draft is placed first, every weight resident; the target plans around it
+        self.draft: Runner | None = None
+        self.speculator: Speculator | None = None
+        caps = resolve_capacities(config.tiers, self.device)
+        if config.speculative.enabled:
+            self.draft = Runner(draft_config(config), Timeline(enabled=False))
+            try:
+                check_draft(self, self.draft)
+            except BaseException:
+                self.draft.close()
+                raise
+            caps = self._reserve_draft(caps)
         # KV: with tiers, a fixed pool inside the device tier's budget; without, sized per request
-        run_plan = Planner(config, self.cfg, self.dtype, self.device).run_plan()
+        run_plan = Planner(config, self.cfg, self.dtype, self.device, caps).run_plan()
         self.kv_settings = run_plan.kv
+        self.kv_block_bytes = run_plan.kv_block_bytes  # device bytes of one KV block (all layers)
         self.plan = run_plan.plan
         self.weights: WeightSource = TieredWeights(config, self.checkpoint, self.dtype, self.device,
                                                    self.timeline, run_plan.plan, self.traffic)
@@ -94,6 +112,25 @@ class Runner:
             except BaseException:
                 self.weights.close()
                 raise
+        if self.draft is not None:
+            if self.kv is not None:  # one draft block for every target block: what is admitted fits both
+                self.draft._kv_fixed, self.draft.kv = True, self.draft._make_kv(self.kv.logical.num_blocks)
+            cost = verify_cost(self.plan, self.cfg, load_calibration(config.calibration), self.device.type,
+                               self.dtype.itemsize)
+            self.speculator = Speculator(self.draft, config.speculative.tokens, self.timeline, cost)
+
+    def _reserve_draft(self, caps: Capacities) -> Capacities:
+        """The device capacity left to the target once the draft's weights, workspace and KV are resident."""
+        if caps.gpu is None:
+            return caps
+        kv = self.config.kv_cache
+        blocks = (kv.gpu_blocks or -(-AUTO_KV_TOKENS // kv.block_size)) + kv.cpu_blocks + kv.disk_blocks
+        assert self.draft is not None
+        draft = self.draft.plan.used("gpu") + blocks * self.draft.kv_block_bytes
+        if draft >= caps.gpu:
+            raise CapacityError(f"speculative.draft: the draft needs {draft} bytes resident on the device but "
+                                f"tiers.gpu.capacity is {caps.gpu}; raise it or choose a smaller draft")
+        return dataclasses.replace(caps, gpu=caps.gpu - draft)
 
     def _make_kv(self, gpu_blocks: int, memory: torch.Tensor | None = None) -> PagedKVCache:
         s = self.kv_settings
@@ -110,6 +147,8 @@ class Runner:
         return cls(config)
 
     def close(self) -> None:
+        if self.draft is not None:
+            self.draft.close()
         self.weights.close()
         if self.kv is not None:
             self.kv.close()
@@ -122,10 +161,12 @@ class Runner:
         self.close()
 
     # -- the forward pass ---------------------------------------------------------------------
-    def _forward(self, sids: list[int], tokens: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+    def _forward(self, sids: list[int], tokens: list[list[int]], all_logits: bool = False,
+                 keep: Sequence[int] | None = None) -> torch.Tensor:
         """Run new `tokens[b]` of sequences `sids` through the model; logits [rows, V] float32.
 
-        Rows are every token (all_logits) or each sequence's last new token.
+        Rows are every token (all_logits), the last `keep[b]` new tokens of each sequence (speculative
+        verification), or each sequence's last new token.
         """
         kv = self._kv()
         layout, step = kv.prepare(sids, [len(t) for t in tokens])
@@ -146,7 +187,10 @@ class Runner:
                     x = M.decoder_layer(x, w, view, layout, cos_sin, self.cfg, self.cfg.sliding_windows[i],
                                         rope_table)
                 self.weights.release(group)
-            if not all_logits:
+            if keep is not None:
+                ends = torch.tensor(layout.q_lens).cumsum(0).tolist()
+                x = x[torch.cat([torch.arange(e - n, e) for e, n in zip(ends, keep)]).to(x.device)]
+            elif not all_logits:
                 x = x[layout.last_token_rows()]
             w = M.HeadWeights.from_views(self.weights.acquire("head"))
             with tl.range("offload/compute/head"):
@@ -269,7 +313,10 @@ class Runner:
                     for i, p in enumerate(encoded)]
         stats = RunStats(prompt_tokens=sum(map(len, encoded)))
         bs = self.kv_settings.block_size
-        self._ensure_kv(sum(blocks_needed(len(r.prompt), r.sampling, bs) for r in requests))  # unless fixed
+        need = sum(blocks_needed(len(r.prompt), r.sampling, bs) for r in requests)
+        self._ensure_kv(need)  # unless fixed
+        if self.draft is not None:
+            self.draft._ensure_kv(need)
         Engine(self, stats).run(requests)
         stats.generated_tokens = sum(len(o.token_ids) for r in requests for o in r.outputs)
         self.last_stats = stats
