@@ -81,7 +81,9 @@ class Request:
 def blocks_needed(prompt_len: int, s: Sampling, block_size: int) -> int:
     """Logical KV blocks a request reserves: prompt + max_new_tokens per output, full prompt blocks shared."""
     per_output = -(-(prompt_len + s.max_new_tokens) // block_size)
-    return per_output + (s.n - 1) * (per_output - prompt_len // block_size)
+    # with samples, a partial last prompt block is copied by every writer before the shared one goes
+    copied = 1 if s.n > 1 and prompt_len % block_size else 0
+    return per_output + (s.n - 1) * (per_output - prompt_len // block_size) + copied
 
 
 class Engine:
@@ -228,9 +230,9 @@ class Engine:
         Returns one logits row per pass row (the last of each decoding row's) and the tokens emitted."""
         per_row = list(torch.split(logits, keep))
         emitted = 0
-        for (req, outs, _, _), chain, row in zip(rows, drafts, per_row):
+        kept = self.speculator.accept([(req, outs[0]) for req, outs, _, _ in rows], per_row[: len(rows)])
+        for (req, outs, _, _), chain, tokens in zip(rows, drafts, kept):
             o = outs[0]
-            tokens = self.speculator.accept(req, o, row)
             self.kv.truncate(o.sid, self.kv.length(o.sid) - (len(chain) + 1 - len(tokens)))
             self.stats.draft_tokens += len(chain)
             self.stats.accepted_tokens += len(tokens) - 1

@@ -129,8 +129,7 @@ class Speculator:
                 for j in range(max(ks)):
                     live = [i for i in active if ks[i] > j]
                     logits = self._draft_pass([rows[i][1].draft_sid for i in live], [feed[i] for i in live])
-                    for i, row in zip(live, logits):
-                        tok, q = self._pick(rows[i], row)
+                    for i, (tok, q) in zip(live, self._pick([rows[i] for i in live], logits)):
                         drafts[i].append(tok)
                         qs[i].append(q)
                         feed[i] = [tok]
@@ -174,31 +173,39 @@ class Speculator:
         return logits
 
     @staticmethod
-    def _pick(row: tuple[Any, Any], logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        req, o = row
-        s = req.sampling
-        if s.temperature <= 0:
-            return int(logits.argmax()), None
-        q = probs(logits, s.temperature, s.top_p, s.top_k)
-        return int(torch.multinomial(q, 1, generator=o.generator)), q
+    def _pick(rows: list[tuple[Any, Any]], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+        """A draft token per row (logits [rows, V]), and the distribution q it was drawn from (None: greedy)."""
+        dists = distributions(rows, logits)
+        out = []
+        for (_, o), row, q in zip(rows, logits, dists):
+            tok = int(row.argmax()) if q is None else int(torch.multinomial(q, 1, generator=o.generator))
+            out.append((tok, q))
+        return out
 
     # -- verifying ----------------------------------------------------------------------------
-    def accept(self, req: Any, o: Any, logits: torch.Tensor) -> list[int]:
-        """The tokens this step commits for `o`: kept drafts, then one of the target's. logits [k+1, V].
+    def accept(self, rows: list[tuple[Any, Any]], logits: list[torch.Tensor]) -> list[list[int]]:
+        """The tokens this step commits for each (request, output): kept drafts, then one of the target's.
 
-        Rolls the draft's KV back to the kept tokens; the caller rolls back the target's.
+        logits[i]: [k_i + 1, V], the target's at the output's last token and each of its drafts. Rolls the
+        draft's KV back to the kept tokens; the caller rolls back the target's.
         """
+        ps = distributions([r for r, lg in zip(rows, logits) for _ in range(len(lg))], torch.cat(logits))
+        out, at = [], 0
+        for (req, o), lg in zip(rows, logits):
+            p, at = ps[at : at + len(lg)], at + len(lg)
+            out.append(self._accept_one(req, o, lg, None if p[0] is None else torch.stack(p)))
+        return out
+
+    def _accept_one(self, req: Any, o: Any, logits: torch.Tensor, p: torch.Tensor | None) -> list[int]:
         drafts, q, context = self._step.pop(o.index)
         k = len(drafts)
-        s = req.sampling
-        if s.temperature <= 0:
+        if p is None:  # greedy
             target = logits.argmax(dim=-1).tolist()
             a = 0
             while a < k and drafts[a] == target[a]:
                 a += 1
             out = drafts[:a] + [target[a]]
-        else:
-            p = probs(logits, s.temperature, s.top_p, s.top_k)  # [k+1, V]
+        else:  # p [k+1, V], q [k, V]
             out = []
             for j, d in enumerate(drafts):
                 u = float(torch.rand(1, generator=o.generator))
@@ -218,3 +225,16 @@ class Speculator:
             kv = self.draft._kv()
             kv.truncate(o.draft_sid, min(kv.length(o.draft_sid), context + kept))
         return out
+
+
+def distributions(rows: list[tuple[Any, Any]], logits: torch.Tensor) -> list[torch.Tensor | None]:
+    """The sampling distribution of each logits row [V] under its request's settings (None where greedy)."""
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    groups: dict[Any, list[int]] = {}
+    for i, (req, _) in enumerate(rows):
+        if req.sampling.temperature > 0:
+            groups.setdefault(req.sampling, []).append(i)
+    for s, idx in groups.items():
+        for i, p in zip(idx, probs(logits[idx], s.temperature, s.top_p, s.top_k)):
+            out[i] = p
+    return out
