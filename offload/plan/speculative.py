@@ -51,9 +51,11 @@ def predict(alpha: float, k: int, t_draft: float, t_verify: Callable[[int], floa
 
 def choose_tokens(alpha: float, t_draft: float, t_verify: Callable[[int], float], t_plain: float,
                   most: int = MAX_AUTO_TOKENS) -> SpecPrediction:
-    """The chain length (1..most) with the highest predicted speed-up; ties go to the shorter chain."""
-    best = predict(alpha, 1, t_draft, t_verify, t_plain)
-    for k in range(2, most + 1):
+    """The chain length (0..most) with the highest predicted speed-up; ties go to the shorter chain.
+
+    0 means plain decoding: the draft costs more than its accepted tokens save."""
+    best = SpecPrediction(0, 1.0, t_plain, 1.0)
+    for k in range(1, most + 1):
         p = predict(alpha, k, t_draft, t_verify, t_plain)
         if p.speedup > best.speedup * 1.005:
             best = p

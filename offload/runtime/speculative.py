@@ -38,6 +38,8 @@ from schedulers.timeline import Timeline
 
 #: acceptance rate assumed before any draft token was checked (and the weight of that prior, in tokens)
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.6, 8.0
+#: with `tokens: auto` and drafting not paying, every PROBE_EVERY-th pass still drafts one token
+PROBE_EVERY = 16
 
 
 def draft_config(config: OffloadConfig) -> OffloadConfig:
@@ -100,6 +102,8 @@ class Speculator:
         t_plain = self.verify_s / self.verify_passes
         self.choice = choose_tokens(self.alpha, t_draft, lambda k: t_plain * self.verify_cost(k), t_plain,
                                     MAX_AUTO_TOKENS)
+        if self.choice.tokens == 0 and self.verify_passes % PROBE_EVERY == 0:
+            return 1  # drafting does not pay: plain passes, with a probe now and then to re-measure acceptance
         return self.choice.tokens
 
     def release(self, output: Any) -> None:
