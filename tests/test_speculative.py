@@ -81,8 +81,8 @@ def test_greedy_tokens_are_the_targets_for_every_family(model_factory, draft_for
     assert sum(s.args["proposed"] for s in verify) == stats.draft_tokens
 
 
-@pytest.mark.parametrize("placement", ["all-disk", "mixed"])
-def test_greedy_tokens_are_the_same_when_the_target_streams(model_factory, draft_for, tmp_path, placement):
+def test_greedy_tokens_are_the_same_when_the_target_streams(model_factory, draft_for, tmp_path):
+    placement = "mixed"  # layers homed on the device, in RAM and on disk, streamed through a ring; KV in 2 tiers
     target = model_factory("llama", overrides={"num_hidden_layers": 8})
     prompts = ragged(512)
     with Runner.from_config(run_config(target)) as r:
@@ -172,10 +172,10 @@ def chi_square_p(observed: list[int], expected: list[float]) -> float:
 
 
 def test_sampled_tokens_follow_the_targets_distribution(tiny_llama, draft_for):
-    """Joint frequencies of (t1, t2, t3) from 1200 samples against the target's exact probabilities.
+    """Joint frequencies of (t1, t2, t3) from 800 samples against the target's exact probabilities.
 
     t1 comes from the prompt's pass; t2 and t3 from verifying a chain of two drafts (kept, or resampled)."""
-    prompt, n, k, temp, top_k = [1, 17, 99, 23, 5], 1200, 2, 1.0, 4
+    prompt, n, k, temp, top_k = [1, 17, 99, 23, 5], 800, 2, 1.0, 4
     draft = draft_for(tiny_llama, 0.3)
     cfg = run_config(tiny_llama, speculative={"draft": str(draft), "tokens": k})
     with Runner.from_config(cfg) as r:

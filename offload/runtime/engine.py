@@ -100,6 +100,9 @@ class Engine:
         bs = self.kv.block_size
         # device blocks one prefill pass may write: every running sequence pins its newest block besides
         self._pass_blocks = -(-self.budget // bs) + 1
+        # device blocks each running sequence may hold in a pass: its newest, plus a speculative chain's
+        chain = self.speculator.most_tokens + 1 if self.speculator is not None else 0
+        self._row_blocks = 1 + -(-chain // bs)
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -144,7 +147,7 @@ class Engine:
             need = blocks_needed(len(req.prompt), req.sampling, self.kv.block_size)
             if self.kv.logical.can_allocate(need) is not Admission.OK:
                 return
-            if running and running + req.sampling.n + self._pass_blocks > self.kv.pool.num_blocks:
+            if running and (running + req.sampling.n) * self._row_blocks + self._pass_blocks > self.kv.pool.num_blocks:
                 return  # the device could not hold every running sequence's newest block and a prefill pass
             self.waiting.popleft()
             req.outputs[0].sid = self.kv.add_sequence(reserve_tokens=len(req.prompt) + req.sampling.max_new_tokens)

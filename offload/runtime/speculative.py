@@ -89,6 +89,11 @@ class Speculator:
 
     # -- bookkeeping ---------------------------------------------------------------------------
     @property
+    def most_tokens(self) -> int:
+        """The longest chain a step may propose."""
+        return self.fixed if self.fixed is not None else MAX_AUTO_TOKENS
+
+    @property
     def alpha(self) -> float:
         """Measured acceptance rate per draft token (with a weak prior while few were checked)."""
         return (self.accepted + PRIOR_ALPHA * PRIOR_WEIGHT) / (self.proposed + PRIOR_WEIGHT)
