@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 
+from offload.cli.main import main
 from offload.errors import ConfigError
 from offload.kv.cache import PagedKVCache
 from offload.model.checkpoint import Checkpoint
@@ -249,3 +250,20 @@ def test_bad_drafts_are_refused_with_the_knob_to_change(tiny_llama, model_factor
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ConfigError, match="another tokenizer"):
         Runner.from_config({**base, "speculative": {"draft": str(other)}})
+
+
+def test_offload_plan_places_the_draft_first_and_predicts(tiny_llama, draft_for, tmp_path, capsys):
+    cfg = run_config(tiny_llama, tiers={"gpu": {"capacity": "7MiB"}, "cpu": {"capacity": 0},
+                                        "disk": {"path": str(tmp_path / "store")}},
+                     kv_cache={"gpu_blocks": 8}, activations={"prefill_chunk": 16})
+    alone = tmp_path / "alone.yaml"
+    alone.write_text(json.dumps(cfg))
+    with_draft = tmp_path / "spec.yaml"
+    with_draft.write_text(json.dumps(cfg | {"speculative": {"draft": str(draft_for(tiny_llama)), "tokens": 4}}))
+    assert main(["plan", "--config", str(alone), "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["homes"].values()) == {"gpu"}  # alone, the target fits
+    assert main(["plan", "--config", str(with_draft), "--json"]) == 0
+    assert "disk" in json.loads(capsys.readouterr().out)["homes"].values()  # beside the draft, it streams
+    assert main(["plan", "--config", str(with_draft)]) == 0
+    out = capsys.readouterr().out
+    assert "speculative decoding" in out and "acceptance 0.9: tokens 4" in out

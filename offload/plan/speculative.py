@@ -13,14 +13,18 @@ the bytes move once whatever the token count, which is why a long chain pays.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from offload.config import OffloadConfig
 from offload.model.config import ModelConfig
+from offload.plan.planner import AUTO_KV_TOKENS
 from offload.plan.predict import Workload, predict_decode
 from schedulers.calibration import Calibration
-from schedulers.placement import Plan
+from schedulers.placement import Capacities, Plan
+from storage.errors import CapacityError
 
 #: longest chain `tokens: auto` considers
 MAX_AUTO_TOKENS = 16
@@ -75,3 +79,20 @@ def verify_cost(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str
         return step(k + 1) / base if base > 0 else 1.0
 
     return cost
+
+
+def reserve_draft(config: OffloadConfig, caps: Capacities, draft_gpu_bytes: int, draft_block_bytes: int
+                  ) -> Capacities:
+    """The capacities left to the target once the resident draft is placed (it is placed first).
+
+    `draft_gpu_bytes`: the draft plan's device bytes (weights, workspace); its KV pool holds one block for
+    every block of the target's (device, host and disk), so whatever the target admits fits the draft."""
+    if caps.gpu is None:
+        return caps
+    kv = config.kv_cache
+    blocks = (kv.gpu_blocks or -(-AUTO_KV_TOKENS // kv.block_size)) + kv.cpu_blocks + kv.disk_blocks
+    need = draft_gpu_bytes + blocks * draft_block_bytes
+    if need >= caps.gpu:
+        raise CapacityError(f"speculative.draft: the draft needs {need / 2**20:.1f} MiB resident on the device but "
+                            f"tiers.gpu.capacity is {caps.gpu / 2**20:.1f} MiB; raise it or choose a smaller draft")
+    return dataclasses.replace(caps, gpu=caps.gpu - need)

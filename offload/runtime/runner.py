@@ -11,7 +11,6 @@ model math in `offload.model` knows neither.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections import deque
@@ -22,19 +21,18 @@ from typing import Any, Protocol
 import torch
 
 from offload.config import OffloadConfig
-from offload.errors import CapacityError, ConfigError
+from offload.errors import ConfigError
 from offload.kv.cache import PagedKVCache
 from offload.model import functional as M
 from offload.model.checkpoint import Checkpoint
 from offload.model.tokenizer import TextTokenizer
 from offload.plan.calibrate import load_calibration
-from offload.plan.planner import AUTO_KV_TOKENS, Planner, resolve_capacities
-from offload.plan.speculative import verify_cost
+from offload.plan.planner import Planner, resolve_capacities
+from offload.plan.speculative import reserve_draft, verify_cost
 from offload.runtime.engine import Engine, Request, Sampling, blocks_needed
 from offload.runtime.results import GenerationResult, RunStats, TokenCallback
 from offload.runtime.speculative import Speculator, check_draft, draft_config
 from offload.weights.tiered import TieredWeights
-from schedulers.placement import Capacities
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic
 
@@ -94,7 +92,7 @@ class Runner:
             except BaseException:
                 self.draft.close()
                 raise
-            caps = self._reserve_draft(caps)
+            caps = reserve_draft(config, caps, self.draft.plan.used("gpu"), self.draft.kv_block_bytes)
         # KV: with tiers, a fixed pool inside the device tier's budget; without, sized per request
         run_plan = Planner(config, self.cfg, self.dtype, self.device, caps).run_plan()
         self.kv_settings = run_plan.kv
@@ -118,19 +116,6 @@ class Runner:
             cost = verify_cost(self.plan, self.cfg, load_calibration(config.calibration), self.device.type,
                                self.dtype.itemsize)
             self.speculator = Speculator(self.draft, config.speculative.tokens, self.timeline, cost)
-
-    def _reserve_draft(self, caps: Capacities) -> Capacities:
-        """The device capacity left to the target once the draft's weights, workspace and KV are resident."""
-        if caps.gpu is None:
-            return caps
-        kv = self.config.kv_cache
-        blocks = (kv.gpu_blocks or -(-AUTO_KV_TOKENS // kv.block_size)) + kv.cpu_blocks + kv.disk_blocks
-        assert self.draft is not None
-        draft = self.draft.plan.used("gpu") + blocks * self.draft.kv_block_bytes
-        if draft >= caps.gpu:
-            raise CapacityError(f"speculative.draft: the draft needs {draft} bytes resident on the device but "
-                                f"tiers.gpu.capacity is {caps.gpu}; raise it or choose a smaller draft")
-        return dataclasses.replace(caps, gpu=caps.gpu - draft)
 
     def _make_kv(self, gpu_blocks: int, memory: torch.Tensor | None = None) -> PagedKVCache:
         s = self.kv_settings
