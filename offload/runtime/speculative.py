@@ -102,7 +102,7 @@ class Speculator:
         if self.fixed is not None:
             return self.fixed
         if not self.draft_passes or not self.verify_passes:
-            return 4  # a first guess until both pass times are measured
+            return 1  # one cheap step measures both pass times; then the measured choice
         t_draft = self.draft_s / self.draft_passes
         t_plain = self.verify_s / self.verify_passes
         self.choice = choose_tokens(self.alpha, t_draft, lambda k: t_plain * self.verify_cost(k), t_plain,
