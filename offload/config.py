@@ -256,10 +256,35 @@ def _steps_or_all(value: Any, key: str) -> int | None:
     return value
 
 
+#: drafts built from the target itself (the packed-weight path of `weights.quantization`)
+SELF_DRAFTS = ("self-int4", "self-int8")
+
+
+def _draft(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: expected none, self-int4, self-int8 or a draft checkpoint directory, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class TimelineConfig:
     keep_steps: int | None = _opt(_steps_or_all, "spans kept in memory: those of the last N steps (a long-lived "
                                   "process stays flat); all = every span (`run --trace` keeps all)", 512)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    draft: str = _opt(_draft, "none | self-int4 | self-int8 | a draft checkpoint directory sharing the tokenizer",
+                      "none")
+    tokens: int | None = _opt(_int_or_auto(1), "draft tokens proposed per pass; auto = the count the measured "
+                              "acceptance and pass times predict fastest", 8)
+    tree: bool = _opt(_bool, "propose a tree of candidates (tree attention mask) instead of a chain", False)
+    #: the draft checkpoint directory (resolved); None for none and the self-* drafts
+    path: Path | None = field(default=None, compare=False, metadata={"internal": True})
+
+    @property
+    def enabled(self) -> bool:
+        return self.draft != "none"
 
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "auto")
@@ -279,6 +304,8 @@ class OffloadConfig:
     activations: ActivationsConfig = field(default_factory=ActivationsConfig,
                                            metadata={"section": ActivationsConfig})
     timeline: TimelineConfig = field(default_factory=TimelineConfig, metadata={"section": TimelineConfig})
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig,
+                                           metadata={"section": SpeculativeConfig})
     calibration: Path | None = _opt(_str, "calibration file from `offload calibrate` (default: the saved one, if any)")
     #: where a YAML file was loaded from (relative paths are resolved against its directory)
     source: Path | None = field(default=None, compare=False, metadata={"internal": True})
@@ -360,7 +387,20 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str, base_dir: Path, sour
         if "path" not in values:
             raise ConfigError(f"{prefix}path: missing required key; the disk tier needs a directory for its store")
         values["path"] = (base_dir / Path(values["path"]).expanduser()).resolve()
+    if cls is SpeculativeConfig and values.get("draft", "none") not in ("none", *SELF_DRAFTS):
+        values["path"] = _draft_dir(values["draft"], base_dir, prefix + "draft")
     return cls(**values)
+
+
+def _draft_dir(value: str, base_dir: Path, key: str) -> Path:
+    path = (base_dir / Path(value).expanduser()).resolve()
+    if not path.is_dir():
+        raise ConfigError(
+            f"{key}: {value!r} is neither none, self-int4, self-int8 nor a checkpoint directory; give the path of a "
+            "draft checkpoint (config.json, *.safetensors, the target's tokenizer) - hub ids are not downloaded, "
+            "fetch the model first"
+        )
+    return path
 
 
 def _model_dir(value: str, base_dir: Path) -> Path:

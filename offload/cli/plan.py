@@ -26,9 +26,11 @@ from offload.config import (
 from offload.errors import ConfigError
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import calibrate, default_path, load_calibration
-from offload.plan.planner import Planner
+from offload.plan.planner import Planner, resolve_capacities
 from offload.plan.predict import Workload, predict_decode, predict_prefill_per_token, suggestions
+from offload.plan.speculative import choose_tokens, predict, reserve_draft, verify_cost
 from offload.runtime.runner import resolve_dtype
+from offload.runtime.speculative import draft_config
 from schedulers.costmodel import explain
 
 
@@ -101,7 +103,13 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
         raise ConfigError("tiers.gpu.capacity: auto needs the GPU itself; give a size (e.g. --gpu 24GiB) to plan "
                           "on paper")
     dtype = resolve_dtype(config.dtype, cfg.torch_dtype)
-    planner = Planner(config, cfg, dtype, device)
+    caps, draft = resolve_capacities(config.tiers, device), None
+    if config.speculative.enabled:  # the draft is placed first, resident; the target plans around it
+        dconf = draft_config(config)
+        dcfg = ModelConfig.from_dict(json.loads((dconf.model / "config.json").read_text()), str(dconf.model))
+        draft = Planner(dconf, dcfg, dtype, device).run_plan(), dcfg
+        caps = reserve_draft(config, caps, draft[0].plan.used("gpu"), draft[0].kv_block_bytes)
+    planner = Planner(config, cfg, dtype, device, caps)
     rp = planner.run_plan()
     cal = load_calibration(config.calibration)
     work = Workload(batch=batch, context=context, prefill_chunk=rp.prefill_chunk)
@@ -133,11 +141,29 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     for line in explain(rp.plan, pred, cal.links):
         print(f"  {line}")
     print(f"  prefill: {1000 * per_token:.2f} ms per prompt token (passes of {work.prefill_chunk} tokens)")
+    if draft is not None:
+        _print_speculative(config, draft, rp, cfg, cal, device, dtype, pred.step_s)
     if helps:
         print("what would help most:")
         for s in helps[:4]:
             print(f"  {s.change}: {1000 * s.step_s:.0f} ms/step, {s.tokens_per_s:.2f} tokens/s "
                   f"({s.tokens_per_s / (work.batch / pred.step_s):.1f}x)")
+
+
+def _print_speculative(config, draft, rp, cfg, cal, device, dtype, t_plain: float) -> None:
+    """The draft's placement and pass time, and the predicted speed-up by acceptance rate."""
+    drp, dcfg = draft
+    t_draft = predict_decode(drp.plan, dcfg, cal, device.type, Workload(), dtype.itemsize).step_s
+    cost = verify_cost(rp.plan, cfg, cal, device.type, dtype.itemsize)
+    print(f"speculative decoding (draft {config.speculative.draft}, resident, "
+          f"{format_size(drp.plan.used('gpu'))} on the device): {1000 * t_draft:.0f} ms per draft pass, "
+          f"a verify pass of 9 tokens x{cost(8):.2f} of a plain one")
+    fixed = config.speculative.tokens
+    for alpha in (0.5, 0.7, 0.9):
+        p = (predict(alpha, fixed, t_draft, lambda k: t_plain * cost(k), t_plain) if fixed
+             else choose_tokens(alpha, t_draft, lambda k: t_plain * cost(k), t_plain))
+        print(f"  acceptance {alpha:.1f}: tokens {p.tokens}, {p.tokens_per_pass:.2f} tokens per pass, "
+              f"{p.tokens_per_pass / p.step_s:.2f} tokens/s (x{p.speedup:.2f})")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

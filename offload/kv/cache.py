@@ -165,29 +165,45 @@ class PagedKVCache:
         self.logical.free(seq.reserved)
         seq.reserved = []
 
-    def truncate(self, sid: int, length: int) -> int:
-        """Forget the tokens of `sid` from `length` on; returns the length kept.
+    def free_sequence(self, sid: int) -> None:
+        seq = self.seqs.pop(sid)
+        self._release(self.logical.free(seq.blocks))
+        self.logical.free(seq.reserved)
 
-        New tokens are written on the device into a block this sequence owns alone, so when the
-        block that would end the sequence part-filled is cold or shared, it goes too (the kept
-        length drops to the block boundary and those tokens are computed again).
+    def truncate(self, sid: int, length: int, reserve: bool = False) -> int:
+        """Forget the tokens of `sid` from `length` on (clamped to its length); returns the length kept.
+
+        Whole blocks past the new end leave the table. With `reserve` (speculative tokens the target
+        rejected) a block only this sequence holds gives its tier slot back and its logical id returns to
+        the sequence's reservation, so the worst case it was admitted with still holds; otherwise its id
+        is freed. A block shared copy-on-write only loses this sequence's reference. New tokens are
+        written on the device into a block the sequence owns alone, so when the block that would end
+        the sequence part-filled is cold or shared, it goes too (the kept length drops to the block
+        boundary and those tokens are computed again). The slots past the end of the kept device block
+        are zeroed, so the cache holds exactly what a run that never saw the forgotten tokens would hold.
         """
         seq = self.seqs[sid]
-        length = min(length, seq.length)
+        length = max(min(length, seq.length), 0)
         if length % self.block_size:
             last = seq.blocks[length // self.block_size]
             if self.blocks[last].tier != "gpu" or self.logical.refcount(last) > 1:
                 length -= length % self.block_size
         keep = self.blocks_for(length)
         dropped, seq.blocks = seq.blocks[keep:], seq.blocks[:keep]
+        for bid in reversed(dropped):
+            if reserve and self.logical.refcount(bid) == 1:
+                self._release([bid])  # its slot goes back to its tier's pool
+                seq.reserved.append(bid)  # still counted as this sequence's (logical refcount stays 1)
+            else:
+                self._release(self.logical.free([bid]))
         seq.length = length
-        self._release(self.logical.free(dropped))
+        if length % self.block_size:  # the kept partial block is on the device and this sequence's alone
+            b, off = self.blocks[seq.blocks[-1]], length % self.block_size
+            arrays = self.stores["gpu"].arrays
+            arrays["kv"].data[:, b.slot, :, off:] = 0  # [L, slots, 2, block_size, Hkv, D]
+            if "hidden" in arrays:
+                arrays["hidden"].data[:, b.slot, off:] = 0  # [L, slots, block_size, hidden]
         return length
-
-    def free_sequence(self, sid: int) -> None:
-        seq = self.seqs.pop(sid)
-        self._release(self.logical.free(seq.blocks))
-        self.logical.free(seq.reserved)
 
     def _release(self, ids: list[int]) -> None:
         """Logical blocks nobody references any more give their tier slots back."""

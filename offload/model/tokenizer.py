@@ -27,6 +27,10 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token's string and id (with added tokens): two tokenizers agree when these are equal."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids; `add_special_tokens=False` for text that already carries them (a rendered chat template)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -79,6 +79,7 @@ class Output:
     generator: torch.Generator | None
     stream: StreamDecoder | None = None
     sid: int | None = None
+    draft_sid: int | None = None  # its sequence in the speculative draft's KV cache
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""  # "" while running; "eos" | "stop" (a stop string) | "length" | "abort"
     first_token_s: float | None = None  # seconds from submission to the first token
@@ -115,12 +116,15 @@ class Request:
 def blocks_needed(prompt_len: int, s: Sampling, block_size: int) -> int:
     """Logical KV blocks a request reserves: prompt + max_new_tokens per output, full prompt blocks shared."""
     per_output = -(-(prompt_len + s.max_new_tokens) // block_size)
-    return per_output + (s.n - 1) * (per_output - prompt_len // block_size)
+    # with samples, a partial last prompt block is copied by every writer before the shared one goes
+    copied = 1 if s.n > 1 and prompt_len % block_size else 0
+    return per_output + (s.n - 1) * (per_output - prompt_len // block_size) + copied
 
 
 class Engine:
     def __init__(self, runner, stats: RunStats | None = None) -> None:
         self.runner = runner
+        self.speculator = getattr(runner, "speculator", None)  # runtime.speculative.Speculator when configured
         self.kv = runner._kv()
         self.budget = runner.prefill_chunk  # activations.prefill_chunk, `auto` resolved by the planner
         self.stats = stats or RunStats()
@@ -134,6 +138,9 @@ class Engine:
         bs = self.kv.block_size
         # device blocks one prefill pass may write: every running sequence pins its newest block besides
         self._pass_blocks = -(-self.budget // bs) + 1
+        # device blocks each running sequence may hold in a pass: its newest, plus a speculative chain's
+        chain = self.speculator.most_tokens + 1 if self.speculator is not None else 0
+        self._row_blocks = 1 + -(-chain // bs)
 
     # -- requests -----------------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
@@ -235,9 +242,9 @@ class Engine:
 
     def _reserve(self, req: Request) -> bool:
         """Admit `req` if its worst case fits: its sequence, with blocks reserved for every future token."""
-        # every running and kept sequence pins its newest device block
+        # every running and kept sequence pins its newest device block (and, speculating, its chain's)
         running = sum(len(r.outputs) for r in self.prefilling + self.decoding) + len(self._kept)
-        if running and running + req.sampling.n + self._pass_blocks > self.kv.pool.num_blocks:
+        if running and (running + req.sampling.n) * self._row_blocks + self._pass_blocks > self.kv.pool.num_blocks:
             return False  # the device could not hold every running sequence's newest block and a prefill pass
         total = len(req.context) + len(req.prompt) + req.sampling.max_new_tokens
         if req.outputs[0].sid is not None:  # a continued sequence: reserve what it will grow by
@@ -249,14 +256,24 @@ class Engine:
         return True
 
     def step(self) -> None:
-        """One forward pass: a token for every decoding output, then prompt chunks within the budget."""
+        """One forward pass: a token for every decoding output, then prompt chunks within the budget.
+
+        With a speculator, each decoding output's row is its last token and the draft's chain; the
+        pass verifies them all, the target's KV is rolled back past the rejected ones, and an output
+        gains one to `tokens + 1` tokens.
+        """
         self._admit()
+        t0, step_id = time.perf_counter(), self.runner.timeline.step
         rows: list[tuple[Request, list[Output], list[int], bool]] = []  # (request, outputs, tokens, samples?)
         for req in self.decoding:
             for o in req.outputs:
                 if not o.finish_reason:
                     rows.append((req, [o], [o.token_ids[-1]], True))
         decode_rows = len(rows)
+        spec = self.speculator if decode_rows else None
+        drafts = spec.propose([(req, outs[0]) for req, outs, _, _ in rows]) if spec else []
+        for i, chain in enumerate(drafts):
+            rows[i][2].extend(chain)
         left = self.budget  # prompt tokens per pass; decode rows ride along (a row each)
         for req in self.prefilling:
             if left <= 0:
@@ -270,11 +287,22 @@ class Engine:
             if self.waiting and not self.prefilling and not self.decoding:
                 raise AssertionError("nothing running and nothing admissible")  # NEVER was refused at submit
             return
-        t0, step_id = time.perf_counter(), self.runner.timeline.step
-        logits = self.runner._forward([outs[0].sid for _, outs, _, _ in rows], [toks for _, _, toks, _ in rows])
+        keep = [len(toks) for _, _, toks, _ in rows[:decode_rows]] + [1] * (len(rows) - decode_rows) if spec else None
+        t_pass = time.perf_counter()
+        logits = self.runner._forward([outs[0].sid for _, outs, _, _ in rows], [toks for _, _, toks, _ in rows],
+                                      keep=keep)
+        verify_end = time.perf_counter()
+        if spec:
+            logits, emitted = self._verify(rows[:decode_rows], drafts, logits, keep)
+            spec.timed_verify(verify_end - t_pass, max(map(len, drafts)))
+            self.runner.timeline.add("speculative", "verify", t_pass - self.runner.timeline.origin,
+                                     verify_end - self.runner.timeline.origin, step=step_id,
+                                     proposed=sum(map(len, drafts)), accepted=emitted - decode_rows, rows=decode_rows)
+        else:
+            emitted = decode_rows
         picks: list[tuple[Request, Output, torch.Tensor]] = []
-        for (req, outs, _, samples), row in zip(rows, logits):
-            if not samples:
+        for i, ((req, outs, _, samples), row) in enumerate(zip(rows, logits)):
+            if not samples or (spec and i < decode_rows):
                 continue
             if outs is req.outputs and req in self.prefilling:  # the prompt is in: fork the samples, decode next
                 for o in outs[1:]:
@@ -289,7 +317,7 @@ class Engine:
         if decode_rows:
             self.stats.decode_s += dt
             self.stats.decode_steps += 1
-            self.stats.decode_tokens += decode_rows
+            self.stats.decode_tokens += emitted
             self.stats.step_ms.append(1000 * dt)
         else:
             self.stats.prefill_s += dt
@@ -298,6 +326,26 @@ class Engine:
         kind = "mixed" if decode_rows and len(rows) > decode_rows else "decode" if decode_rows else "prefill"
         self.stats.passes.append((step_id, kind, 1000 * dt))
         self._retire()
+
+    def _verify(self, rows, drafts: list[list[int]], logits: torch.Tensor, keep: list[int]
+                ) -> tuple[list[torch.Tensor], int]:
+        """Accept or reject each decoding output's drafts; roll its KV back; emit what it keeps.
+
+        Returns one logits row per pass row (the last of each decoding row's) and the tokens emitted."""
+        per_row = list(torch.split(logits, keep))
+        emitted = 0
+        kept = self.speculator.accept([(req, outs[0]) for req, outs, _, _ in rows], per_row[: len(rows)])
+        for (req, outs, _, _), chain, tokens in zip(rows, drafts, kept):
+            o = outs[0]
+            self.kv.truncate(o.sid, self.kv.length(o.sid) - (len(chain) + 1 - len(tokens)), reserve=True)
+            self.stats.draft_tokens += len(chain)
+            self.stats.accepted_tokens += len(tokens) - 1
+            for tok in tokens:
+                if o.finish_reason:
+                    break
+                self._emit(req, o, tok)
+                emitted += 1
+        return [r[-1] for r in per_row], emitted
 
     def _sample(self, picks: list[tuple[Request, Output, torch.Tensor]]) -> None:
         by_params: dict[Sampling, list[tuple[Request, Output, torch.Tensor]]] = {}
@@ -354,6 +402,8 @@ class Engine:
                     if o.finish_reason and o.sid is not None and (group is self.decoding or o is req.outputs[0]):
                         self.kv.free_sequence(o.sid)
                         o.sid = None
+                        if self.speculator is not None:
+                            self.speculator.release(o)
                 if req.finished:
                     group.remove(req)
 

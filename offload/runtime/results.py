@@ -21,6 +21,8 @@ class RunStats:
     decode_tokens: int = 0  # tokens sampled by decode steps (the first token of each prompt comes from prefill)
     generated_tokens: int = 0
     step_ms: list[float] = field(default_factory=list)
+    draft_tokens: int = 0  # speculative decoding: draft tokens the target checked
+    accepted_tokens: int = 0  # ... and kept
     #: (timeline step, "prefill" | "decode" | "mixed", milliseconds) of every forward pass, in order
     passes: list[tuple[int, str, float]] = field(default_factory=list)
 
@@ -43,6 +45,15 @@ class RunStats:
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
 
     @property
+    def acceptance(self) -> float:
+        """Share of draft tokens the target kept (0 without speculative decoding)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_decode_pass(self) -> float:
+        return self.decode_tokens / self.decode_steps if self.decode_steps else 0.0
+
+    @property
     def prefill_tokens_per_s(self) -> float:
         return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
 
@@ -54,6 +65,9 @@ class RunStats:
             "decode_ms_per_step": round(self.decode_ms_per_step, 3), "decode_tokens": self.decode_tokens,
             "generated_tokens": self.generated_tokens,
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
+            **({"draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "acceptance": round(self.acceptance, 4),
+                "tokens_per_decode_pass": round(self.tokens_per_decode_pass, 3)} if self.draft_tokens else {}),
         }
 
 

@@ -29,9 +29,12 @@ from offload.model import hub
 from offload.model.chat import GenerationDefaults
 from offload.model.checkpoint import Checkpoint
 from offload.model.tokenizer import TextTokenizer
-from offload.plan.planner import Planner, pass_tokens
+from offload.plan.calibrate import load_calibration
+from offload.plan.planner import Planner, pass_tokens, resolve_capacities
+from offload.plan.speculative import reserve_draft, verify_cost
 from offload.runtime.engine import Engine, Output, Request, Sampling, blocks_needed
 from offload.runtime.results import GenerationResult, RunStats, TokenCallback
+from offload.runtime.speculative import Speculator, check_draft, draft_config
 from offload.weights.groups import check_checkpoint
 from offload.weights.tiered import TieredWeights
 from schedulers.timeline import Timeline
@@ -76,10 +79,13 @@ class _Owned:
     def __init__(self) -> None:
         self.weights: WeightSource | None = None
         self.kv: PagedKVCache | None = None
+        self.draft: Runner | None = None  # the speculative draft, a runner of its own
 
     def close(self) -> None:
-        weights, kv, self.weights, self.kv = self.weights, self.kv, None, None
+        draft, weights, kv, self.draft, self.weights, self.kv = self.draft, self.weights, self.kv, None, None, None
         try:
+            if draft is not None:
+                draft.close()
             if weights is not None:
                 weights.close()
         finally:
@@ -110,9 +116,22 @@ class Runner:
         self.last_stats: RunStats | None = None
         self.rope = M.Rope(self.cfg, self.device, self.dtype)
         self._layer_groups = [f"layer.{i}" for i in range(self.cfg.num_layers)]
+        # speculative decoding: the draft is placed first, every weight resident; the target plans around it
+        self.draft: Runner | None = None
+        self.speculator: Speculator | None = None
+        caps = resolve_capacities(config.tiers, self.device)
+        if config.speculative.enabled:
+            self.draft = self._owned.draft = Runner(draft_config(config), Timeline(enabled=False))
+            try:
+                check_draft(self, self.draft)
+            except BaseException:
+                self.close()
+                raise
+            caps = reserve_draft(config, caps, self.draft.plan.used("gpu"), self.draft.kv_block_bytes)
         # KV: with tiers, a fixed pool inside the device tier's budget; without, sized per request
-        run_plan = Planner(config, self.cfg, self.dtype, self.device).run_plan()
+        run_plan = Planner(config, self.cfg, self.dtype, self.device, caps).run_plan()
         self.kv_settings = run_plan.kv
+        self.kv_block_bytes = run_plan.kv_block_bytes  # device bytes of one KV block (all layers)
         self.plan = run_plan.plan
         self.prefill_chunk = run_plan.prefill_chunk  # activations.prefill_chunk, `auto` resolved
         self.weights: WeightSource = TieredWeights(config, self.checkpoint, self.dtype, self.device,
@@ -126,6 +145,12 @@ class Runner:
             except BaseException:
                 self.close()
                 raise
+        if self.draft is not None:
+            if self.kv is not None:  # one draft block for every target block: what is admitted fits both
+                self.draft._kv_fixed, self.draft.kv = True, self.draft._make_kv(self.kv.logical.num_blocks)
+            cost = verify_cost(self.plan, self.cfg, load_calibration(config.calibration), self.device.type,
+                               self.dtype.itemsize)
+            self.speculator = Speculator(self.draft, config.speculative.tokens, self.timeline, cost)
 
     # what the runner owns lives in `_owned`, which the finalizer closes
     @property
@@ -160,7 +185,7 @@ class Runner:
         return cls(config)
 
     def close(self) -> None:
-        """Stop and join every thread, close files and release memory; safe to call twice."""
+        """Stop and join every thread, close files and release memory (the draft's too); safe to call twice."""
         self._finalizer()
 
     def __enter__(self) -> Runner:
@@ -170,10 +195,12 @@ class Runner:
         self.close()
 
     # -- the forward pass ---------------------------------------------------------------------
-    def _forward(self, sids: list[int], tokens: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+    def _forward(self, sids: list[int], tokens: list[list[int]], all_logits: bool = False,
+                 keep: Sequence[int] | None = None) -> torch.Tensor:
         """Run new `tokens[b]` of sequences `sids` through the model; logits [rows, V] float32.
 
-        Rows are every token (all_logits) or each sequence's last new token.
+        Rows are every token (all_logits), the last `keep[b]` new tokens of each sequence (speculative
+        verification), or each sequence's last new token.
         """
         kv = self._kv()
         layout, step = kv.prepare(sids, [len(t) for t in tokens])
@@ -194,7 +221,10 @@ class Runner:
                     x = M.decoder_layer(x, w, view, layout, cos_sin, self.cfg, self.cfg.sliding_windows[i],
                                         rope_table)
                 self.weights.release(group)
-            if not all_logits:
+            if keep is not None:
+                ends = torch.tensor(layout.q_lens).cumsum(0).tolist()
+                x = x[torch.cat([torch.arange(e - n, e) for e, n in zip(ends, keep)]).to(x.device)]
+            elif not all_logits:
                 x = x[layout.last_token_rows()]
             w = M.HeadWeights.from_views(self.weights.acquire("head"))
             with tl.range("offload/compute/head"):
@@ -326,7 +356,10 @@ class Runner:
                     for i, p in enumerate(encoded)]
         stats = RunStats(prompt_tokens=sum(map(len, encoded)))
         bs = self.kv_settings.block_size
-        self._ensure_kv(sum(blocks_needed(len(r.prompt), r.sampling, bs) for r in requests))  # unless fixed
+        need = sum(blocks_needed(len(r.prompt), r.sampling, bs) for r in requests)
+        self._ensure_kv(need)  # unless fixed
+        if self.draft is not None:
+            self.draft._ensure_kv(need)
         Engine(self, stats).run(requests)
         stats.generated_tokens = sum(len(o.token_ids) for r in requests for o in r.outputs)
         self.last_stats = stats

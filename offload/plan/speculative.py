@@ -1,0 +1,98 @@
+"""What speculative decoding should gain: tokens per verify pass, the speed-up, the best draft length.
+
+With a per-token acceptance rate `alpha` (the chance the target keeps a draft token given it
+kept the ones before), a chain of `k` draft tokens yields on average
+
+    E(k) = (1 - alpha^(k+1)) / (1 - alpha)      tokens per verify pass (the +1: the target's own token)
+
+for `k` draft passes and one target pass over k+1 tokens. Against plain decoding (one token per
+target pass) the speed-up is E(k) * t_plain / (k * t_draft + t_verify(k)) (Leviathan et al. 2023,
+eq. 1 and theorem 3.8). When the target streams its weights, t_verify(k) is close to t_plain:
+the bytes move once whatever the token count, which is why a long chain pays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from offload.config import OffloadConfig
+from offload.model.config import ModelConfig
+from offload.plan.planner import AUTO_KV_TOKENS
+from offload.plan.predict import Workload, predict_decode
+from schedulers.calibration import Calibration
+from schedulers.placement import Capacities, Plan
+from storage.errors import CapacityError
+
+#: longest chain `tokens: auto` considers
+MAX_AUTO_TOKENS = 16
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Mean tokens one verify pass of `k` draft tokens yields (acceptance `alpha` per token)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass(frozen=True)
+class SpecPrediction:
+    tokens: int  # draft tokens per pass
+    tokens_per_pass: float  # expected tokens each verify pass yields
+    step_s: float  # one speculative step: `tokens` draft passes and one verify pass
+    speedup: float  # tokens per second against plain decoding (one token per target pass)
+
+
+def predict(alpha: float, k: int, t_draft: float, t_verify: Callable[[int], float], t_plain: float
+            ) -> SpecPrediction:
+    """`t_draft`: one draft pass; `t_verify(k)`: a target pass over k+1 tokens; `t_plain`: over 1 token."""
+    step = k * t_draft + t_verify(k)
+    e = expected_tokens(alpha, k)
+    return SpecPrediction(k, e, step, e * t_plain / step)
+
+
+def choose_tokens(alpha: float, t_draft: float, t_verify: Callable[[int], float], t_plain: float,
+                  most: int = MAX_AUTO_TOKENS) -> SpecPrediction:
+    """The chain length (0..most) with the highest predicted speed-up; ties go to the shorter chain.
+
+    0 means plain decoding: the draft costs more than its accepted tokens save."""
+    best = SpecPrediction(0, 1.0, t_plain, 1.0)
+    for k in range(1, most + 1):
+        p = predict(alpha, k, t_draft, t_verify, t_plain)
+        if p.speedup > best.speedup * 1.005:
+            best = p
+    return best
+
+
+def verify_cost(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, dtype_bytes: int
+                ) -> Callable[[int], float]:
+    """k -> the cost model's time for a target pass over k+1 tokens, relative to a pass over one."""
+    def step(tokens: int) -> float:
+        return predict_decode(plan, cfg, cal, device_type, Workload(batch=tokens), dtype_bytes).step_s
+
+    base = step(1)
+
+    @functools.cache
+    def cost(k: int) -> float:
+        return step(k + 1) / base if base > 0 else 1.0
+
+    return cost
+
+
+def reserve_draft(config: OffloadConfig, caps: Capacities, draft_gpu_bytes: int, draft_block_bytes: int
+                  ) -> Capacities:
+    """The capacities left to the target once the resident draft is placed (it is placed first).
+
+    `draft_gpu_bytes`: the draft plan's device bytes (weights, workspace); its KV pool holds one block for
+    every block of the target's (device, host and disk), so whatever the target admits fits the draft."""
+    if caps.gpu is None:
+        return caps
+    kv = config.kv_cache
+    blocks = (kv.gpu_blocks or -(-AUTO_KV_TOKENS // kv.block_size)) + kv.cpu_blocks + kv.disk_blocks
+    need = draft_gpu_bytes + blocks * draft_block_bytes
+    if need >= caps.gpu:
+        raise CapacityError(f"speculative.draft: the draft needs {need / 2**20:.1f} MiB resident on the device but "
+                            f"tiers.gpu.capacity is {caps.gpu / 2**20:.1f} MiB; raise it or choose a smaller draft")
+    return dataclasses.replace(caps, gpu=caps.gpu - need)

@@ -1,0 +1,249 @@
+"""Speculative decoding: a small resident draft proposes a chain of tokens, the target checks them in one pass.
+
+    spec = Speculator(draft_runner, tokens=8, timeline=runner.timeline, verify_cost=...)
+    drafts = spec.propose(rows)             # up to `tokens` draft passes: a chain per decoding output
+    ... the target runs [last token, *drafts] of every output in one pass, logits for each position ...
+    kept = spec.accept(req, output, logits)  # the accepted drafts and one token of the target's own
+
+The draft is a second runner with its own KV cache (resident: its passes read no streamed bytes).
+Each output has a draft sequence that lags the committed tokens by at most two; a step first
+feeds the draft what it has not seen, then one token per pass. Verification keeps the target's
+result exactly:
+
+    greedy     drafts are kept while they equal the target's argmax; then the target's argmax
+    sampling   draft token d (drawn from q) is kept with probability min(1, p(d) / q(d)); the first
+               rejected one is replaced by a draw from max(p - q, 0), normalised; if all are kept, one
+               more is drawn from p (Leviathan et al. 2023; Chen et al. 2023), so every token is
+               distributed as the target alone would draw it (p, q: after temperature, top-k, top-p)
+
+The caller rolls the target's KV back past the kept tokens (`PagedKVCache.truncate`); this module
+rolls back the draft's. `tokens: auto` re-chooses the chain length each step from the measured
+acceptance rate and pass times (`offload.plan.speculative`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from offload.config import SELF_DRAFTS, KVCacheConfig, OffloadConfig
+from offload.errors import ConfigError
+from offload.plan.speculative import MAX_AUTO_TOKENS, SpecPrediction, choose_tokens
+from offload.runtime.sampling import probs
+from schedulers.timeline import Timeline
+
+#: acceptance rate assumed before any draft token was checked (and the weight of that prior, in tokens)
+PRIOR_ALPHA, PRIOR_WEIGHT = 0.6, 8.0
+#: with `tokens: auto` and drafting not paying, every PROBE_EVERY-th pass still drafts one token
+PROBE_EVERY = 16
+
+
+def draft_config(config: OffloadConfig) -> OffloadConfig:
+    """The draft's run: its checkpoint, the target's device and dtype, every weight resident (no tiers).
+
+    Its KV pool is sized by the caller once the target's is known (one draft block per target block)."""
+    spec = config.speculative
+    if spec.tree:
+        raise ConfigError("speculative.tree: a tree of candidates is not built yet; use tree: false (a chain of "
+                          "speculative.tokens drafts)")
+    if spec.draft in SELF_DRAFTS:
+        raise ConfigError(f"speculative.draft: {spec.draft} needs the packed-weight path (weights.quantization), "
+                          "which this build does not have yet; give a draft checkpoint directory instead")
+    assert spec.path is not None
+    kv = KVCacheConfig(block_size=config.kv_cache.block_size, gpu_blocks=None)
+    return dataclasses.replace(config, model=spec.path, tiers=None, kv_cache=kv,
+                               speculative=dataclasses.replace(spec, draft="none", path=None))
+
+
+def check_draft(target: Any, draft: Any) -> None:
+    """A draft must speak the target's tokens: the same vocabulary size and the same tokenizer."""
+    where = f"speculative.draft: {draft.config.model}"
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise ConfigError(f"{where} has a vocabulary of {draft.cfg.vocab_size} tokens but the target has "
+                          f"{target.cfg.vocab_size}; a draft must share the target's tokenizer")
+    if (draft.tokenizer is None) != (target.tokenizer is None) or (
+            draft.tokenizer is not None and draft.tokenizer.vocab() != target.tokenizer.vocab()):
+        raise ConfigError(f"{where} has another tokenizer than the target ({target.config.model}); a draft must "
+                          "share the target's tokenizer.json (the same tokens with the same ids)")
+
+
+class Speculator:
+    def __init__(self, draft: Any, tokens: int | None, timeline: Timeline,
+                 verify_cost: Callable[[int], float] = lambda k: 1.0) -> None:
+        self.draft = draft  # a Runner whose weights are all resident; its KV cache is its own
+        self.fixed = tokens  # draft tokens per step; None: auto
+        self.timeline = timeline  # the target's: "speculative" spans (draft passes, verify passes)
+        self.verify_cost = verify_cost  # target pass over k+1 tokens / over 1 token (from the cost model)
+        self.proposed = 0  # draft tokens checked by the target
+        self.accepted = 0  # of those, kept
+        self.draft_s = 0.0  # seconds in draft passes
+        self.draft_passes = 0
+        self.verify_s = 0.0  # seconds in target passes that verified drafts (normalised to a plain pass)
+        self.verify_passes = 0
+        self.choice: SpecPrediction | None = None  # the last automatic choice
+        self._step: dict[int, tuple[list[int], torch.Tensor | None, int]] = {}  # output -> (drafts, q, context)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    @property
+    def most_tokens(self) -> int:
+        """The longest chain a step may propose."""
+        return self.fixed if self.fixed is not None else MAX_AUTO_TOKENS
+
+    @property
+    def alpha(self) -> float:
+        """Measured acceptance rate per draft token (with a weak prior while few were checked)."""
+        return (self.accepted + PRIOR_ALPHA * PRIOR_WEIGHT) / (self.proposed + PRIOR_WEIGHT)
+
+    def tokens(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if not self.draft_passes or not self.verify_passes:
+            return 1  # one cheap step measures both pass times; then the measured choice
+        t_draft = self.draft_s / self.draft_passes
+        t_plain = self.verify_s / self.verify_passes
+        self.choice = choose_tokens(self.alpha, t_draft, lambda k: t_plain * self.verify_cost(k), t_plain,
+                                    MAX_AUTO_TOKENS)
+        if self.choice.tokens == 0 and self.verify_passes % PROBE_EVERY == 0:
+            return 1  # drafting does not pay: plain passes, with a probe now and then to re-measure acceptance
+        return self.choice.tokens
+
+    def release(self, output: Any) -> None:
+        """An output finished: its draft sequence goes."""
+        if output.draft_sid is not None:
+            self.draft._kv().free_sequence(output.draft_sid)
+            output.draft_sid = None
+        self._step.pop(output.index, None)
+
+    def timed_verify(self, seconds: float, k: int) -> None:
+        """The target's verify pass took `seconds` with chains of up to `k` drafts."""
+        self.verify_s += seconds / self.verify_cost(k)
+        self.verify_passes += 1
+
+    # -- proposing ----------------------------------------------------------------------------
+    def propose(self, rows: list[tuple[Any, Any]]) -> list[list[int]]:
+        """Draft tokens for each (request, output): at most `tokens`, and never past max_new_tokens."""
+        k_max = self.tokens()
+        ks = [min(k_max, req.sampling.max_new_tokens - len(o.token_ids) - 1) for req, o in rows]
+        drafts: list[list[int]] = [[] for _ in rows]
+        qs: list[list[torch.Tensor]] = [[] for _ in rows]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        if active:
+            with self.timeline.span("speculative", "draft", tokens=max(ks)):
+                self._start([rows[i] for i in active])
+                feed = {i: self._unseen(*rows[i]) for i in active}
+                for j in range(max(ks)):
+                    live = [i for i in active if ks[i] > j]
+                    logits = self._draft_pass([rows[i][1].draft_sid for i in live], [feed[i] for i in live])
+                    for i, (tok, q) in zip(live, self._pick([rows[i] for i in live], logits)):
+                        drafts[i].append(tok)
+                        qs[i].append(q)
+                        feed[i] = [tok]
+        for i, (req, o) in enumerate(rows):
+            q = torch.stack(qs[i]) if qs[i] and qs[i][0] is not None else None
+            self._step[o.index] = (drafts[i], q, len(req.prompt) + len(o.token_ids))
+        return drafts
+
+    def _start(self, rows: list[tuple[Any, Any]]) -> None:
+        """Draft sequences for outputs that have none: the prompt goes in once, the samples of a prompt fork it."""
+        kv = self.draft._kv()
+        new = {}
+        for req, o in rows:
+            if o.draft_sid is None:
+                new.setdefault(id(req), (req, []))[1].append(o)
+        if not new:
+            return
+        firsts = []
+        for req, outs in new.values():
+            reserve = len(req.prompt) + req.sampling.max_new_tokens
+            outs[0].draft_sid = kv.add_sequence(reserve_tokens=reserve)
+            firsts.append((outs[0].draft_sid, req.prompt[:-1]))
+        firsts = [(sid, p) for sid, p in firsts if p]
+        if firsts:
+            for chunk in self.draft._prefill_chunks([s for s, _ in firsts], [p for _, p in firsts]):
+                self._draft_pass([s for s, _, _ in chunk], [t for _, t, _ in chunk])
+        for req, outs in new.values():
+            for o in outs[1:]:
+                o.draft_sid = kv.fork(outs[0].draft_sid, len(req.prompt) + req.sampling.max_new_tokens)
+
+    def _unseen(self, req: Any, o: Any) -> list[int]:
+        """Committed tokens the draft's KV does not hold yet (the last one at least)."""
+        context = req.prompt + o.token_ids
+        return context[self.draft._kv().length(o.draft_sid) :]
+
+    def _draft_pass(self, sids: list[int], tokens: list[list[int]]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        logits = self.draft._forward(sids, tokens)
+        self.draft_s += time.perf_counter() - t0
+        self.draft_passes += 1
+        return logits
+
+    @staticmethod
+    def _pick(rows: list[tuple[Any, Any]], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+        """A draft token per row (logits [rows, V]), and the distribution q it was drawn from (None: greedy)."""
+        dists = distributions(rows, logits)
+        out = []
+        for (_, o), row, q in zip(rows, logits, dists):
+            tok = int(row.argmax()) if q is None else int(torch.multinomial(q, 1, generator=o.generator))
+            out.append((tok, q))
+        return out
+
+    # -- verifying ----------------------------------------------------------------------------
+    def accept(self, rows: list[tuple[Any, Any]], logits: list[torch.Tensor]) -> list[list[int]]:
+        """The tokens this step commits for each (request, output): kept drafts, then one of the target's.
+
+        logits[i]: [k_i + 1, V], the target's at the output's last token and each of its drafts. Rolls the
+        draft's KV back to the kept tokens; the caller rolls back the target's.
+        """
+        ps = distributions([r for r, lg in zip(rows, logits) for _ in range(len(lg))], torch.cat(logits))
+        out, at = [], 0
+        for (req, o), lg in zip(rows, logits):
+            p, at = ps[at : at + len(lg)], at + len(lg)
+            out.append(self._accept_one(req, o, lg, None if p[0] is None else torch.stack(p)))
+        return out
+
+    def _accept_one(self, req: Any, o: Any, logits: torch.Tensor, p: torch.Tensor | None) -> list[int]:
+        drafts, q, context = self._step.pop(o.index)
+        k = len(drafts)
+        if p is None:  # greedy
+            target = logits.argmax(dim=-1).tolist()
+            a = 0
+            while a < k and drafts[a] == target[a]:
+                a += 1
+            out = drafts[:a] + [target[a]]
+        else:  # p [k+1, V], q [k, V]
+            out = []
+            for j, d in enumerate(drafts):
+                u = float(torch.rand(1, generator=o.generator))
+                if u * float(q[j, d]) < float(p[j, d]):  # kept with probability min(1, p/q)
+                    out.append(d)
+                    continue
+                residual = (p[j] - q[j]).clamp(min=0)
+                total = float(residual.sum())
+                out.append(int(torch.multinomial(residual / total if total > 0 else p[j], 1, generator=o.generator)))
+                break
+            else:
+                out.append(int(torch.multinomial(p[k], 1, generator=o.generator)))
+        kept = len(out) - 1
+        self.proposed += k
+        self.accepted += kept
+        if k and o.draft_sid is not None:  # the draft saw the context and drafts[:-1]; keep what was accepted
+            kv = self.draft._kv()
+            kv.truncate(o.draft_sid, min(kv.length(o.draft_sid), context + kept), reserve=True)
+        return out
+
+
+def distributions(rows: list[tuple[Any, Any]], logits: torch.Tensor) -> list[torch.Tensor | None]:
+    """The sampling distribution of each logits row [V] under its request's settings (None where greedy)."""
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    groups: dict[Any, list[int]] = {}
+    for i, (req, _) in enumerate(rows):
+        if req.sampling.temperature > 0:
+            groups.setdefault(req.sampling, []).append(i)
+    for s, idx in groups.items():
+        for i, p in zip(idx, probs(logits[idx], s.temperature, s.top_p, s.top_k)):
+            out[i] = p
+    return out

@@ -1,0 +1,300 @@
+"""Benchmark: speculative decoding over weights streamed from disk vs plain streaming, in one run.
+
+    python -m scripts.bench_spec                 # SmolLM2-135M (trained) and the medium random model
+    python -m scripts.bench_spec --quick         # the trained model only, fewer tokens
+
+The target (bf16) streams every layer, the embedding and the head from the zarr store on each pass
+(tiers: a ring on the device, no host RAM for weights, page cache off); the draft is resident. For each
+target, in fresh subprocesses, first the plain streamed run, then speculative runs with `tokens` 4, 8
+and auto: decode tokens/s (draft passes included), acceptance, tokens per verify pass, mean draft and
+verify pass times, and whether the greedy tokens equal the plain run's (they must). Beside each
+measured speed-up, two predictions of `offload.plan.speculative` at the measured acceptance:
+from the measured pass times, and from the cost model alone (calibration, plans of both models).
+
+The draft is "self-int4 (simulated)": the target's own weights rounded to 4 bits with issue 10's scheme
+(asymmetric round-to-nearest, groups of 64 along the input dimension, the embedding/head kept) and
+stored dequantized in bf16. Its acceptance is what a packed self-int4 draft gets; its pass time is a bf16
+pass of the same model (a packed int4 pass reads a quarter of the bytes). The worst case is the
+medium model with random weights (flat distributions: drafts rarely agree). Results:
+scripts/results/bench-spec.{json,md}, with `uptime` load and CPU flags (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROMPTS = [
+    "The history of the Roman Empire begins with",
+    "Here is a Python function that computes the factorial of a number:\n\ndef factorial(n):",
+    "Photosynthesis is the process by which plants",
+]
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                return " ".join(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4")))
+    except OSError:
+        pass
+    return platform.processor()
+
+
+# ----------------------------------------------------------------------------- drafts
+def int4_copy(src: Path, out: Path, group: int = 64) -> Path:
+    """The checkpoint with every linear weight rounded to 4 bits (asymmetric, `group` input columns per
+    scale and zero) and stored dequantized; embedding, norms and biases unchanged."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if (out / "config.json").is_file():
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, tmp / f.name)
+    for f in sorted(src.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        for name, t in tensors.items():
+            if t.dim() != 2 or "embed" in name or "lm_head" in name or t.shape[1] % group:
+                continue
+            w = t.float().view(t.shape[0], -1, group)
+            lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+            scale = ((hi - lo) / 15).clamp(min=1e-8)
+            q = ((w - lo) / scale).round().clamp(0, 15)
+            tensors[name] = (q * scale + lo).view_as(t).to(t.dtype)
+        save_file(tensors, str(tmp / f.name), metadata={"format": "pt"})
+    tmp.rename(out)
+    return out
+
+
+def truncated_copy(src: Path, out: Path, layers: int) -> Path:
+    """The checkpoint's first `layers` decoder layers with its embedding, final norm and head: a cheap
+    self-draft (early exit) that shares the tokenizer."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if (out / "config.json").is_file():
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, tmp / f.name)
+    kept = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(str(f)).items():
+            m = re.search(r"\.layers\.(\d+)\.", name)
+            if m is None or int(m.group(1)) < layers:
+                kept[name] = t
+    save_file(kept, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    tmp.rename(out)
+    return out
+
+
+# ----------------------------------------------------------------------------- worker (one per subprocess)
+def worker(spec: dict) -> dict:
+    from offload.config import OffloadConfig
+    from offload.runtime.runner import Runner
+    from scripts.bench import evict
+
+    cfg = spec["config"]
+    evict([Path(cfg["tiers"]["disk"]["path"])])
+    with Runner(OffloadConfig.load(cfg)) as r:
+        prompts = [r.encode(p) for p in PROMPTS[: spec["batch"]]] if r.tokenizer else spec["ids"]
+        t0 = time.perf_counter()
+        res = r.generate(prompts, max_new_tokens=spec["new"], temperature=spec.get("temperature", 0.0),
+                         seed=0, stop_on_eos=False)
+        wall = time.perf_counter() - t0
+        st = res[0].stats
+        verify = [s.duration for s in r.timeline.on("speculative") if s.name == "verify"]
+        disk = r.timeline.bytes_on("disk-read")
+        spec_ = r.speculator
+        return {
+            "tokens": [x.token_ids for x in res], "wall_s": wall, "decode_tokens_per_s": st.decode_tokens_per_s,
+            "decode_passes": st.decode_steps, "decode_tokens": st.decode_tokens,
+            "tokens_per_pass": st.tokens_per_decode_pass, "acceptance": st.acceptance,
+            "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
+            "ms_per_pass": 1000 * st.decode_s / max(st.decode_steps, 1),
+            "verify_ms": 1000 * sum(verify) / len(verify) if verify else None,
+            "draft_ms": 1000 * spec_.draft_s / spec_.draft_passes if spec_ and spec_.draft_passes else None,
+            "auto_choice": spec_.choice.tokens if spec_ and spec_.choice else None,
+            "disk_bytes_per_pass": disk / max(st.decode_steps + st.prefill_passes, 1),
+            "streamed_groups": len(r.plan.streamed), "load": load(),
+        }
+
+
+def run_worker(spec: dict) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench_spec", "--worker", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=3000, cwd=str(ROOT))
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- predictions
+def plan_of(config: dict):
+    from offload.config import OffloadConfig
+    from offload.model.checkpoint import Checkpoint
+    from offload.plan.planner import Planner
+    from offload.runtime.runner import resolve_device, resolve_dtype
+
+    cfg = OffloadConfig.load(config)
+    ckpt = Checkpoint(cfg.model)
+    dtype = resolve_dtype(cfg.dtype, ckpt.config.torch_dtype)
+    return Planner(cfg, ckpt.config, dtype, resolve_device(cfg.device)).run_plan(), ckpt.config, dtype
+
+
+def predictions(row: dict, plain: dict, target_cfg: dict, draft_cfg: dict, k: int) -> dict:
+    from offload.plan.calibrate import load_calibration
+    from offload.plan.predict import Workload, predict_decode
+    from offload.plan.speculative import predict, verify_cost
+
+    alpha = row["acceptance"]
+    t_plain = plain["ms_per_pass"] / 1000
+    measured = predict(alpha, k, row["draft_ms"] / 1000, lambda _: row["verify_ms"] / 1000, t_plain)
+    cal = load_calibration(None)
+    (trp, tcfg, tdt), (drp, dcfg, ddt) = plan_of(target_cfg), plan_of(draft_cfg)
+    t_tgt = predict_decode(trp.plan, tcfg, cal, "cpu", Workload(batch=row["batch"]), tdt.itemsize).step_s
+    t_drf = predict_decode(drp.plan, dcfg, cal, "cpu", Workload(batch=row["batch"]), ddt.itemsize).step_s
+    cost = verify_cost(trp.plan, tcfg, cal, "cpu", tdt.itemsize)
+    model = predict(alpha, k, t_drf, lambda j: t_tgt * cost(j), t_tgt)
+    return {"predicted_speedup_from_measured_times": measured.speedup,
+            "predicted_speedup_from_cost_model": model.speedup,
+            "cost_model_plain_ms": 1000 * t_tgt, "cost_model_draft_ms": 1000 * t_drf,
+            "predicted_tokens_per_pass": measured.tokens_per_pass}
+
+
+# ----------------------------------------------------------------------------- orchestration
+def bench_target(name: str, target: Path, drafts: dict[str, Path], out: Path, new: int, ks: list, batch: int,
+                 temperature: float = 0.0) -> list[dict]:
+    import torch
+
+    from offload.model.checkpoint import Checkpoint
+    from offload.weights.groups import model_layouts
+    from scripts.bench import ensure_store
+
+    store = out / "stores" / target.name
+    ensure_store(target, store)
+    cfg = Checkpoint(target).config
+    layer = model_layouts(cfg, torch.bfloat16)["layer.0"].nbytes
+    ids = [[1] + torch.randint(3, cfg.vocab_size, (23,), generator=torch.Generator().manual_seed(i)).tolist()
+           for i in range(batch)]
+    blocks = batch * -(-(64 + new + 16) // 16)
+    head = model_layouts(cfg, torch.bfloat16)["head"].nbytes
+    ring = 3 * layer + head + (24 << 20)  # a ring of 3 layers; the head (larger than a slot) homed; KV, workspace
+    base = {"model": str(target), "device": "cpu", "dtype": "bfloat16", "prefetch": {"depth": 2},
+            "kv_cache": {"block_size": 16, "gpu_blocks": blocks}, "activations": {"prefill_chunk": 64},
+            "tiers": {"gpu": {"capacity": ring}, "cpu": {"capacity": 0}, "disk": {"path": str(store)}}}
+    job = {"batch": batch, "new": new, "ids": ids, "temperature": temperature}
+    print(f"[{name}] plain streamed run (load {load()})", file=sys.stderr)
+    plain = run_worker(job | {"config": base})
+    rows = [{"target": name, "run": "plain", "batch": batch, **plain}]
+    for dname, draft in drafts.items():
+        draft_alone = {"model": str(draft), "device": "cpu", "dtype": "bfloat16",
+                       "kv_cache": {"block_size": 16, "gpu_blocks": blocks}, "activations": {"prefill_chunk": 64}}
+        draft_rp, _, _ = plan_of(draft_alone)
+        draft_bytes = draft_rp.plan.used("gpu") + blocks * draft_rp.kv_block_bytes
+        spec_tiers = base["tiers"] | {"gpu": {"capacity": ring + draft_bytes}}  # the draft resident beside the ring
+        for k in ks:
+            cfg_k = base | {"tiers": spec_tiers, "speculative": {"draft": str(draft), "tokens": k}}
+            print(f"[{name}] draft {dname}, tokens={k} (load {load()})", file=sys.stderr)
+            row = {"target": name, "run": f"{dname} k={k}", "batch": batch, **run_worker(job | {"config": cfg_k})}
+            row["speedup"] = row["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+            row["same_tokens_as_plain"] = row["tokens"] == plain["tokens"]
+            if row["draft_ms"] and row["verify_ms"]:
+                used = k if k != "auto" else max(row["auto_choice"] or 1, 1)
+                row |= predictions(row, plain, base, draft_alone, used)
+            rows.append(row)
+            print(f"[{name}] {row['run']}: {row['decode_tokens_per_s']:.2f} tok/s vs plain "
+                  f"{plain['decode_tokens_per_s']:.2f} (x{row['speedup']:.2f}), acceptance {row['acceptance']:.2f}, "
+                  f"{row['tokens_per_pass']:.2f} tokens/pass, same tokens: {row['same_tokens_as_plain']}",
+                  file=sys.stderr)
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Speculative decoding over streamed weights ({result['date']})", "",
+             f"Machine: {result['machine']}; load (1/5/15 min) at start {result['load_start']}, end "
+             f"{result['load_end']}. CPU flags: {result['cpu_flags']}.", "",
+             "| target | run | tok/s | x plain | acceptance | tokens/pass | draft ms | verify ms | plain ms/pass "
+             "| predicted x (measured times) | predicted x (cost model) | same tokens | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v, d=2):
+        return "" if v is None else f"{v:.{d}f}" if isinstance(v, float) else str(v)
+
+    plain = {}
+    for r in result["rows"]:
+        if r["run"] == "plain":
+            plain[r["target"]] = r["ms_per_pass"]
+        lines.append(f"| {r['target']} | {r['run']} | {f(r['decode_tokens_per_s'])} | {f(r.get('speedup'))} | "
+                     f"{f(r['acceptance'])} | {f(r['tokens_per_pass'])} | {f(r['draft_ms'], 0)} | "
+                     f"{f(r['verify_ms'], 0)} | {f(plain.get(r['target']), 0)} | "
+                     f"{f(r.get('predicted_speedup_from_measured_times'))} | "
+                     f"{f(r.get('predicted_speedup_from_cost_model'))} | {r.get('same_tokens_as_plain', '')} | "
+                     f"{r['load']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the trained model only, 16 new tokens")
+    ap.add_argument("--out", type=Path, default=Path("/tmp/spec-bench"), help="models and stores go here")
+    ap.add_argument("--results", type=Path, default=ROOT / "scripts" / "results")
+    ap.add_argument("--medium", type=Path, default=None, help="the medium random model (made if absent)")
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+    from scripts.bench import ensure_model
+    from scripts.trained_model import ensure_trained_model
+
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": load(),
+              "cpu_flags": cpu_flags(), "machine": f"{os.cpu_count()} CPUs, {platform.machine()}", "rows": []}
+    trained = ensure_trained_model(dtype="bfloat16")
+    new = 16 if args.quick else args.new
+    drafts = {"self-int4 (simulated)": int4_copy(trained, out / "drafts" / "smollm2-int4"),
+              "first 6 of 30 layers": truncated_copy(trained, out / "drafts" / "smollm2-l6", 6)}
+    result["rows"] += bench_target("SmolLM2-135M (trained)", trained, drafts, out, new, [4, "auto"], batch=1)
+    if not args.quick:
+        medium = args.medium or ensure_model(out, "medium")
+        drafts = {"first 2 of 22 layers": truncated_copy(medium, out / "drafts" / "medium-l2", 2)}
+        result["rows"] += bench_target("medium (random)", medium, drafts, out, 8, [4, "auto"], batch=1)
+    result["load_end"] = load()
+    args.results.mkdir(parents=True, exist_ok=True)
+    for r in result["rows"]:
+        r.pop("tokens", None)
+    (args.results / "bench-spec.json").write_text(json.dumps(result, indent=2))
+    (args.results / "bench-spec.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

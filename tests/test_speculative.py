@@ -1,0 +1,269 @@
+"""Speculative decoding gives the target's own results: greedy tokens, sampled distributions, KV blocks.
+
+The draft is the target's checkpoint with noise on its weights (`offload.testing.draft`): it agrees
+with the target often but not always, so every step both keeps and rejects drafts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from offload.cli.main import main
+from offload.errors import ConfigError
+from offload.kv.cache import PagedKVCache
+from offload.model.checkpoint import Checkpoint
+from offload.plan.speculative import choose_tokens, expected_tokens
+from offload.runtime.runner import Runner
+from offload.runtime.speculative import Speculator
+from offload.testing.draft import perturbed_copy
+from offload.weights.groups import model_layouts
+from schedulers.timeline import Timeline
+from tests.conftest import run_config
+from tests.test_tiered_runner import tiers_for
+
+transformers = pytest.importorskip("transformers")
+
+NEW = 12
+
+
+def ragged(vocab: int, lens=(23, 3, 9), seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+@torch.no_grad()
+def hf_greedy(path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The oracle: transformers, one prompt at a time, full recomputation every token."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    out = []
+    for ids in prompts:
+        seq = list(ids)
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        out.append(seq[len(ids):])
+    return out
+
+
+@pytest.fixture(scope="module")
+def draft_for(model_factory, tmp_path_factory):
+    made = {}
+
+    def make(target, noise=0.1):
+        if (target, noise) not in made:
+            made[target, noise] = perturbed_copy(target, tmp_path_factory.mktemp("draft"), noise)
+        return made[target, noise]
+
+    return make
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_greedy_tokens_are_the_targets_for_every_family(model_factory, draft_for, family):
+    target = model_factory(family)
+    prompts = ragged(512, lens=(23, 3, 9) if family != "mistral" else (29, 3, 9))  # mistral: 29 + 20 > window 32
+    expected = hf_greedy(target, prompts, NEW)
+    cfg = run_config(target, speculative={"draft": str(draft_for(target)), "tokens": 4},
+                     kv_cache={"block_size": 4}, activations={"prefill_chunk": 8})
+    with Runner.from_config(cfg) as r:
+        out = r.generate(prompts, max_new_tokens=NEW, stop_on_eos=False)
+        assert [o.token_ids for o in out] == expected
+        stats = out[0].stats
+        assert 0 < stats.accepted_tokens < stats.draft_tokens  # drafts were both kept and rolled back
+        assert stats.decode_steps < len(prompts) * (NEW - 1)  # and passes were saved
+        assert r.kv.pool.num_free == r.kv.pool.num_blocks and r.draft.kv.pool.num_free == r.draft.kv.pool.num_blocks
+        spans = r.timeline.on("speculative")  # the trace: a draft and a verify span per pass, what each kept
+    verify = [s for s in spans if s.name == "verify"]
+    assert len(verify) == stats.decode_steps and any(s.name == "draft" for s in spans)
+    assert sum(s.args["accepted"] for s in verify) == stats.accepted_tokens
+    assert sum(s.args["proposed"] for s in verify) == stats.draft_tokens
+
+
+def test_greedy_tokens_are_the_same_when_the_target_streams(model_factory, draft_for, tmp_path):
+    placement = "mixed"  # layers homed on the device, in RAM and on disk, streamed through a ring; KV in 2 tiers
+    target = model_factory("llama", overrides={"num_hidden_layers": 8})
+    prompts = ragged(512)
+    with Runner.from_config(run_config(target)) as r:
+        plain = [o.token_ids for o in r.generate(prompts, max_new_tokens=NEW, stop_on_eos=False)]
+    layer = model_layouts(Checkpoint(target).config, torch.float32)["layer.0"].nbytes
+    cfg = run_config(target, tiers=tiers_for(placement, layer, 1, tmp_path / "store"), prefetch={"depth": 1},
+                     kv_cache={"gpu_blocks": 8, "cpu_blocks": 16, "block_size": 4},
+                     speculative={"draft": str(draft_for(target)), "tokens": 3}, activations={"prefill_chunk": 8})
+    alone = run_config(draft_for(target), kv_cache={"block_size": 4}, activations={"prefill_chunk": 8})
+    with Runner.from_config(alone) as d:
+        cfg["tiers"]["gpu"]["capacity"] += d.plan.used("gpu") + 24 * d.kv_block_bytes  # the resident draft
+    cfg["tiers"]["cpu"]["capacity"] += 16 * PagedKVCache.block_nbytes(Checkpoint(target).config, 4, torch.float32)
+    with Runner.from_config(cfg) as r:
+        assert r.plan.streamed  # the target really streams its layers
+        out = r.generate(prompts, max_new_tokens=NEW, stop_on_eos=False)
+        assert [o.token_ids for o in out] == plain
+        assert 0 < out[0].stats.accepted_tokens < out[0].stats.draft_tokens
+
+
+def kv_bytes(runner, sid: int) -> torch.Tensor:
+    """The bytes of a sequence's KV blocks in token order (every layer), wherever they live on the device."""
+    kv = runner.kv
+    data = kv.stores["gpu"].arrays["kv"].data  # [L, slots, 2, block_size, Hkv, D]
+    return torch.stack([data[:, kv.blocks[b].slot] for b in kv.seqs[sid].blocks], dim=1)
+
+
+def test_rollback_leaves_the_blocks_of_a_run_that_never_saw_the_rejected_tokens(tiny_llama):
+    cfg = run_config(tiny_llama, kv_cache={"gpu_blocks": 16, "block_size": 4})
+    prompt, rejected = [1, 17, 99, 23, 5, 61, 7], [300, 41, 42, 43, 44, 45]
+    with Runner.from_config(cfg) as spec, Runner.from_config(cfg) as plain:
+        a = spec.kv.add_sequence(reserve_tokens=16)
+        spec._forward([a], [prompt])
+        spec._forward([a], [[8, *rejected]])  # 7 tokens: spans two more blocks
+        reserved = len(spec.kv.seqs[a].reserved)
+        spec.kv.truncate(a, len(prompt) + 1)  # only token 8 is kept
+        b = plain.kv.add_sequence(reserve_tokens=16)
+        plain._forward([b], [prompt])
+        plain._forward([b], [[8]])
+        assert spec.kv.length(a) == plain.kv.length(b) == 8
+        assert len(spec.kv.seqs[a].blocks) == len(plain.kv.seqs[b].blocks) == 2
+        ka, kb = kv_bytes(spec, a), kv_bytes(plain, b)  # [L, blocks, 2, block_size, Hkv, D]
+        assert torch.equal(ka[:, 0], kb[:, 0])  # the prompt's full block, untouched
+        assert torch.equal(ka[:, 1, :, 4:], torch.zeros_like(ka[:, 1, :, 4:]))  # past the end: zero again
+        assert torch.equal(kb[:, 1, :, 4:], torch.zeros_like(kb[:, 1, :, 4:]))
+        # token 8 went through in a pass of 7 rows instead of 1: the same up to the rounding of the matmuls
+        torch.testing.assert_close(ka[:, 1], kb[:, 1], rtol=1e-5, atol=1e-5)
+        assert spec.kv.pool.num_free == plain.kv.pool.num_free  # the device slots went back to the pool
+        assert len(spec.kv.seqs[a].reserved) == reserved + 2  # the logical ids back to the reservation
+        # the next token goes where the plain run puts it, and attends over the same context
+        torch.testing.assert_close(spec._forward([a], [[42]]), plain._forward([b], [[42]]), rtol=1e-4, atol=1e-4)
+
+
+def test_rollback_never_touches_blocks_shared_with_other_samples(tiny_llama):
+    cfg = run_config(tiny_llama, kv_cache={"gpu_blocks": 16, "block_size": 4})
+    with Runner.from_config(cfg) as r:
+        kv = r.kv
+        parent = kv.add_sequence(reserve_tokens=16)
+        r._forward([parent], [[1, 17, 99, 23, 5, 61]])  # one full block, one partial (shared) block
+        child = kv.fork(parent, 16)
+        before = kv_bytes(r, parent).clone()
+        shared = list(kv.seqs[parent].blocks)
+        r._forward([child], [[7, 8, 9, 10, 11]])  # copy-on-write of the partial block, then two more
+        kv.truncate(child, 7)
+        assert kv.seqs[child].blocks[0] == shared[0] and kv.seqs[child].blocks[1] != shared[1]
+        assert [kv.logical.refcount(b) for b in shared] == [2, 1]
+        assert torch.equal(kv_bytes(r, parent), before)
+        kv.truncate(child, 6)
+        assert kv.seqs[child].blocks[0] == shared[0] and kv.length(parent) == 6
+        kv.free_sequence(child)
+        kv.free_sequence(parent)
+        assert kv.pool.num_free == kv.pool.num_blocks and kv.logical.num_free == kv.logical.num_blocks
+
+
+def chi_square_p(observed: list[int], expected: list[float]) -> float:
+    """Pearson's test, cells with expected counts under 5 pooled; the p-value (Wilson-Hilferty)."""
+    cells, pool_o, pool_e = [], 0, 0.0
+    for o, e in zip(observed, expected):
+        if e < 5:
+            pool_o, pool_e = pool_o + o, pool_e + e
+        else:
+            cells.append((o, e))
+    if pool_e > 0:
+        cells.append((pool_o, pool_e))
+    stat, dof = sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_sampled_tokens_follow_the_targets_distribution(tiny_llama, draft_for):
+    """Joint frequencies of (t1, t2, t3) from 800 samples against the target's exact probabilities.
+
+    t1 comes from the prompt's pass; t2 and t3 from verifying a chain of two drafts (kept, or resampled)."""
+    prompt, n, k, temp, top_k = [1, 17, 99, 23, 5], 800, 2, 1.0, 4
+    draft = draft_for(tiny_llama, 0.3)
+    cfg = run_config(tiny_llama, speculative={"draft": str(draft), "tokens": k})
+    with Runner.from_config(cfg) as r:
+        out = r.generate([prompt], max_new_tokens=4, temperature=temp, top_k=top_k, seed=11, num_samples=n,
+                         stop_on_eos=False)
+        stats = out[0].stats
+    assert 0.1 < stats.acceptance < 0.9 and stats.draft_tokens >= 2 * n  # each sample: a chain of 2, then more
+
+    with Runner.from_config(run_config(tiny_llama)) as plain:
+        def dist(prefixes):  # the target's next-token distribution after each prefix (temperature, top-k)
+            logits = plain.prefill_logits([prompt + p for p in prefixes])
+            rows = torch.stack([logits[i, len(prompt) + len(p) - 1] for i, p in enumerate(prefixes)]) / temp
+            kth = rows.topk(top_k, dim=-1).values[:, -1:]
+            return torch.softmax(rows.masked_fill(rows < kth, float("-inf")), dim=-1)
+
+        p1 = dist([[]])[0]
+        firsts = p1.nonzero().flatten().tolist()
+        p2 = dict(zip(firsts, dist([[a] for a in firsts])))
+        pairs = [(a, b) for a in firsts for b in p2[a].nonzero().flatten().tolist()]
+        p3 = dict(zip(pairs, dist([list(ab) for ab in pairs])))
+    cells = [(a, b, c) for a, b in pairs for c in p3[a, b].nonzero().flatten().tolist()]
+    expected = [n * float(p1[a] * p2[a][b] * p3[a, b][c]) for a, b, c in cells]
+    counts = {c: 0 for c in cells}
+    for o in out:
+        counts[tuple(o.token_ids[:3])] += 1  # a KeyError here: a token the target could never draw
+    assert chi_square_p([counts[c] for c in cells], expected) > 1e-3
+
+
+def test_auto_tokens_follow_the_measured_acceptance():
+    flat = lambda k: 1.0  # noqa: E731 - a streamed target: a pass costs the same for 1 or k+1 tokens
+    assert choose_tokens(0.9, 0.02, flat, 1.0).tokens >= 8
+    assert choose_tokens(0.5, 0.05, flat, 1.0).tokens in (2, 3, 4)
+    assert choose_tokens(0.1, 0.2, flat, 1.0).tokens == 0  # a draft that costs more than it saves: off
+    assert choose_tokens(0.9, 0.02, flat, 1.0).speedup > 4
+    # the mean tokens per pass against a simulation of the acceptance process
+    g = torch.Generator().manual_seed(0)
+    kept = (torch.rand(20000, 5, generator=g) < 0.7).int().cumprod(dim=1).sum(dim=1) + 1
+    assert abs(float(kept.float().mean()) - expected_tokens(0.7, 5)) < 0.03
+
+
+def test_auto_tokens_follow_what_the_run_measures():
+    spec = Speculator(draft=None, tokens=None, timeline=Timeline(enabled=False))
+    assert spec.tokens() == 1  # nothing measured yet: one draft token to measure both passes
+    spec.draft_s, spec.draft_passes, spec.verify_s, spec.verify_passes = 0.1, 10, 10.0, 10  # draft 100x cheaper
+    spec.proposed, spec.accepted = 1000, 900
+    assert spec.tokens() >= 8 and spec.choice.speedup > 4
+    spec.accepted = 100  # the draft is rarely right
+    spec.verify_passes = 11
+    assert spec.tokens() in (1, 2)
+    spec.draft_s = 8.0  # ... and costs most of a target pass: drafting is off, but probed every 16 passes
+    assert spec.tokens() == 0 and spec.choice.speedup == 1.0
+    spec.verify_passes = 16
+    assert spec.tokens() == 1
+
+
+def test_bad_drafts_are_refused_with_the_knob_to_change(tiny_llama, model_factory, tmp_path):
+    base = run_config(tiny_llama)
+    with pytest.raises(ConfigError, match="speculative.draft.*neither none"):
+        Runner.from_config({**base, "speculative": {"draft": str(tmp_path / "nope")}})
+    with pytest.raises(ConfigError, match="speculative.tree"):
+        Runner.from_config({**base, "speculative": {"draft": str(tiny_llama), "tree": True}})
+    with pytest.raises(ConfigError, match="vocabulary of 640 tokens"):
+        bigger = model_factory("llama", overrides={"vocab_size": 640})
+        Runner.from_config({**base, "speculative": {"draft": str(bigger)}})
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(tiny_llama, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        Runner.from_config({**base, "speculative": {"draft": str(other)}})
+
+
+def test_offload_plan_places_the_draft_first_and_predicts(tiny_llama, draft_for, tmp_path, capsys):
+    cfg = run_config(tiny_llama, tiers={"gpu": {"capacity": "7MiB"}, "cpu": {"capacity": 0},
+                                        "disk": {"path": str(tmp_path / "store")}},
+                     kv_cache={"gpu_blocks": 8}, activations={"prefill_chunk": 16})
+    alone = tmp_path / "alone.yaml"
+    alone.write_text(json.dumps(cfg))
+    with_draft = tmp_path / "spec.yaml"
+    with_draft.write_text(json.dumps(cfg | {"speculative": {"draft": str(draft_for(tiny_llama)), "tokens": 4}}))
+    assert main(["plan", "--config", str(alone), "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["homes"].values()) == {"gpu"}  # alone, the target fits
+    assert main(["plan", "--config", str(with_draft), "--json"]) == 0
+    assert "disk" in json.loads(capsys.readouterr().out)["homes"].values()  # beside the draft, it streams
+    assert main(["plan", "--config", str(with_draft)]) == 0
+    out = capsys.readouterr().out
+    assert "speculative decoding" in out and "acceptance 0.9: tokens 4" in out
