@@ -160,7 +160,7 @@ class Store:
 
     @classmethod
     def open(cls, path: str | Path, page_cache: bool = False, verify: str = "always",
-             read_threads: int = 4, capacity: int | None = None) -> Store:
+             read_threads: int = 4, capacity: int | None = None, direct_io: bool = False) -> Store:
         path = Path(path)
         state = store_state(path)
         if state is StoreState.MISSING:
@@ -182,7 +182,8 @@ class Store:
                 f"{path}: the store takes {manifest['total_bytes'] / 2**30:.2f} GiB but tiers.disk.capacity is "
                 f"{capacity / 2**30:.2f} GiB; raise it"
             )
-        tier = DiskTier(path, read_only=True, page_cache=page_cache, verify=verify, read_threads=read_threads)
+        tier = DiskTier(path, read_only=True, page_cache=page_cache, verify=verify, read_threads=read_threads,
+                        direct_io=direct_io)
         try:
             store = cls(path, manifest, tier)
         except (KeyError, TypeError, ValueError) as e:

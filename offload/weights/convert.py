@@ -57,7 +57,8 @@ def convert(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, force: 
 
 
 def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capacity: int | None = None,
-               page_cache: bool = False, verify: str = "always", auto_convert: bool = True) -> Store:
+               page_cache: bool = False, verify: str = "always", auto_convert: bool = True,
+               direct_io: bool = False) -> Store:
     """The store for this checkpoint and dtype: converted first if missing or interrupted, checked if present."""
     store_dir = Path(store_dir)
     state = store_state(store_dir)
@@ -65,7 +66,7 @@ def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capa
         if state is StoreState.PARTIAL:
             log.warning("%s holds an interrupted conversion; starting it again", store_dir)
         convert(ckpt, store_dir, dtype, capacity=capacity).close()
-    store = Store.open(store_dir, page_cache=page_cache, verify=verify, capacity=capacity)
+    store = Store.open(store_dir, page_cache=page_cache, verify=verify, capacity=capacity, direct_io=direct_io)
     meta = store.meta
     if meta.get("checkpoint_fingerprint") != ckpt.fingerprint():
         store.close()
