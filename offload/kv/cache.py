@@ -333,9 +333,11 @@ class PagedKVCache:
         positions[flat] = pos
         valid[flat] = pos < torch.tensor(kv_lens)[seq_idx][:, None]
         dev = self.device
-        return TierBlocks(tier, where[seq_idx, block_idx, 1].tolist(), block_ids[seq_idx, block_idx].tolist(),
+        slots = where[seq_idx, block_idx, 1]  # [n]
+        return TierBlocks(tier, slots.tolist(), block_ids[seq_idx, block_idx].tolist(),
                           seq_idx.to(dev), block_idx.to(dev), col.to(dev), cols,
-                          positions.view(B, cols * bs).to(dev), valid.view(B, cols * bs).to(dev))
+                          positions.view(B, cols * bs).to(dev), valid.view(B, cols * bs).to(dev),
+                          slots.to(dev) if tier == "gpu" else None)
 
     def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
         """One layer of every cold group of the step, still in the cold format: ({tier: parts}, bytes read).
