@@ -190,6 +190,10 @@ class DiskTierConfig:
     capacity: int | None = _opt(_size_or_auto, "bytes the store may take on disk; auto = free space")
     page_cache: bool = _opt(_bool, "keep read pages in the OS page cache (only on machines with RAM to spare)",
                             False)
+    verify: str = _opt(_choice("once", "always"), "check each chunk's crc32c on its first read in a run (once) or on "
+                       "every read (always: one more pass over every streamed byte per step)", "once")
+    direct_io: bool = _opt(_bool, "read with O_DIRECT into the page-aligned slots (no page-cache copy, no fadvise); "
+                           "falls back to buffered reads where the file system refuses it", True)
 
 
 @dataclass(frozen=True)

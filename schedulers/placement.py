@@ -10,8 +10,11 @@ Rules, in order:
    the group sizes so that a few large groups (an LM head) can be homed instead of sizing
    every slot for them. Homed groups are spread evenly over the pass so the link keeps
    working while device-homed layers compute.
-4. Then the host homes what fits (after two pinned staging slots when disk-homed groups
-   must be copied to a CUDA device), then the disk holds the rest.
+4. Then the host homes what fits, then the disk holds the rest. When disk-homed groups must
+   be copied to a CUDA device, two pinned staging slots come off the host's budget first:
+   each a piece of at most `STAGE_PIECE` bytes (a group crosses in pieces; 64 MiB pieces
+   already run PCIe at full speed), shrunk to what the host tier can hold, down to
+   `MIN_STAGE`; a host tier that cannot hold two of those is refused, naming the capacity.
 5. Groups read by rows only (token embeddings) take the slowest tier there is: a step
    reads a few rows of them, never the whole group.
 
@@ -24,10 +27,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from storage.arena import PAGE, round_up
 from storage.errors import CapacityError
 from storage.tiers import TIERS
 
 STAGE_SLOTS = 2
+#: The largest staging slot: a disk-homed group is read and copied to the device in pieces of this size.
+STAGE_PIECE = 64 * 2**20
+#: The smallest staging slot worth having (smaller pieces spend more time per copy than moving bytes).
+MIN_STAGE = 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +66,7 @@ class Plan:
     ring_slots: int  # device slots groups stream through (0 when nothing streams)
     ring_slot_bytes: int
     stage_slots: int  # pinned host slots that disk reads land in before a host->device copy
-    stage_slot_bytes: int
+    stage_slot_bytes: int  # one piece of a group (<= ring_slot_bytes): larger groups cross in several pieces
     copy_to_device: bool  # False on a CPU compute device: host memory is device memory
     capacities: Capacities
     reserved_gpu: dict[str, int] = field(default_factory=dict)  # kv, workspace, ring
@@ -104,6 +112,14 @@ class Plan:
             return homed + self.stage_slots * self.stage_slot_bytes + self.host_reserve
         return sum(self.sizes.values()) + self.disk_reserve  # the store holds every group
 
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked for CUDA: every region of the cpu tier (homes, staging slots, cold KV blocks),
+        each rounded up to whole pages; 0 on a CPU device. This is the size of the cpu tier's pinned arena."""
+        if not self.copy_to_device:
+            return 0
+        homes = sum(round_up(self.sizes[g], PAGE) for g in self.order if self.homes[g] == "cpu")
+        return homes + self.stage_slots * round_up(self.stage_slot_bytes, PAGE) + round_up(self.host_reserve, PAGE)
+
     def bytes_per_step(self) -> dict[str, int]:
         """Bytes each link moves per forward pass (rows-only reads are a few rows and not counted)."""
         links = {"disk->cpu": 0, "disk->gpu": 0, "cpu->gpu": 0}
@@ -134,6 +150,8 @@ class Plan:
             lines.append(f"  cpu reserves: {', '.join(host)}")
         if self.disk_reserve:
             lines.append(f"  disk reserves: KV slot file {_gib(self.disk_reserve)}")
+        if self.copy_to_device and self.used("cpu"):
+            lines.append(f"  pinned host memory: {_gib(self.pinned_bytes())} (one page-locked arena for the cpu tier)")
         if self.lent:
             lines.append(f"  the gpu tier lends its unused {_gib(self.lent)} to the cpu tier (on a CPU device they "
                          "are the same RAM)")
@@ -148,6 +166,7 @@ class Plan:
             "ring_slot_bytes": self.ring_slot_bytes, "stage_slots": self.stage_slots,
             "stage_slot_bytes": self.stage_slot_bytes, "reserved_gpu": dict(self.reserved_gpu),
             "used": {t: self.used(t) for t in TIERS}, "bytes_per_step": self.bytes_per_step(), "lent": self.lent,
+            "pinned_bytes": self.pinned_bytes(),
         }
 
 
@@ -198,6 +217,20 @@ def min_device_bytes(groups: Sequence[GroupSpec], depth: int, fixed: int = 0) ->
     total = sum(g.nbytes for g in groups)
     ring = [(depth + 1) * slot + sum(n for n in stream if n > slot) for slot in set(stream)]
     return fixed + min([total, *ring])
+
+
+def _stage_bytes(slot: int, cpu_cap: int, cpu: int, host_reserve: int) -> int:
+    """The staging slot size: a piece of at most STAGE_PIECE, shrunk (in pages) until two fit the host tier."""
+    stage = min(round_up(slot, PAGE), STAGE_PIECE, cpu_cap // STAGE_SLOTS // PAGE * PAGE)
+    if stage < min(MIN_STAGE, round_up(slot, PAGE)):
+        need = STAGE_SLOTS * min(MIN_STAGE, round_up(slot, PAGE)) + host_reserve
+        raise CapacityError(
+            f"groups homed on disk reach the GPU through {STAGE_SLOTS} pinned staging buffers in the cpu tier, "
+            f"but tiers.cpu.capacity is {_gib(cpu)}{' after the cold KV blocks' if host_reserve else ''}; raise "
+            f"tiers.cpu.capacity to at least {_gib(need)} "
+            f"({_gib(STAGE_SLOTS * min(STAGE_PIECE, round_up(slot, PAGE)) + host_reserve)} for full-speed pieces)"
+        )
+    return stage
 
 
 def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_bytes: int = 0,
@@ -262,7 +295,8 @@ def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_byte
                             "raise tiers.cpu.capacity or lower kv_cache.cpu_blocks")
     stage = 0
     if cpu_cap is not None and sum(sizes[g] for g in rest) > cpu_cap:
-        stage = slot if (copy_to_device and caps.has_disk) else 0
+        if copy_to_device and caps.has_disk:
+            stage = _stage_bytes(slot, cpu_cap, caps.cpu, host_reserve)
         budget = cpu_cap - STAGE_SLOTS * stage
         must = [g for g in rest if g in rows]
         on_cpu = must + _fill([g for g in rest if g not in rows], sizes, budget - sum(sizes[g] for g in must))

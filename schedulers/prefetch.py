@@ -83,7 +83,7 @@ class Prefetcher:
         self._stop = False
         self._current: dict[str, tuple[Load | None, float, Marker | None]] = {}
         self._stage_free: list[threading.Event] = []
-        self._staged_events: dict[int, threading.Event] = {}
+        self._staged_events: dict[tuple[int, int], threading.Event] = {}
         self._threads: list[threading.Thread] = []
         self.reset()
 
@@ -198,7 +198,7 @@ class Prefetcher:
         slot, args = (None, {}) if load is None else (load.slot, {"k": load.k})
         if start_marker is not None:
             self.timeline.add_cuda("compute", group, start_marker.event, done.event, slot=slot,  # type: ignore
-                                   **args)
+                                   device=self.engine.device, **args)
         else:
             self.timeline.add("compute", group, start, self.timeline.now(), slot=slot, **args)
 
@@ -209,19 +209,30 @@ class Prefetcher:
 
     # -- worker threads -----------------------------------------------------------------------
     def _staged_loads(self):
-        """(k, stage slot) of every load that goes disk -> stage -> device, in schedule order, forever."""
+        """(k, piece, stage slot) of every piece of every load that goes disk -> stage -> device, in schedule
+        order, forever. A group larger than a staging slot crosses in pieces of the slot's size."""
         n, j, k = len(self.schedule), 0, 0
         while True:
-            if self.plan.route(self.schedule[k % n])[:2] == ("disk", "cpu"):
-                yield k, j % len(self.stage)
-                j += 1
+            group = self.schedule[k % n]
+            if self.plan.route(group)[:2] == ("disk", "cpu"):
+                for p in range(self._pieces(group)):
+                    yield k, p, j % len(self.stage)
+                    j += 1
             k += 1
+
+    def _pieces(self, group: str) -> int:
+        return -(-self.plan.sizes[group] // self.plan.stage_slot_bytes)
+
+    def _piece(self, group: str, p: int) -> tuple[int, int]:
+        """Byte range [start, start + n) of a group's p-th staging piece."""
+        start = p * self.plan.stage_slot_bytes
+        return start, min(self.plan.stage_slot_bytes, self.plan.sizes[group] - start)
 
     def _stager(self) -> None:
         """Reads disk chunks into the pinned staging slots, running ahead of the loader (and of the ring):
         the disk never waits for a ring slot, only for a staging slot whose copy to the device is done."""
         n, ring = len(self.schedule), len(self.ring)
-        for k, s in self._staged_loads():
+        for k, p, s in self._staged_loads():
             self._stage_free[s].wait()
             self._stage_free[s].clear()
             if self.plan.depth == 0:  # depth 0 is "no prefetch": read only once the slot is free
@@ -231,23 +242,29 @@ class Prefetcher:
             if self._stop:
                 return
             group = self.schedule[k % n]
-            size = self.plan.sizes[group]
+            start, size = self._piece(group, p)
             try:
                 self._stage_marker[s].wait()  # the copy out of this slot has finished on the device
                 with self.timeline.span("disk-read", group, nbytes=size, slot=s, step=self._base_step + k // n,
-                                        k=k, into="stage"):
-                    self.tiers["disk"].read_into(group, self.stage[s][:size])
+                                        k=k, into="stage", piece=p):
+                    self.tiers["disk"].read_into(group, self.stage[s][:size], offset=start)
                 self.traffic.add("weights", "disk", "cpu", size)
             except BaseException as e:  # handed to the loader, then to compute
-                self._staged[k] = (s, e)
-                self._staged_event(k).set()
+                self._staged[(k, p)] = (s, e)
+                self._staged_event((k, p)).set()
                 return
-            self._staged[k] = (s, None)
-            self._staged_event(k).set()
+            self._staged[(k, p)] = (s, None)
+            self._staged_event((k, p)).set()
 
-    def _staged_event(self, k: int) -> threading.Event:
+    def _staged_event(self, key: tuple[int, int]) -> threading.Event:
+        """The event that says piece `key` = (k, piece) is staged; once closing, an event already set (a thread
+        that asks after `close` collected the events must not wait on one nobody will set)."""
         with self._cond:
-            return self._staged_events.setdefault(k, threading.Event())
+            if self._stop:
+                done = threading.Event()
+                done.set()
+                return done
+            return self._staged_events.setdefault(key, threading.Event())
 
     def _loader(self) -> None:
         """Walks the schedule in order and lands every load in its ring slot."""
@@ -281,21 +298,23 @@ class Prefetcher:
     def _load(self, load: Load, step: int) -> None:
         group, size = load.group, self.plan.sizes[load.group]
         route = self.plan.route(group)
-        if route[:2] == ("disk", "cpu"):  # CUDA: the stager read it into a pinned slot; copy it up
-            event = self._staged_event(load.k)
-            event.wait()
-            if self._stop:
-                return
-            with self._cond:
-                del self._staged_events[load.k]
-            s, error = self._staged.pop(load.k)
-            if error is not None:
-                raise error
-            if not self._wait_slot(load.slot):
-                return
-            load.marker = self._copy(load, self.ring[load.slot][:size], self.stage[s][:size], step)
-            self._stage_marker[s] = load.marker
-            self._stage_free[s].set()
+        if route[:2] == ("disk", "cpu"):  # CUDA: the stager read it, piece by piece, into pinned slots
+            for p in range(self._pieces(group)):
+                event = self._staged_event((load.k, p))
+                event.wait()
+                if self._stop:
+                    return
+                with self._cond:
+                    del self._staged_events[(load.k, p)]
+                s, error = self._staged.pop((load.k, p))
+                if error is not None:
+                    raise error
+                if p == 0 and not self._wait_slot(load.slot):
+                    return
+                start, m = self._piece(group, p)
+                load.marker = self._copy(load, self.ring[load.slot][start : start + m], self.stage[s][:m], step)
+                self._stage_marker[s] = load.marker
+                self._stage_free[s].set()
         elif route[0] == "disk":  # CPU: disk -> device slot directly
             if not self._wait_slot(load.slot):
                 return
@@ -315,7 +334,7 @@ class Prefetcher:
         if self.engine.device.type == "cuda":
             marker, events = self.engine.timed_copy(dst, src, after=[free])
             self.timeline.add_cuda("h2d", load.group, *events, nbytes=dst.numel(), slot=load.slot, step=step,
-                                   k=load.k, into="ring")
+                                   device=self.engine.device, k=load.k, into="ring")
         else:
             with self.timeline.span("h2d", load.group, nbytes=dst.numel(), slot=load.slot, step=step, k=load.k,
                                     into="ring"):
@@ -324,8 +343,9 @@ class Prefetcher:
         return marker
 
     def close(self) -> None:
-        self._stop = True
+        """Stop the threads, then wait for every copy they queued (the slots may be freed right after)."""
         with self._cond:
+            self._stop = True  # under the lock: no thread creates an event to wait on after this
             events = list(self._staged_events.values())
             self._cond.notify_all()
         self.join_side()
@@ -334,6 +354,7 @@ class Prefetcher:
         for t in self._threads:
             _join(t)
         self._threads = []
+        self.engine.synchronize()  # copies still in flight on the copy stream read and write the slots
 
     def reset(self) -> None:
         """(Re)start the schedule at its first load; also abandons a pass cut short by an exception."""
@@ -350,8 +371,8 @@ class Prefetcher:
             e.set()
         self._free_marker = [DONE for _ in self.ring]
         self._stage_marker = [DONE for _ in self.stage]
-        self._staged: dict[int, tuple[int, BaseException | None]] = {}
-        self._staged_events: dict[int, threading.Event] = {}
+        self._staged: dict[tuple[int, int], tuple[int, BaseException | None]] = {}
+        self._staged_events: dict[tuple[int, int], threading.Event] = {}
         self._stop = False
         self._base_step = self.timeline.step
         if self.schedule:

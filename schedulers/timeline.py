@@ -55,8 +55,8 @@ class Timeline:
         self.spans: list[Span] = []
         self.counters: list[tuple[str, float, dict[str, float]]] = []  # (name, time, values)
         self.step = 0
-        self._pending: list[tuple[Span, Any, Any]] = []  # (span, start event, end event)
-        self._anchor: tuple[Any, float] | None = None
+        self._pending: list[tuple[Span, Any, Any, int]] = []  # (span, start event, end event, device index)
+        self._anchors: dict[int, tuple[Any, float]] = {}  # device index -> (anchor event, its host time)
         self._lock = threading.Lock()
 
     def now(self) -> float:
@@ -121,20 +121,30 @@ class Timeline:
 
     # -- CUDA ---------------------------------------------------------------------------------
     def add_cuda(self, track: str, name: str, start_event: Any, end_event: Any, nbytes: int = 0,
-                 slot: int | None = None, step: int | None = None, **args: Any) -> None:
-        """Record a span timed by two CUDA events (created with enable_timing=True)."""
+                 slot: int | None = None, step: int | None = None, device: Any = None, **args: Any) -> None:
+        """Record a span timed by two CUDA events (created with enable_timing=True) recorded on `device`
+        (a torch.device; None: the current one). Events are only comparable with an anchor on the same
+        device, so each device gets its own anchor."""
         if not self.enabled:
             return
-        if self._anchor is None:
-            import torch
-
-            anchor = torch.cuda.Event(enable_timing=True)
-            anchor.record()
-            anchor.synchronize()
-            self._anchor = (anchor, self.now())
+        key = self._anchor_for(device)
         span = Span(track, name, self.step if step is None else step, 0.0, 0.0, nbytes, slot, args)
         with self._lock:
-            self._pending.append((span, start_event, end_event))
+            self._pending.append((span, start_event, end_event, key))
+
+    def _anchor_for(self, device: Any) -> int:
+        """The index of `device`'s anchor event, recording one (on that device's current stream) the first time."""
+        import torch
+
+        index = torch.cuda.current_device() if device is None or device.index is None else device.index
+        if index not in self._anchors:
+            with torch.cuda.device(index):
+                anchor = torch.cuda.Event(enable_timing=True)
+                anchor.record(torch.cuda.current_stream(index))
+                anchor.synchronize()
+            with self._lock:
+                self._anchors.setdefault(index, (anchor, self.now()))
+        return index
 
     def resolve(self, block: bool = True) -> None:
         """Turn pending CUDA event pairs into times; `block=False` takes only those already complete."""
@@ -142,13 +152,13 @@ class Timeline:
             pending, self._pending = self._pending, []
         if not pending:
             return
-        anchor, t0 = self._anchor
         later = []
-        for span, start, end in pending:
+        for span, start, end, key in pending:
             if not block and not end.query():
-                later.append((span, start, end))
+                later.append((span, start, end, key))
                 continue
             end.synchronize()
+            anchor, t0 = self._anchors[key]
             span.start = t0 + anchor.elapsed_time(start) / 1000
             span.end = t0 + anchor.elapsed_time(end) / 1000
             with self._lock:

@@ -4,6 +4,7 @@
     engine.mark_compute() -> Marker                    "compute has reached this point"
     engine.compute_wait(marker)                        compute goes on only after marker
     marker.wait()                                      the host waits
+    engine.synchronize()                               the host waits for every copy queued so far
 
 On CUDA (`CudaEngine`) copies run on a dedicated copy stream from pinned buffers and markers
 are CUDA events, so neither the host nor the compute stream blocks on a copy it does not
@@ -69,6 +70,9 @@ class TransferEngine(ABC):
         """Like copy, plus (start, end) markers for the timeline (None on the CPU engine)."""
         return self.copy(dst, src, after), None
 
+    def synchronize(self) -> None:  # noqa: B027 - CPU copies are done when `copy` returns
+        """Block the host until every copy queued so far has finished (before their buffers are freed)."""
+
 
 class ThreadEngine(TransferEngine):
     """CPU: the caller is a worker thread, so a copy simply runs now; markers are trivially passed."""
@@ -115,6 +119,9 @@ class CudaEngine(TransferEngine):
             end = self._event()
             end.record(self.copy_stream)
         return CudaMarker(end), (start, end)
+
+    def synchronize(self) -> None:
+        self.copy_stream.synchronize()
 
     def mark_compute(self) -> Marker:
         event = self._event()

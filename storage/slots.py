@@ -90,7 +90,12 @@ class MemorySlots(SlotArray):
             self.data.zero_()
 
     def write(self, slot: int, values: torch.Tensor) -> None:
-        self.data[:, slot] = values.to(self.device, non_blocking=True)
+        """values [planes, *slot_shape] from any device. A copy *into* device memory is queued on the current
+        stream (what reads the slot later runs after it); a copy out of a device into host memory completes
+        before this returns, since the host may read the slot at once (a `non_blocking` device->host copy
+        would leave stale bytes there until the device caught up)."""
+        dst = self.data[:, slot]
+        dst.copy_(values, non_blocking=self.device.type != "cpu" and values.device.type == "cpu")
         self._valid[slot] = 1
 
     def clear(self, slot: int) -> None:

@@ -217,7 +217,7 @@ class Store:
     @classmethod
     def open(cls, path: str | Path, page_cache: bool = False, verify: str = "always",
              read_threads: int = 4, capacity: int | None = None, lock: FileLock | None = None,
-             own_lock: bool = False) -> Store:
+             own_lock: bool = False, direct_io: bool = False) -> Store:
         """Open a complete store. Without `lock`, takes the store's lock shared (waiting while a conversion
         runs) and releases it on close; with one (held by the caller), releases it only if `own_lock`."""
         path = Path(path)
@@ -231,7 +231,7 @@ class Store:
                 lock.close()
                 raise
         try:
-            store = cls._open(path, page_cache, verify, read_threads, capacity)
+            store = cls._open(path, page_cache, verify, read_threads, capacity, direct_io)
         except BaseException:
             if own_lock:
                 lock.close()
@@ -249,7 +249,8 @@ class Store:
             raise StoreError(f"{path}: not an Offload store (no {MANIFEST}); convert a checkpoint into it first")
 
     @classmethod
-    def _open(cls, path: Path, page_cache: bool, verify: str, read_threads: int, capacity: int | None) -> Store:
+    def _open(cls, path: Path, page_cache: bool, verify: str, read_threads: int, capacity: int | None,
+              direct_io: bool = False) -> Store:
         state = store_state(path)
         if state is not StoreState.COMPLETE:
             cls._refuse(path, state)
@@ -259,7 +260,8 @@ class Store:
                 f"{path}: the store takes {manifest['total_bytes'] / 2**30:.2f} GiB but tiers.disk.capacity is "
                 f"{capacity / 2**30:.2f} GiB; raise it"
             )
-        tier = DiskTier(path, read_only=True, page_cache=page_cache, verify=verify, read_threads=read_threads)
+        tier = DiskTier(path, read_only=True, page_cache=page_cache, verify=verify, read_threads=read_threads,
+                        direct_io=direct_io)
         store = cls(path, manifest, tier)
         try:
             for name, rec in store.groups.items():

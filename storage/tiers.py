@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from storage import io
+from storage.arena import PAGE, HostArena, aligned_empty
 from storage.errors import CapacityError, StoreError
 from storage.layout import check_name
 
@@ -133,33 +134,62 @@ class Tier(ABC):
 
 
 class MemoryTier(Tier):
-    """Regions are uint8 tensors on one torch device, allocated once."""
+    """Regions are uint8 tensors on one torch device, allocated once. Host regions are page-aligned (disk reads
+    can bypass the page cache into them); with an arena they are carved from it (one pinned block)."""
 
-    def __init__(self, capacity: int | None, device: torch.device | str, pin_memory: bool = False) -> None:
+    def __init__(self, capacity: int | None, device: torch.device | str, pin_memory: bool = False,
+                 arena: HostArena | None = None) -> None:
         super().__init__(capacity)
         self.device = torch.device(device)
         self.pin_memory = pin_memory
+        self.arena = arena
         self._buffers: dict[str, torch.Tensor] = {}
 
     @property
     def is_memory(self) -> bool:
         return True
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked for this tier (the arena's, or each pinned region's allocation)."""
+        if self.arena is not None:
+            return self.arena.pinned
+        return sum(b.untyped_storage().nbytes() for b in self._buffers.values()) if self.pin_memory else 0
+
     def view(self, key: str) -> torch.Tensor:
         """The region itself (1-D uint8 on this tier's device); compute may read it in place."""
         return self._buffers[key]
 
     def _allocate(self, key: str, nbytes: int) -> None:
-        self._buffers[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
+        if self.arena is not None:
+            region = self.arena.carve(nbytes)
+            if region is None:
+                raise CapacityError(
+                    f"the {self.kind} tier's arena has no free run of {_mib(nbytes)} for {key!r} "
+                    f"({_mib(self.arena.free)} free in pieces); raise tiers.{self.kind}.capacity"
+                )
+            self._buffers[key] = region
+        elif self.device.type == "cpu" and not self.pin_memory:
+            self._buffers[key] = aligned_empty(nbytes)
+        else:
+            self._buffers[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device,
+                                             pin_memory=self.pin_memory)
 
     def _release(self, key: str) -> None:
-        del self._buffers[key]
+        region = self._buffers.pop(key)
+        if self.arena is not None:
+            self.arena.give_back(region)
 
     def _write(self, key: str, src: torch.Tensor) -> None:
         self._buffers[key][: src.numel()].copy_(src)
 
     def _read_into(self, key: str, dest: torch.Tensor, offset: int) -> None:
         dest.copy_(self._buffers[key][offset : offset + dest.numel()])
+
+    def close(self) -> None:
+        super().close()
+        if self.arena is not None:
+            self.arena.close()
 
 
 class DeviceTier(MemoryTier):
@@ -172,12 +202,17 @@ class DeviceTier(MemoryTier):
 
 
 class HostTier(MemoryTier):
-    """Host RAM; page-locked when CUDA is present and `pinned`, so copies to the GPU are asynchronous."""
+    """Host RAM; page-locked when CUDA is present and `pinned`, so copies to the GPU are asynchronous.
+
+    `arena_bytes`: pin one arena of this size (the plan's pinned bytes) and carve every region from it,
+    so what is pinned is the budget rounded to pages; without it each region is pinned on its own."""
 
     kind = "cpu"
 
-    def __init__(self, capacity: int | None, pinned: bool = True) -> None:
-        super().__init__(capacity, "cpu", pin_memory=pinned and torch.cuda.is_available())
+    def __init__(self, capacity: int | None, pinned: bool = True, arena_bytes: int | None = None) -> None:
+        pin = pinned and torch.cuda.is_available()
+        arena = HostArena(arena_bytes, pin=True) if pin and arena_bytes else None
+        super().__init__(capacity, "cpu", pin_memory=pin, arena=arena)
 
 
 # ----------------------------------------------------------------------------- disk
@@ -202,13 +237,20 @@ class DiskTier(Tier):
     `read_with_zarr` reads the same arrays through zarr itself, the checked fallback.
     Reads `preadv` straight into the destination, optionally drop the pages afterwards, and
     verify the crc32c on every whole-region read (`verify="always"`) or on the first one.
+    With `direct_io`, reads whose destination, offset and length are page-aligned (every slot
+    and staging piece is) go through an `O_DIRECT` descriptor: the disk writes into the slot,
+    the kernel copies nothing and there is no page cache to drop; the rest (a row of the
+    embeddings, a file system that refuses O_DIRECT) read through the page cache as before.
     """
 
     kind = "disk"
 
     def __init__(self, path: str | Path, capacity: int | None = None, read_only: bool = False,
-                 page_cache: bool = False, verify: str = "always", read_threads: int = 4) -> None:
+                 page_cache: bool = False, verify: str = "always", read_threads: int = 4,
+                 direct_io: bool = False) -> None:
         super().__init__(capacity, read_only)
+        self.direct_io = direct_io and hasattr(os, "O_DIRECT")
+        self._direct_fds: dict[str, int | None] = {}  # None: the file system refused O_DIRECT
         import zarr
 
         self.path = Path(path)
@@ -277,9 +319,10 @@ class DiskTier(Tier):
         self._chunks[key] = self._chunk_file(key, arr)
 
     def _release(self, key: str) -> None:
-        fd = self._fds.pop(key, None)
-        if fd is not None:
-            os.close(fd)
+        for fds in (self._fds, self._direct_fds):
+            fd = fds.pop(key, None)
+            if fd is not None:
+                os.close(fd)
         self._chunks.pop(key, None)
 
     def _write(self, key: str, src: torch.Tensor) -> None:
@@ -318,15 +361,27 @@ class DiskTier(Tier):
                     self._fds[key] = fd
         return fd
 
+    def _direct_fd(self, key: str) -> int | None:
+        """An O_DIRECT descriptor of the region's chunk file (None where the file system refuses one)."""
+        if key not in self._direct_fds:
+            with self._lock:
+                if key not in self._direct_fds:
+                    try:
+                        self._direct_fds[key] = os.open(self._chunks[key].path, os.O_RDONLY | os.O_DIRECT)
+                    except OSError:
+                        self._direct_fds[key] = None
+        return self._direct_fds[key]
+
     def _read_into(self, key: str, dest: torch.Tensor, offset: int) -> None:
         chunk, fd = self._chunks[key], self._fd(key)
         whole = offset == 0 and dest.numel() == chunk.nbytes
         if not whole and key not in self._verified:
             self.verify_region(key)
         check = whole and (self.verify == "always" or key not in self._verified)
-        cpu = dest if dest.device.type == "cpu" else torch.empty(dest.numel(), dtype=torch.uint8)
-        crc = self._pread(fd, cpu, offset, chunk.path, check)
-        if not self.page_cache:
+        cpu = dest if dest.device.type == "cpu" else aligned_empty(dest.numel())
+        direct = self._direct_fd(key) if self.direct_io and _aligned(cpu, offset) else None
+        crc = self._pread(fd if direct is None else direct, cpu, offset, chunk.path, check)
+        if direct is None and not self.page_cache:
             io.drop_page_cache(fd, offset, cpu.numel())
         if check:
             self._check_crc(key, fd, crc)
@@ -399,6 +454,11 @@ class DiskTier(Tier):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _aligned(dest: torch.Tensor, offset: int) -> bool:
+    """Can `dest` be read at `offset` with O_DIRECT (address, offset and length all whole pages)?"""
+    return dest.data_ptr() % PAGE == 0 and offset % PAGE == 0 and dest.numel() % PAGE == 0
 
 
 def read_json(path: Path) -> dict | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from schedulers.placement import Capacities, GroupSpec, make_plan
+from schedulers.placement import MIN_STAGE, PAGE, STAGE_PIECE, Capacities, GroupSpec, make_plan
 from storage.errors import CapacityError
 
 MiB = 2**20
@@ -47,7 +47,7 @@ def test_copy_routes_reserve_staging_on_the_host():
     caps = Capacities(512 * MiB, 512 * MiB, None, has_disk=True)
     cuda = make_plan(model(), caps, depth=2, kv_bytes=20 * MiB, copy_to_device=True)
     cpu = make_plan(model(), caps, depth=2, kv_bytes=20 * MiB, copy_to_device=False)
-    assert cuda.stage_slots == 2 and cuda.stage_slot_bytes == LAYER and cpu.stage_slots == 0
+    assert cuda.stage_slots == 2 and cuda.stage_slot_bytes == STAGE_PIECE < LAYER and cpu.stage_slots == 0
     assert cuda.lent == 0  # on CUDA the device and the host are different memories
     assert cuda.route("layer.0") in (("disk", "cpu", "gpu"), ("cpu", "gpu"), ("gpu",))
     assert all(cpu.route(g) != ("cpu", "gpu") for g in cpu.order)  # host memory is device memory on a CPU
@@ -86,3 +86,26 @@ def test_describe_lists_every_tier_and_what_moves():
     text = plan.describe()
     for piece in ("gpu", "cpu", "disk", "ring slots", "per forward pass: disk->gpu", "layer."):
         assert piece in text
+
+
+@pytest.mark.parametrize("cpu", [0, MIN_STAGE])
+def test_gpu_and_disk_with_no_room_for_staging_is_refused_naming_the_cpu_capacity(cpu):
+    """CUDA, disk-homed layers, and a cpu tier that cannot hold the two pinned staging buffers."""
+    caps = Capacities(512 * MiB, cpu, None, has_disk=True)
+    with pytest.raises(CapacityError, match=r"pinned staging buffers .* raise tiers\.cpu\.capacity to at least "
+                                            r"2\.0 MiB \(128\.0 MiB for full-speed pieces\)"):
+        make_plan(model(), caps, depth=2, kv_bytes=20 * MiB, copy_to_device=True)
+    # on a CPU device the disk reads land in the ring: no staging, nothing to refuse
+    assert make_plan(model(), caps, depth=2, kv_bytes=20 * MiB, copy_to_device=False).stage_slots == 0
+
+
+@pytest.mark.parametrize("cpu", [4 * MiB, LAYER + 4096, 200 * MiB])
+def test_staging_shrinks_to_what_the_cpu_tier_holds_and_is_counted_in_it(cpu):
+    caps = Capacities(512 * MiB, cpu, None, has_disk=True)
+    plan = make_plan(model(), caps, depth=2, kv_bytes=20 * MiB, copy_to_device=True)
+    assert plan.stage_slots == 2 and MIN_STAGE <= plan.stage_slot_bytes <= STAGE_PIECE
+    assert plan.stage_slot_bytes % 4096 == 0
+    assert plan.used("cpu") <= cpu  # the staging buffers fit the budget the user gave
+    regions = 2 + sum(1 for g in plan.order if plan.homes[g] == "cpu")
+    assert plan.used("cpu") <= plan.pinned_bytes() <= plan.used("cpu") + regions * PAGE  # whole pages per region
+    assert "pinned host memory" in plan.describe() and plan.to_dict()["pinned_bytes"] == plan.pinned_bytes()

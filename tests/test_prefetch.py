@@ -8,6 +8,7 @@ drives a GPU is exercised here.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -22,14 +23,14 @@ from storage.tiers import DeviceTier, DiskTier, HostTier
 SIZES = {"g0": 40_000, "g1": 65_536, "g2": 12_288, "g3": 65_536, "g4": 30_000, "g5": 50_000}
 
 
-def manual_plan(homes: dict[str, str], depth: int, copy_to_device: bool) -> Plan:
+def manual_plan(homes: dict[str, str], depth: int, copy_to_device: bool, stage_bytes: int | None = None) -> Plan:
     order = tuple(SIZES)
     probe = Plan(order, SIZES, homes, depth, 0, 0, 0, 0, copy_to_device, Capacities(None, None, None, True))
     streamed = probe.streamed
     slot = max((SIZES[g] for g in streamed), default=0)
     stage = 2 if copy_to_device and any(homes[g] == "disk" for g in streamed) else 0
-    return Plan(order, SIZES, homes, depth, depth + 1 if streamed else 0, slot, stage, slot if stage else 0,
-                copy_to_device, Capacities(None, None, None, True))
+    return Plan(order, SIZES, homes, depth, depth + 1 if streamed else 0, slot, stage,
+                (stage_bytes or slot) if stage else 0, copy_to_device, Capacities(None, None, None, True))
 
 
 @pytest.fixture
@@ -44,9 +45,9 @@ def world(tmp_path):
     disk.close()
 
 
-def build(world, homes, depth, copy_to_device, prefetcher_cls=Prefetcher):
+def build(world, homes, depth, copy_to_device, prefetcher_cls=Prefetcher, stage_bytes=None, engine=None):
     data, disk = world
-    plan = manual_plan(homes, depth, copy_to_device)
+    plan = manual_plan(homes, depth, copy_to_device, stage_bytes)
     tiers = {"gpu": DeviceTier(None, "cpu"), "cpu": HostTier(None), "disk": disk}
     for name, home in homes.items():
         if home in ("gpu", "cpu"):
@@ -61,7 +62,7 @@ def build(world, homes, depth, copy_to_device, prefetcher_cls=Prefetcher):
         tiers["cpu"].allocate(f"stage.{i}", plan.stage_slot_bytes)
         stage.append(tiers["cpu"].view(f"stage.{i}"))
     timeline = Timeline()
-    return plan, prefetcher_cls(plan, tiers, ThreadEngine("cpu"), timeline, ring, stage), timeline
+    return plan, prefetcher_cls(plan, tiers, engine or ThreadEngine("cpu"), timeline, ring, stage), timeline
 
 
 def run_passes(pf, plan, data, passes=3, compute_s=0.0, check=True) -> int:
@@ -222,3 +223,43 @@ def test_a_failed_read_reaches_compute_as_the_error(world, tmp_path):
             pf.acquire("g3")
     finally:
         pf.close()
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_groups_larger_than_a_staging_slot_cross_in_pieces(world, depth):
+    """Staging slots of 16 KiB (a cpu tier short of RAM): each disk-homed group is read and copied in pieces."""
+    plan, pf, timeline = build(world, HOMES["mixed"], depth, True, stage_bytes=16384)
+    try:
+        run_passes(pf, plan, world[0], passes=3, compute_s=0.002)
+    finally:
+        pf.close()
+    reads = [s for s in timeline.on("disk-read") if s.name == "g3"]  # 65536 bytes: 4 pieces a pass
+    assert len(reads) >= 12 and max(s.nbytes for s in reads) == 16384
+    assert sorted({s.args["piece"] for s in reads}) == [0, 1, 2, 3]
+    assert overwrites(timeline.spans) == []
+
+
+class RecordingEngine(ThreadEngine):
+    def __init__(self, log: list[str]) -> None:
+        super().__init__("cpu")
+        self.log = log
+
+    def synchronize(self) -> None:  # which of the prefetcher's threads could still queue a copy?
+        self.log.append(sorted(t.name for t in threading.enumerate() if t.name in ("offload-loader", "offload-stager")))
+
+
+def test_close_waits_for_queued_copies_before_anyone_frees_the_slots(world):
+    log: list = []
+    plan, pf, _ = build(world, HOMES["mixed"], 2, True, engine=RecordingEngine(log))
+    run_passes(pf, plan, world[0], passes=1)
+    log.clear()
+    pf.close()
+    assert log == [[]]  # synchronised once, after the threads that queue copies have stopped
+
+
+def test_close_never_hangs_when_the_loader_asks_for_a_staged_piece_after_it(world):
+    """The race: close() collected the staged events, then the loader created a fresh one and waited on it."""
+    plan, pf, _ = build(world, dict.fromkeys(SIZES, "disk"), 1, True)
+    pf.close()
+    event = pf._staged_event((10**6, 0))  # what a loader that lost the race asks for
+    assert event.is_set() and (10**6, 0) not in pf._staged_events

@@ -194,3 +194,36 @@ class TestDiskTier(TierTests):
         with pytest.raises(StoreError, match="the disk is full"):
             tier.write("a", payload(4096))
         assert not list(tier.path.rglob("*.partial"))
+
+
+def test_direct_reads_land_in_aligned_slots_without_touching_the_page_cache(tmp_path, monkeypatch):
+    """O_DIRECT: page-aligned destinations are read by the disk itself (nothing to drop from the page cache);
+    an unaligned destination (a row of the embeddings) still reads through the page cache."""
+    from storage import io as sio
+    from storage.arena import aligned_empty
+
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 256, (3 * 4096 * 5,), dtype=torch.uint8, generator=g)
+    writer = DiskTier(tmp_path / "d")
+    writer.allocate("a", data.numel())
+    writer.write("a", data)
+    writer.close()
+    tier = DiskTier(tmp_path / "d", read_only=True, direct_io=True, verify="always")
+    tier.open_existing("a", data.numel())
+    drops = []
+    monkeypatch.setattr(sio, "drop_page_cache", lambda *a: drops.append(a))
+    try:
+        whole = aligned_empty(data.numel())
+        tier.read_into("a", whole)  # checksummed: a corrupt or short O_DIRECT read would raise here
+        assert torch.equal(whole, data)
+        if tier._direct_fds["a"] is None:
+            pytest.skip("this file system refuses O_DIRECT")
+        assert drops == []
+        piece = aligned_empty(4096 * 5)
+        tier.read_into("a", piece, offset=4096 * 5)
+        assert torch.equal(piece, data[4096 * 5 : 4096 * 10]) and drops == []
+        row = torch.empty(100, dtype=torch.uint8)
+        tier.read_into("a", row, offset=123)
+        assert torch.equal(row, data[123:223]) and len(drops) == 1
+    finally:
+        tier.close()

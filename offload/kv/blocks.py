@@ -44,6 +44,7 @@ class TierBlocks:
     cols: int  # padded blocks per row
     positions: torch.Tensor  # [B, cols * block_size] absolute position of each key slot
     valid: torch.Tensor  # [B, cols * block_size]
+    slot_index: torch.Tensor | None = None  # [n] `slots` on the compute device, built once per step (device tier)
 
 
 @dataclass(frozen=True)

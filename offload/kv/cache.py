@@ -55,7 +55,10 @@ class PagedKVCache:
                  device: torch.device | str, memory: torch.Tensor | None = None,
                  settings: KVSettings | None = None, disk_dir: Path | None = None, pin_memory: bool = False,
                  timeline: Timeline | None = None, clock: Callable[[], float] = time.monotonic,
-                 rope: M.Rope | None = None, page_cache: bool = False, traffic: Traffic | None = None) -> None:
+                 rope: M.Rope | None = None, page_cache: bool = False, traffic: Traffic | None = None,
+                 host_memory: torch.Tensor | None = None) -> None:
+        """`memory` / `host_memory`: uint8 regions (of the device tier / the pinned cpu tier) to lay the device
+        and the host blocks over, instead of allocating them here."""
         # the arguments are the truth about block size and device blocks; settings bring the rest
         s = dataclasses.replace(settings or KVSettings(), block_size=block_size, gpu_blocks=num_blocks)
         self.settings = s
@@ -77,7 +80,8 @@ class PagedKVCache:
         self.stores: dict[str, TierStore] = {"gpu": TierStore("gpu", self.device_fmt, L, num_blocks, self.device,
                                                               memory=memory)}
         if counts["cpu"]:
-            self.stores["cpu"] = TierStore("cpu", self.cold_fmt, L, counts["cpu"], "cpu", pin_memory)
+            self.stores["cpu"] = TierStore("cpu", self.cold_fmt, L, counts["cpu"], "cpu", pin_memory,
+                                           memory=host_memory)
         self._scratch: ScratchDir | None = None  # this process's own directory under disk_dir (its slot files)
         if counts["disk"]:
             self._scratch = ScratchDir(disk_dir)
@@ -89,6 +93,11 @@ class PagedKVCache:
                 raise
         self.logical = BlockPool(sum(counts.values()))
         self.blocks: dict[int, Block] = {}
+        # the same (tier, slot) per logical id as a tensor, kept in step with `blocks` (-1: not materialised),
+        # so a step's block tables are tensor lookups, not a Python walk over every block
+        self._where = torch.full((max(self.logical.num_blocks, 1), 2), -1, dtype=torch.long)  # [ids, (tier, slot)]
+        self._touched: dict[int, float] = {}  # sequence -> clock of the last step that attended over its blocks
+        self._dirty: set[int] = set()  # sequences touched since their blocks last got their time
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
         self.traffic = traffic or Traffic()  # kind "kv": blocks demoted and promoted, cold blocks read by attention
@@ -166,6 +175,9 @@ class PagedKVCache:
         seq.reserved = []
 
     def free_sequence(self, sid: int) -> None:
+        self._sync_touch([sid])  # shared blocks outlive the sequence: they keep its last touch
+        self._touched.pop(sid, None)
+        self._dirty.discard(sid)
         seq = self.seqs.pop(sid)
         self._release(self.logical.free(seq.blocks))
         self.logical.free(seq.reserved)
@@ -209,6 +221,7 @@ class PagedKVCache:
         """Logical blocks nobody references any more give their tier slots back."""
         for bid in ids:
             b = self.blocks.pop(bid, None)
+            self._where[bid] = -1
             if b is not None:
                 self.pools[b.tier].free([b.slot])
                 self.stores[b.tier].invalidate(b.slot)
@@ -218,8 +231,23 @@ class PagedKVCache:
 
     def count(self, tier: str) -> int:
         """Materialised blocks living in a tier."""
-        return sum(1 for b in self.blocks.values() if b.tier == tier)
+        return int((self._where[:, 0] == TIERS.index(tier)).sum())
 
+    def count_cold(self) -> int:
+        return int((self._where[:, 0] > 0).sum())
+
+    def _sync_touch(self, sids: list[int] | None = None) -> None:
+        """Give blocks the last-touch time of the sequences that attended over them (kept per sequence while
+        steps run, so a step does not walk every block; eviction reads it per block)."""
+        for sid in list(self._dirty) if sids is None else sids:
+            self._dirty.discard(sid)
+            t = self._touched.get(sid)
+            if t is None:
+                continue
+            for bid in self.seqs[sid].blocks:
+                blk = self.blocks.get(bid)
+                if blk is not None and blk.last_touch < t:
+                    blk.last_touch = t
     # -- moving blocks ------------------------------------------------------------------------
     def _take_slot(self, tier: str, protected: set[int]) -> int:
         """A free slot in `tier`, demoting a victim further down first if the tier is full."""
@@ -237,6 +265,7 @@ class PagedKVCache:
                 f"the KV cache is full: every {tier} block is in use and there is no tier below it; raise "
                 "kv_cache.cpu_blocks or kv_cache.disk_blocks, or admit fewer tokens"
             )
+        self._sync_touch()
         candidates = [Candidate(bid, b.last_touch, b.mass) for bid, b in self.blocks.items()
                       if b.tier == tier and bid not in protected]
         victims = self.policy.choose(candidates, n)
@@ -263,11 +292,13 @@ class PagedKVCache:
         self.pools[b.tier].free([b.slot])
         src_store.invalidate(b.slot)
         b.tier, b.slot = dst, slot
+        self._where[bid] = torch.tensor([TIERS.index(dst), slot])
 
     def _promote(self, room: int, protected: set[int]) -> None:
         """Bring the hottest cold blocks back while the device has room (transfer formats only)."""
-        if room <= 0 or self.cold_fmt.name == "hidden":
+        if room <= 0 or self.cold_fmt.name == "hidden" or self.count_cold() == 0:
             return
+        self._sync_touch()
         cold = [Candidate(bid, b.last_touch, b.mass) for bid, b in self.blocks.items() if b.tier != "gpu"]
         for bid in reversed(self.policy.order(cold)):  # the last to evict is the first to bring back
             if room <= 0:
@@ -290,7 +321,8 @@ class PagedKVCache:
             fresh += max(self.blocks_for(seq.length + n) - len(seq.blocks), 0)
         need = fresh + len(copies)
         gpu = self.pools["gpu"]
-        if need > gpu.num_blocks - len(protected & {bid for bid, b in self.blocks.items() if b.tier == "gpu"}):
+        pinned = sum(1 for bid in protected if bid in self.blocks and self.blocks[bid].tier == "gpu")
+        if need > gpu.num_blocks - pinned:
             raise CapacityError(
                 f"a step needs {need} new device KV blocks but only {gpu.num_blocks} exist and running sequences "
                 "pin their newest ones; raise kv_cache.gpu_blocks or lower activations.prefill_chunk"
@@ -308,25 +340,29 @@ class PagedKVCache:
                 for arr in self.stores["gpu"].arrays.values():  # padded key slots are multiplied by zero
                     arr.clear(slot)  # weights, and 0 * NaN from stale memory would poison a row
                 self.blocks[bid] = Block("gpu", slot, now)
+                self._where[bid] = torch.tensor([0, slot])
                 seq.blocks.append(bid)
                 protected.add(bid)
             pos = torch.arange(seq.length, seq.length + n)
-            table = torch.tensor([self.blocks[b].slot for b in seq.blocks], dtype=torch.long)
-            slot_blocks.append(table[pos // bs])
+            first = seq.length // bs  # only the blocks the new tokens land in
+            table = torch.tensor([self.blocks[b].slot for b in seq.blocks[first : self.blocks_for(seq.length + n)]],
+                                 dtype=torch.long)
+            slot_blocks.append(table[pos // bs - first])
             slot_offsets.append(pos % bs)
             seq.length += n
             kv_lens.append(seq.length)
-            for bid in seq.blocks:
-                self.blocks[bid].last_touch = now
+            self._touched[sid] = now
+            self._dirty.add(sid)
         self._promote(gpu.num_free - len(sids), protected)
         layout = BatchLayout.build(q_lens, kv_lens, self.device)
-        groups = tuple(g for g in (self._group(t, sids, kv_lens) for t in TIERS if t in self.pools) if g is not None)
         cols = max(len(self.seqs[s].blocks) for s in sids)
         positions = torch.arange(cols * bs).expand(len(sids), -1)
         valid = positions < torch.tensor(kv_lens)[:, None]
-        block_ids = torch.full((len(sids), cols), -1, dtype=torch.long)
+        block_ids = torch.full((len(sids), cols), -1, dtype=torch.long)  # [B, cols]
         for b, sid in enumerate(sids):
             block_ids[b, : len(self.seqs[sid].blocks)] = torch.tensor(self.seqs[sid].blocks, dtype=torch.long)
+        groups = tuple(g for g in (self._group(t, block_ids, kv_lens, (positions, valid)) for t in TIERS
+                                   if t in self.pools) if g is not None)
         step = StepKV(torch.cat(slot_blocks).to(self.device), torch.cat(slot_offsets).to(self.device), groups,
                       cols, positions.to(self.device), valid.to(self.device), block_ids)
         return layout, step
@@ -340,37 +376,41 @@ class PagedKVCache:
         slot = self.pools["gpu"].allocate(1)[0]
         self.stores["gpu"].write_block(slot, self.stores["gpu"].read_block(src.slot))
         self.blocks[bid] = Block("gpu", slot, src.last_touch, src.mass)
+        self._where[bid] = torch.tensor([0, slot])
         seq.blocks[-1] = bid
         protected.add(bid)
         self._release(self.logical.free([old]))
 
-    def _group(self, tier: str, sids: list[int], kv_lens: list[int]) -> TierBlocks | None:
+    def _group(self, tier: str, block_ids: torch.Tensor, kv_lens: list[int],
+               whole: tuple[torch.Tensor, torch.Tensor]) -> TierBlocks | None:
+        """The blocks of `tier` among the step's block tables (block_ids [B, cols], -1 padding), by tensor ops;
+        `whole`: the token-order (positions, valid) of every block, this group's own when it holds them all."""
         bs = self.block_size
-        slots, ids, seq_idx, col, block_idx = [], [], [], [], []
-        per_row = [0] * len(sids)
-        for b, sid in enumerate(sids):
-            for j, bid in enumerate(self.seqs[sid].blocks):
-                blk = self.blocks[bid]
-                if blk.tier == tier:
-                    slots.append(blk.slot)
-                    ids.append(bid)
-                    seq_idx.append(b)
-                    col.append(per_row[b])
-                    block_idx.append(j)
-                    per_row[b] += 1
-        if not slots:
+        where = self._where[block_ids.clamp(min=0)]  # [B, cols, 2]
+        mine = (where[..., 0] == TIERS.index(tier)) & (block_ids >= 0)  # [B, cols]
+        seq_idx, block_idx = mine.nonzero(as_tuple=True)  # row-major: sequence, then token order
+        if not len(seq_idx):
             return None
-        cols = max(per_row)
-        positions = torch.zeros(len(sids), cols * bs, dtype=torch.long)
-        valid = torch.zeros(len(sids), cols * bs, dtype=torch.bool)
-        offs = torch.arange(bs)
-        for b, c, j in zip(seq_idx, col, block_idx):
-            pos = j * bs + offs
-            positions[b, c * bs : (c + 1) * bs] = pos
-            valid[b, c * bs : (c + 1) * bs] = pos < kv_lens[b]
+        B = block_ids.shape[0]
         dev = self.device
-        return TierBlocks(tier, slots, ids, torch.tensor(seq_idx, device=dev), torch.tensor(block_idx, device=dev),
-                     torch.tensor(col, device=dev), cols, positions.to(dev), valid.to(dev))
+        slots = where[seq_idx, block_idx, 1]  # [n]
+        index = slots.to(dev) if tier == "gpu" else None
+        if torch.equal(mine, block_ids >= 0):  # the tier holds every block: its layout is the token order
+            return TierBlocks(tier, slots.tolist(), block_ids[seq_idx, block_idx].tolist(), seq_idx.to(dev),
+                              block_idx.to(dev), block_idx.to(dev), block_ids.shape[1], whole[0].contiguous().to(dev),
+                              whole[1].to(dev), index)
+        col = (mine.cumsum(1) - 1)[seq_idx, block_idx]  # [n] column in this group's own rows
+        cols = int(mine.sum(1).max())
+        offs = torch.arange(bs)
+        pos = block_idx[:, None] * bs + offs  # [n, bs] absolute position of each key slot
+        flat = (seq_idx[:, None] * cols + col[:, None]) * bs + offs  # [n, bs] index into [B, cols * bs]
+        positions = torch.zeros(B * cols * bs, dtype=torch.long)
+        valid = torch.zeros(B * cols * bs, dtype=torch.bool)
+        positions[flat] = pos
+        valid[flat] = pos < torch.tensor(kv_lens)[seq_idx][:, None]
+        return TierBlocks(tier, slots.tolist(), block_ids[seq_idx, block_idx].tolist(),
+                          seq_idx.to(dev), block_idx.to(dev), col.to(dev), cols,
+                          positions.view(B, cols * bs).to(dev), valid.view(B, cols * bs).to(dev), index)
 
     def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
         """One layer of every cold group of the step, still in the cold format: ({tier: parts}, bytes read).

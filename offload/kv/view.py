@@ -90,8 +90,8 @@ class LayerKV:
         """K/V [n, 2, block_size, Hkv, D] of a group's blocks, from wherever they live, in the compute dtype."""
         cache = self.cache
         if g.tier == "gpu":
-            return cache.stores["gpu"].arrays["kv"].data[self.layer].index_select(
-                0, torch.tensor(g.slots, device=cache.device))
+            index = g.slot_index if g.slot_index is not None else torch.tensor(g.slots, device=cache.device)
+            return cache.stores["gpu"].arrays["kv"].data[self.layer].index_select(0, index)  # no copy per layer
         if cache.cold_fmt.name != "hidden":
             return cold_kv(cache.cold_fmt, cold[g.tier], cache.dtype)
         assert restore is not None, "kv_restore: recompute needs the layer's weights"

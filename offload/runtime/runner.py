@@ -141,7 +141,9 @@ class Runner:
             try:
                 nbytes = run_plan.kv_blocks * run_plan.kv_block_bytes
                 memory = self.weights.allocate_kv(nbytes) if config.tiers else None
-                self.kv = self._make_kv(run_plan.kv_blocks, memory)
+                host = run_plan.plan.host_reserve  # the cold host blocks, in the cpu tier's (pinned) arena
+                host_memory = self.weights.allocate_kv(host, "cpu") if config.tiers and host else None
+                self.kv = self._make_kv(run_plan.kv_blocks, memory, host_memory)
             except BaseException:
                 self.close()
                 raise
@@ -170,13 +172,14 @@ class Runner:
     def kv(self, value: PagedKVCache | None) -> None:
         self._owned.kv = value
 
-    def _make_kv(self, gpu_blocks: int, memory: torch.Tensor | None = None) -> PagedKVCache:
+    def _make_kv(self, gpu_blocks: int, memory: torch.Tensor | None = None,
+                 host_memory: torch.Tensor | None = None) -> PagedKVCache:
         s = self.kv_settings
         disk = self.config.tiers.disk if self.config.tiers else None
         return PagedKVCache(self.cfg, s.block_size, gpu_blocks, self.dtype, self.device, memory=memory, settings=s,
                             disk_dir=disk.path / "kv-scratch" if disk is not None and s.disk_blocks else None,
                             pin_memory=self.device.type == "cuda", timeline=self.timeline, rope=self.rope,
-                            traffic=self.traffic,
+                            traffic=self.traffic, host_memory=host_memory,
                             page_cache=bool(disk and disk.page_cache))
 
     @classmethod

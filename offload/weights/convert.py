@@ -63,7 +63,8 @@ def convert(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, force: 
 
 
 def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capacity: int | None = None,
-               page_cache: bool = False, verify: str = "always", auto_convert: bool = True) -> Store:
+               page_cache: bool = False, verify: str = "always", auto_convert: bool = True,
+               direct_io: bool = False) -> Store:
     """The store for this checkpoint and dtype: converted first if missing or interrupted, checked if present.
 
     Safe with several processes on one store: one converts, the others wait for it (see `open_or_build`).
@@ -76,7 +77,7 @@ def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capa
         convert(ckpt, store_dir, dtype, capacity=capacity, lock=lock).close()
 
     store = open_or_build(store_dir, build if auto_convert else None, page_cache=page_cache, verify=verify,
-                          capacity=capacity)
+                          capacity=capacity, direct_io=direct_io)
     meta = store.meta
     if meta.get("checkpoint_fingerprint") != ckpt.fingerprint():
         store.close()

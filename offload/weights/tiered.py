@@ -22,6 +22,7 @@ from schedulers.prefetch import Prefetcher
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic
 from schedulers.transfer import make_engine
+from storage.arena import check_pinnable
 from storage.store import Store
 from storage.tiers import DeviceTier, DiskTier, HostTier, MemoryTier, Tier
 
@@ -41,15 +42,19 @@ class TieredWeights:
         log.info("%s", self.plan.describe())
         self.store: Store | None = None
         tiers_cfg = config.tiers
-        self.tiers: dict[str, Tier] = {
-            "gpu": DeviceTier(self.plan.capacity("gpu"), device),
-            "cpu": HostTier(self.plan.capacity("cpu"), pinned=tiers_cfg.cpu.pinned if tiers_cfg else True),
-        }
+        pinned = (tiers_cfg.cpu.pinned if tiers_cfg else True) and device.type == "cuda"
+        if pinned and self.plan.pinned_bytes():
+            check_pinnable(self.plan.pinned_bytes())
+        self.tiers: dict[str, Tier] = {"gpu": DeviceTier(self.plan.capacity("gpu"), device)}
+        # one pinned arena of exactly the plan's host regions (homes, staging, cold KV), each rounded to pages
+        self.tiers["cpu"] = HostTier(self.plan.capacity("cpu"), pinned=pinned,
+                                     arena_bytes=self.plan.pinned_bytes() if pinned else None)
         self.prefetcher: Prefetcher | None = None
         try:
             if tiers_cfg is not None and tiers_cfg.disk is not None:
                 d = tiers_cfg.disk
-                self.store = open_store(ckpt, d.path, dtype, capacity=d.capacity, page_cache=d.page_cache)
+                self.store = open_store(ckpt, d.path, dtype, capacity=d.capacity, page_cache=d.page_cache,
+                                        verify=d.verify, direct_io=d.direct_io and not d.page_cache)
                 self.tiers["disk"] = self.store.tier
             self._fill_homes(ckpt)
             for name in self.plan.rows_only:  # read by rows later: check the whole group once, now
@@ -98,12 +103,14 @@ class TieredWeights:
             t.allocate(f"{prefix}.{i}", nbytes)
         return [t.view(f"{prefix}.{i}") for i in range(count)]
 
-    def allocate_kv(self, nbytes: int) -> torch.Tensor:
-        """The KV block pool's memory, as a region of the device tier."""
-        gpu = self.tiers["gpu"]
-        assert isinstance(gpu, MemoryTier)
-        gpu.allocate("kv", nbytes)
-        return gpu.view("kv")
+    def allocate_kv(self, nbytes: int, tier: str = "gpu") -> torch.Tensor:
+        """Memory for KV blocks as a region of a tier: the device pool ("gpu"), or the cold host blocks ("cpu",
+        carved from the pinned arena the plan sized for them)."""
+        t = self.tiers[tier]
+        assert isinstance(t, MemoryTier)
+        key = "kv" if tier == "gpu" else "kv-cold"
+        t.allocate(key, nbytes)
+        return t.view(key)
 
     # -- the weight source interface ------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

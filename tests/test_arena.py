@@ -1,0 +1,63 @@
+"""Host memory that matches the budget: one page-aligned arena per tier, regions carved from it, pinned bytes
+accounted by the plan. Pinning itself needs CUDA (tests/test_cuda.py); the accounting is checked here."""
+
+from __future__ import annotations
+
+import pytest
+
+from schedulers.placement import Capacities, GroupSpec, make_plan
+from storage.arena import PAGE, HostArena, PageRuns, check_pinnable
+from storage.errors import CapacityError
+from storage.tiers import DeviceTier, HostTier
+
+MiB = 2**20
+
+
+def test_regions_are_page_aligned_and_freed_runs_coalesce():
+    arena = HostArena(10 * PAGE)
+    a, b, c = arena.carve(3 * PAGE), arena.carve(PAGE + 1), arena.carve(PAGE)  # b takes two pages
+    assert [t.data_ptr() % PAGE for t in (a, b, c)] == [0, 0, 0]
+    assert arena.free == 4 * PAGE and arena.carve(5 * PAGE) is None
+    arena.give_back(b)
+    arena.give_back(a)
+    assert arena.carve(5 * PAGE).data_ptr() == a.data_ptr()  # a and b's pages came back as one run
+    assert arena.free == 4 * PAGE
+
+
+def test_a_cpu_tier_from_an_arena_refuses_what_the_arena_cannot_hold():
+    tier = HostTier(None, pinned=False)
+    tier.arena = HostArena(2 * PAGE)
+    tier.allocate("a", PAGE)
+    with pytest.raises(CapacityError, match=r"arena has no free run .* raise tiers\.cpu\.capacity"):
+        tier.allocate("b", 2 * PAGE)
+
+
+def test_unpinned_host_and_cpu_device_regions_are_page_aligned():
+    """Disk reads can bypass the page cache (O_DIRECT) into any slot."""
+    for tier in (HostTier(None, pinned=False), DeviceTier(None, "cpu")):
+        for i, n in enumerate((5000, 88 * 4096, 12)):
+            tier.allocate(f"r{i}", n)
+            assert tier.view(f"r{i}").data_ptr() % PAGE == 0 and tier.view(f"r{i}").numel() == n
+
+
+@pytest.mark.parametrize("cpu", [300 * MiB, 56 * 2**30])
+def test_the_pinned_arena_holds_every_planned_host_region_and_is_the_budget_to_a_page_per_region(cpu):
+    """A 70B-shaped plan (1.6 GiB layers): per-region pinning rounded each layer up to 2 GiB; the arena does not."""
+    layer = 1632 * MiB
+    groups = [GroupSpec("embed", 1000 * MiB, rows_only=True)] + [GroupSpec(f"layer.{i}", layer) for i in range(80)]
+    groups.append(GroupSpec("head", 1000 * MiB))
+    caps = Capacities(24 * 2**30, cpu, None, has_disk=True)
+    plan = make_plan(groups, caps, depth=1, kv_bytes=2 * 2**30, copy_to_device=True, host_reserve=7 * MiB + 5)
+    arena = PageRuns(plan.pinned_bytes())  # the allocator of the arena HostTier(arena_bytes=...) pins on CUDA
+    regions = [plan.sizes[g] for g in plan.order if plan.homes[g] == "cpu"]
+    regions += [plan.stage_slot_bytes] * plan.stage_slots + [plan.host_reserve]
+    assert all(arena.take(n) is not None for n in regions)
+    assert arena.free < PAGE  # nothing pinned beyond the regions
+    assert plan.used("cpu") <= arena.nbytes <= min(cpu, plan.used("cpu") + len(regions) * PAGE)
+
+
+def test_pinning_more_than_the_machine_has_available_is_refused():
+    with pytest.raises(CapacityError, match=r"page-lock 8\.00 GiB but this machine has only 4\.00 GiB .* lower "
+                                            r"tiers\.cpu\.capacity .* tiers\.cpu\.pinned: false"):
+        check_pinnable(8 * 2**30, available=4 * 2**30)
+    check_pinnable(2 * 2**30, available=4 * 2**30)
