@@ -118,7 +118,7 @@ def test_rollback_leaves_the_blocks_of_a_run_that_never_saw_the_rejected_tokens(
         spec._forward([a], [prompt])
         spec._forward([a], [[8, *rejected]])  # 7 tokens: spans two more blocks
         reserved = len(spec.kv.seqs[a].reserved)
-        spec.kv.truncate(a, len(prompt) + 1)  # only token 8 is kept
+        spec.kv.truncate(a, len(prompt) + 1, reserve=True)  # only token 8 is kept (rejected drafts: ids reserved)
         b = plain.kv.add_sequence(reserve_tokens=16)
         plain._forward([b], [prompt])
         plain._forward([b], [[8]])

@@ -90,7 +90,9 @@ def reserve_draft(config: OffloadConfig, caps: Capacities, draft_gpu_bytes: int,
     if caps.gpu is None:
         return caps
     kv = config.kv_cache
-    blocks = (kv.gpu_blocks or -(-AUTO_KV_TOKENS // kv.block_size)) + kv.cpu_blocks + kv.disk_blocks
+    # auto cold tiers are resolved to none when speculating (the runner does so): the draft's device pool
+    # mirrors every block the target can hold
+    blocks = (kv.gpu_blocks or -(-AUTO_KV_TOKENS // kv.block_size)) + (kv.cpu_blocks or 0) + (kv.disk_blocks or 0)
     need = draft_gpu_bytes + blocks * draft_block_bytes
     if need >= caps.gpu:
         raise CapacityError(f"speculative.draft: the draft needs {need / 2**20:.1f} MiB resident on the device but "

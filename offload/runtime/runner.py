@@ -11,6 +11,7 @@ model math in `offload.model` knows neither.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import weakref
@@ -121,6 +122,11 @@ class Runner:
         self.speculator: Speculator | None = None
         caps = resolve_capacities(config.tiers, self.device)
         if config.speculative.enabled:
+            # the draft's device KV mirrors every target block: automatic cold KV tiers would make it huge
+            kv = config.kv_cache
+            config = config.replace(kv_cache=dataclasses.replace(kv, cpu_blocks=kv.cpu_blocks or 0,
+                                                                 disk_blocks=kv.disk_blocks or 0))
+            self.config = config
             self.draft = self._owned.draft = Runner(draft_config(config), Timeline(enabled=False))
             try:
                 check_draft(self, self.draft)
