@@ -33,7 +33,8 @@ from storage.layout import GroupLayout
 from storage.tiers import DiskTier, read_json
 
 FORMAT = "offload-store"
-VERSION = 1
+#: 2: groups may hold packed (quantized) tensors, and the meta records the weight format per tensor.
+VERSION = 2
 MANIFEST = "manifest.json"
 MARKER = ".offload-converting"
 #: Room left on the file system beyond the store itself (metadata, temp files).
@@ -172,6 +173,11 @@ class Store:
         manifest = read_json(path / MANIFEST)
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "groups" not in manifest:
             raise StoreError(f"{path / MANIFEST}: unreadable or not an Offload manifest; convert again with --force")
+        if manifest.get("version") == 1:
+            raise StoreError(
+                f"{path}: this store has format version 1, from before quantized weights (this Offload reads "
+                f"version {VERSION}); convert it again with `offload convert CHECKPOINT {path} --force`"
+            )
         if manifest.get("version") != VERSION:
             raise StoreError(
                 f"{path}: store format version {manifest.get('version')} is not {VERSION}, the one this Offload "

@@ -23,7 +23,7 @@ from offload.kv.formats import ColdFormat
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import load_calibration
 from offload.plan.predict import Workload, predict_decode
-from offload.weights.groups import model_layouts
+from offload.weights.groups import WeightFormat, model_layouts
 from schedulers.calibration import Calibration
 from schedulers.placement import Capacities, GroupSpec, Plan, make_plan
 from storage.errors import CapacityError
@@ -88,8 +88,12 @@ class Planner:
         self.kv_cpu_bytes = kv_cfg.cpu_blocks * cold.block_nbytes(cfg.num_layers)
         self.kv_disk_bytes = kv_cfg.disk_blocks * cold.block_nbytes(cfg.num_layers)
         self.caps = caps or resolve_capacities(config.tiers, device)
+        self.fmt = WeightFormat.from_config(config.weights)
+        self.fmt.check(cfg)
         self.groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"))
-                       for name, layout in model_layouts(cfg, dtype).items()]
+                       for name, layout in model_layouts(cfg, dtype, self.fmt).items()]
+        #: bytes the math reads per group at the compute dtype (packed matrices multiply at dense speed)
+        self.compute_sizes = {name: layout.nbytes for name, layout in model_layouts(cfg, dtype).items()}
         self.workspace = workspace_bytes(cfg, config.activations.prefill_chunk, dtype)
 
     def placement(self, caps: Capacities, depth: int) -> Plan:

@@ -6,18 +6,77 @@ Inside a layer, q/k/v are fused into one `qkv` matrix and gate/up into one `gate
 decoder layer is two fewer kernel launches and every tensor is one contiguous row range
 that can be read straight from the checkpoint. Storage gets only the resulting
 `GroupLayout`s: it never learns what the names mean.
+
+With a quantized `WeightFormat`, each packed matrix `t` becomes two tensors of the same group,
+`t.q` (nibbles in tile order) and `t.sz` (scale/zero pairs), so a layer is still one read and one
+copy; norms, biases and the embeddings stay in the compute dtype (`offload.weights.quant`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from offload.config import WeightsConfig
+from offload.errors import ConfigError
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
+from offload.weights import quant
 from storage.layout import GroupLayout, dtype_name
 
 #: A fused tensor is the row-wise concatenation of these checkpoint tensors: (short name, shape).
 Sources = list[tuple[str, tuple[int, ...]]]
+
+
+#: Tensors that are matrices multiplied by activations: the ones a quantized format packs.
+LINEARS = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the matrices of a model are stored: dense, or group-wise int8/int4 (config `weights:`)."""
+
+    quantization: str = "none"  # none | int8 | int4
+    group_size: int = 64  # input columns per (scale, zero); must divide every packed matrix's input dim
+    keep: tuple[str, ...] = ("lm_head",)  # matrices kept dense (names of LINEARS)
+
+    @property
+    def bits(self) -> int:
+        return {"int8": 8, "int4": 4}[self.quantization]
+
+    def packs(self, cfg: ModelConfig, tensor: str) -> bool:
+        """Is this group tensor stored packed? A tied LM head doubles as the embedding table: never."""
+        if self.quantization == "none" or tensor not in LINEARS or tensor in self.keep:
+            return False
+        return not (tensor == "lm_head" and cfg.tie_word_embeddings)
+
+    def scheme(self, cfg: ModelConfig, tensor: str) -> str:
+        """What the manifest records for a tensor: `dense` or e.g. `int4-g64-asym-rtn`."""
+        return f"{self.quantization}-g{self.group_size}-asym-rtn" if self.packs(cfg, tensor) else "dense"
+
+    @classmethod
+    def from_config(cls, w: WeightsConfig) -> WeightFormat:
+        return cls(w.quantization, w.group_size, tuple(w.keep))
+
+    def to_json(self) -> dict:
+        return {"quantization": self.quantization, "group_size": self.group_size, "keep": sorted(self.keep)}
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Refuse, before anything is converted, a group size that does not divide a packed matrix's input dim."""
+        if self.quantization == "none":
+            return
+        inputs = {"qkv": cfg.hidden_size, "o": cfg.q_size, "gate_up": cfg.hidden_size,
+                  "down": cfg.intermediate_size, "lm_head": cfg.hidden_size}
+        for tensor, k in inputs.items():
+            if self.packs(cfg, tensor) and (self.group_size % 2 or k % self.group_size):
+                raise ConfigError(
+                    f"weights.group_size: {self.group_size} does not divide the input dimension {k} of {tensor!r}; "
+                    f"choose an even group size that divides {k} (e.g. 32, 64 or 128) or add {tensor} to weights.keep"
+                )
+
+
+DENSE = WeightFormat()
 
 
 def group_names(cfg: ModelConfig) -> list[str]:
@@ -65,25 +124,54 @@ def group_sources(cfg: ModelConfig, group: str) -> list[tuple[str, Sources]]:
     return out
 
 
-def group_layout(cfg: ModelConfig, group: str, dtype: torch.dtype) -> GroupLayout:
+def dense_shape(sources: Sources) -> tuple[int, ...]:
+    return (sum(shape[0] for _, shape in sources), *sources[0][1][1:])
+
+
+def group_layout(cfg: ModelConfig, group: str, dtype: torch.dtype, fmt: WeightFormat = DENSE) -> GroupLayout:
     entries = []
     for tensor, sources in group_sources(cfg, group):
-        rows = sum(shape[0] for _, shape in sources)
-        entries.append((tensor, dtype_name(dtype), (rows, *sources[0][1][1:])))
+        shape = dense_shape(sources)
+        if fmt.packs(cfg, tensor):
+            shapes = quant.packed_shapes(shape[0], shape[1], fmt.bits, fmt.group_size)
+            entries += [(f"{tensor}.q", "uint8", shapes["q"]), (f"{tensor}.sz", dtype_name(dtype), shapes["sz"])]
+        else:
+            entries.append((tensor, dtype_name(dtype), shape))
     return GroupLayout.build(group, entries)
 
 
-def model_layouts(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, GroupLayout]:
-    return {g: group_layout(cfg, g, dtype) for g in group_names(cfg)}
+def model_layouts(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat = DENSE) -> dict[str, GroupLayout]:
+    return {g: group_layout(cfg, g, dtype, fmt) for g in group_names(cfg)}
 
 
-def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor) -> None:
-    """Read a group's tensors from the checkpoint into `buf` (1-D uint8, CPU), converting dtype."""
+def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor, fmt: WeightFormat = DENSE) -> None:
+    """Read a group's tensors from the checkpoint into `buf` (1-D uint8, CPU), converting dtype or packing."""
     buf[: layout.nbytes].zero_()
     views = layout.views(buf)
     for tensor, sources in group_sources(ckpt.config, layout.name):
+        packed = fmt.packs(ckpt.config, tensor)
+        dest = torch.empty(dense_shape(sources), dtype=torch.float32) if packed else views[tensor]
         row = 0
         for short, shape in sources:
-            ckpt.read_into(short, views[tensor][row : row + shape[0]])
+            ckpt.read_into(short, dest[row : row + shape[0]])
             row += shape[0]
+        if packed:
+            sz = views[f"{tensor}.sz"]
+            for name, t in quant.quantize(dest, fmt.bits, fmt.group_size, sz.dtype).items():
+                views[f"{tensor}.{name}"].copy_(t)
+
+
+def weight_views(cfg: ModelConfig, group: str, views: dict[str, torch.Tensor],
+                 scratch: quant.Scratch | None) -> dict[str, torch.Tensor | quant.PackedLinear]:
+    """A group's views with each packed pair (`t.q`, `t.sz`) turned into one `PackedLinear` named `t`."""
+    if not any(name.endswith(".q") for name in views):
+        return views
+    out: dict = {}
+    for tensor, sources in group_sources(cfg, group):
+        if f"{tensor}.q" in views:
+            rows = dense_shape(sources)[0]
+            out[tensor] = quant.PackedLinear(views[f"{tensor}.q"], views[f"{tensor}.sz"], rows, scratch)
+        else:
+            out[tensor] = views[tensor]
+    return out
 

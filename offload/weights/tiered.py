@@ -16,7 +16,8 @@ import torch
 from offload.config import OffloadConfig
 from offload.model.checkpoint import Checkpoint
 from offload.weights.convert import open_store
-from offload.weights.groups import embedding_source, fill_group, model_layouts
+from offload.weights.groups import WeightFormat, embedding_source, fill_group, model_layouts, weight_views
+from offload.weights.quant import Scratch
 from schedulers.placement import Plan
 from schedulers.prefetch import Prefetcher
 from schedulers.timeline import Timeline
@@ -35,7 +36,10 @@ class TieredWeights:
                  timeline: Timeline, plan: Plan, traffic: Traffic | None = None) -> None:
         self.cfg, self.device, self.dtype = ckpt.config, device, dtype
         self.timeline = timeline
-        self.layouts = model_layouts(ckpt.config, dtype)
+        self.fmt = WeightFormat.from_config(config.weights)
+        self.fmt.check(ckpt.config)
+        self.layouts = model_layouts(ckpt.config, dtype, self.fmt)
+        self.scratch = Scratch()  # packed matrices are dequantized here when no fused kernel applies
         self.plan = plan
         embed_group, self._embed_tensor = embedding_source(ckpt.config)
         log.info("%s", self.plan.describe())
@@ -49,7 +53,8 @@ class TieredWeights:
         try:
             if tiers_cfg is not None and tiers_cfg.disk is not None:
                 d = tiers_cfg.disk
-                self.store = open_store(ckpt, d.path, dtype, capacity=d.capacity, page_cache=d.page_cache)
+                self.store = open_store(ckpt, d.path, dtype, capacity=d.capacity, page_cache=d.page_cache,
+                                        fmt=self.fmt)
                 self.tiers["disk"] = self.store.tier
             self._fill_homes(ckpt)
             for name in self.plan.rows_only:  # read by rows later: check the whole group once, now
@@ -87,7 +92,7 @@ class TieredWeights:
                 with self.timeline.span("disk-read", name, nbytes=layout.nbytes, home=home):
                     self.store.tier.read_into(name, host)
             else:
-                fill_group(ckpt, layout, host)
+                fill_group(ckpt, layout, host, self.fmt)
             if host is not dest:
                 dest.copy_(host)
 
@@ -123,8 +128,9 @@ class TieredWeights:
                 tier.read_into(self._embed_group, rows[i], offset=spec.offset + token * row_bytes)
         return rows[inverse].to(self.device)
 
-    def acquire(self, group: str) -> dict[str, torch.Tensor]:
-        return self.layouts[group].views(self.prefetcher.acquire(group))
+    def acquire(self, group: str) -> dict:
+        """The group's tensors as views into its slot; packed matrices as `PackedLinear`s."""
+        return weight_views(self.cfg, group, self.layouts[group].views(self.prefetcher.acquire(group)), self.scratch)
 
     def release(self, group: str) -> None:
         self.prefetcher.release(group)
