@@ -5,11 +5,13 @@ dequantized weights, and the store, planner and config around them."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from offload.cli.main import main
 from offload.config import OffloadConfig
 from offload.errors import ConfigError, StoreError
 from offload.model.checkpoint import Checkpoint
@@ -162,3 +164,32 @@ def test_planner_counts_packed_bytes(model):
         sizes[q] = {g.name: g.nbytes for g in Planner(config, cfg, torch.float32, torch.device("cpu")).groups}
     for q, ratio in (("int8", 4), ("int4", 8)):  # float32 -> 1 or 0.5 bytes per weight, plus scales
         assert sizes["none"]["layer.1"] / ratio * 0.9 < sizes[q]["layer.1"] < sizes["none"]["layer.1"] / ratio * 1.4
+
+
+def test_plan_on_paper_for_llama3_70b_int4_fits_gpu_and_ram_and_is_bound_by_pcie(capsys):
+    root = Path(__file__).resolve().parent.parent / "scripts"
+    cal = str(root / "calibrations" / "rtx4090-pcie4-nvme.json")
+    assert main(["plan", "--config", str(root / "examples" / "llama3-70b-24gb-int4.yaml"), "--calibration", cal,
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["prediction"]["bottleneck"] == "host->device"
+    assert all(home != "disk" for g, home in data["homes"].items() if g != "embed")  # embed is read by rows
+    rows = {r["quantization"]: r for r in data["weights"]}
+    assert rows["none"]["bottleneck"] == "disk read" and "disk read" not in rows["int4"]["bytes_per_token"]
+    assert rows["int4"]["step_ms"] < rows["int8"]["step_ms"] < rows["none"]["step_ms"] / 3
+    assert rows["int4"]["layer_bytes"] < rows["none"]["layer_bytes"] / 3.4
+    assert main(["plan", "--config", str(root / "examples" / "llama3-70b-24gb-int4.yaml"), "--calibration", cal]) == 0
+    out = capsys.readouterr().out
+    assert "stored int4 g64 keeping lm_head" in out and "bottleneck: host->device" in out
+
+
+def test_convert_command_writes_a_quantized_store_the_run_uses(model, tmp_path, capsys):
+    store = tmp_path / "s"
+    assert main(["convert", str(model), str(store), "--dtype", "float32", "--weights", "int4"]) == 0
+    assert "weights int4 g64" in capsys.readouterr().out
+    cfg = run_config(model, tiers={"disk": {"path": str(store)}}, weights={"quantization": "int4"})
+    with Runner.from_config(cfg) as r:
+        got = r.generate(PROMPTS, max_new_tokens=4, stop_on_eos=False)
+    with Runner.from_config(run_config(model, weights={"quantization": "int4"})) as r:
+        want = r.generate(PROMPTS, max_new_tokens=4, stop_on_eos=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]

@@ -111,7 +111,8 @@ class Planner:
                 plan = self.placement(self.caps, depth)
             except CapacityError:
                 break
-            step = predict_decode(plan, self.cfg, cal, self.device.type, work, self.dtype.itemsize).step_s
+            step = predict_decode(plan, self.cfg, cal, self.device.type, work, self.dtype.itemsize,
+                                  self.compute_sizes).step_s
             tried.append(f"{depth}: {1000 * step:.0f} ms")
             if best is None or step < best[0] * 0.99:
                 best = (step, depth)
