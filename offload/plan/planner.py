@@ -88,7 +88,7 @@ class Planner:
         self.kv_cpu_bytes = kv_cfg.cpu_blocks * cold.block_nbytes(cfg.num_layers)
         self.kv_disk_bytes = kv_cfg.disk_blocks * cold.block_nbytes(cfg.num_layers)
         self.caps = caps or resolve_capacities(config.tiers, device)
-        self.fmt = WeightFormat.from_config(config.weights)
+        self.fmt = WeightFormat.from_config(config.weights, cfg)
         self.fmt.check(cfg)
         self.groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"))
                        for name, layout in model_layouts(cfg, dtype, self.fmt).items()]

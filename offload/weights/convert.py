@@ -17,7 +17,7 @@ from tqdm import tqdm
 from offload.errors import StoreError
 from offload.model.checkpoint import Checkpoint
 from offload.version import __version__
-from offload.weights.groups import DENSE, WeightFormat, fill_group, group_sources, model_layouts
+from offload.weights.groups import DENSE, WeightFormat, check_tensors, fill_group, group_sources, model_layouts
 from storage.layout import dtype_name
 from storage.store import Store, StoreState, StoreWriter, store_state
 
@@ -45,6 +45,7 @@ def convert(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, force: 
             capacity: int | None = None, progress: bool | None = None, fmt: WeightFormat = DENSE) -> Store:
     """Write the store; on any failure (a full disk, Ctrl-C) remove what was written and re-raise."""
     fmt.check(ckpt.config)
+    check_tensors(ckpt, fmt)  # a missing or misshapen tensor is refused before anything is written
     layouts = model_layouts(ckpt.config, dtype, fmt)
     total = sum(layout.nbytes for layout in layouts.values())
     writer = StoreWriter(store_dir, total, force=force, capacity=capacity)

@@ -16,7 +16,14 @@ import torch
 from offload.config import OffloadConfig
 from offload.model.checkpoint import Checkpoint
 from offload.weights.convert import open_store
-from offload.weights.groups import WeightFormat, embedding_source, fill_group, model_layouts, weight_views
+from offload.weights.groups import (
+    WeightFormat,
+    check_tensors,
+    embedding_source,
+    fill_group,
+    model_layouts,
+    weight_views,
+)
 from offload.weights.quant import Scratch
 from schedulers.placement import Plan
 from schedulers.prefetch import Prefetcher
@@ -36,8 +43,9 @@ class TieredWeights:
                  timeline: Timeline, plan: Plan, traffic: Traffic | None = None) -> None:
         self.cfg, self.device, self.dtype = ckpt.config, device, dtype
         self.timeline = timeline
-        self.fmt = WeightFormat.from_config(config.weights)
+        self.fmt = WeightFormat.from_config(config.weights, ckpt.config)
         self.fmt.check(ckpt.config)
+        check_tensors(ckpt, self.fmt)
         self.layouts = model_layouts(ckpt.config, dtype, self.fmt)
         self.scratch = Scratch()  # packed matrices are dequantized here when no fused kernel applies
         self.plan = plan
@@ -130,7 +138,8 @@ class TieredWeights:
 
     def acquire(self, group: str) -> dict:
         """The group's tensors as views into its slot; packed matrices as `PackedLinear`s."""
-        return weight_views(self.cfg, group, self.layouts[group].views(self.prefetcher.acquire(group)), self.scratch)
+        views = self.layouts[group].views(self.prefetcher.acquire(group))
+        return weight_views(self.cfg, group, views, self.scratch, self.fmt)
 
     def release(self, group: str) -> None:
         self.prefetcher.release(group)
