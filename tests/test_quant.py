@@ -193,3 +193,21 @@ def test_convert_command_writes_a_quantized_store_the_run_uses(model, tmp_path, 
     with Runner.from_config(run_config(model, weights={"quantization": "int4"})) as r:
         want = r.generate(PROMPTS, max_new_tokens=4, stop_on_eos=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+@pytest.mark.cuda
+def test_on_cuda_packed_matrices_dequantize_into_the_scratch_and_give_the_cpu_tokens(model):
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(192, 256, generator=g), torch.randn(4, 256, generator=g)
+    for bits in (4, 8):
+        packed = {k: v.cuda() for k, v in quant.quantize(w, bits, 64, torch.float32).items()}
+        lin = quant.PackedLinear(packed["q"], packed["sz"], 192, quant.Scratch())
+        assert not lin.fused
+        cpu = quant.PackedLinear(*[v.cpu() for v in (packed["q"], packed["sz"])], 192, None)
+        torch.testing.assert_close(lin.linear(x.cuda()).cpu(), cpu.linear(x), rtol=1e-4, atol=1e-4)
+    weights = {"quantization": "int8", "group_size": 64, "keep": []}
+    out = {}
+    for device in ("cpu", "cuda"):
+        with Runner.from_config(run_config(model, device=device, weights=weights)) as r:
+            out[device] = [g.token_ids for g in r.generate(PROMPTS, max_new_tokens=8, stop_on_eos=False)]
+    assert out["cpu"] == out["cuda"]

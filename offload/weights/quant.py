@@ -98,14 +98,17 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype) ->
     return {"q": packed, "sz": sz}
 
 
-def dequantize(q: torch.Tensor, sz: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Packed planes -> dense [rows, k] in sz's dtype (padded rows included), into `out` when given."""
+def dequantize(q: torch.Tensor, sz: torch.Tensor, out: torch.Tensor | None = None,
+               tmp: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed planes -> dense [rows, k] in sz's dtype (padded rows included), into `out` when given
+    (`tmp`, another [rows, k], holds the second plane of int8)."""
     p, rows, half = q.shape
     k, groups = 2 * half, sz.shape[1]
     gs = k // groups
     if out is None:
         out = torch.empty(rows, k, dtype=sz.dtype, device=q.device)
-    tmp = torch.empty(rows, k, dtype=sz.dtype, device=q.device) if p > 1 else None
+    if p > 1 and tmp is None:
+        tmp = torch.empty(rows, k, dtype=sz.dtype, device=q.device)
     for i in range(p):
         dest = out if i == 0 else tmp
         unpack_tiles(q[i], dest)
@@ -155,9 +158,11 @@ class PackedLinear:
 
     def dense(self) -> torch.Tensor:
         """The dequantized weight [out_features, k] (in the scratch buffer when there is one)."""
-        rows, k = self.q.shape[1], 2 * self.q.shape[2]
-        out = None if self.scratch is None else self.scratch.take(rows * k, self.sz.dtype, self.q.device)
-        return dequantize(self.q, self.sz, None if out is None else out.view(rows, k))[: self.out_features]
+        p, rows, k = self.q.shape[0], self.q.shape[1], 2 * self.q.shape[2]
+        if self.scratch is None:
+            return dequantize(self.q, self.sz)[: self.out_features]
+        buf = self.scratch.take(p * rows * k, self.sz.dtype, self.q.device).view(p, rows, k)
+        return dequantize(self.q, self.sz, buf[0], buf[1] if p > 1 else None)[: self.out_features]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., k] -> [..., out_features]."""
