@@ -367,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small model, small budgets (a smoke run)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-out", help="results, models and stores go here")
     ap.add_argument("--batches", type=int, nargs="*", default=None)
+    ap.add_argument("--new", type=int, default=None, help="new tokens per run (default: the profile's)")
     ap.add_argument("--depths", type=int, nargs="*", default=None, help="prefetch depths to measure")
     ap.add_argument("--weights", nargs="*", choices=("none", "int8", "int4"), default=None,
                     help="weight formats to stream (weights.quantization), each from its own store")
@@ -388,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         prof["depths"] = args.depths
     if args.weights:
         prof["weights"] = args.weights
+    if args.new:
+        prof["new"] = args.new
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     model = ensure_model(out, prof["size"])

@@ -90,15 +90,19 @@ def layer_errors(path: Path, ids: list[int], fmt: WeightFormat) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("scripts/results/quant_quality.md"))
+    ap.add_argument("--new", type=int, default=NEW, help="greedy tokens per prompt")
+    ap.add_argument("--formats", nargs="*", default=[f"{q}:{g}" for q, g in FORMATS],
+                    help="QUANTIZATION:GROUP pairs; the first is the reference (none)")
     args = ap.parse_args(argv)
+    formats = [(f.split(":")[0], int(f.split(":")[1])) for f in args.formats]
     path = ensure_trained_model(dtype="float32")
     rows, ref_logits, ref_tokens = [], None, None
-    for quantization, group in FORMATS:
+    for quantization, group in formats:
         t0 = time.perf_counter()
         with Runner.from_config(config(path, quantization, group)) as r:
             ids = r.encode(TEXT)
             logits = r.prefill_logits([ids])[0, : len(ids)]  # [T, V]
-            greedy = [g.token_ids for g in r.generate(PROMPTS, max_new_tokens=NEW, stop_on_eos=False)]
+            greedy = [g.token_ids for g in r.generate(PROMPTS, max_new_tokens=args.new, stop_on_eos=False)]
         logp = torch.log_softmax(logits[:-1].double(), -1)
         nll = -logp.gather(1, torch.tensor(ids[1:])[:, None]).mean()
         top1 = logits.argmax(-1)
@@ -117,14 +121,14 @@ def main(argv: list[str] | None = None) -> int:
                      "seconds": time.perf_counter() - t0})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "layer_rel_errors"}), file=sys.stderr)
     lines = [f"Quality of stored weight formats on SmolLM2-135M-Instruct (trained; `scripts/trained_model.py`), "
-             f"CPU float32, a fixed {rows[0]['tokens']}-token English text and {len(PROMPTS)} prompts x {NEW} greedy "
-             "tokens; agreement is with `none` (the float weights).", "",
+             f"CPU float32, a fixed {rows[0]['tokens']}-token English text and {len(PROMPTS)} prompts x {args.new} "
+             "greedy tokens; agreement is with `none` (the float weights).", "",
              "| weights | group | perplexity | top-1 agreement | greedy tokens equal | common greedy prefix "
              "| max layer rel. error |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['weights']} | {r['group_size'] if r['weights'] != 'none' else '-'} | "
                      f"{r['perplexity']:.3f} | {100 * r['top1_agreement']:.1f}% | {100 * r['greedy_agreement']:.1f}% "
-                     f"| {r['greedy_common_prefix']:.1f} / {NEW} | {r['max_layer_rel_error']:.4f} |")
+                     f"| {r['greedy_common_prefix']:.1f} / {args.new} | {r['max_layer_rel_error']:.4f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2))
