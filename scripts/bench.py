@@ -452,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{q} batch {batch} depth {depth}: offload {r['offload_ms_per_step']:.0f} ms/step, bound "
                       f"{r['bound_ms_per_step']:.0f} (ratio {r['ratio_to_bound']:.2f})"
                       + (f", accelerate {r['accelerate_ms_per_step']:.0f} ms/step" if peer else ""), file=sys.stderr)
+        # what is measured so far, in case a long run is stopped before the end
+        (out / "bench-partial.json").write_text(json.dumps({"settings": prof, "disk": disk, "rows": rows}, indent=2))
     if rows:
         predict_rows(rows, model, common, tiers, prof, out)
     kv_rows = bench_kv(out, args.quick, args.repeat) if "kv" in args.sections else []
