@@ -12,6 +12,7 @@ tiers:
 kv_cache: {block_size: 16}
 prefetch: {depth: 2}
 activations: {prefill_chunk: auto}
+weights: {quantization: int4, group_size: 64, keep: [lm_head]}
 ```
 
 Sizes are bytes as `int` everywhere inside; strings like "20GiB" exist only here. Every
@@ -168,6 +169,18 @@ def _device(value: Any, key: str) -> str:
     return value
 
 
+def _names(*allowed: str) -> Callable[[Any, str], tuple[str, ...]]:
+    one = _choice(*allowed)
+
+    def parse(value: Any, key: str) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list such as [lm_head], got {value!r}")
+        return tuple(one(v, key) for v in value)
+    return parse
+
+
 def _opt(meta_parse: Callable[[Any, str], Any], doc: str, default: Any = None) -> Any:
     return field(default=default, metadata={"parse": meta_parse, "doc": doc})
 
@@ -291,6 +304,15 @@ class SpeculativeConfig:
         return self.draft != "none"
 
 
+@dataclass(frozen=True)
+class WeightsConfig:
+    quantization: str = _opt(_choice("none", "int8", "int4"), "store and stream the weight matrices group-wise "
+                             "quantized (asymmetric round-to-nearest along the input dimension)", "none")
+    group_size: int = _opt(_int(2), "input columns sharing one scale and zero (must divide every input dim)", 64)
+    keep: tuple[str, ...] = _opt(_names("qkv", "o", "gate_up", "down", "lm_head"),
+                                 "matrices kept in the compute dtype", ("lm_head",))
+
+
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "auto")
 
 
@@ -307,6 +329,7 @@ class OffloadConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig, metadata={"section": PrefetchConfig})
     activations: ActivationsConfig = field(default_factory=ActivationsConfig,
                                            metadata={"section": ActivationsConfig})
+    weights: WeightsConfig = field(default_factory=WeightsConfig, metadata={"section": WeightsConfig})
     timeline: TimelineConfig = field(default_factory=TimelineConfig, metadata={"section": TimelineConfig})
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig,
                                            metadata={"section": SpeculativeConfig})

@@ -2,10 +2,13 @@
 
     python scripts/bench.py                  # medium (TinyLlama-1.1B shape) bf16, gpu 512MiB + cpu 512MiB + disk
     python scripts/bench.py --quick          # small model, small budgets: a smoke run (the test suite runs it)
+    python scripts/bench.py --weights none int8 int4   # dense bf16 vs group-wise int8 / int4 stores, one run
 
 For each batch size, in fresh subprocesses (so peak RSS is each run's own):
   resident    all weights in RAM: the compute-only step time
   offload     the tiered run, the store's page cache evicted first: decode ms/step, disk bytes per step, peak RSS
+  (resident and offload run once per `--weights` scheme, each from its own store; the bound of a quantized
+  run is its own compute-only time vs its packed bytes over the disk)
   accelerate  transformers + Accelerate `device_map="auto"`, `max_memory` = Offload's total RAM budget, the rest
               offloaded to disk, page cache evicted first: decode ms/step, peak RSS, tokens equal to ours?
 The disk's bandwidth is measured in the same run (cold, parallel preadv over the store's chunk files), so
@@ -29,8 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROFILES = {
     # name: model size, budgets, prompt, new tokens, batches, depth, prefill chunk
     "full": dict(size="medium", gpu="512MiB", cpu="512MiB", prompt=64, new=32, batches=[1, 8], depths=[1, 2],
-                 chunk=64),
-    "quick": dict(size="small", gpu="64MiB", cpu="32MiB", prompt=16, new=6, batches=[1, 2], depths=[2], chunk=16),
+                 chunk=64, weights=["none"]),
+    "quick": dict(size="small", gpu="64MiB", cpu="32MiB", prompt=16, new=6, batches=[1, 2], depths=[2], chunk=16,
+                  weights=["none"]),
 }
 
 
@@ -216,13 +220,18 @@ def plan_homes(config: dict) -> dict[str, str]:
     return rp.plan.homes
 
 
-def ensure_store(model: Path, store: Path) -> None:
+def ensure_store(model: Path, store: Path, weights: str = "none") -> None:
     import torch
 
     from offload.model.checkpoint import Checkpoint
     from offload.weights.convert import open_store
+    from offload.weights.groups import WeightFormat
 
-    open_store(Checkpoint(model), store, torch.bfloat16).close()
+    open_store(Checkpoint(model), store, torch.bfloat16, fmt=WeightFormat(weights)).close()
+
+
+def store_for(out: Path, model: Path, weights: str) -> Path:
+    return out / "stores" / (model.name if weights == "none" else f"{model.name}-{weights}")
 
 
 KV_PROFILES = {
@@ -285,10 +294,13 @@ def predict_rows(rows: list[dict], model: Path, common: dict, tiers: dict, prof:
     cfg = Checkpoint(model).config
     for r in rows:
         kv = common["kv_cache"] | {"gpu_blocks": r["batch"] * -(-(prof["prompt"] + prof["new"]) // 16)}
-        config = OffloadConfig.load(common | {"tiers": tiers, "kv_cache": kv, "prefetch": {"depth": r["depth"]}})
-        plan = Planner(config, cfg, torch.bfloat16, torch.device("cpu")).run_plan().plan
+        tiers_q = tiers | {"disk": {"path": r["store"]}}
+        config = OffloadConfig.load(common | {"tiers": tiers_q, "kv_cache": kv, "prefetch": {"depth": r["depth"]},
+                                              "weights": {"quantization": r["weights"]}})
+        planner = Planner(config, cfg, torch.bfloat16, torch.device("cpu"))
+        plan = planner.run_plan().plan
         work = Workload(batch=r["batch"], context=prof["prompt"] + prof["new"] // 2)
-        pred = predict_decode(plan, cfg, cal, "cpu", work, 2)
+        pred = predict_decode(plan, cfg, cal, "cpu", work, 2, planner.compute_sizes)
         r["predicted_ms_per_step"] = 1000 * pred.step_s
         r["prediction_error"] = pred.step_s * 1000 / r["offload_ms_per_step"] - 1
         r["calibration"] = {"disk read": cal.links["disk read"], "compute": cal.compute["cpu"]}
@@ -300,10 +312,12 @@ def median_run(runs: list[dict]) -> dict:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def compare(batch: int, depth: int, resident: dict, streamed: dict, peer: dict | None, disk: dict) -> dict:
+def compare(batch: int, depth: int, resident: dict, streamed: dict, peer: dict | None, disk: dict,
+            weights: str = "none") -> dict:
     disk_ms = 1000 * streamed["disk_bytes_per_step"] / disk["bytes_per_s"]
     bound = max(resident["ms_per_step"], disk_ms)
     row = {
+        "weights": weights,
         "batch": batch,
         "depth": depth,
         "offload_ms_per_step": streamed["ms_per_step"],
@@ -353,7 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small model, small budgets (a smoke run)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-out", help="results, models and stores go here")
     ap.add_argument("--batches", type=int, nargs="*", default=None)
+    ap.add_argument("--new", type=int, default=None, help="new tokens per run (default: the profile's)")
     ap.add_argument("--depths", type=int, nargs="*", default=None, help="prefetch depths to measure")
+    ap.add_argument("--weights", nargs="*", choices=("none", "int8", "int4"), default=None,
+                    help="weight formats to stream (weights.quantization), each from its own store")
     ap.add_argument("--no-accelerate", action="store_true", help="skip the Accelerate peer")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats of every run; medians reported")
     ap.add_argument("--sections", nargs="*", choices=("stream", "kv"), default=["stream", "kv"],
@@ -370,11 +387,18 @@ def main(argv: list[str] | None = None) -> int:
         prof["batches"] = args.batches
     if args.depths:
         prof["depths"] = args.depths
+    if args.weights:
+        prof["weights"] = args.weights
+    if args.new:
+        prof["new"] = args.new
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     model = ensure_model(out, prof["size"])
-    store = out / "stores" / f"{model.name}"
+    store = store_for(out, model, "none")
     ensure_store(model, store)
+    stores = {q: store_for(out, model, q) for q in prof["weights"]}
+    for q, path in stores.items():
+        ensure_store(model, path, q)
     from offload.config import parse_size
 
     budget = parse_size(prof["gpu"]) + parse_size(prof["cpu"])
@@ -390,36 +414,46 @@ def main(argv: list[str] | None = None) -> int:
         kv = common["kv_cache"] | {"gpu_blocks": batch * -(-(prof["prompt"] + prof["new"]) // 16)}
         runs: dict[str, list] = {}
         for _ in range(args.repeat):  # interleaved repeats: this disk drifts by tens of percent over minutes
-            runs.setdefault("resident", []).append(run_worker("offload", spec | {"config": common}))
-            # the cost of recording spans, on the compute-bound run (the disk's noise would hide it)
-            runs.setdefault("resident-no-spans", []).append(
-                run_worker("offload", spec | {"config": common, "spans": False}))
             if not args.no_accelerate:
                 runs.setdefault("accelerate", []).append(run_worker(
                     "accelerate", spec | {"model": str(model), "max_memory": budget,
                                           "offload_folder": str(out / "accelerate-offload")}))
-            for depth in prof["depths"]:
-                cfg = common | {"tiers": tiers, "kv_cache": kv, "prefetch": {"depth": depth}}
-                # measure the disk right beside each streamed run, reading the very chunks the run streams,
-                # twice before and twice after; the bound uses the mean
-                homed = [g for g, h in plan_homes(cfg).items() if h == "disk" and g != "embed"]
-                samples = [disk_bandwidth(store, homed)["bytes_per_s"] for _ in range(2)]
-                streamed = run_worker("offload", spec | {"config": cfg})
-                samples += [disk_bandwidth(store, homed)["bytes_per_s"] for _ in range(2)]
-                streamed["disk"] = {"bytes_per_s": sum(samples) / len(samples), "samples": samples}
-                runs.setdefault(f"depth{depth}", []).append(streamed)
-        resident = median_run(runs["resident"])
+            for q in prof["weights"]:
+                wq = {"weights": {"quantization": q}}
+                runs.setdefault(f"{q}/resident", []).append(run_worker("offload", spec | {"config": common | wq}))
+                if q == "none":  # the cost of recording spans, on the compute-bound run (the disk's noise hides it)
+                    runs.setdefault("resident-no-spans", []).append(
+                        run_worker("offload", spec | {"config": common, "spans": False}))
+                for depth in prof["depths"]:
+                    tiers_q = tiers | {"disk": {"path": str(stores[q])}}
+                    cfg = common | wq | {"tiers": tiers_q, "kv_cache": kv, "prefetch": {"depth": depth}}
+                    # measure the disk right beside each streamed run, reading the very chunks the run streams,
+                    # twice before and twice after; the bound uses the mean
+                    homed = [g for g, h in plan_homes(cfg).items() if h == "disk" and g != "embed"]
+                    samples = ([disk_bandwidth(stores[q], homed)["bytes_per_s"] for _ in range(2)] if homed
+                               else [])
+                    streamed = run_worker("offload", spec | {"config": cfg})
+                    samples += [disk_bandwidth(stores[q], homed)["bytes_per_s"] for _ in range(2)] if homed else []
+                    samples = samples or [disk["bytes_per_s"]]  # nothing streamed from disk: the bound is compute
+                    streamed["disk"] = {"bytes_per_s": sum(samples) / len(samples), "samples": samples}
+                    runs.setdefault(f"{q}/depth{depth}", []).append(streamed)
         peer = median_run(runs["accelerate"]) if "accelerate" in runs else None
-        for depth in prof["depths"]:
-            streamed = median_run(runs[f"depth{depth}"])
-            r = compare(batch, depth, resident, streamed, peer, streamed["disk"])
-            r["repeats_ms_per_step"] = {k: [x["ms_per_step"] for x in v] for k, v in runs.items()}
-            r["span_recording_overhead"] = (resident["ms_per_step"]
-                                            / median_run(runs["resident-no-spans"])["ms_per_step"] - 1)
-            rows.append(r)
-            print(f"batch {batch} depth {depth}: offload {r['offload_ms_per_step']:.0f} ms/step, bound "
-                  f"{r['bound_ms_per_step']:.0f} (ratio {r['ratio_to_bound']:.2f})"
-                  + (f", accelerate {r['accelerate_ms_per_step']:.0f} ms/step" if peer else ""), file=sys.stderr)
+        for q in prof["weights"]:
+            resident = median_run(runs[f"{q}/resident"])
+            for depth in prof["depths"]:
+                streamed = median_run(runs[f"{q}/depth{depth}"])
+                r = compare(batch, depth, resident, streamed, peer, streamed["disk"], q)
+                r["store"] = str(stores[q])
+                r["repeats_ms_per_step"] = {k: [x["ms_per_step"] for x in v] for k, v in runs.items()}
+                r["span_recording_overhead"] = (median_run(runs["none/resident"])["ms_per_step"]
+                                                / median_run(runs["resident-no-spans"])["ms_per_step"] - 1
+                                                if "resident-no-spans" in runs else None)
+                rows.append(r)
+                print(f"{q} batch {batch} depth {depth}: offload {r['offload_ms_per_step']:.0f} ms/step, bound "
+                      f"{r['bound_ms_per_step']:.0f} (ratio {r['ratio_to_bound']:.2f})"
+                      + (f", accelerate {r['accelerate_ms_per_step']:.0f} ms/step" if peer else ""), file=sys.stderr)
+        # what is measured so far, in case a long run is stopped before the end
+        (out / "bench-partial.json").write_text(json.dumps({"settings": prof, "disk": disk, "rows": rows}, indent=2))
     if rows:
         predict_rows(rows, model, common, tiers, prof, out)
     kv_rows = bench_kv(out, args.quick, args.repeat) if "kv" in args.sections else []
@@ -439,16 +473,18 @@ def markdown(result: dict) -> str:
         f"prompt {s['prompt']}, {s['new']} new tokens; the disk is measured cold right before and after each "
         f"streamed run (first measurement {result['disk']['bytes_per_s'] / 1e9:.2f} GB/s).",
         "",
-        "| batch | depth | Offload ms/step | compute-only ms/step | disk GB/step | disk GB/s | disk-time ms/step "
+        "| weights | batch | depth | Offload ms/step | compute-only ms/step | disk GB/step | disk GB/s "
+        "| disk-time ms/step "
         "| ratio to bound | ratio to disk busy "
         "| stall ms/step | predicted ms/step | Offload peak RSS MiB | Accelerate ms/step | Accelerate peak RSS MiB "
         "| speedup | tokens = Accelerate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         acc = "accelerate_ms_per_step" in r
         lines.append(
-            f"| {r['batch']} | {r['depth']} | {r['offload_ms_per_step']:.0f} | {r['compute_only_ms_per_step']:.0f} | "
+            f"| {r.get('weights', 'none')} | {r['batch']} | {r['depth']} "
+            f"| {r['offload_ms_per_step']:.0f} | {r['compute_only_ms_per_step']:.0f} | "
             f"{r['disk_bytes_per_step'] / 1e9:.3f} | {r['disk_bytes_per_s'] / 1e9:.2f} | {r['disk_ms_per_step']:.0f} | "
             f"{r['ratio_to_bound']:.2f} | {r['ratio_to_disk_busy']:.2f} | "
             f"{r['offload_stall_ms_per_step']:.0f} | {r.get('predicted_ms_per_step', float('nan')):.0f} | "

@@ -45,7 +45,8 @@ from storage.tiers import DiskTier
 log = logging.getLogger(__name__)
 
 FORMAT = "offload-store"
-VERSION = 1
+#: 2: groups may hold packed (quantized) tensors, and the meta records the weight format per tensor.
+VERSION = 2
 MANIFEST = "manifest.json"
 MARKER = ".offload-converting"
 LOCK = ".offload-lock"
@@ -301,6 +302,11 @@ def read_manifest(file: Path) -> dict[str, Any]:
         raise StoreError(f"{file}: unreadable or not an Offload manifest; convert again with --force") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "groups" not in manifest:
         raise StoreError(f"{file}: unreadable or not an Offload manifest; convert again with --force")
+    if manifest.get("version") == 1:
+        raise StoreError(
+            f"{file.parent}: this store has format version 1, from before quantized weights (this Offload reads "
+            f"version {VERSION}); convert it again with `offload convert CHECKPOINT {file.parent} --force`"
+        )
     if manifest.get("version") != VERSION:
         raise StoreError(f"{file.parent}: store format version {str(manifest.get('version'))[:20]} is not {VERSION}, "
                          "the one this Offload reads; convert again with --force")

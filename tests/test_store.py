@@ -57,7 +57,7 @@ def test_bfloat16_is_kept_bit_exact(tmp_path, model_factory):
         assert torch.equal(qkv[: q.shape[0]].view(torch.int16), q.view(torch.int16))
         meta = json.loads((tmp_path / "s" / "manifest.json").read_text())
         assert meta["groups"]["layer.1"]["tensors"][1]["dtype"] == "bfloat16"
-        assert meta["meta"]["dtype"] == "bfloat16" and meta["version"] == 1
+        assert meta["meta"]["dtype"] == "bfloat16" and meta["version"] == 2
         # the zarr array holds raw uint8 bytes; zarr itself reads them back identically
         assert np.array_equal(store.tier.read_with_zarr("layer.1"), buf.numpy())
     finally:
@@ -168,7 +168,8 @@ def chunk_of(store: Path, group: str) -> Path:
     ("delete_chunk", r"chunk is missing"),
     ("no_manifest", r"not an Offload store \(no manifest.json\)"),
     ("garbage_manifest", r"unreadable or not an Offload manifest"),
-    ("old_version", r"store format version 0 is not 1"),
+    ("old_version", r"store format version 0 is not 2"),
+    ("version_1", r"format version 1, from before quantized weights .* --force"),
     ("swap_chunks", r"does not match the manifest \(checksum differs\)"),
 ])
 def test_damaged_store_is_one_clear_error(tmp_path, tiny_llama, good_store, damage, match):
@@ -182,9 +183,9 @@ def test_damaged_store_is_one_clear_error(tmp_path, tiny_llama, good_store, dama
         (good_store / "manifest.json").unlink()
     elif damage == "garbage_manifest":
         (good_store / "manifest.json").write_text("{not json")
-    elif damage == "old_version":
+    elif damage in ("old_version", "version_1"):
         m = json.loads((good_store / "manifest.json").read_text())
-        m["version"] = 0
+        m["version"] = 0 if damage == "old_version" else 1
         (good_store / "manifest.json").write_text(json.dumps(m))
     elif damage == "swap_chunks":
         shutil.copy(chunk_of(good_store, "layer.1"), layer)

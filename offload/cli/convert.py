@@ -1,4 +1,4 @@
-"""`offload convert CHECKPOINT_DIR STORE_DIR`: pack a checkpoint into a zarr store by hand.
+"""`offload convert CHECKPOINT_DIR STORE_DIR [--weights int8|int4]`: pack a checkpoint into a zarr store by hand.
 
 `run` converts on first use; this command is for converting ahead of time or elsewhere.
 CHECKPOINT_DIR may be a Hub id (org/name[@revision]), fetched into the Hugging Face cache first.
@@ -13,6 +13,7 @@ from offload.model import hub
 from offload.model.checkpoint import Checkpoint
 from offload.runtime.runner import resolve_dtype
 from offload.weights.convert import convert
+from offload.weights.groups import LINEARS, WeightFormat
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,6 +22,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("store", type=Path, metavar="STORE_DIR")
     conv.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "auto"), default="auto",
                       help="dtype of the stored weights (default: the checkpoint's own; must match the run's dtype)")
+    conv.add_argument("--weights", choices=("none", "int8", "int4"), default="none",
+                      help="store the weight matrices group-wise quantized (must match the run's weights.quantization)")
+    conv.add_argument("--group-size", type=int, default=64, help="input columns per scale/zero (weights.group_size)")
+    conv.add_argument("--keep", nargs="*", choices=LINEARS, default=["lm_head"],
+                      help="matrices kept in the compute dtype (weights.keep)")
     conv.add_argument("--force", action="store_true", help="replace a complete store")
     conv.set_defaults(func=cmd_convert)
 
@@ -28,8 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     ckpt = Checkpoint(hub.fetch(args.checkpoint) if hub.is_hub_id(args.checkpoint) else Path(args.checkpoint))
     dtype = resolve_dtype(args.dtype, ckpt.config.torch_dtype)
-    store = convert(ckpt, args.store, dtype, force=args.force, progress=True)
+    fmt = WeightFormat(args.weights, args.group_size, tuple(args.keep))
+    store = convert(ckpt, args.store, dtype, force=args.force, progress=True, fmt=fmt)
+    scheme = "" if fmt.quantization == "none" else f", weights {fmt.quantization} g{fmt.group_size}"
     print(f"wrote {store.path}: {len(store.groups)} groups, {store.total_bytes / 2**30:.2f} GiB "
-          f"({str(dtype).removeprefix('torch.')})")
+          f"({str(dtype).removeprefix('torch.')}{scheme})")
     store.close()
     return 0

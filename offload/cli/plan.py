@@ -20,6 +20,7 @@ from offload.config import (
     GpuTierConfig,
     OffloadConfig,
     TiersConfig,
+    WeightsConfig,
     format_size,
     parse_size,
 )
@@ -31,7 +32,8 @@ from offload.plan.predict import Workload, predict_decode, predict_prefill_per_t
 from offload.plan.speculative import choose_tokens, predict, reserve_draft, verify_cost
 from offload.runtime.runner import resolve_dtype
 from offload.runtime.speculative import draft_config
-from schedulers.costmodel import explain
+from schedulers.costmodel import explain, plan_bytes
+from storage.errors import CapacityError
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -78,6 +80,8 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[OffloadConfig, ModelConfig]:
         overrides["device"] = args.device
     if args.calibration:
         overrides["calibration"] = Path(args.calibration).resolve()
+    if args.weights:
+        overrides["weights"] = WeightsConfig(args.weights, config.weights.group_size, config.weights.keep)
     if args.gpu or args.cpu or args.disk_path:
         tiers = config.tiers or TiersConfig()
         gpu = GpuTierConfig(parse_size(args.gpu, "--gpu")) if args.gpu else tiers.gpu
@@ -113,19 +117,26 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     rp = planner.run_plan()
     cal = load_calibration(config.calibration)
     work = Workload(batch=batch, context=context, prefill_chunk=rp.prefill_chunk)
-    pred = predict_decode(rp.plan, cfg, cal, device.type, work, dtype.itemsize)
-    per_token = predict_prefill_per_token(rp.plan, cfg, cal, device.type, work, dtype.itemsize)
+    sizes = planner.compute_sizes
+    pred = predict_decode(rp.plan, cfg, cal, device.type, work, dtype.itemsize, sizes)
+    per_token = predict_prefill_per_token(rp.plan, cfg, cal, device.type, work, dtype.itemsize, sizes)
     helps = suggestions(planner.placement, planner.caps, rp.plan.depth, cfg, cal, device.type, work, dtype.itemsize,
-                        pred)
+                        pred, sizes)
+    schemes = compare_schemes(config, cfg, dtype, device, cal, work)
     if as_json:
         print(json.dumps({"device": str(device), "kv_blocks": rp.kv_blocks, "calibration": cal.source,
                           "prediction": pred.to_dict() | {"prefill_s_per_token": per_token},
-                          "suggestions": [s.__dict__ for s in helps], **rp.plan.to_dict()}, indent=2))
+                          "suggestions": [s.__dict__ for s in helps], "weights": schemes, **rp.plan.to_dict()},
+                         indent=2))
         return
-    params = sum(g.nbytes for g in planner.groups) / dtype.itemsize
+    params = sum(planner.compute_sizes.values()) / dtype.itemsize
     count = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
+    w = config.weights
+    stored = "" if w.quantization == "none" else (
+        f", stored {w.quantization} g{w.group_size}{' keeping ' + ', '.join(w.keep) if w.keep else ''}: "
+        f"{format_size(sum(g.nbytes for g in planner.groups))}")
     print(f"device {device}, {cfg.family} model, {cfg.num_layers} layers, {count} parameters "
-          f"({format_size(sum(g.nbytes for g in planner.groups))} in {str(dtype).removeprefix('torch.')})")
+          f"({format_size(sum(planner.compute_sizes.values()))} in {str(dtype).removeprefix('torch.')}{stored})")
     print(rp.plan.describe())
     kv = "sized per request" if rp.kv_blocks == 0 else (
         f"{rp.kv_blocks} blocks x {config.kv_cache.block_size} tokens "
@@ -141,6 +152,15 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     for line in explain(rp.plan, pred, cal.links):
         print(f"  {line}")
     print(f"  prefill: {1000 * per_token:.2f} ms per prompt token (passes of {work.prefill_chunk} tokens)")
+    print("by weight format (same tiers; bytes per group, bytes per token by link, predicted step):")
+    for row in schemes:
+        if "refused" in row:
+            print(f"  {row['quantization']:<5} does not fit: {row['refused']}")
+            continue
+        links = ", ".join(f"{k} {format_size(v)}" for k, v in row["bytes_per_token"].items()) or "nothing streamed"
+        print(f"  {row['quantization']:<5} layer {format_size(row['layer_bytes'])}, model "
+              f"{format_size(row['model_bytes'])}; per token {links}; {row['step_ms']:.0f} ms/step, "
+              f"bound by {row['bottleneck']}")
     if draft is not None:
         _print_speculative(config, draft, rp, cfg, cal, device, dtype, pred.step_s)
     if helps:
@@ -166,6 +186,27 @@ def _print_speculative(config, draft, rp, cfg, cal, device, dtype, t_plain: floa
               f"{p.tokens_per_pass / p.step_s:.2f} tokens/s (x{p.speedup:.2f})")
 
 
+def compare_schemes(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, cal,
+                    work: Workload) -> list[dict]:
+    """The same tiers planned for dense, int8 and int4 weights: bytes per group, per link and step, what binds."""
+    rows = []
+    for scheme in ("none", "int8", "int4"):
+        w = config.weights
+        other = config.replace(weights=WeightsConfig(scheme, w.group_size, w.keep))
+        try:
+            planner = Planner(other, cfg, dtype, device)
+            plan = planner.run_plan().plan
+        except (CapacityError, ConfigError) as e:
+            rows.append({"quantization": scheme, "refused": str(e)})
+            continue
+        pred = predict_decode(plan, cfg, cal, device.type, work, dtype.itemsize, planner.compute_sizes)
+        moved = {link: plan_bytes(plan, link) / work.batch for link in ("disk read", "host->device")}
+        rows.append({"quantization": scheme, "layer_bytes": plan.sizes["layer.0"],
+                     "model_bytes": sum(plan.sizes.values()), "bytes_per_token": {k: v for k, v in moved.items() if v},
+                     "step_ms": 1000 * pred.step_s, "bottleneck": pred.bottleneck})
+    return rows
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     cal = sub.add_parser("calibrate", help="measure this machine's disk, copies and layer kernels")
     cal.add_argument("--disk-path", default=None, metavar="DIR", help="where to test disk reads (the store's disk)")
@@ -187,6 +228,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--gpu", default=None, metavar="SIZE", help="tiers.gpu.capacity")
     plan.add_argument("--cpu", default=None, metavar="SIZE", help="tiers.cpu.capacity")
     plan.add_argument("--disk-path", default=None, metavar="DIR", help="tiers.disk.path")
+    plan.add_argument("--weights", default=None, choices=("none", "int8", "int4"),
+                      help="weights.quantization (the plan also compares all three)")
     plan.add_argument("--batch", type=int, default=1, help="sequences decoded together, for the prediction")
     plan.add_argument("--context", type=int, default=128, help="tokens of context, for the prediction")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")

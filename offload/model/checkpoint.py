@@ -27,6 +27,8 @@ from storage.io import preadv_into
 log = logging.getLogger(__name__)
 
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+#: Integer tensors, read only where a quantized format expects them (GPTQ/AWQ qweight, qzeros, g_idx).
+_ST_INTS = {"I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "I64": torch.int64}
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -113,8 +115,9 @@ def _entry(path: Path, name: str, info: object, base: int, size: int) -> TensorE
     if math.prod(shape) * _ST_ITEMSIZE[dtype] != end - start:
         raise CheckpointError(f"{where}: data_offsets give {end - start} bytes but shape {shape} of {dtype} "
                               f"needs {math.prod(shape) * _ST_ITEMSIZE[dtype]}; the header is corrupt")
-    # a non-float tensor we never read is harmless; `Checkpoint.entry` refuses to read one
-    return TensorEntry(path, _ST_DTYPES.get(dtype, torch.uint8), tuple(shape), base + start, end - start)
+    # integer tensors keep their dtype (quantized formats read them); `Checkpoint.entry` checks every read
+    return TensorEntry(path, _ST_DTYPES.get(dtype, _ST_INTS.get(dtype, torch.uint8)), tuple(shape), base + start,
+                       end - start)
 
 
 class Checkpoint:
@@ -187,7 +190,8 @@ class Checkpoint:
             return f"{self._prefix}lm_head.weight"
         return f"{self._prefix}{short}"
 
-    def entry(self, short: str, shape: tuple[int, ...]) -> TensorEntry:
+    def entry(self, short: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> TensorEntry:
+        """Where a tensor is, checked: present, of `shape`, float (or exactly `dtype` when one is asked for)."""
         full = self.name(short)
         e = self.entries.get(full)
         if e is None:
@@ -197,15 +201,20 @@ class Checkpoint:
                 f"{self.path}: tensor {full!r} has shape {list(e.shape)} but config.json implies {list(shape)}; "
                 "the weights and config.json do not belong together"
             )
-        if e.dtype not in _ST_DTYPES.values():
+        if dtype is not None and not dtype.is_floating_point:
+            if e.dtype != dtype:
+                raise CheckpointError(f"{self.path}: tensor {full!r} is {e.dtype} but its quantization format "
+                                      f"stores {dtype}; the checkpoint does not match its quantization_config")
+        elif e.dtype not in _ST_DTYPES.values():
             raise CheckpointError(
-                f"{self.path}: tensor {full!r} is not a float tensor; quantized checkpoints are not supported"
+                f"{self.path}: tensor {full!r} is not a float tensor; a quantized checkpoint needs its "
+                "quantization_config (gptq or awq) in config.json"
             )
         return e
 
     def read_into(self, short: str, dest: torch.Tensor) -> None:
         """Copy a tensor into `dest` (any dtype/device, same shape), reading its bytes once."""
-        e = self.entry(short, tuple(dest.shape))
+        e = self.entry(short, tuple(dest.shape), dest.dtype)
         fd = os.open(e.file, os.O_RDONLY)
         try:
             if e.dtype == dest.dtype and dest.device.type == "cpu" and dest.is_contiguous():

@@ -21,17 +21,32 @@ from offload.model.config import ModelConfig
 
 
 # ----------------------------------------------------------------------------- weights
+class PackedWeight(Protocol):
+    """A matrix [out, in] stored packed (e.g. group-wise int4); it multiplies without a resident dense copy."""
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] -> x @ W.T + bias, [..., out]."""
+
+
+#: A weight matrix: a dense tensor [out, in], or a packed one.
+Weight = torch.Tensor | PackedWeight
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w.linear(x, bias)
+
+
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    qkv: Weight  # [(Hq + 2 Hkv) * D, H]
     qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) * D]
-    o: torch.Tensor  # [H, Hq * D]
+    o: Weight  # [H, Hq * D]
     o_bias: torch.Tensor | None  # [H]
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]
+    gate_up: Weight  # [2 I, H]
     gate_up_bias: torch.Tensor | None  # [2 I]
-    down: torch.Tensor  # [H, I]
+    down: Weight  # [H, I]
     down_bias: torch.Tensor | None  # [H]
     q_norm: torch.Tensor | None = None  # [D] (Qwen3: per-head RMSNorm of q before RoPE)
     k_norm: torch.Tensor | None = None  # [D]
@@ -46,7 +61,7 @@ class LayerWeights:
 @dataclass(frozen=True, slots=True)
 class HeadWeights:
     norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H]
+    lm_head: Weight  # [V, H]
 
     @classmethod
     def from_views(cls, v: dict[str, torch.Tensor]) -> HeadWeights:
@@ -278,8 +293,12 @@ def restore_kv(h: torch.Tensor, positions: torch.Tensor, w: LayerWeights, rope: 
                cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V of tokens from their layer inputs h [n, hidden] (after the input norm): one projection + RoPE."""
     q_size, n = cfg.q_size, h.shape[0]
-    bias = None if w.qkv_bias is None else w.qkv_bias[q_size:]
-    k, v = F.linear(h, w.qkv[q_size:], bias).split([cfg.kv_size, cfg.kv_size], dim=-1)
+    if isinstance(w.qkv, torch.Tensor):  # project onto K and V only
+        bias = None if w.qkv_bias is None else w.qkv_bias[q_size:]
+        kv = F.linear(h, w.qkv[q_size:], bias)
+    else:  # a packed matrix is multiplied whole
+        kv = linear(h, w.qkv, w.qkv_bias)[:, q_size:]
+    k, v = kv.split([cfg.kv_size, cfg.kv_size], dim=-1)
     k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
     if w.k_norm is not None:
         k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
@@ -297,7 +316,7 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     N = x.shape[0]
     Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
-    qkv = F.linear(h, w.qkv, w.qkv_bias)  # [N, (Hq + 2 Hkv) * D]
+    qkv = linear(h, w.qkv, w.qkv_bias)  # [N, (Hq + 2 Hkv) * D]
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
     q, k = q.view(N, Hq, D), k.view(N, Hkv, D)
     if w.q_norm is not None:  # Qwen3: each head normalised over D before RoPE
@@ -310,12 +329,12 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     if rope_table is not None:
         restore = lambda hs, pos: restore_kv(hs, pos, w, rope_table, cfg)  # noqa: E731
     a = attention(q, kv, layout, window, D**-0.5, restore)
-    x = x + F.linear(a, w.o, w.o_bias)
+    x = x + linear(a, w.o, w.o_bias)
     h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-    gate, up = F.linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+    gate, up = linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, w.down, w.down_bias)
 
 
 def head(x: torch.Tensor, w: HeadWeights, cfg: ModelConfig) -> torch.Tensor:
     """x [N, H] -> logits [N, V] in float32."""
-    return F.linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head).float()
+    return linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head).float()

@@ -25,7 +25,7 @@ from offload.kv.formats import ColdFormat
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import load_calibration
 from offload.plan.predict import Workload, predict_decode
-from offload.weights.groups import model_layouts
+from offload.weights.groups import WeightFormat, model_layouts
 from schedulers.calibration import Calibration
 from schedulers.placement import Capacities, GroupSpec, Plan, make_plan, min_device_bytes
 from storage.errors import CapacityError
@@ -132,8 +132,12 @@ class Planner:
         self.kv_cpu_bytes = (kv_cfg.cpu_blocks or 0) * self.cold_block_bytes  # explicit ones; auto: what is left
         self.kv_disk_bytes = (kv_cfg.disk_blocks or 0) * self.cold_block_bytes
         self.caps = caps or resolve_capacities(config.tiers, device)
+        self.fmt = WeightFormat.from_config(config.weights, cfg)
+        self.fmt.check(cfg)
         self.groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"))
-                       for name, layout in model_layouts(cfg, dtype).items()]
+                       for name, layout in model_layouts(cfg, dtype, self.fmt).items()]
+        #: bytes the math reads per group at the compute dtype (packed matrices multiply at dense speed)
+        self.compute_sizes = {name: layout.nbytes for name, layout in model_layouts(cfg, dtype).items()}
         self.chunks = self._chunk_choices()
 
     def _chunk_choices(self) -> tuple[int, ...]:
@@ -224,7 +228,8 @@ class Planner:
                 plan = self.placement(self.caps, depth)
             except CapacityError:
                 break
-            step = predict_decode(plan, self.cfg, cal, self.device.type, work, self.dtype.itemsize).step_s
+            step = predict_decode(plan, self.cfg, cal, self.device.type, work, self.dtype.itemsize,
+                                  self.compute_sizes).step_s
             tried.append(f"{depth}: {1000 * step:.0f} ms")
             if best is None or step < best[0] * 0.99:
                 best = (step, depth)

@@ -26,12 +26,17 @@ class Workload:
 
 
 def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, tokens: int, context: int,
-                    batch: int, dtype_bytes: int) -> dict[str, float]:
-    """Per group, seconds of compute for one pass of `tokens` rows (`batch` sequences of `context` tokens)."""
+                    batch: int, dtype_bytes: int, sizes: dict[str, int] | None = None) -> dict[str, float]:
+    """Per group, seconds of compute for one pass of `tokens` rows (`batch` sequences of `context` tokens).
+
+    `sizes`: the groups' bytes at the compute dtype when they differ from the moved bytes (packed
+    int8/int4 weights move fewer bytes but multiply at the dense rate); default the plan's sizes.
+    """
     thr = cal.weight_bytes_per_s(device_type, tokens)
     kv_bytes = batch * context * 2 * cfg.kv_size * dtype_bytes  # one layer's K and V, read by attention
     out = {}
     for g, size in plan.sizes.items():
+        size = (sizes or {}).get(g, size)
         if g.startswith("layer."):
             out[g] = size / thr + kv_bytes / cal.links.get("device memory", cal.links["memcpy"])
         elif g == "head":  # only each sequence's last token goes through the LM head
@@ -40,15 +45,15 @@ def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type:
 
 
 def predict_decode(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, work: Workload,
-                   dtype_bytes: int) -> Prediction:
-    comp = compute_seconds(plan, cfg, cal, device_type, work.batch, work.context, work.batch, dtype_bytes)
+                   dtype_bytes: int, sizes: dict[str, int] | None = None) -> Prediction:
+    comp = compute_seconds(plan, cfg, cal, device_type, work.batch, work.context, work.batch, dtype_bytes, sizes)
     return simulate(plan, comp, cal.links)
 
 
 def predict_prefill_per_token(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, work: Workload,
-                              dtype_bytes: int) -> float:
+                              dtype_bytes: int, sizes: dict[str, int] | None = None) -> float:
     tokens = work.prefill_chunk
-    comp = compute_seconds(plan, cfg, cal, device_type, tokens, tokens, 1, dtype_bytes)
+    comp = compute_seconds(plan, cfg, cal, device_type, tokens, tokens, 1, dtype_bytes, sizes)
     return simulate(plan, comp, cal.links).step_s / tokens
 
 
@@ -61,7 +66,8 @@ class Suggestion:
 
 
 def suggestions(make_plan_for, base_caps, depth: int, cfg: ModelConfig, cal: Calibration, device_type: str,
-                work: Workload, dtype_bytes: int, current: Prediction) -> list[Suggestion]:
+                work: Workload, dtype_bytes: int, current: Prediction,
+                sizes: dict[str, int] | None = None) -> list[Suggestion]:
     """What-ifs through the same cost model: more cpu capacity, another depth, a larger batch.
 
     `make_plan_for(caps, depth) -> Plan` re-plans with other capacities or depth.
@@ -73,7 +79,7 @@ def suggestions(make_plan_for, base_caps, depth: int, cfg: ModelConfig, cal: Cal
         if plan is None:
             return
         w = dataclasses.replace(work, batch=batch)
-        pred = predict_decode(plan, cfg, cal, device_type, w, dtype_bytes)
+        pred = predict_decode(plan, cfg, cal, device_type, w, dtype_bytes, sizes)
         out.append(Suggestion(change, pred.step_s, batch / pred.step_s, note))
 
     streamed_from_disk = plan_bytes(make_plan_for(base_caps, depth), "disk read")

@@ -36,7 +36,6 @@ from offload.plan.speculative import reserve_draft, verify_cost
 from offload.runtime.engine import Engine, Output, Request, Sampling, blocks_needed
 from offload.runtime.results import GenerationResult, RunStats, TokenCallback
 from offload.runtime.speculative import Speculator, check_draft, draft_config
-from offload.weights.groups import check_checkpoint
 from offload.weights.tiered import TieredWeights
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic
@@ -49,7 +48,7 @@ class WeightSource(Protocol):
     """Where the runner gets each group's weights; `acquire` may wait, `release` frees its slot."""
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [N] (CPU) -> [N, H] on the device
-    def acquire(self, group: str) -> dict[str, torch.Tensor]: ...
+    def acquire(self, group: str) -> dict[str, M.Weight]: ...
     def release(self, group: str) -> None: ...
     def abort_pass(self) -> None: ...  # a pass stopped half way: start the next one cleanly
     def close(self) -> None: ...
@@ -106,7 +105,6 @@ class Runner:
         self.config = config
         self.device = resolve_device(config.device)
         self.checkpoint = Checkpoint(config.model)
-        check_checkpoint(self.checkpoint)  # every tensor config.json implies, from the headers: before any allocation
         self.cfg = self.checkpoint.config
         self.dtype = resolve_dtype(config.dtype, self.cfg.torch_dtype)
         self.tokenizer = TextTokenizer.from_checkpoint(config.model)

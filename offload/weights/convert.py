@@ -2,7 +2,8 @@
 
 Runs automatically the first time `run` meets a configured disk tier whose store does not
 exist yet, or by hand with `offload convert CHECKPOINT_DIR STORE_DIR`. The manifest carries
-the checkpoint's fingerprint and the dtype, so a store is never used for another model.
+the checkpoint's fingerprint, the dtype and the weight format (dense or int8/int4, recorded per
+tensor), so a store is never used for another model or another scheme.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tqdm import tqdm
 from offload.errors import StoreError
 from offload.model.checkpoint import Checkpoint
 from offload.version import __version__
-from offload.weights.groups import check_checkpoint, fill_group, model_layouts
+from offload.weights.groups import DENSE, WeightFormat, check_tensors, fill_group, group_sources, model_layouts
 from storage.layout import dtype_name
 from storage.lock import FileLock
 from storage.store import Store, StoreState, StoreWriter, open_or_build, store_state
@@ -24,28 +25,38 @@ from storage.store import Store, StoreState, StoreWriter, open_or_build, store_s
 log = logging.getLogger(__name__)
 
 
-def store_meta(ckpt: Checkpoint, dtype: torch.dtype) -> dict:
+def weights_meta(ckpt: Checkpoint, fmt: WeightFormat) -> dict:
+    """The format and, per group tensor, its scheme (`dense` or e.g. `int4-g64-asym-rtn`)."""
+    tensors = {t: fmt.scheme(ckpt.config, t) for g in ("layer.0", "head") for t, _ in group_sources(ckpt.config, g)}
+    return fmt.to_json() | {"tensors": tensors}
+
+
+def store_meta(ckpt: Checkpoint, dtype: torch.dtype, fmt: WeightFormat = DENSE) -> dict:
     return {
         "model_config": ckpt.config.raw,
         "checkpoint": str(ckpt.path),
         "checkpoint_fingerprint": ckpt.fingerprint(),
         "dtype": dtype_name(dtype),
+        "weights": weights_meta(ckpt, fmt),
         "offload_version": __version__,
     }
 
 
 def convert(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, force: bool = False,
-            capacity: int | None = None, progress: bool | None = None, lock: FileLock | None = None) -> Store:
+            capacity: int | None = None, progress: bool | None = None, fmt: WeightFormat = DENSE,
+            lock: FileLock | None = None) -> Store:
     """Write the store; on any failure (a full disk, Ctrl-C) remove what was written and re-raise.
 
     Holds the store's lock exclusively while writing: `lock` if the caller holds it, else taken here
     (waiting, with a message, while other processes use the store).
     """
-    check_checkpoint(ckpt)
-    layouts = model_layouts(ckpt.config, dtype)
+    fmt.check(ckpt.config)
+    check_tensors(ckpt, fmt)  # a missing or misshapen tensor is refused before anything is written
+    layouts = model_layouts(ckpt.config, dtype, fmt)
     total = sum(layout.nbytes for layout in layouts.values())
     writer = StoreWriter(store_dir, total, force=force, capacity=capacity, lock=lock)
-    log.info("converting %s into %s (%.2f GiB, %s)", ckpt.path, store_dir, total / 2**30, dtype_name(dtype))
+    log.info("converting %s into %s (%.2f GiB, %s, weights %s)", ckpt.path, store_dir, total / 2**30,
+             dtype_name(dtype), fmt.quantization)
     try:
         buf = torch.empty(max(layout.nbytes for layout in layouts.values()), dtype=torch.uint8)
         # progress None: a bar only when stderr is a terminal
@@ -53,10 +64,10 @@ def convert(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, force: 
                   disable=None if progress is None else not progress) as bar:
             for layout in layouts.values():
                 part = buf[: layout.nbytes]
-                fill_group(ckpt, layout, part)
+                fill_group(ckpt, layout, part, fmt)
                 writer.write_group(layout, part)
                 bar.update(layout.nbytes)
-        return writer.finish(store_meta(ckpt, dtype))
+        return writer.finish(store_meta(ckpt, dtype, fmt))
     except BaseException:
         writer.abort()
         raise
@@ -64,8 +75,9 @@ def convert(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, force: 
 
 def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capacity: int | None = None,
                page_cache: bool = False, verify: str = "always", auto_convert: bool = True,
-               direct_io: bool = False) -> Store:
-    """The store for this checkpoint and dtype: converted first if missing or interrupted, checked if present.
+               direct_io: bool = False, fmt: WeightFormat = DENSE) -> Store:
+    """The store for this checkpoint, dtype and weight format: converted first if missing or interrupted,
+    checked if present.
 
     Safe with several processes on one store: one converts, the others wait for it (see `open_or_build`).
     """
@@ -74,7 +86,7 @@ def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capa
     def build(lock: FileLock) -> None:
         if store_state(store_dir) is StoreState.PARTIAL:
             log.warning("%s holds an interrupted conversion; starting it again", store_dir)
-        convert(ckpt, store_dir, dtype, capacity=capacity, lock=lock).close()
+        convert(ckpt, store_dir, dtype, capacity=capacity, fmt=fmt, lock=lock).close()
 
     store = open_or_build(store_dir, build if auto_convert else None, page_cache=page_cache, verify=verify,
                           capacity=capacity, direct_io=direct_io)
@@ -91,7 +103,14 @@ def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capa
             f"{store_dir} holds {meta.get('dtype')} weights but the run asks for {dtype_name(dtype)}; set dtype: "
             f"{meta.get('dtype')} or convert again with `offload convert ... --dtype {dtype_name(dtype)} --force`"
         )
-    expected = model_layouts(ckpt.config, dtype)
+    have = {k: v for k, v in meta.get("weights", {}).items() if k != "tensors"}
+    if have != fmt.to_json():
+        store.close()
+        raise StoreError(
+            f"{store_dir} holds weights stored as {have} but the run asks for {fmt.to_json()}; set `weights:` to "
+            f"match, or convert again with `offload convert ... --weights {fmt.quantization} --force`"
+        )
+    expected = model_layouts(ckpt.config, dtype, fmt)
     if {n: g.layout for n, g in store.groups.items()} != expected:
         store.close()
         raise StoreError(f"{store_dir}: its group layouts differ from this Offload's; convert again with --force")

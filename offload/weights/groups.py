@@ -6,18 +6,95 @@ Inside a layer, q/k/v are fused into one `qkv` matrix and gate/up into one `gate
 decoder layer is two fewer kernel launches and every tensor is one contiguous row range
 that can be read straight from the checkpoint. Storage gets only the resulting
 `GroupLayout`s: it never learns what the names mean.
+
+With a quantized `WeightFormat`, each packed matrix `t` becomes two tensors of the same group,
+`t.q` (nibbles in tile order) and `t.sz` (scale/zero pairs), so a layer is still one read and one
+copy; norms, biases and the embeddings stay in the compute dtype (`offload.weights.quant`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from offload.config import WeightsConfig
+from offload.errors import CheckpointError, ConfigError
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
-from storage.layout import GroupLayout, dtype_name
+from offload.weights import gptq, quant
+from storage.layout import DTYPES, GroupLayout, dtype_name
 
 #: A fused tensor is the row-wise concatenation of these checkpoint tensors: (short name, shape).
 Sources = list[tuple[str, tuple[int, ...]]]
+
+
+#: Tensors that are matrices multiplied by activations: the ones a quantized format packs.
+LINEARS = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the matrices of a model are stored: dense, group-wise int8/int4 (config `weights:`), or the
+    checkpoint's own GPTQ/AWQ packing (its config.json's `quantization_config`)."""
+
+    quantization: str = "none"  # none | int8 | int4 | gptq | awq
+    group_size: int = 64  # input columns per (scale, zero); must divide every packed matrix's input dim
+    keep: tuple[str, ...] = ("lm_head",)  # matrices kept dense (names of LINEARS)
+    prequant: gptq.PrequantFormat | None = None  # a GPTQ/AWQ checkpoint's format: its bytes are kept as they are
+
+    @property
+    def bits(self) -> int:
+        return {"int8": 8, "int4": 4}[self.quantization]
+
+    def packs(self, cfg: ModelConfig, tensor: str) -> bool:
+        """Is this group tensor stored packed? A tied LM head doubles as the embedding table: never."""
+        if self.prequant is not None:  # GPTQ/AWQ checkpoints quantize the decoder layers' linears
+            return tensor in LINEARS and tensor != "lm_head"
+        if self.quantization == "none" or tensor not in LINEARS or tensor in self.keep:
+            return False
+        return not (tensor == "lm_head" and cfg.tie_word_embeddings)
+
+    def scheme(self, cfg: ModelConfig, tensor: str) -> str:
+        """What the manifest records for a tensor: `dense`, e.g. `int4-g64-asym-rtn`, or e.g. `gptq-4bit-g128`."""
+        if not self.packs(cfg, tensor):
+            return "dense"
+        if self.prequant is not None:
+            p = self.prequant
+            return f"{p.method}-{p.bits}bit-g{p.group_size or 'all'}" + ("-act-order" if p.act_order else "")
+        return f"{self.quantization}-g{self.group_size}-asym-rtn"
+
+    @classmethod
+    def from_config(cls, w: WeightsConfig, cfg: ModelConfig) -> WeightFormat:
+        """The run's format: the config's `weights:`, or the checkpoint's own quantization (then weights: none)."""
+        pre = gptq.parse_quantization_config(cfg.raw.get("quantization_config"), "config.json")
+        if pre is None:
+            return cls(w.quantization, w.group_size, tuple(w.keep))
+        if w.quantization != "none":
+            raise ConfigError(f"weights.quantization: the checkpoint is already {pre.method}-quantized; Offload reads "
+                              "its packed weights as they are, so set weights.quantization: none")
+        return cls(pre.method, pre.group_size, (), pre)
+
+    def to_json(self) -> dict:
+        if self.prequant is not None:
+            return self.prequant.to_json()
+        return {"quantization": self.quantization, "group_size": self.group_size, "keep": sorted(self.keep)}
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Refuse, before anything is converted, a group size that does not divide a packed matrix's input dim."""
+        if self.quantization == "none" or self.prequant is not None:
+            return
+        inputs = {"qkv": cfg.hidden_size, "o": cfg.q_size, "gate_up": cfg.hidden_size,
+                  "down": cfg.intermediate_size, "lm_head": cfg.hidden_size}
+        for tensor, k in inputs.items():
+            if self.packs(cfg, tensor) and (self.group_size % 2 or k % self.group_size):
+                raise ConfigError(
+                    f"weights.group_size: {self.group_size} does not divide the input dimension {k} of {tensor!r}; "
+                    f"choose an even group size that divides {k} (e.g. 32, 64 or 128) or add {tensor} to weights.keep"
+                )
+
+
+DENSE = WeightFormat()
 
 
 def group_names(cfg: ModelConfig) -> list[str]:
@@ -68,34 +145,93 @@ def group_sources(cfg: ModelConfig, group: str) -> list[tuple[str, Sources]]:
     return out
 
 
-def group_layout(cfg: ModelConfig, group: str, dtype: torch.dtype) -> GroupLayout:
+def dense_shape(sources: Sources) -> tuple[int, ...]:
+    return (sum(shape[0] for _, shape in sources), *sources[0][1][1:])
+
+
+def prequant_sources(sources: Sources, pre: gptq.PrequantFormat) -> list[tuple[str, str, str, tuple[int, ...]]]:
+    """(part suffix in the group, checkpoint tensor, dtype name, shape) of each packed tensor of a fused matrix."""
+    out = []
+    for i, (short, (n, k)) in enumerate(sources):
+        base = short.removesuffix(".weight")
+        for suffix, (dtype, shape) in pre.tensors(n, k).items():
+            out.append((f"{i}.{suffix}", f"{base}.{suffix}", dtype, shape))
+    return out
+
+
+def group_layout(cfg: ModelConfig, group: str, dtype: torch.dtype, fmt: WeightFormat = DENSE) -> GroupLayout:
     entries = []
     for tensor, sources in group_sources(cfg, group):
-        rows = sum(shape[0] for _, shape in sources)
-        entries.append((tensor, dtype_name(dtype), (rows, *sources[0][1][1:])))
+        shape = dense_shape(sources)
+        if fmt.prequant is not None and fmt.packs(cfg, tensor):
+            entries += [(f"{tensor}.{part}", dt, shp) for part, _, dt, shp in prequant_sources(sources, fmt.prequant)]
+        elif fmt.packs(cfg, tensor):
+            shapes = quant.packed_shapes(shape[0], shape[1], fmt.bits, fmt.group_size)
+            entries += [(f"{tensor}.q", "uint8", shapes["q"]), (f"{tensor}.sz", dtype_name(dtype), shapes["sz"])]
+        else:
+            entries.append((tensor, dtype_name(dtype), shape))
     return GroupLayout.build(group, entries)
 
 
-def model_layouts(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, GroupLayout]:
-    return {g: group_layout(cfg, g, dtype) for g in group_names(cfg)}
+def model_layouts(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat = DENSE) -> dict[str, GroupLayout]:
+    return {g: group_layout(cfg, g, dtype, fmt) for g in group_names(cfg)}
 
 
-def check_checkpoint(ckpt: Checkpoint) -> None:
-    """Every tensor config.json implies is in the checkpoint with its shape (CheckpointError otherwise): checked
-    from the headers alone, before a byte is allocated for it, so an absurd config costs nothing."""
-    for group in group_names(ckpt.config):
-        for _, sources in group_sources(ckpt.config, group):
-            for short, shape in sources:
-                ckpt.entry(short, shape)
-
-
-def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor) -> None:
-    """Read a group's tensors from the checkpoint into `buf` (1-D uint8, CPU), converting dtype."""
+def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor, fmt: WeightFormat = DENSE) -> None:
+    """Read a group's tensors from the checkpoint into `buf` (1-D uint8, CPU), converting dtype or packing."""
     buf[: layout.nbytes].zero_()
     views = layout.views(buf)
     for tensor, sources in group_sources(ckpt.config, layout.name):
+        if fmt.prequant is not None and fmt.packs(ckpt.config, tensor):  # the checkpoint's bytes, as they are
+            for part, name, _, _ in prequant_sources(sources, fmt.prequant):
+                ckpt.read_into(name, views[f"{tensor}.{part}"])
+            continue
+        packed = fmt.packs(ckpt.config, tensor)
+        dest = torch.empty(dense_shape(sources), dtype=torch.float32) if packed else views[tensor]
         row = 0
         for short, shape in sources:
-            ckpt.read_into(short, views[tensor][row : row + shape[0]])
+            ckpt.read_into(short, dest[row : row + shape[0]])
             row += shape[0]
+        if packed:
+            sz = views[f"{tensor}.sz"]
+            for name, t in quant.quantize(dest, fmt.bits, fmt.group_size, sz.dtype).items():
+                views[f"{tensor}.{name}"].copy_(t)
+
+
+def check_tensors(ckpt: Checkpoint, fmt: WeightFormat) -> None:
+    """Every tensor a conversion will read exists with its shape and dtype: checked before anything is written."""
+    cfg = ckpt.config
+    for group in group_names(cfg):
+        for tensor, sources in group_sources(cfg, group):
+            if fmt.prequant is not None and fmt.packs(cfg, tensor):
+                for short, (n, k) in sources:
+                    fmt.prequant.check_shape(f"{ckpt.path}: {ckpt.name(short)}", n, k)
+                for _, name, dtype, shape in prequant_sources(sources, fmt.prequant):
+                    if ckpt.entry(name, shape, DTYPES[dtype]).dtype != DTYPES[dtype]:
+                        raise CheckpointError(f"{ckpt.path}: {ckpt.name(name)} is not {dtype}, as the "
+                                              f"{fmt.prequant.method} format stores it; the checkpoint is not one")
+            else:
+                for short, shape in sources:
+                    ckpt.entry(short, shape)
+
+
+def weight_views(cfg: ModelConfig, group: str, views: dict[str, torch.Tensor], scratch: quant.Scratch | None,
+                 fmt: WeightFormat = DENSE) -> dict:
+    """A group's views with each packed matrix turned into one weight object named as the dense one:
+    (`t.q`, `t.sz`) into a `quant.PackedLinear`, a GPTQ/AWQ matrix's parts into a `gptq.PrequantLinear`."""
+    if not any(name.endswith((".q", ".qweight")) for name in views):
+        return views
+    out: dict = {}
+    for tensor, sources in group_sources(cfg, group):
+        if fmt.prequant is not None and f"{tensor}.0.qweight" in views:
+            parts = tuple({suffix: views[f"{tensor}.{i}.{suffix}"] for suffix in fmt.prequant.tensors(1, 1)}
+                          for i in range(len(sources)))
+            n, k = dense_shape(sources)
+            out[tensor] = gptq.PrequantLinear(fmt.prequant, parts, n, k, views["input_norm"].dtype, scratch)
+        elif f"{tensor}.q" in views:
+            rows = dense_shape(sources)[0]
+            out[tensor] = quant.PackedLinear(views[f"{tensor}.q"], views[f"{tensor}.sz"], rows, scratch)
+        else:
+            out[tensor] = views[tensor]
+    return out
 

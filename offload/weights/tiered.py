@@ -16,7 +16,15 @@ import torch
 from offload.config import OffloadConfig
 from offload.model.checkpoint import Checkpoint
 from offload.weights.convert import open_store
-from offload.weights.groups import embedding_source, fill_group, model_layouts
+from offload.weights.groups import (
+    WeightFormat,
+    check_tensors,
+    embedding_source,
+    fill_group,
+    model_layouts,
+    weight_views,
+)
+from offload.weights.quant import Scratch
 from schedulers.placement import Plan
 from schedulers.prefetch import Prefetcher
 from schedulers.timeline import Timeline
@@ -36,7 +44,11 @@ class TieredWeights:
                  timeline: Timeline, plan: Plan, traffic: Traffic | None = None) -> None:
         self.cfg, self.device, self.dtype = ckpt.config, device, dtype
         self.timeline = timeline
-        self.layouts = model_layouts(ckpt.config, dtype)
+        self.fmt = WeightFormat.from_config(config.weights, ckpt.config)
+        self.fmt.check(ckpt.config)
+        check_tensors(ckpt, self.fmt)  # every tensor the model implies, from the headers: before any allocation
+        self.layouts = model_layouts(ckpt.config, dtype, self.fmt)
+        self.scratch = Scratch()  # packed matrices are dequantized here when no fused kernel applies
         self.plan = plan
         embed_group, self._embed_tensor = embedding_source(ckpt.config)
         log.info("%s", self.plan.describe())
@@ -54,7 +66,7 @@ class TieredWeights:
             if tiers_cfg is not None and tiers_cfg.disk is not None:
                 d = tiers_cfg.disk
                 self.store = open_store(ckpt, d.path, dtype, capacity=d.capacity, page_cache=d.page_cache,
-                                        verify=d.verify, direct_io=d.direct_io and not d.page_cache)
+                                        verify=d.verify, direct_io=d.direct_io and not d.page_cache, fmt=self.fmt)
                 self.tiers["disk"] = self.store.tier
             self._fill_homes(ckpt)
             for name in self.plan.rows_only:  # read by rows later: check the whole group once, now
@@ -92,7 +104,7 @@ class TieredWeights:
                 with self.timeline.span("disk-read", name, nbytes=layout.nbytes, home=home):
                     self.store.tier.read_into(name, host)
             else:
-                fill_group(ckpt, layout, host)
+                fill_group(ckpt, layout, host, self.fmt)
             if host is not dest:
                 dest.copy_(host)
 
@@ -130,8 +142,10 @@ class TieredWeights:
                 tier.read_into(self._embed_group, rows[i], offset=spec.offset + token * row_bytes)
         return rows[inverse].to(self.device)
 
-    def acquire(self, group: str) -> dict[str, torch.Tensor]:
-        return self.layouts[group].views(self.prefetcher.acquire(group))
+    def acquire(self, group: str) -> dict:
+        """The group's tensors as views into its slot; packed matrices as `PackedLinear`s."""
+        views = self.layouts[group].views(self.prefetcher.acquire(group))
+        return weight_views(self.cfg, group, views, self.scratch, self.fmt)
 
     def release(self, group: str) -> None:
         self.prefetcher.release(group)

@@ -1,0 +1,196 @@
+"""GPTQ and AWQ checkpoints read as they are: dequantized weights equal, to the last bit, a reference written
+from the format description; logits match transformers on a float model made of those weights; the packed
+bytes go into the store unchanged; bad checkpoints are one clear error with nothing converted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from offload.config import OffloadConfig
+from offload.errors import CheckpointError, ConfigError
+from offload.model.checkpoint import Checkpoint
+from offload.runtime.runner import Runner
+from offload.testing.prequant import make_prequantized
+from offload.weights import gptq
+from offload.weights.convert import convert
+from offload.weights.groups import WeightFormat
+from tests.conftest import run_config
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[1, 5, 9, 200, 17, 33, 2, 88, 41, 7], [1, 300, 12]]
+CASES = {  # id: (method, bits, group size, act order, checkpoint format)
+    "gptq4-g32": ("gptq", 4, 32, False, "gptq"),
+    "gptq4-g32-act-order": ("gptq", 4, 32, True, "gptq"),
+    "gptq8-g64-v2": ("gptq", 8, 64, False, "gptq_v2"),
+    "gptq8-act-order": ("gptq", 8, 32, True, "gptq"),
+    "gptq4-per-channel": ("gptq", 4, -1, False, "gptq"),
+    "awq4-g32": ("awq", 4, 32, False, None),
+}
+
+
+@pytest.fixture(scope="module")
+def float_model(model_factory):
+    return model_factory("llama", overrides={"intermediate_size": 384})
+
+
+@pytest.fixture(scope="module")
+def prequantized(float_model, tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def make(case: str) -> Path:
+        if case not in made:
+            method, bits, group, act, fmt = CASES[case]
+            made[case] = make_prequantized(float_model, tmp_path_factory.mktemp(case), method, bits, group, act,
+                                           fmt or "gptq")
+        return made[case]
+    return make
+
+
+# ----------------------------------------------------------------------------- the reference
+def reference_dequant(qc: dict, t: dict[str, torch.Tensor]) -> np.ndarray:
+    """W [N, K] (float16) element by element from the published description of the format."""
+    bits = qc["bits"]
+    f, mask = 32 // bits, (1 << bits) - 1
+    qw = t["qweight"].numpy().view(np.uint32).astype(np.int64)
+    qz = t["qzeros"].numpy().view(np.uint32).astype(np.int64)
+    scales = t["scales"].numpy()
+    if qc["quant_method"] == "gptq":
+        k_dim, n_dim = qw.shape[0] * f, qw.shape[1]
+        k, n = np.meshgrid(np.arange(k_dim), np.arange(n_dim), indexing="ij")  # [K, N]
+        g = t["g_idx"].numpy().astype(np.int64)[k]
+        q = (qw[k // f, n] >> (bits * (k % f))) & mask
+        z = ((qz[g, n // f] >> (bits * (n % f))) & mask) + (1 if qc.get("checkpoint_format", "gptq") == "gptq" else 0)
+        w = (scales[g, n].astype(np.float32) * (q - z).astype(np.float32)).astype(np.float16)
+    else:
+        inverse = [0, 4, 1, 5, 2, 6, 3, 7]  # column j of a word sits in nibble inverse[j]
+        k_dim, n_dim = qw.shape[0], qw.shape[1] * 8
+        k, n = np.meshgrid(np.arange(k_dim), np.arange(n_dim), indexing="ij")
+        g = k // (k_dim // scales.shape[0])
+        nib = np.array(inverse)[n % 8]
+        q = (qw[k, n // 8] >> (4 * nib)) & 15
+        z = (qz[g, n // 8] >> (4 * nib)) & 15
+        w = ((q - z).astype(np.float32) * scales[g, n].astype(np.float32)).astype(np.float16)
+    return w.T
+
+
+def float_twin(path: Path, out: Path) -> Path:
+    """A float checkpoint whose linears are the reference dequantization of `path`'s packed ones."""
+    out.mkdir()
+    cfg = json.loads((path / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    tensors = load_file(str(path / "model.safetensors"))
+    dense = {}
+    for name, t in tensors.items():
+        if name.endswith(".qweight"):
+            base = name.removesuffix(".qweight")
+            parts = {s: tensors[f"{base}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx") if
+                     f"{base}.{s}" in tensors}
+            dense[f"{base}.weight"] = torch.from_numpy(reference_dequant(qc, parts)).float().contiguous()
+        elif not name.endswith((".qzeros", ".scales", ".g_idx")):
+            dense[name] = t
+    save_file(dense, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+# ----------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("case", list(CASES))
+def test_dequantized_weights_equal_the_reference_to_the_last_bit(prequantized, case):
+    path = prequantized(case)
+    ckpt = Checkpoint(path)
+    qc = ckpt.config.raw["quantization_config"]
+    fmt = gptq.parse_quantization_config(qc, "config.json")
+    tensors = load_file(str(path / "model.safetensors"))
+    for proj in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
+        base = f"model.layers.1.{proj}"
+        part = {s: tensors[f"{base}.{s}"] for s in fmt.tensors(1, 1)}
+        ours = gptq.dequantize(fmt, part)
+        ref = torch.from_numpy(reference_dequant(qc, part))
+        assert ours.dtype == torch.float16 and torch.equal(ours, ref), (case, proj)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers_on_the_dequantized_float_model(prequantized, case, tmp_path):
+    path = prequantized(case)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(float_twin(path, tmp_path / "twin")),
+                                                           dtype=torch.float32).eval()
+    with Runner.from_config(run_config(path)) as r:
+        ours = r.prefill_logits(PROMPTS)
+    with torch.no_grad():
+        for i, p in enumerate(PROMPTS):
+            torch.testing.assert_close(ours[i, : len(p)], hf(torch.tensor([p])).logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_store_keeps_the_packed_bytes_and_streams_the_same_tokens(prequantized, tmp_path):
+    path = prequantized("gptq4-g32-act-order")
+    fmt = WeightFormat.from_config(OffloadConfig.load(run_config(path)).weights, Checkpoint(path).config)
+    store = convert(Checkpoint(path), tmp_path / "s", torch.float32, progress=False, fmt=fmt)
+    layout = store.groups["layer.2"].layout
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+    store.tier.read_into("layer.2", buf)
+    store.close()
+    views = layout.views(buf)
+    raw = load_file(str(path / "model.safetensors"))
+    for suffix in ("qweight", "qzeros", "scales", "g_idx"):  # q_proj is part 0 of qkv, v_proj part 2
+        assert torch.equal(views[f"qkv.0.{suffix}"], raw[f"model.layers.2.self_attn.q_proj.{suffix}"])
+        assert torch.equal(views[f"qkv.2.{suffix}"], raw[f"model.layers.2.self_attn.v_proj.{suffix}"])
+    meta = json.loads((tmp_path / "s" / "manifest.json").read_text())["meta"]["weights"]
+    assert meta["quantization"] == "gptq" and meta["tensors"]["qkv"] == "gptq-4bit-g32-act-order"
+    with Runner.from_config(run_config(path)) as r:
+        want = [g.token_ids for g in r.generate(PROMPTS, max_new_tokens=6, stop_on_eos=False)]
+    streamed = run_config(path, tiers={"gpu": {"capacity": "1MiB"}, "cpu": {"capacity": "256KiB"},
+                                       "disk": {"path": str(tmp_path / "s")}},
+                          kv_cache={"gpu_blocks": 8}, activations={"prefill_chunk": 16}, prefetch={"depth": 1})
+    with Runner.from_config(streamed) as r:
+        assert "disk" in r.plan.homes.values()
+        assert [g.token_ids for g in r.generate(PROMPTS, max_new_tokens=6, stop_on_eos=False)] == want
+
+
+def edit_config(path: Path, **qc) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"].update(qc)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("damage,match,error", [
+    ("bits3", r"bits 3 is not supported for GPTQ; Offload reads 4- and 8-bit", CheckpointError),
+    ("awq_gemv", r"AWQ packing 'gemv' is not supported", CheckpointError),
+    ("marlin", r"checkpoint_format 'marlin' is not supported", CheckpointError),
+    ("no_qzeros", r"model.layers.3.mlp.up_proj.qzeros' is missing", CheckpointError),
+    ("group48", r"group_size 48 does not divide the input dimension 128", CheckpointError),
+    ("int4_on_gptq", r"already gptq-quantized; .* set weights.quantization: none", ConfigError),
+])
+def test_bad_prequantized_checkpoint_is_one_clear_error_and_nothing_is_converted(prequantized, tmp_path, damage,
+                                                                                 match, error):
+    src = prequantized("awq4-g32" if damage == "awq_gemv" else "gptq4-g32")
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    for f in src.iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    extra = {}
+    if damage == "bits3":
+        edit_config(path, bits=3)
+    elif damage == "awq_gemv":
+        edit_config(path, version="gemv")
+    elif damage == "marlin":
+        edit_config(path, checkpoint_format="marlin")
+    elif damage == "group48":
+        edit_config(path, group_size=48)
+    elif damage == "no_qzeros":
+        tensors = load_file(str(path / "model.safetensors"))
+        del tensors["model.layers.3.mlp.up_proj.qzeros"]
+        save_file(tensors, str(path / "model.safetensors"))
+    elif damage == "int4_on_gptq":
+        extra = {"weights": {"quantization": "int4"}}
+    store = tmp_path / "store"
+    with pytest.raises(error, match=match) as info:
+        Runner.from_config(run_config(path, tiers={"disk": {"path": str(store)}}, **extra))
+    assert "\n" not in str(info.value)
+    assert not store.exists()

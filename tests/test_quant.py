@@ -1,0 +1,213 @@
+"""Group-wise int8/int4 weights: the codec against a reference written from the scheme's description,
+the fused kernel against the dequantized matrix, a whole model against transformers running the
+dequantized weights, and the store, planner and config around them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from offload.cli.main import main
+from offload.config import OffloadConfig
+from offload.errors import ConfigError, StoreError
+from offload.model.checkpoint import Checkpoint
+from offload.plan.planner import Planner
+from offload.runtime.runner import Runner
+from offload.weights import quant
+from offload.weights.convert import convert
+from offload.weights.groups import WeightFormat, model_layouts
+from tests.conftest import run_config
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[1, 5, 9, 200, 17, 33, 2, 88, 41, 7], [1, 300, 12]]
+
+
+def reference_rtn(w: np.ndarray, bits: int, group: int) -> np.ndarray:
+    """FlexGen's asymmetric round-to-nearest, group by group along the input dim, in float32 as the scheme says:
+    scale = (max - min) / (2^b - 1), q = clamp(round((w - min) / scale)), w' = min + q * scale."""
+    out = np.empty(w.shape, dtype=np.float64)
+    levels = 2**bits - 1
+    for r in range(w.shape[0]):
+        for c in range(0, w.shape[1], group):
+            g = w[r, c : c + group].astype(np.float32)
+            lo, hi = g.min(), g.max()
+            s = np.float32((hi - lo) / np.float32(levels))
+            q = np.clip(np.round((g - lo) / s), 0, levels) if s > 0 else np.zeros_like(g)
+            out[r, c : c + group] = np.float64(lo) + q * np.float64(s)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(model_factory):
+    # intermediate 384 so that every input dim (128, 384) is a multiple of 64 and 128
+    return model_factory("llama", overrides={"intermediate_size": 384})
+
+
+def test_tile_order_is_torch_cpu_int4_packing_and_round_trips():
+    g = torch.Generator().manual_seed(0)
+    nib = torch.randint(0, 16, (128, 96), generator=g, dtype=torch.int32)
+    packed = quant.pack_tiles(nib)
+    assert torch.equal(quant.unpack_tiles(packed), nib.to(torch.uint8))
+    if hasattr(torch, "_convert_weight_to_int4pack_for_cpu"):
+        assert torch.equal(packed, torch._convert_weight_to_int4pack_for_cpu(nib, 1))
+
+
+@pytest.mark.parametrize("bits,group,rows", [(4, 64, 128), (8, 64, 100), (4, 32, 70), (8, 8, 64), (4, 16, 3)])
+def test_dequantized_weights_equal_the_reference(bits, group, rows):
+    w = torch.randn(rows, 128, generator=torch.Generator().manual_seed(bits + group)) * 0.05
+    w[0, :group] = 0.3  # a constant group: scale 0
+    packed = quant.quantize(w, bits, group, torch.float32)
+    dense = quant.dequantize(packed["q"], packed["sz"])[:rows].double()
+    ref = torch.from_numpy(reference_rtn(w.numpy(), bits, group))
+    span = float(w.max() - w.min())
+    assert float((dense - ref).abs().max()) < 1e-6 * span
+    # and the quantization error is what b bits buy: at most half a step per element
+    step = span / (2**bits - 1)
+    assert float((ref - w.double()).abs().max()) <= 0.5 * step + 1e-7
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, 64), (4, 128), (8, 8)])
+def test_packed_linear_equals_the_dense_product(bits, group):
+    g = torch.Generator().manual_seed(1)
+    w, x, b = torch.randn(200, 256, generator=g), torch.randn(5, 256, generator=g), torch.randn(200, generator=g)
+    packed = quant.quantize(w, bits, group, torch.float32)
+    lin = quant.PackedLinear(packed["q"], packed["sz"], 200, quant.Scratch())
+    assert lin.fused == (group in quant.FUSED_GROUPS and hasattr(torch, "_weight_int4pack_mm_for_cpu"))
+    dense = lin.dense().clone()
+    assert dense.shape == (200, 256)
+    torch.testing.assert_close(lin.linear(x, b), x @ dense.T + b, rtol=1e-4, atol=1e-4)
+
+
+def hf_with(path, fmt: WeightFormat):
+    """transformers on the checkpoint, each packed matrix replaced by the reference dequantization."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    cfg = Checkpoint(path).config
+    packs = {t: fmt.packs(cfg, t) for t in ("qkv", "o", "gate_up", "down", "lm_head")}
+    for layer in model.model.layers:
+        mats = {"qkv": [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                "o": [layer.self_attn.o_proj], "gate_up": [layer.mlp.gate_proj, layer.mlp.up_proj],
+                "down": [layer.mlp.down_proj]}
+        for name, mods in mats.items():
+            if packs[name]:  # per row: fusing rows changes nothing for a row-wise scheme
+                for m in mods:
+                    m.weight.data = torch.from_numpy(reference_rtn(m.weight.data.numpy(), fmt.bits,
+                                                                   fmt.group_size)).float()
+    if packs["lm_head"]:
+        model.lm_head.weight.data = torch.from_numpy(
+            reference_rtn(model.lm_head.weight.data.numpy(), fmt.bits, fmt.group_size)).float()
+    return model
+
+
+@pytest.mark.parametrize("quantization,group,keep", [("int8", 64, ["lm_head"]), ("int4", 64, []),
+                                                     ("int4", 32, ["lm_head", "down"]), ("int8", 8, [])])
+def test_quantized_model_matches_transformers_on_the_dequantized_weights(model, quantization, group, keep):
+    weights = {"quantization": quantization, "group_size": group, "keep": keep}
+    hf = hf_with(model, WeightFormat(quantization, group, tuple(keep)))
+    with Runner.from_config(run_config(model, weights=weights)) as r:
+        ours = r.prefill_logits(PROMPTS)
+    with torch.no_grad():
+        for i, p in enumerate(PROMPTS):
+            ref = hf(torch.tensor([p])).logits[0]
+            torch.testing.assert_close(ours[i, : len(p)], ref, rtol=1e-3, atol=1e-3)
+
+
+def test_quantized_tokens_are_the_same_in_every_placement(model, tmp_path):
+    weights = {"quantization": "int4", "group_size": 64, "keep": []}
+    with Runner.from_config(run_config(model, weights=weights)) as r:
+        want = r.generate(PROMPTS, max_new_tokens=8, stop_on_eos=False)
+    streamed = run_config(model, weights=weights, tiers={"gpu": {"capacity": "768KiB"}, "cpu": {"capacity": "128KiB"},
+                                                         "disk": {"path": str(tmp_path / "s")}},
+                          kv_cache={"gpu_blocks": 8}, prefetch={"depth": 1},
+                          activations={"prefill_chunk": 16})
+    with Runner.from_config(streamed) as r:
+        got = r.generate(PROMPTS, max_new_tokens=8, stop_on_eos=False)
+        assert "disk" in r.plan.homes.values()
+        read = r.timeline.bytes_on("disk-read", set(range(1000)))
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    dense = model_layouts(Checkpoint(model).config, torch.float32)
+    packed = model_layouts(Checkpoint(model).config, torch.float32, WeightFormat("int4", 64, ()))
+    assert read > 0 and packed["layer.0"].nbytes < dense["layer.0"].nbytes / 3
+
+
+def test_manifest_records_the_scheme_and_another_scheme_is_refused(model, tmp_path):
+    ckpt = Checkpoint(model)
+    store = convert(ckpt, tmp_path / "s", torch.float32, progress=False, fmt=WeightFormat("int8", 64, ("lm_head",)))
+    store.close()
+    meta = json.loads((tmp_path / "s" / "manifest.json").read_text())["meta"]["weights"]
+    assert meta["quantization"] == "int8" and meta["tensors"]["qkv"] == "int8-g64-asym-rtn"
+    assert meta["tensors"]["lm_head"] == "dense" and meta["tensors"]["input_norm"] == "dense"
+    cfg = run_config(model, tiers={"disk": {"path": str(tmp_path / "s")}}, weights={"quantization": "int4"})
+    with pytest.raises(StoreError, match=r"holds weights stored as .*int8.* --weights int4 --force"):
+        Runner.from_config(cfg)
+
+
+def test_group_size_that_does_not_divide_an_input_dim_is_one_error_before_converting(model_factory, tmp_path):
+    tiny = model_factory("llama")  # intermediate 344: 64 does not divide it
+    cfg = run_config(tiny, tiers={"disk": {"path": str(tmp_path / "s")}}, weights={"quantization": "int4"})
+    with pytest.raises(ConfigError, match=r"weights.group_size: 64 does not divide the input dimension 344 of 'down'"):
+        Runner.from_config(cfg)
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(ConfigError, match=r"weights.keep: 'mlp' is not supported"):
+        OffloadConfig.load(run_config(tiny, weights={"keep": ["mlp"]}))
+
+
+def test_planner_counts_packed_bytes(model):
+    cfg = Checkpoint(model).config
+    sizes = {}
+    for q in ("none", "int8", "int4"):
+        config = OffloadConfig.load(run_config(model, weights={"quantization": q, "keep": []}))
+        sizes[q] = {g.name: g.nbytes for g in Planner(config, cfg, torch.float32, torch.device("cpu")).groups}
+    for q, ratio in (("int8", 4), ("int4", 8)):  # float32 -> 1 or 0.5 bytes per weight, plus scales
+        assert sizes["none"]["layer.1"] / ratio * 0.9 < sizes[q]["layer.1"] < sizes["none"]["layer.1"] / ratio * 1.4
+
+
+def test_plan_on_paper_for_llama3_70b_int4_fits_gpu_and_ram_and_is_bound_by_pcie(capsys):
+    root = Path(__file__).resolve().parent.parent / "scripts"
+    cal = str(root / "calibrations" / "rtx4090-pcie4-nvme.json")
+    assert main(["plan", "--config", str(root / "examples" / "llama3-70b-24gb-int4.yaml"), "--calibration", cal,
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["prediction"]["bottleneck"] == "host->device"
+    assert all(home != "disk" for g, home in data["homes"].items() if g != "embed")  # embed is read by rows
+    rows = {r["quantization"]: r for r in data["weights"]}
+    assert rows["none"]["bottleneck"] == "disk read" and "disk read" not in rows["int4"]["bytes_per_token"]
+    assert rows["int4"]["step_ms"] < rows["int8"]["step_ms"] < rows["none"]["step_ms"] / 3
+    assert rows["int4"]["layer_bytes"] < rows["none"]["layer_bytes"] / 3.4
+    assert main(["plan", "--config", str(root / "examples" / "llama3-70b-24gb-int4.yaml"), "--calibration", cal]) == 0
+    out = capsys.readouterr().out
+    assert "stored int4 g64 keeping lm_head" in out and "bottleneck: host->device" in out
+
+
+def test_convert_command_writes_a_quantized_store_the_run_uses(model, tmp_path, capsys):
+    store = tmp_path / "s"
+    assert main(["convert", str(model), str(store), "--dtype", "float32", "--weights", "int4"]) == 0
+    assert "weights int4 g64" in capsys.readouterr().out
+    cfg = run_config(model, tiers={"disk": {"path": str(store)}}, weights={"quantization": "int4"})
+    with Runner.from_config(cfg) as r:
+        got = r.generate(PROMPTS, max_new_tokens=4, stop_on_eos=False)
+    with Runner.from_config(run_config(model, weights={"quantization": "int4"})) as r:
+        want = r.generate(PROMPTS, max_new_tokens=4, stop_on_eos=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+@pytest.mark.cuda
+def test_on_cuda_packed_matrices_dequantize_into_the_scratch_and_give_the_cpu_tokens(model):
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(192, 256, generator=g), torch.randn(4, 256, generator=g)
+    for bits in (4, 8):
+        packed = {k: v.cuda() for k, v in quant.quantize(w, bits, 64, torch.float32).items()}
+        lin = quant.PackedLinear(packed["q"], packed["sz"], 192, quant.Scratch())
+        assert not lin.fused
+        cpu = quant.PackedLinear(*[v.cpu() for v in (packed["q"], packed["sz"])], 192, None)
+        torch.testing.assert_close(lin.linear(x.cuda()).cpu(), cpu.linear(x), rtol=1e-4, atol=1e-4)
+    weights = {"quantization": "int8", "group_size": 64, "keep": []}
+    out = {}
+    for device in ("cpu", "cuda"):
+        with Runner.from_config(run_config(model, device=device, weights=weights)) as r:
+            out[device] = [g.token_ids for g in r.generate(PROMPTS, max_new_tokens=8, stop_on_eos=False)]
+    assert out["cpu"] == out["cuda"]
