@@ -145,7 +145,7 @@ def test_the_store_keeps_the_packed_bytes_and_streams_the_same_tokens(prequantiz
     assert meta["quantization"] == "gptq" and meta["tensors"]["qkv"] == "gptq-4bit-g32-act-order"
     with Runner.from_config(run_config(path)) as r:
         want = [g.token_ids for g in r.generate(PROMPTS, max_new_tokens=6, stop_on_eos=False)]
-    streamed = run_config(path, tiers={"gpu": {"capacity": "1MiB"}, "cpu": {"capacity": "256KiB"},
+    streamed = run_config(path, tiers={"gpu": {"capacity": "1100KiB"}, "cpu": {"capacity": "256KiB"},
                                        "disk": {"path": str(tmp_path / "s")}},
                           kv_cache={"gpu_blocks": 8}, activations={"prefill_chunk": 16}, prefetch={"depth": 1})
     with Runner.from_config(streamed) as r:

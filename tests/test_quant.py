@@ -120,7 +120,7 @@ def test_quantized_tokens_are_the_same_in_every_placement(model, tmp_path):
     weights = {"quantization": "int4", "group_size": 64, "keep": []}
     with Runner.from_config(run_config(model, weights=weights)) as r:
         want = r.generate(PROMPTS, max_new_tokens=8, stop_on_eos=False)
-    streamed = run_config(model, weights=weights, tiers={"gpu": {"capacity": "768KiB"}, "cpu": {"capacity": "128KiB"},
+    streamed = run_config(model, weights=weights, tiers={"gpu": {"capacity": "900KiB"}, "cpu": {"capacity": "128KiB"},
                                                          "disk": {"path": str(tmp_path / "s")}},
                           kv_cache={"gpu_blocks": 8}, prefetch={"depth": 1},
                           activations={"prefill_chunk": 16})

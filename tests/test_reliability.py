@@ -51,7 +51,7 @@ def env() -> dict:
 
 def streamed(model: Path, store: Path, disk_blocks: int = 0, **kw) -> dict:
     """Weights streamed from the store through a 3-slot ring; KV spilled to a slot file when disk_blocks."""
-    kv = {"gpu_blocks": 8} if not disk_blocks else {"gpu_blocks": 2, "disk_blocks": disk_blocks}
+    kv = {"gpu_blocks": 8} if not disk_blocks else {"gpu_blocks": 2, "cpu_blocks": 0, "disk_blocks": disk_blocks}
     return run_config(model, tiers={"gpu": {"capacity": "3MiB"}, "cpu": {"capacity": "1MiB"},
                                     "disk": {"path": str(store)}},
                       prefetch={"depth": 2}, kv_cache=kv, activations={"prefill_chunk": 16}, **kw)
@@ -419,6 +419,11 @@ def paths_of(obj, prefix=()):
             yield from paths_of(v, prefix + (i,))
 
 
+def has(parent, k) -> bool:
+    return (isinstance(parent, dict) and k in parent) or (
+        isinstance(parent, list) and isinstance(k, int) and k < len(parent))
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_edit_of_a_manifest_is_read_or_refused_cleanly(tmp_path, manifest, data):
@@ -427,10 +432,9 @@ def test_any_edit_of_a_manifest_is_read_or_refused_cleanly(tmp_path, manifest, d
     for _ in range(data.draw(st.integers(1, 3))):
         path = data.draw(st.sampled_from(paths))
         parent = m
-        for k in path[:-1]:
-            parent = parent[k] if isinstance(parent, (dict, list)) and (k in parent if isinstance(parent, dict)
-                                                                        else k < len(parent)) else None
-        if isinstance(parent, dict) or (isinstance(parent, list) and path[-1] < len(parent)):
+        for k in path[:-1]:  # an earlier edit may have replaced what this path walks through
+            parent = parent[k] if has(parent, k) else None
+        if isinstance(parent, dict) or has(parent, path[-1]):
             parent[path[-1]] = data.draw(json_values())
     f = tmp_path / "manifest.json"
     f.write_text(json.dumps(m))

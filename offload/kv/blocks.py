@@ -5,8 +5,9 @@
     TierBlocks   the blocks of one tier that a step attends over, flattened over the batch
     StepKV       index tensors built once per step and shared by every layer
     KVSettings   the cache's settings with every `auto` resolved (by the planner)
+    tier_blocks  one tier's TierBlocks of a step, from the block tables by tensor operations
 
-Plain data: no tensors are allocated here and nothing moves.
+Bookkeeping only: nothing here moves a block or touches its bytes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from storage.tiers import TIERS
 
 
 @dataclass
@@ -71,3 +74,35 @@ class KVSettings:
     quantization: str = "none"  # none | int8 (cold blocks)
     restore: str = "transfer"  # transfer | recompute
     cpu_attention: bool = False  # attend cold blocks on the CPU instead of moving them to the device
+
+
+def tier_blocks(where_all: torch.Tensor, tier: str, block_ids: torch.Tensor, kv_lens: list[int],
+                whole: tuple[torch.Tensor, torch.Tensor], bs: int, dev: torch.device) -> TierBlocks | None:
+    """The blocks of `tier` among the step's block tables (block_ids [B, cols], -1 padding), by tensor ops.
+
+    `where_all` [blocks, 2]: (tier index, slot) of every logical block; `whole`: the token-order
+    (positions, valid) of every block, this group's own when it holds them all."""
+    where = where_all[block_ids.clamp(min=0)]  # [B, cols, 2]
+    mine = (where[..., 0] == TIERS.index(tier)) & (block_ids >= 0)  # [B, cols]
+    seq_idx, block_idx = mine.nonzero(as_tuple=True)  # row-major: sequence, then token order
+    if not len(seq_idx):
+        return None
+    B = block_ids.shape[0]
+    slots = where[seq_idx, block_idx, 1]  # [n]
+    index = slots.to(dev) if tier == "gpu" else None
+    if torch.equal(mine, block_ids >= 0):  # the tier holds every block: its layout is the token order
+        return TierBlocks(tier, slots.tolist(), block_ids[seq_idx, block_idx].tolist(), seq_idx.to(dev),
+                          block_idx.to(dev), block_idx.to(dev), block_ids.shape[1], whole[0].contiguous().to(dev),
+                          whole[1].to(dev), index)
+    col = (mine.cumsum(1) - 1)[seq_idx, block_idx]  # [n] column in this group's own rows
+    cols = int(mine.sum(1).max())
+    offs = torch.arange(bs)
+    pos = block_idx[:, None] * bs + offs  # [n, bs] absolute position of each key slot
+    flat = (seq_idx[:, None] * cols + col[:, None]) * bs + offs  # [n, bs] index into [B, cols * bs]
+    positions = torch.zeros(B * cols * bs, dtype=torch.long)
+    valid = torch.zeros(B * cols * bs, dtype=torch.bool)
+    positions[flat] = pos
+    valid[flat] = pos < torch.tensor(kv_lens)[seq_idx][:, None]
+    return TierBlocks(tier, slots.tolist(), block_ids[seq_idx, block_idx].tolist(),
+                      seq_idx.to(dev), block_idx.to(dev), col.to(dev), cols,
+                      positions.view(B, cols * bs).to(dev), valid.view(B, cols * bs).to(dev), index)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from offload.kv.blocks import Block, KVSettings, Sequence, StepKV, TierBlocks
+from offload.kv.blocks import Block, KVSettings, Sequence, StepKV, tier_blocks
 from offload.kv.formats import ColdFormat, TierStore, cold_kv, to_cold
 from offload.kv.view import LayerKV
 from offload.model import functional as M
@@ -111,8 +111,7 @@ class PagedKVCache:
 
     @staticmethod
     def block_nbytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str = "transfer") -> int:
-        """Device bytes of one block (all layers)."""
-        return PagedKVCache.device_format(cfg, block_size, dtype, restore).block_nbytes(cfg.num_layers)
+        return PagedKVCache.device_format(cfg, block_size, dtype, restore).block_nbytes(cfg.num_layers)  # all layers
 
     @property
     def pool(self) -> BlockPool:
@@ -361,8 +360,9 @@ class PagedKVCache:
         block_ids = torch.full((len(sids), cols), -1, dtype=torch.long)  # [B, cols]
         for b, sid in enumerate(sids):
             block_ids[b, : len(self.seqs[sid].blocks)] = torch.tensor(self.seqs[sid].blocks, dtype=torch.long)
-        groups = tuple(g for g in (self._group(t, block_ids, kv_lens, (positions, valid)) for t in TIERS
-                                   if t in self.pools) if g is not None)
+        found = (tier_blocks(self._where, t, block_ids, kv_lens, (positions, valid), bs, self.device)
+                 for t in TIERS if t in self.pools)
+        groups = tuple(g for g in found if g is not None)
         step = StepKV(torch.cat(slot_blocks).to(self.device), torch.cat(slot_offsets).to(self.device), groups,
                       cols, positions.to(self.device), valid.to(self.device), block_ids)
         return layout, step
@@ -380,37 +380,6 @@ class PagedKVCache:
         seq.blocks[-1] = bid
         protected.add(bid)
         self._release(self.logical.free([old]))
-
-    def _group(self, tier: str, block_ids: torch.Tensor, kv_lens: list[int],
-               whole: tuple[torch.Tensor, torch.Tensor]) -> TierBlocks | None:
-        """The blocks of `tier` among the step's block tables (block_ids [B, cols], -1 padding), by tensor ops;
-        `whole`: the token-order (positions, valid) of every block, this group's own when it holds them all."""
-        bs = self.block_size
-        where = self._where[block_ids.clamp(min=0)]  # [B, cols, 2]
-        mine = (where[..., 0] == TIERS.index(tier)) & (block_ids >= 0)  # [B, cols]
-        seq_idx, block_idx = mine.nonzero(as_tuple=True)  # row-major: sequence, then token order
-        if not len(seq_idx):
-            return None
-        B = block_ids.shape[0]
-        dev = self.device
-        slots = where[seq_idx, block_idx, 1]  # [n]
-        index = slots.to(dev) if tier == "gpu" else None
-        if torch.equal(mine, block_ids >= 0):  # the tier holds every block: its layout is the token order
-            return TierBlocks(tier, slots.tolist(), block_ids[seq_idx, block_idx].tolist(), seq_idx.to(dev),
-                              block_idx.to(dev), block_idx.to(dev), block_ids.shape[1], whole[0].contiguous().to(dev),
-                              whole[1].to(dev), index)
-        col = (mine.cumsum(1) - 1)[seq_idx, block_idx]  # [n] column in this group's own rows
-        cols = int(mine.sum(1).max())
-        offs = torch.arange(bs)
-        pos = block_idx[:, None] * bs + offs  # [n, bs] absolute position of each key slot
-        flat = (seq_idx[:, None] * cols + col[:, None]) * bs + offs  # [n, bs] index into [B, cols * bs]
-        positions = torch.zeros(B * cols * bs, dtype=torch.long)
-        valid = torch.zeros(B * cols * bs, dtype=torch.bool)
-        positions[flat] = pos
-        valid[flat] = pos < torch.tensor(kv_lens)[seq_idx][:, None]
-        return TierBlocks(tier, slots.tolist(), block_ids[seq_idx, block_idx].tolist(),
-                          seq_idx.to(dev), block_idx.to(dev), col.to(dev), cols,
-                          positions.view(B, cols * bs).to(dev), valid.view(B, cols * bs).to(dev), index)
 
     def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
         """One layer of every cold group of the step, still in the cold format: ({tier: parts}, bytes read).

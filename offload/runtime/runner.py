@@ -36,6 +36,7 @@ from offload.plan.speculative import reserve_draft, verify_cost
 from offload.runtime.engine import Engine, Output, Request, Sampling, blocks_needed
 from offload.runtime.results import GenerationResult, RunStats, TokenCallback
 from offload.runtime.speculative import Speculator, check_draft, draft_config
+from offload.weights.groups import WeightFormat, check_tensors
 from offload.weights.tiered import TieredWeights
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic
@@ -106,6 +107,8 @@ class Runner:
         self.device = resolve_device(config.device)
         self.checkpoint = Checkpoint(config.model)
         self.cfg = self.checkpoint.config
+        # every tensor config.json and the weight format imply, from the headers: before planning or allocating
+        check_tensors(self.checkpoint, WeightFormat.from_config(config.weights, self.cfg))
         self.dtype = resolve_dtype(config.dtype, self.cfg.torch_dtype)
         self.tokenizer = TextTokenizer.from_checkpoint(config.model)
         # generation_config.json: every EOS id (with config.json's) and the default sampling

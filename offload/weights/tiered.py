@@ -18,7 +18,6 @@ from offload.model.checkpoint import Checkpoint
 from offload.weights.convert import open_store
 from offload.weights.groups import (
     WeightFormat,
-    check_tensors,
     embedding_source,
     fill_group,
     model_layouts,
@@ -46,7 +45,6 @@ class TieredWeights:
         self.timeline = timeline
         self.fmt = WeightFormat.from_config(config.weights, ckpt.config)
         self.fmt.check(ckpt.config)
-        check_tensors(ckpt, self.fmt)  # every tensor the model implies, from the headers: before any allocation
         self.layouts = model_layouts(ckpt.config, dtype, self.fmt)
         self.scratch = Scratch()  # packed matrices are dequantized here when no fused kernel applies
         self.plan = plan

@@ -1,0 +1,92 @@
+"""What the engine works on: a request (one prompt, its sampling, its n outputs) and what it reserves.
+
+    Sampling   how tokens are chosen and when an output stops (EOS ids, stop strings, max_new_tokens)
+    Output     one sample: its sequence in the KV cache, its tokens, why it finished
+    Kept       a finished conversation's sequence left in the cache, to be continued
+    Request    a prompt and its outputs, as the engine moves it from waiting to finished
+
+Plain data plus `blocks_needed`, the worst-case KV reservation admission checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.model.tokenizer import StreamDecoder
+from offload.runtime.results import TokenCallback
+from offload.runtime.stops import StopMatcher
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one request's tokens are chosen and when its outputs stop."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None  # output s of the request samples from a generator seeded `seed + s`
+    n: int = 1  # outputs (samples) sharing the prompt's KV blocks
+    stop_token_ids: frozenset[int] = frozenset()  # every EOS id: the token ends the output (and is kept in it)
+    stop_strings: tuple[str, ...] = ()  # the decoded text containing one ends the output; the text excludes it
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest alternatives
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability under the model (before temperature), and the likeliest alternatives."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), likeliest first
+
+
+@dataclass
+class Output:
+    """One sample of a request: its sequence in the KV cache and what it generated."""
+
+    index: int  # position among all outputs of the run (what `on_token` reports)
+    generator: torch.Generator | None
+    stream: StreamDecoder | None = None
+    sid: int | None = None
+    draft_sid: int | None = None  # its sequence in the speculative draft's KV cache
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # "" while running; "eos" | "stop" (a stop string) | "length" | "abort"
+    first_token_s: float | None = None  # seconds from submission to the first token
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when sampling.logprobs is set
+    stops: StopMatcher | None = None  # with stop strings: the text shown so far, stop string excluded
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A finished request's sequence left in the KV cache, to be continued (`Engine.continue_`) or dropped."""
+
+    sid: int
+    tokens: tuple[int, ...]  # the tokens whose K/V the cache holds, in order
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    sampling: Sampling = field(default_factory=Sampling)
+    name: str = "request"  # how errors refer to it ("prompt 3")
+    on_token: TokenCallback | None = None
+    outputs: list[Output] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens already in the KV cache
+    submitted_s: float = 0.0
+    keep: bool = False  # when finished, keep the sequence's KV (as `kept`) instead of freeing it
+    context: list[int] = field(default_factory=list)  # tokens of a continued sequence already cached before `prompt`
+    kept: Kept | None = None  # set when a `keep` request finishes
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.outputs) and all(o.finish_reason for o in self.outputs)
+
+
+def blocks_needed(prompt_len: int, s: Sampling, block_size: int) -> int:
+    """Logical KV blocks a request reserves: prompt + max_new_tokens per output, full prompt blocks shared."""
+    per_output = -(-(prompt_len + s.max_new_tokens) // block_size)
+    # with samples, a partial last prompt block is copied by every writer before the shared one goes
+    copied = 1 if s.n > 1 and prompt_len % block_size else 0
+    return per_output + (s.n - 1) * (per_output - prompt_len // block_size) + copied
