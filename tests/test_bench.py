@@ -37,6 +37,5 @@ def test_quick_benchmark_reports_ratios_rss_and_the_peer(tmp_path):
     assert kv["int8"]["kv_fetch_bytes_per_step"] < 0.6 * kv["none"]["kv_fetch_bytes_per_step"]
     for row in kv.values():
         assert row["kv_blocks_needed"] >= 4 * row["kv_blocks_gpu_cpu"]  # most of the KV really is cold
-        assert row["ms_per_step"] >= 0.9 * row["all_device_ms_per_step"]  # cold KV is never free
     table = (tmp_path / "bench.md").read_text()
     assert "ratio to bound" in table and "Accelerate ms/step" in table
