@@ -267,3 +267,18 @@ def test_offload_plan_places_the_draft_first_and_predicts(tiny_llama, draft_for,
     assert main(["plan", "--config", str(with_draft)]) == 0
     out = capsys.readouterr().out
     assert "speculative decoding" in out and "acceptance 0.9: tokens 4" in out
+
+
+@pytest.mark.parametrize("draft", ["self-int8", "self-int4"])
+def test_a_self_draft_is_the_target_packed_and_gives_its_greedy_tokens(tiny_llama, draft):
+    base = run_config(tiny_llama, kv_cache={"gpu_blocks": 32})
+    prompts = [[1, 17, 99, 23, 5, 61, 7, 300, 41], [1, 8, 2]]
+    with Runner.from_config(base) as r:
+        want = [x.token_ids for x in r.generate(prompts, max_new_tokens=16, stop_on_eos=False)]
+    with Runner.from_config(base | {"speculative": {"draft": draft, "tokens": 4}}) as r:
+        out = r.generate(prompts, max_new_tokens=16, stop_on_eos=False)
+        fmt = r.draft.config.weights
+        assert r.draft.config.model == r.config.model and fmt.quantization == draft.removeprefix("self-")
+        assert r.cfg.intermediate_size % fmt.group_size == 0  # a group size the tiny model's matrices allow
+    assert [x.token_ids for x in out] == want
+    assert 0 < out[0].stats.accepted_tokens <= out[0].stats.draft_tokens

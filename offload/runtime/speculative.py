@@ -32,8 +32,10 @@ import torch
 
 from offload.config import SELF_DRAFTS, KVCacheConfig, OffloadConfig
 from offload.errors import ConfigError
+from offload.model.checkpoint import Checkpoint
 from offload.plan.speculative import MAX_AUTO_TOKENS, SpecPrediction, choose_tokens
 from offload.runtime.sampling import probs
+from offload.weights.groups import WeightFormat
 from schedulers.timeline import Timeline
 
 #: acceptance rate assumed before any draft token was checked (and the weight of that prior, in tokens)
@@ -50,13 +52,15 @@ def draft_config(config: OffloadConfig) -> OffloadConfig:
     if spec.tree:
         raise ConfigError("speculative.tree: a tree of candidates is not built yet; use tree: false (a chain of "
                           "speculative.tokens drafts)")
-    if spec.draft in SELF_DRAFTS:
-        raise ConfigError(f"speculative.draft: {spec.draft} needs the packed-weight path (weights.quantization), "
-                          "which this build does not have yet; give a draft checkpoint directory instead")
-    assert spec.path is not None
     kv = KVCacheConfig(block_size=config.kv_cache.block_size, gpu_blocks=None)
-    return dataclasses.replace(config, model=spec.path, tiers=None, kv_cache=kv,
-                               speculative=dataclasses.replace(spec, draft="none", path=None))
+    off = dataclasses.replace(spec, draft="none", path=None)
+    if spec.draft in SELF_DRAFTS:  # the target itself, its matrices packed (in memory: every weight is resident)
+        fmt = WeightFormat(spec.draft.removeprefix("self-"), config.weights.group_size, tuple(config.weights.keep))
+        fmt = fmt.fitted(Checkpoint(config.model).config)  # a group size every packed matrix allows
+        weights = dataclasses.replace(config.weights, quantization=fmt.quantization, group_size=fmt.group_size)
+        return dataclasses.replace(config, tiers=None, kv_cache=kv, weights=weights, speculative=off)
+    assert spec.path is not None
+    return dataclasses.replace(config, model=spec.path, tiers=None, kv_cache=kv, speculative=off)
 
 
 def check_draft(target: Any, draft: Any) -> None:

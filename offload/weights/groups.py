@@ -14,6 +14,7 @@ copy; norms, biases and the embeddings stay in the compute dtype (`offload.weigh
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -84,17 +85,31 @@ class WeightFormat:
         """Refuse, before anything is converted, a group size that does not divide a packed matrix's input dim."""
         if self.quantization == "none" or self.prequant is not None:
             return
-        inputs = {"qkv": cfg.hidden_size, "o": cfg.q_size, "gate_up": cfg.hidden_size,
-                  "down": cfg.intermediate_size, "lm_head": cfg.hidden_size}
-        for tensor, k in inputs.items():
-            if self.packs(cfg, tensor) and (self.group_size % 2 or k % self.group_size):
+        for tensor, k in self.inputs(cfg).items():
+            if self.group_size % 2 or k % self.group_size:
+                fits = [g for g in GROUP_SIZES if k % g == 0][:3] or [2]
                 raise ConfigError(
                     f"weights.group_size: {self.group_size} does not divide the input dimension {k} of {tensor!r}; "
-                    f"choose an even group size that divides {k} (e.g. 32, 64 or 128) or add {tensor} to weights.keep"
+                    f"choose an even group size that divides {k} (e.g. {', '.join(map(str, fits))}) or add "
+                    f"{tensor} to weights.keep"
                 )
+
+    def inputs(self, cfg: ModelConfig) -> dict[str, int]:
+        """The input dimension of every matrix this format packs."""
+        dims = {"qkv": cfg.hidden_size, "o": cfg.q_size, "gate_up": cfg.hidden_size,
+                "down": cfg.intermediate_size, "lm_head": cfg.hidden_size}
+        return {t: k for t, k in dims.items() if self.packs(cfg, t)}
+
+    def fitted(self, cfg: ModelConfig) -> WeightFormat:
+        """This format with the largest group size (up to its own) that divides every packed input dimension."""
+        dims = self.inputs(cfg).values()
+        g = next((g for g in GROUP_SIZES if g <= self.group_size and all(k % g == 0 for k in dims)), 2)
+        return dataclasses.replace(self, group_size=g)
 
 
 DENSE = WeightFormat()
+#: group sizes tried, largest first, when one must be chosen to fit
+GROUP_SIZES = (256, 128, 64, 32, 16, 8, 4, 2)
 
 
 def group_names(cfg: ModelConfig) -> list[str]:
