@@ -25,10 +25,10 @@ import pytest
 from offload.cli.main import main
 from offload.model.chat import ChatTemplate
 from offload.runtime.runner import Runner
+from offload.runtime.stops import StopMatcher
 from offload.serve.background import BackgroundServer
 from offload.serve.files import FileDefaults, run_file
 from offload.serve.loop import Limits
-from offload.serve.text import StopText
 from tests.conftest import run_config
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -251,11 +251,11 @@ def test_sigterm_drains_running_requests_and_exits(chat_llama, tmp_path, referen
 
 
 def test_stop_text_holds_back_a_possible_stop_prefix():
-    s = StopText(("END", "\n\n"))
+    s = StopMatcher(("END", "\n\n"))
     assert s.push("Hello EN") == ("Hello ", False)
     assert s.push("ough\n") == ("ENough", False)
-    assert s.push("\nmore") == ("", True) and s.matched
-    t = StopText(("END",))
+    assert s.push("\nmore") == ("", True) and s.stopped
+    t = StopMatcher(("END",))
     assert t.push("abE") == ("ab", False) and t.flush() == "E"
 
 

@@ -32,7 +32,7 @@ import torch
 from offload.errors import OffloadError
 from offload.runtime.engine import Engine, Output, Request, Sampling, TokenLogprob
 from offload.runtime.runner import Runner
-from offload.serve.text import StopText
+from offload.runtime.stops import StopMatcher
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class Job:
     request: Request | None = None
     deadline: float = float("inf")
     finished: list[bool] = field(default_factory=list)
-    texts: list[StopText] = field(default_factory=list)
+    texts: list[StopMatcher] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -119,7 +119,7 @@ class EngineLoop:
                                 "retry later or raise --max-queue", retry_after_s=self._retry_after())
             job.request = req
             job.finished = [False] * job.sampling.n
-            job.texts = [StopText(job.stop) for _ in range(job.sampling.n)]
+            job.texts = [StopMatcher(job.stop) for _ in range(job.sampling.n)]
             if self.limits.timeout_s is not None:
                 job.deadline = time.monotonic() + self.limits.timeout_s
             self._pending.append(job)
