@@ -276,18 +276,26 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str, base_dir: Path, sour
         else:
             values["model"] = _model_dir(values["model"], base_dir)
         if values.get("calibration") is not None:
-            values["calibration"] = (base_dir / Path(values["calibration"]).expanduser()).resolve()
+            values["calibration"] = _resolve(values["calibration"], base_dir, prefix + "calibration")
     if cls is DiskTierConfig:
         if "path" not in values:
             raise ConfigError(f"{prefix}path: missing required key; the disk tier needs a directory for its store")
-        values["path"] = (base_dir / Path(values["path"]).expanduser()).resolve()
+        values["path"] = _resolve(values["path"], base_dir, prefix + "path")
     if cls is SpeculativeConfig and values.get("draft", "none") not in ("none", *SELF_DRAFTS):
         values["path"] = _draft_dir(values["draft"], base_dir, prefix + "draft")
     return cls(**values)
 
 
+def _resolve(value: str, base_dir: Path, key: str) -> Path:
+    """A path from the config, `~` expanded and relative to the config file's directory."""
+    try:
+        return (base_dir / Path(value).expanduser()).resolve()
+    except RuntimeError:  # `~name` of a user this machine does not know
+        raise ConfigError(f"{key}: {_short(value)} starts with ~ but names no user here; write the path out") from None
+
+
 def _draft_dir(value: str, base_dir: Path, key: str) -> Path:
-    path = (base_dir / Path(value).expanduser()).resolve()
+    path = _resolve(value, base_dir, key)
     if not path.is_dir():
         raise ConfigError(
             f"{key}: {value!r} is neither none, self-int4, self-int8 nor a checkpoint directory; give the path of a "
@@ -298,7 +306,7 @@ def _draft_dir(value: str, base_dir: Path, key: str) -> Path:
 
 
 def _model_dir(value: str, base_dir: Path) -> Path:
-    path = (base_dir / Path(value).expanduser()).resolve()
+    path = _resolve(value, base_dir, "model")
     if not path.is_dir():
         raise ConfigError(
             f"model: checkpoint directory {str(path)!r} does not exist; point it at a directory with "

@@ -115,3 +115,8 @@ def test_top_level_must_be_a_mapping(tmp_path):
     path.write_text("- model\n- device\n")
     with pytest.raises(ConfigError, match=r"expected a mapping"):
         OffloadConfig.load(path)
+
+
+def test_a_tilde_naming_no_user_is_a_config_error(tiny_llama):
+    with pytest.raises(ConfigError, match=r"calibration: .* starts with ~ but names no user here"):
+        OffloadConfig.load({"model": str(tiny_llama), "calibration": "~no-such-user-here/cal.json"})
