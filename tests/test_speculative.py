@@ -282,3 +282,38 @@ def test_a_self_draft_is_the_target_packed_and_gives_its_greedy_tokens(tiny_llam
         assert r.cfg.intermediate_size % fmt.group_size == 0  # a group size the tiny model's matrices allow
     assert [x.token_ids for x in out] == want
     assert 0 < out[0].stats.accepted_tokens <= out[0].stats.draft_tokens
+
+
+# bf16 matrices wide enough that the CPU's GEMM splits its reduction differently for 1 row and for several
+WIDE = {"hidden_size": 512, "intermediate_size": 4096, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "num_hidden_layers": 4}
+
+
+@torch.inference_mode()
+def test_a_verify_pass_gives_each_token_the_bits_of_a_plain_decode_step(model_factory):
+    """The target's logits (and KV) for a chain of 9 tokens checked in one pass equal, bit for bit, those of
+    9 plain decode steps, in bf16, with the chain crossing KV blocks: what makes greedy speculation exact."""
+    target = model_factory("llama", overrides=WIDE)
+    g = torch.Generator().manual_seed(3)
+    prompt, chain = torch.randint(3, 512, (27,), generator=g).tolist(), torch.randint(3, 512, (9,), generator=g).tolist()
+    with Runner.from_config(run_config(target, dtype="bfloat16", kv_cache={"block_size": 4})) as r:
+        kv = r._ensure_kv(32)
+        a, b = kv.add_sequence(), kv.add_sequence()
+        r._forward([a], [prompt])
+        r._forward([b], [prompt])
+        steps = torch.cat([r._forward([a], [[t]]) for t in chain])
+        verify = r._forward([b], [chain], keep=[len(chain)])
+        assert torch.equal(verify, steps)
+        assert torch.equal(kv_bytes(r, b), kv_bytes(r, a))
+
+
+def test_greedy_speculation_is_exact_in_bf16(model_factory):
+    target = model_factory("llama", overrides=WIDE)
+    prompts = ragged(512, lens=(21, 6))
+    base = run_config(target, dtype="bfloat16", kv_cache={"block_size": 4})
+    with Runner.from_config(base) as r:
+        want = [x.token_ids for x in r.generate(prompts, max_new_tokens=40, stop_on_eos=False)]
+    with Runner.from_config(base | {"speculative": {"draft": "self-int4", "tokens": 6}}) as r:
+        out = r.generate(prompts, max_new_tokens=40, stop_on_eos=False)
+    assert [x.token_ids for x in out] == want
+    assert 0 < out[0].stats.accepted_tokens < out[0].stats.draft_tokens

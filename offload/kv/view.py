@@ -78,7 +78,11 @@ class LayerKV:
             k = padded[:, :, 0].reshape(B, cols * bs, *padded.shape[-2:])
             v = padded[:, :, 1].reshape(B, cols * bs, *padded.shape[-2:])
             mask = self.layout.mask(positions, valid, window).to(dev)
-            out, lse, block_lse = M.attend_group(q.to(dev), k, v, mask, scale, block=bs if track_mass else None)
+            if self.layout.row_groups is not None and not track_mass and not split:
+                out, lse = M.attend_columns(q.to(dev), k, v, mask, scale, bs)
+                block_lse = None
+            else:
+                out, lse, block_lse = M.attend_group(q.to(dev), k, v, mask, scale, block=bs if track_mass else None)
             parts.append((out.to(cache.device), lse.to(cache.device)))
             if track_mass:
                 masses.append((ids, block_lse.to(cache.device)))

@@ -32,8 +32,30 @@ class PackedWeight(Protocol):
 Weight = torch.Tensor | PackedWeight
 
 
-def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
+           groups: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """x [N, in] -> [N, out]; with `groups` (flat row indices), each group is its own matrix product.
+
+    GEMM kernels (oneDNN on CPU, cuBLAS) choose how to split the reduction by the number of rows, so a
+    row's result can change in the last bits with the rows beside it (bf16 [576, 1536] on this CPU: 1, 2
+    or 3 rows give one result, 4 rows another). A speculative verify pass multiplies the j-th token of
+    every chain as one group: the shape a plain decode step has, hence the plain step's bits.
+    """
+    if groups is not None and len(groups) > 1:
+        parts = [linear(x[g], w, bias) for g in groups]
+        out = parts[0].new_empty(x.shape[0], parts[0].shape[-1])
+        for g, y in zip(groups, parts):
+            out[g] = y
+        return out
     return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w.linear(x, bias)
+
+
+def column_groups(lens: list[int], device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Flat rows of sequences with `lens` rows each, grouped by column: group j holds row j of every
+    sequence that has one (the j-th new token of each chain)."""
+    starts = torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()
+    return [torch.tensor([s + j for s, n in zip(starts, lens) if n > j], device=device)
+            for j in range(max(lens, default=0))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +106,7 @@ class BatchLayout:
     pad_index: torch.Tensor  # [B, Tq] long, flat row of each padded query slot (0 for padding)
     unpad_index: torch.Tensor  # [N] long, index of each flat token into the flattened [B * Tq] padded queries
     q_pos: torch.Tensor  # [B, Tq] long, position of each padded query (-1 for padding)
+    row_groups: list[torch.Tensor] | None = None  # matrix products one group of rows at a time (see linear)
 
     @classmethod
     def build(cls, q_lens: list[int], kv_lens: list[int], device: torch.device | str) -> BatchLayout:
@@ -231,6 +254,22 @@ def attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     return out, lse, block_lse
 
 
+def attend_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                   block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_group` one query column at a time, each over the keys up to the block holding its last
+    visible key: the shapes a plain decode step at that position has (a verify pass of speculative
+    decoding; the kernels reduce over keys and query rows in an order that depends on both counts)."""
+    outs, lses = [], []
+    for j in range(q.shape[1]):
+        m = mask[:, j : j + 1]
+        seen = m.any(dim=0).any(dim=0).nonzero()
+        n = -(-(int(seen.max()) + 1) // block) * block if seen.numel() else block
+        out, lse, _ = attend_group(q[:, j : j + 1], k[:, :n], v[:, :n], m[..., :n], scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
 #: Fused attention kernels read an additive bias whose last dimension is padded to this many keys.
 BIAS_ALIGN = 16
 
@@ -316,7 +355,8 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     N = x.shape[0]
     Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
-    qkv = linear(h, w.qkv, w.qkv_bias)  # [N, (Hq + 2 Hkv) * D]
+    groups = layout.row_groups
+    qkv = linear(h, w.qkv, w.qkv_bias, groups)  # [N, (Hq + 2 Hkv) * D]
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
     q, k = q.view(N, Hq, D), k.view(N, Hkv, D)
     if w.q_norm is not None:  # Qwen3: each head normalised over D before RoPE
@@ -329,12 +369,13 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     if rope_table is not None:
         restore = lambda hs, pos: restore_kv(hs, pos, w, rope_table, cfg)  # noqa: E731
     a = attention(q, kv, layout, window, D**-0.5, restore)
-    x = x + linear(a, w.o, w.o_bias)
+    x = x + linear(a, w.o, w.o_bias, groups)
     h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-    gate, up = linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, w.down, w.down_bias)
+    gate, up = linear(h, w.gate_up, w.gate_up_bias, groups).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, w.down, w.down_bias, groups)
 
 
-def head(x: torch.Tensor, w: HeadWeights, cfg: ModelConfig) -> torch.Tensor:
+def head(x: torch.Tensor, w: HeadWeights, cfg: ModelConfig,
+         groups: list[torch.Tensor] | None = None) -> torch.Tensor:
     """x [N, H] -> logits [N, V] in float32."""
-    return linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head).float()
+    return linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head, None, groups).float()

@@ -214,6 +214,8 @@ class Runner:
         """
         kv = self._kv()
         layout, step = kv.prepare(sids, [len(t) for t in tokens])
+        if keep is not None:  # verifying drafts: each token column multiplies as a plain decode step would
+            layout = dataclasses.replace(layout, row_groups=M.column_groups(layout.q_lens, layout.positions.device))
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
         cold = any(g.tier != "gpu" for g in step.groups)
         try:
@@ -231,14 +233,16 @@ class Runner:
                     x = M.decoder_layer(x, w, view, layout, cos_sin, self.cfg, self.cfg.sliding_windows[i],
                                         rope_table)
                 self.weights.release(group)
+            head_groups = None
             if keep is not None:
                 ends = torch.tensor(layout.q_lens).cumsum(0).tolist()
                 x = x[torch.cat([torch.arange(e - n, e) for e, n in zip(ends, keep)]).to(x.device)]
+                head_groups = M.column_groups(list(keep), x.device)
             elif not all_logits:
                 x = x[layout.last_token_rows()]
             w = M.HeadWeights.from_views(self.weights.acquire("head"))
             with tl.range("offload/compute/head"):
-                logits = M.head(x, w, self.cfg)
+                logits = M.head(x, w, self.cfg, head_groups)
             self.weights.release("head")
         except BaseException:
             self.weights.abort_pass()
