@@ -11,11 +11,9 @@ verify pass times, and whether the greedy tokens equal the plain run's (they mus
 measured speed-up, two predictions of `offload.plan.speculative` at the measured acceptance:
 from the measured pass times, and from the cost model alone (calibration, plans of both models).
 
-The draft is "self-int4 (simulated)": the target's own weights rounded to 4 bits with issue 10's scheme
-(asymmetric round-to-nearest, groups of 64 along the input dimension, the embedding/head kept) and
-stored dequantized in bf16. Its acceptance is what a packed self-int4 draft gets; its pass time is a bf16
-pass of the same model (a packed int4 pass reads a quarter of the bytes). The worst case is the
-medium model with random weights (flat distributions: drafts rarely agree). Results:
+The drafts are the target itself packed (`speculative.draft: self-int4` and `self-int8`, issue 10's
+group-wise weights, resident in memory beside the streamed ring). The worst case is the medium model
+with random weights (flat distributions: drafts rarely agree). Results:
 scripts/results/bench-spec.{json,md}, with `uptime` load and CPU flags (the machine is shared).
 """
 
@@ -54,65 +52,6 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
-# ----------------------------------------------------------------------------- drafts
-def int4_copy(src: Path, out: Path, group: int = 64) -> Path:
-    """The checkpoint with every linear weight rounded to 4 bits (asymmetric, `group` input columns per
-    scale and zero) and stored dequantized; embedding, norms and biases unchanged."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    if (out / "config.json").is_file():
-        return out
-    tmp = out.with_name(out.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, tmp / f.name)
-    for f in sorted(src.glob("*.safetensors")):
-        tensors = load_file(str(f))
-        for name, t in tensors.items():
-            if t.dim() != 2 or "embed" in name or "lm_head" in name or t.shape[1] % group:
-                continue
-            w = t.float().view(t.shape[0], -1, group)
-            lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-            scale = ((hi - lo) / 15).clamp(min=1e-8)
-            q = ((w - lo) / scale).round().clamp(0, 15)
-            tensors[name] = (q * scale + lo).view_as(t).to(t.dtype)
-        save_file(tensors, str(tmp / f.name), metadata={"format": "pt"})
-    tmp.rename(out)
-    return out
-
-
-def truncated_copy(src: Path, out: Path, layers: int) -> Path:
-    """The checkpoint's first `layers` decoder layers with its embedding, final norm and head: a cheap
-    self-draft (early exit) that shares the tokenizer."""
-    import re
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    if (out / "config.json").is_file():
-        return out
-    tmp = out.with_name(out.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-            shutil.copy(f, tmp / f.name)
-    kept = {}
-    for f in sorted(src.glob("*.safetensors")):
-        for name, t in load_file(str(f)).items():
-            m = re.search(r"\.layers\.(\d+)\.", name)
-            if m is None or int(m.group(1)) < layers:
-                kept[name] = t
-    save_file(kept, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["num_hidden_layers"] = layers
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    tmp.rename(out)
-    return out
-
-
 # ----------------------------------------------------------------------------- worker (one per subprocess)
 def worker(spec: dict) -> dict:
     from offload.config import OffloadConfig
@@ -140,6 +79,7 @@ def worker(spec: dict) -> dict:
             "verify_ms": 1000 * sum(verify) / len(verify) if verify else None,
             "draft_ms": 1000 * spec_.draft_s / spec_.draft_passes if spec_ and spec_.draft_passes else None,
             "auto_choice": spec_.choice.tokens if spec_ and spec_.choice else None,
+            "alpha": spec_.alpha if spec_ else None,  # per-token acceptance given the ones before were kept
             "disk_bytes_per_pass": disk / max(st.decode_steps + st.prefill_passes, 1),
             "streamed_groups": len(r.plan.streamed), "load": load(),
         }
@@ -171,7 +111,7 @@ def predictions(row: dict, plain: dict, target_cfg: dict, draft_cfg: dict, k: in
     from offload.plan.predict import Workload, predict_decode
     from offload.plan.speculative import predict, verify_cost
 
-    alpha = row["acceptance"]
+    alpha = row["alpha"]
     t_plain = plain["ms_per_pass"] / 1000
     measured = predict(alpha, k, row["draft_ms"] / 1000, lambda _: row["verify_ms"] / 1000, t_plain)
     cal = load_calibration(None)
@@ -214,6 +154,8 @@ def bench_target(name: str, target: Path, drafts: dict[str, Path], out: Path, ne
     for dname, draft in drafts.items():
         draft_alone = {"model": str(draft), "device": "cpu", "dtype": "bfloat16",
                        "kv_cache": {"block_size": 16, "gpu_blocks": blocks}, "activations": {"prefill_chunk": 64}}
+        if str(draft).startswith("self-"):  # the target itself, packed, resident
+            draft_alone |= {"model": str(target), "weights": {"quantization": str(draft).removeprefix("self-")}}
         draft_rp, _, _ = plan_of(draft_alone)
         draft_bytes = draft_rp.plan.used("gpu") + blocks * draft_rp.kv_block_bytes
         spec_tiers = base["tiers"] | {"gpu": {"capacity": ring + draft_bytes}}  # the draft resident beside the ring
@@ -238,9 +180,9 @@ def markdown(result: dict) -> str:
     lines = [f"# Speculative decoding over streamed weights ({result['date']})", "",
              f"Machine: {result['machine']}; load (1/5/15 min) at start {result['load_start']}, end "
              f"{result['load_end']}. CPU flags: {result['cpu_flags']}.", "",
-             "| target | run | tok/s | x plain | acceptance | tokens/pass | draft ms | verify ms | plain ms/pass "
+             "| target | run | tok/s | x plain | drafts kept | alpha | tokens/pass | draft ms | verify ms | plain ms/pass "
              "| predicted x (measured times) | predicted x (cost model) | same tokens | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v, d=2):
         return "" if v is None else f"{v:.{d}f}" if isinstance(v, float) else str(v)
@@ -250,7 +192,7 @@ def markdown(result: dict) -> str:
         if r["run"] == "plain":
             plain[r["target"]] = r["ms_per_pass"]
         lines.append(f"| {r['target']} | {r['run']} | {f(r['decode_tokens_per_s'])} | {f(r.get('speedup'))} | "
-                     f"{f(r['acceptance'])} | {f(r['tokens_per_pass'])} | {f(r['draft_ms'], 0)} | "
+                     f"{f(r['acceptance'])} | {f(r.get('alpha'))} | {f(r['tokens_per_pass'])} | {f(r['draft_ms'], 0)} | "
                      f"{f(r['verify_ms'], 0)} | {f(plain.get(r['target']), 0)} | "
                      f"{f(r.get('predicted_speedup_from_measured_times'))} | "
                      f"{f(r.get('predicted_speedup_from_cost_model'))} | {r.get('same_tokens_as_plain', '')} | "
@@ -279,13 +221,13 @@ def main(argv: list[str] | None = None) -> int:
               "cpu_flags": cpu_flags(), "machine": f"{os.cpu_count()} CPUs, {platform.machine()}", "rows": []}
     trained = ensure_trained_model(dtype="bfloat16")
     new = 16 if args.quick else args.new
-    drafts = {"self-int4 (simulated)": int4_copy(trained, out / "drafts" / "smollm2-int4"),
-              "first 6 of 30 layers": truncated_copy(trained, out / "drafts" / "smollm2-l6", 6)}
-    result["rows"] += bench_target("SmolLM2-135M (trained)", trained, drafts, out, new, [4, "auto"], batch=1)
+    drafts = {"self-int4": "self-int4", "self-int8": "self-int8"}
+    result["rows"] += bench_target("SmolLM2-135M (trained)", trained, drafts, out, new,
+                                   [4, "auto"] if args.quick else [4, 8, "auto"], batch=1)
     if not args.quick:
         medium = args.medium or ensure_model(out, "medium")
-        drafts = {"first 2 of 22 layers": truncated_copy(medium, out / "drafts" / "medium-l2", 2)}
-        result["rows"] += bench_target("medium (random)", medium, drafts, out, 8, [4, "auto"], batch=1)
+        result["rows"] += bench_target("medium (random)", medium, {"self-int4": "self-int4"}, out, 8, [4, "auto"],
+                                       batch=1)
     result["load_end"] = load()
     args.results.mkdir(parents=True, exist_ok=True)
     for r in result["rows"]:

@@ -221,15 +221,26 @@ def test_auto_tokens_follow_what_the_run_measures():
     spec = Speculator(draft=None, tokens=None, timeline=Timeline(enabled=False))
     assert spec.tokens() == 1  # nothing measured yet: one draft token to measure both passes
     spec.draft_s, spec.draft_passes, spec.verify_s, spec.verify_passes = 0.1, 10, 10.0, 10  # draft 100x cheaper
-    spec.proposed, spec.accepted = 1000, 900
+    spec.proposed, spec.accepted, spec.cut = 1000, 900, 10
     assert spec.tokens() >= 8 and spec.choice.speedup > 4
-    spec.accepted = 100  # the draft is rarely right
+    spec.accepted, spec.cut = 100, 400  # the draft is rarely right
     spec.verify_passes = 11
     assert spec.tokens() in (1, 2)
     spec.draft_s = 8.0  # ... and costs most of a target pass: drafting is off, but probed every 16 passes
     assert spec.tokens() == 0 and spec.choice.speedup == 1.0
     spec.verify_passes = 16
     assert spec.tokens() == 1
+
+
+def test_the_measured_acceptance_is_per_token_given_the_ones_before():
+    """Chains of 4 drafts, each kept with probability 0.7 while the ones before were: the estimate is 0.7,
+    not the fraction of drafts kept (about 0.53), which would choose chains too short."""
+    g = torch.Generator().manual_seed(1)
+    kept = (torch.rand(5000, 4, generator=g) < 0.7).int().cumprod(dim=1).sum(dim=1)
+    spec = Speculator(draft=None, tokens=4, timeline=Timeline(enabled=False))
+    spec.proposed, spec.accepted, spec.cut = 4 * len(kept), int(kept.sum()), int((kept < 4).sum())
+    assert abs(spec.alpha - 0.7) < 0.02
+    assert spec.accepted / spec.proposed < 0.6
 
 
 def test_bad_drafts_are_refused_with_the_knob_to_change(tiny_llama, model_factory, tmp_path):
