@@ -16,6 +16,9 @@ import pytest
 import torch
 
 from offload.cli.main import main
+from offload.errors import ConfigError
+from offload.plan import calibrate
+from offload.plan.calibrate import compute_dtype
 from offload.model.checkpoint import Checkpoint
 from offload.runtime.runner import Runner
 from offload.weights.groups import model_layouts
@@ -184,3 +187,32 @@ def test_peak_memory_stays_within_the_budget_for_a_model_4x_larger(tmp_path, mod
         f"peak RSS grew {grown / 2**20:.0f} MiB for a {budget / 2**20:.0f} MiB budget")
     with Runner.from_config(run_config(model, dtype="bfloat16")) as r:  # the all-resident run agrees
         assert r.generate([list(range(1, 17))], max_new_tokens=6, stop_on_eos=False)[0].token_ids == out["tokens"]
+
+
+def test_float32_compute_over_bf16_weights_gives_the_float32_runs_tokens(model_factory, tmp_path, monkeypatch):
+    """compute_dtype: weights stay bf16 in the store and on the wire and are upcast after the transfer, so the
+    tokens are those of the all-float32 run of the same (bf16) checkpoint; `auto` picks float32 only on a CPU
+    whose bf16 products are slow, and keeps the dtype on CUDA and for packed weights."""
+    model = model_factory("llama", "small", dtype="bfloat16")
+    prompts = [[1, 17, 99, 23, 5, 61, 7], [1, 8, 2]]
+    with Runner.from_config(run_config(model, dtype="float32")) as r:
+        want = [o.token_ids for o in r.generate(prompts, max_new_tokens=10, stop_on_eos=False)]
+    layer = model_layouts(Checkpoint(model).config, torch.bfloat16)["layer.0"].nbytes
+    cfg = run_config(model, dtype="bfloat16", compute_dtype="float32",
+                     tiers=tiers_for("mixed", layer, 1, tmp_path / "store"))
+    cfg["tiers"]["gpu"]["capacity"] += 4 * layer  # room for the upcast copy of a layer
+    with Runner.from_config(cfg) as r:
+        assert r.plan.streamed and r.compute_dtype == torch.float32 and r.kv.dtype == torch.float32
+        got = [o.token_ids for o in r.generate(prompts, max_new_tokens=10, stop_on_eos=False)]
+        assert r.weights.dtype == torch.bfloat16  # the store (and every transfer) stays bf16
+    assert got == want
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(calibrate, "_cpu_matmul_s", lambda dt: 0.153 if dt == torch.bfloat16 else 0.046)
+    assert compute_dtype("auto", torch.bfloat16, cpu, packed=False) == torch.float32  # an AVX2 machine's figures
+    assert compute_dtype("auto", torch.bfloat16, cuda, packed=False) == torch.bfloat16
+    assert compute_dtype("auto", torch.bfloat16, cpu, packed=True) == torch.bfloat16
+    monkeypatch.setattr(calibrate, "_cpu_matmul_s", lambda dt: 0.03 if dt == torch.bfloat16 else 0.046)
+    assert compute_dtype("auto", torch.bfloat16, cpu, packed=False) == torch.bfloat16  # native bf16: kept
+    with pytest.raises(ConfigError, match="compute_dtype: float32 differs from dtype.*compute_dtype: auto"):
+        Runner.from_config(run_config(model, dtype="bfloat16", compute_dtype="float32",
+                                      weights={"quantization": "int8"}))

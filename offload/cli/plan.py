@@ -125,6 +125,7 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     schemes = compare_schemes(config, cfg, dtype, device, cal, work)
     if as_json:
         print(json.dumps({"device": str(device), "kv_blocks": rp.kv_blocks, "calibration": cal.source,
+                          "compute_dtype": str(rp.compute_dtype).removeprefix("torch."),
                           "prediction": pred.to_dict() | {"prefill_s_per_token": per_token},
                           "suggestions": [s.__dict__ for s in helps], "weights": schemes, **rp.plan.to_dict()},
                          indent=2))
@@ -137,6 +138,9 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
         f"{format_size(sum(g.nbytes for g in planner.groups))}")
     print(f"device {device}, {cfg.family} model, {cfg.num_layers} layers, {count} parameters "
           f"({format_size(sum(planner.compute_sizes.values()))} in {str(dtype).removeprefix('torch.')}{stored})")
+    if rp.compute_dtype != dtype:
+        print(f"  compute in {str(rp.compute_dtype).removeprefix('torch.')} (compute_dtype: {config.compute_dtype}): "
+              f"weights move as {str(dtype).removeprefix('torch.')} and are upcast after the transfer")
     print(rp.plan.describe())
     kv = "sized per request" if rp.kv_blocks == 0 else (
         f"{rp.kv_blocks} blocks x {config.kv_cache.block_size} tokens "

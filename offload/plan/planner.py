@@ -23,7 +23,7 @@ from offload.kv.blocks import KVSettings
 from offload.kv.cache import PagedKVCache
 from offload.kv.formats import ColdFormat
 from offload.model.config import ModelConfig
-from offload.plan.calibrate import load_calibration
+from offload.plan.calibrate import compute_dtype, load_calibration
 from offload.plan.predict import Workload, predict_decode
 from offload.weights.groups import WeightFormat, model_layouts
 from schedulers.calibration import Calibration
@@ -109,6 +109,7 @@ class RunPlan:
     kv: KVSettings  # the KV cache's settings, every `auto` resolved (cpu_blocks / disk_blocks included)
     prefill_chunk: int  # activations.prefill_chunk resolved
     depth_note: str = ""  # how an automatic depth was chosen
+    compute_dtype: torch.dtype = torch.float32  # compute_dtype resolved: the math and the KV cache
 
 
 class Planner:
@@ -126,13 +127,14 @@ class Planner:
         kv_cfg = config.kv_cache
         self.bs = kv_cfg.block_size
         self.kv = resolve_kv(config, cfg, device)
-        self.block_bytes = PagedKVCache.block_nbytes(cfg, kv_cfg.block_size, dtype, self.kv.restore)
-        cold = ColdFormat.for_config(cfg, kv_cfg.block_size, dtype, self.kv.quantization, self.kv.restore)
+        self.fmt = WeightFormat.from_config(config.weights, cfg)
+        self.compute = compute_dtype(config.compute_dtype, dtype, device, self.fmt.quantization != "none")
+        self.block_bytes = PagedKVCache.block_nbytes(cfg, kv_cfg.block_size, self.compute, self.kv.restore)
+        cold = ColdFormat.for_config(cfg, kv_cfg.block_size, self.compute, self.kv.quantization, self.kv.restore)
         self.cold_block_bytes = cold.block_nbytes(cfg.num_layers)
         self.kv_cpu_bytes = (kv_cfg.cpu_blocks or 0) * self.cold_block_bytes  # explicit ones; auto: what is left
         self.kv_disk_bytes = (kv_cfg.disk_blocks or 0) * self.cold_block_bytes
         self.caps = caps or resolve_capacities(config.tiers, device)
-        self.fmt = WeightFormat.from_config(config.weights, cfg)
         self.fmt.check(cfg)
         self.groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"))
                        for name, layout in model_layouts(cfg, dtype, self.fmt).items()]
@@ -167,17 +169,24 @@ class Planner:
         return sorted({max(-(-AUTO_KV_TOKENS // self.bs), least), least}, reverse=True)
 
     def _make(self, caps: Capacities, depth: int, chunk: int, kv_blocks: int) -> Plan:
-        ws = workspace_bytes(self.cfg, chunk, self.dtype, ATTENTION_KEYS_PER_CHUNK * chunk)
+        ws = self._workspace(chunk)
         return make_plan(self.groups, caps, depth, kv_bytes=kv_blocks * self.block_bytes, workspace_bytes=ws,
                          copy_to_device=self.device.type == "cuda", host_reserve=self.kv_cpu_bytes,
                          disk_reserve=self.kv_disk_bytes)
+
+    def _workspace(self, chunk: int) -> int:
+        """A pass's activations at the compute dtype, and with weights upcast after the transfer, the largest
+        group's upcast copy (one layer at a time)."""
+        ws = workspace_bytes(self.cfg, chunk, self.compute, ATTENTION_KEYS_PER_CHUNK * chunk)
+        if self.compute != self.dtype:
+            ws += max(self.compute_sizes.values()) * self.compute.itemsize // self.dtype.itemsize
+        return ws
 
     def fit(self, caps: Capacities, depth: int) -> Fit:
         """The largest prefill chunk and device KV pool (among the allowed ones) a plan at this depth fits beside."""
         for chunk in self.chunks:
             for kv_blocks in self._kv_choices(chunk):
-                fixed = kv_blocks * self.block_bytes + workspace_bytes(
-                    self.cfg, chunk, self.dtype, ATTENTION_KEYS_PER_CHUNK * chunk)
+                fixed = kv_blocks * self.block_bytes + self._workspace(chunk)
                 if caps.gpu is None or min_device_bytes(self.groups, depth, fixed) <= caps.gpu:
                     return Fit(self._make(caps, depth, chunk, kv_blocks), chunk, kv_blocks)  # host errors raise here
         raise self.refusal(caps, depth)
@@ -192,8 +201,9 @@ class Planner:
             kv = self._kv_choices(chunk)[-1] if kv is None else kv
             groups = [dataclasses.replace(g, nbytes=g.nbytes * dtype.itemsize // self.dtype.itemsize)
                       for g in self.groups]
-            fixed = kv * self.block_bytes * dtype.itemsize // self.dtype.itemsize + workspace_bytes(
-                self.cfg, chunk, dtype, ATTENTION_KEYS_PER_CHUNK * chunk)
+            fixed = kv * self.block_bytes * dtype.itemsize // self.dtype.itemsize + (
+                self._workspace(chunk) if dtype == self.dtype
+                else workspace_bytes(self.cfg, chunk, dtype, ATTENTION_KEYS_PER_CHUNK * chunk))
             return min_device_bytes(groups, depth, fixed)
 
         helps = [f"tiers.gpu.capacity: {_size_up(need())}"]
@@ -253,7 +263,7 @@ class Planner:
         plan = dataclasses.replace(plan, host_reserve=cpu_blocks * self.cold_block_bytes,
                                    disk_reserve=disk_blocks * self.cold_block_bytes)
         kv = dataclasses.replace(self.kv, cpu_blocks=cpu_blocks, disk_blocks=disk_blocks)
-        return RunPlan(plan, self.caps, kv_blocks, self.block_bytes, kv, fit.prefill_chunk, note)
+        return RunPlan(plan, self.caps, kv_blocks, self.block_bytes, kv, fit.prefill_chunk, note, self.compute)
 
     def _cold_blocks(self, plan: Plan) -> tuple[int, int]:
         """kv_cache.cpu_blocks / disk_blocks, `auto` resolved: what the tier leaves free, within a bound."""

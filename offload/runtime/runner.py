@@ -116,7 +116,6 @@ class Runner:
         self.timeline = timeline or Timeline(nvtx=self.device.type == "cuda", keep_steps=config.timeline.keep_steps)
         self.traffic = Traffic()  # bytes moved by weights and KV blocks, per route
         self.last_stats: RunStats | None = None
-        self.rope = M.Rope(self.cfg, self.device, self.dtype)
         self._layer_groups = [f"layer.{i}" for i in range(self.cfg.num_layers)]
         # speculative decoding: the draft is placed first, every weight resident; the target plans around it
         self.draft: Runner | None = None
@@ -138,11 +137,13 @@ class Runner:
         # KV: with tiers, a fixed pool inside the device tier's budget; without, sized per request
         run_plan = Planner(config, self.cfg, self.dtype, self.device, caps).run_plan()
         self.kv_settings = run_plan.kv
+        self.compute_dtype = run_plan.compute_dtype  # the math and the KV cache; the weights move as self.dtype
+        self.rope = M.Rope(self.cfg, self.device, self.compute_dtype)
         self.kv_block_bytes = run_plan.kv_block_bytes  # device bytes of one KV block (all layers)
         self.plan = run_plan.plan
         self.prefill_chunk = run_plan.prefill_chunk  # activations.prefill_chunk, `auto` resolved
         self.weights: WeightSource = TieredWeights(config, self.checkpoint, self.dtype, self.device,
-                                                   self.timeline, run_plan.plan, self.traffic)
+                                                   self.timeline, run_plan.plan, self.traffic, self.compute_dtype)
         self._kv_fixed = run_plan.kv_blocks > 0
         if self._kv_fixed:
             try:
@@ -183,7 +184,7 @@ class Runner:
                  host_memory: torch.Tensor | None = None) -> PagedKVCache:
         s = self.kv_settings
         disk = self.config.tiers.disk if self.config.tiers else None
-        return PagedKVCache(self.cfg, s.block_size, gpu_blocks, self.dtype, self.device, memory=memory, settings=s,
+        return PagedKVCache(self.cfg, s.block_size, gpu_blocks, self.compute_dtype, self.device, memory=memory, settings=s,
                             disk_dir=disk.path / "kv-scratch" if disk is not None and s.disk_blocks else None,
                             pin_memory=self.device.type == "cuda", timeline=self.timeline, rope=self.rope,
                             traffic=self.traffic, host_memory=host_memory,

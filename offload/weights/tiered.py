@@ -40,8 +40,10 @@ class TieredWeights:
     """The runner's weight source over GPU, pinned RAM and the zarr store."""
 
     def __init__(self, config: OffloadConfig, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
-                 timeline: Timeline, plan: Plan, traffic: Traffic | None = None) -> None:
+                 timeline: Timeline, plan: Plan, traffic: Traffic | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.cfg, self.device, self.dtype = ckpt.config, device, dtype
+        self.compute_dtype = compute_dtype or dtype  # weights are upcast to it after the transfer when it differs
         self.timeline = timeline
         self.fmt = WeightFormat.from_config(config.weights, ckpt.config)
         self.fmt.check(ckpt.config)
@@ -130,7 +132,7 @@ class TieredWeights:
         tier = self.tiers[home]
         if isinstance(tier, MemoryTier):
             table = self.layouts[self._embed_group].views(tier.view(self._embed_group))[self._embed_tensor]
-            return table[ids.to(table.device)].to(self.device)
+            return table[ids.to(table.device)].to(self.device, self.compute_dtype)
         assert isinstance(tier, DiskTier)
         unique, inverse = torch.unique(ids.cpu(), return_inverse=True)
         row_bytes = spec.shape[1] * self.dtype.itemsize
@@ -138,11 +140,13 @@ class TieredWeights:
         with self.timeline.span("disk-read", f"{self._embed_group} rows", nbytes=len(unique) * row_bytes):
             for i, token in enumerate(unique.tolist()):
                 tier.read_into(self._embed_group, rows[i], offset=spec.offset + token * row_bytes)
-        return rows[inverse].to(self.device)
+        return rows[inverse].to(self.device, self.compute_dtype)
 
     def acquire(self, group: str) -> dict:
         """The group's tensors as views into its slot; packed matrices as `PackedLinear`s."""
         views = self.layouts[group].views(self.prefetcher.acquire(group))
+        if self.compute_dtype != self.dtype:  # upcast after the transfer (dense weights only: see compute_dtype)
+            return {name: t.to(self.compute_dtype) for name, t in views.items()}
         return weight_views(self.cfg, group, views, self.scratch, self.fmt)
 
     def release(self, group: str) -> None:
