@@ -180,3 +180,33 @@ def test_cuda_attention_is_the_fused_kernel_exact_and_linear_in_context():
     attend_group(q, k, k, mask, 0.125)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < 512 * 2**20  # scores would be 2 GiB
+
+
+def test_cold_kv_crosses_pcie_in_its_cold_format_without_a_host_sync(model_factory, tmp_path):
+    """Cold int8 blocks: the side thread stages them (pinned, copy stream, an event); they reach the layer as
+    int8 on the device (dequantized there, so PCIe carries int8), and a decode pass over host and disk blocks
+    runs with `set_sync_debug_mode("error")`: nothing in it waits on the device from the host."""
+    from offload.kv.staging import Staged
+    from tests.test_kv_tiers import PROMPTS, tiered
+
+    cfg = tiered(model_factory("llama", "small"), tmp_path, quantization="int8")
+    cfg["device"] = "cuda"
+    with Runner.from_config(cfg) as r:
+        r.generate(PROMPTS, max_new_tokens=8, stop_on_eos=False)  # blocks demoted to the host and the disk
+        kv = r.kv
+        sids = [kv.add_sequence(reserve_tokens=64) for _ in PROMPTS]
+        for chunk in r._prefill_chunks(sids, [list(p) for p in PROMPTS]):
+            r._forward([s for s, _, _ in chunk], [t for _, t, _ in chunk])
+        layout, step = kv.prepare(sids, [1] * len(sids))
+        assert any(g.tier != "gpu" for g in step.groups)  # the step reads cold blocks
+        staged = kv.fetch_cold(0, step)[0]
+        for parts in staged.values():
+            assert isinstance(parts, Staged) and parts.parts["kv8"].dtype == torch.int8
+            assert parts.parts["kv8"].device.type == "cuda"
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = r._forward(sids, [[5]] * len(sids))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert torch.isfinite(logits).all()

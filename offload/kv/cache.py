@@ -37,6 +37,7 @@ import torch
 
 from offload.kv.blocks import Block, KVSettings, Sequence, StepKV, tier_blocks
 from offload.kv.formats import ColdFormat, TierStore, cold_kv, to_cold
+from offload.kv.staging import ColdStager
 from offload.kv.view import LayerKV
 from offload.model import functional as M
 from offload.model.config import ModelConfig
@@ -64,6 +65,7 @@ class PagedKVCache:
         self.settings = s
         self.cfg, self.block_size, self.dtype = cfg, block_size, dtype
         self.device = torch.device(device)
+        self.stager = ColdStager(self.device)  # cold blocks to the device on a copy stream of their own
         self.timeline = timeline or Timeline(enabled=False)
         self.clock = clock
         self.rope = rope
@@ -384,16 +386,14 @@ class PagedKVCache:
     def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
         """One layer of every cold group of the step, still in the cold format: ({tier: parts}, bytes read).
 
-        This is what the prefetcher runs ahead of compute (the "kv-fetch" track)."""
+        This is what the prefetcher runs ahead of compute (the "kv-fetch" track); on CUDA each group is
+        already queued to the device on the stager's copy stream (`offload.kv.staging`)."""
         out, nbytes = {}, 0
-        for g in step.groups:
-            if g.tier == "gpu":
-                continue
+        for g in (g for g in step.groups if g.tier != "gpu"):
             parts = self.stores[g.tier].read_plane(layer, g.slots)
-            out[g.tier] = parts
-            n = sum(v.numel() * v.element_size() for v in parts.values())
+            out[g.tier] = parts if self.settings.cpu_attention else self.stager(parts)  # to the device, unblocked
+            nbytes += (n := sum(v.numel() * v.element_size() for v in parts.values()))
             self.traffic.add("kv", g.tier, COMPUTE, n)
-            nbytes += n
         return out, nbytes
 
     def view(self, layer: int, layout: BatchLayout, step: StepKV, cold: dict | None = None) -> LayerKV:

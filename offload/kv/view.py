@@ -14,6 +14,7 @@ import torch
 
 from offload.kv.blocks import StepKV, TierBlocks
 from offload.kv.formats import cold_kv
+from offload.kv.staging import ready
 from offload.model import functional as M
 from offload.model.functional import BatchLayout
 
@@ -79,7 +80,7 @@ class LayerKV:
             v = padded[:, :, 1].reshape(B, cols * bs, *padded.shape[-2:])
             mask = self.layout.mask(positions, valid, window).to(dev)
             if self.layout.row_groups is not None and not track_mass and not split:
-                out, lse = M.attend_columns(q.to(dev), k, v, mask, scale, bs)
+                out, lse = M.attend_columns(q.to(dev), k, v, mask, scale, self.layout.column_keys(bs))
                 block_lse = None
             else:
                 out, lse, block_lse = M.attend_group(q.to(dev), k, v, mask, scale, block=bs if track_mass else None)
@@ -96,10 +97,11 @@ class LayerKV:
         if g.tier == "gpu":
             index = g.slot_index if g.slot_index is not None else torch.tensor(g.slots, device=cache.device)
             return cache.stores["gpu"].arrays["kv"].data[self.layer].index_select(0, index)  # no copy per layer
+        parts = ready(cold[g.tier])  # on CUDA: already on the device (the compute stream waits, the host not)
         if cache.cold_fmt.name != "hidden":
-            return cold_kv(cache.cold_fmt, cold[g.tier], cache.dtype)
+            return cold_kv(cache.cold_fmt, parts, cache.dtype)  # int8 is dequantized where the parts are
         assert restore is not None, "kv_restore: recompute needs the layer's weights"
-        h = cold[g.tier]["hidden"].to(cache.device, non_blocking=True)  # [n, bs, hidden]
+        h = parts["hidden"].to(cache.device, non_blocking=True)  # [n, bs, hidden]
         pos = g.positions.view(-1, g.cols, cache.block_size)[g.seq, g.col]  # [n, bs]
         k, v = restore(h.reshape(-1, h.shape[-1]), pos.reshape(-1))
         n, bs = len(g.slots), cache.block_size

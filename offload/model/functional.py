@@ -136,6 +136,12 @@ class BatchLayout:
         ends = torch.tensor(self.q_lens).cumsum(0) - 1
         return ends.to(self.positions.device)
 
+    def column_keys(self, block: int) -> list[int]:
+        """Key slots a decode step gathers for the j-th new token of every sequence (keys in token order,
+        `block` to a block): up to the block holding the latest such token, for each column j."""
+        last = [max(kl - ql + j for ql, kl in zip(self.q_lens, self.kv_lens) if ql > j) for j in range(max(self.q_lens))]
+        return [-(-(p + 1) // block) * block for p in last]
+
     def mask(self, key_positions: torch.Tensor, key_valid: torch.Tensor, window: int | None) -> torch.Tensor:
         """[B, Tq, Tk] bool: may padded query (b, i) attend to key slot (b, j)?
 
@@ -255,16 +261,14 @@ def attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 
 def attend_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                   block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attend_group` one query column at a time, each over the keys up to the block holding its last
-    visible key: the shapes a plain decode step at that position has (a verify pass of speculative
-    decoding; the kernels reduce over keys and query rows in an order that depends on both counts)."""
+                   keys: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_group` one query column at a time, column j over its first `keys[j]` key slots: the shapes a
+    plain decode step at those positions has (a verify pass of speculative decoding; the kernels reduce
+    over keys and query rows in an order that depends on both counts). `keys` comes from the host-side
+    layout (`BatchLayout.column_keys`): no device sync."""
     outs, lses = [], []
-    for j in range(q.shape[1]):
-        m = mask[:, j : j + 1]
-        seen = m.any(dim=0).any(dim=0).nonzero()
-        n = -(-(int(seen.max()) + 1) // block) * block if seen.numel() else block
-        out, lse, _ = attend_group(q[:, j : j + 1], k[:, :n], v[:, :n], m[..., :n], scale)
+    for j, n in enumerate(keys):
+        out, lse, _ = attend_group(q[:, j : j + 1], k[:, :n], v[:, :n], mask[:, j : j + 1, :n], scale)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
