@@ -16,12 +16,15 @@ import pytest
 import torch
 
 from offload.cli.main import main
+from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.plan import calibrate
 from offload.plan.calibrate import compute_dtype
+from offload.plan.planner import Planner
 from offload.model.checkpoint import Checkpoint
 from offload.runtime.runner import Runner
 from offload.weights.groups import model_layouts
+from storage.errors import CapacityError
 from tests.conftest import run_config
 
 PROMPTS = [[1, 17, 99, 23, 5, 61, 7, 300, 41, 42, 43], [1, 8, 2], [1, 400, 33, 12, 19, 250]]
@@ -211,6 +214,27 @@ def test_float32_compute_over_bf16_weights_gives_the_float32_runs_tokens(model_f
     assert compute_dtype("auto", torch.bfloat16, cpu, packed=False) == torch.float32  # an AVX2 machine's figures
     assert compute_dtype("auto", torch.bfloat16, cuda, packed=False) == torch.bfloat16
     assert compute_dtype("auto", torch.bfloat16, cpu, packed=True) == torch.bfloat16
+    # with every `auto` on, such a CPU computes a streamed run in float32 and an all-resident one in bf16 (nothing
+    # is transferred to upcast after), and keeps bf16 where a float32 plan would not fit the budget
+    auto = {k: v for k, v in cfg.items() if k != "compute_dtype"}
+    with Runner.from_config(auto) as r:
+        assert r.plan.streamed and r.compute_dtype == torch.float32
+    with Runner.from_config(run_config(model, dtype="bfloat16")) as r:
+        assert r.compute_dtype == torch.bfloat16
+    tight = auto | {"tiers": tiers_for("all-disk", layer, 1, tmp_path / "store"), "prefetch": {"depth": 1}}
+    lo, hi = 0, 8 * layer  # the least device budget a bf16-compute plan fits in (a float32 one needs more)
+    while hi - lo > 4096:
+        mid = (lo + hi) // 2
+        tight["tiers"]["gpu"]["capacity"] = mid
+        try:
+            Planner(OffloadConfig.load(tight | {"compute_dtype": "bfloat16"}), Checkpoint(model).config,
+                    torch.bfloat16, torch.device("cpu")).run_plan()
+            hi = mid
+        except CapacityError:
+            lo = mid
+    tight["tiers"]["gpu"]["capacity"] = hi
+    with Runner.from_config(tight) as r:
+        assert r.compute_dtype == torch.bfloat16
     monkeypatch.setattr(calibrate, "_cpu_matmul_s", lambda dt: 0.03 if dt == torch.bfloat16 else 0.046)
     assert compute_dtype("auto", torch.bfloat16, cpu, packed=False) == torch.bfloat16  # native bf16: kept
     with pytest.raises(ConfigError, match="compute_dtype: float32 differs from dtype.*compute_dtype: auto"):

@@ -128,12 +128,10 @@ class Planner:
         self.bs = kv_cfg.block_size
         self.kv = resolve_kv(config, cfg, device)
         self.fmt = WeightFormat.from_config(config.weights, cfg)
-        self.compute = compute_dtype(config.compute_dtype, dtype, device, self.fmt.quantization != "none")
-        self.block_bytes = PagedKVCache.block_nbytes(cfg, kv_cfg.block_size, self.compute, self.kv.restore)
-        cold = ColdFormat.for_config(cfg, kv_cfg.block_size, self.compute, self.kv.quantization, self.kv.restore)
-        self.cold_block_bytes = cold.block_nbytes(cfg.num_layers)
-        self.kv_cpu_bytes = (kv_cfg.cpu_blocks or 0) * self.cold_block_bytes  # explicit ones; auto: what is left
-        self.kv_disk_bytes = (kv_cfg.disk_blocks or 0) * self.cold_block_bytes
+        # auto: the faster compute dtype for streamed weights (decided in run_plan: an all-resident run moves
+        # nothing to upcast after, and a float32 plan that does not fit falls back to dtype)
+        self.upcast = compute_dtype(config.compute_dtype, dtype, device, self.fmt.quantization != "none")
+        self._set_compute(self.upcast if config.compute_dtype != "auto" else dtype)
         self.caps = caps or resolve_capacities(config.tiers, device)
         self.fmt.check(cfg)
         self.groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"))
@@ -141,6 +139,15 @@ class Planner:
         #: bytes the math reads per group at the compute dtype (packed matrices multiply at dense speed)
         self.compute_sizes = {name: layout.nbytes for name, layout in model_layouts(cfg, dtype).items()}
         self.chunks = self._chunk_choices()
+
+    def _set_compute(self, dtype: torch.dtype) -> None:
+        """The compute dtype, and the KV block sizes that follow from it."""
+        kv_cfg, self.compute = self.config.kv_cache, dtype
+        self.block_bytes = PagedKVCache.block_nbytes(self.cfg, kv_cfg.block_size, dtype, self.kv.restore)
+        cold = ColdFormat.for_config(self.cfg, kv_cfg.block_size, dtype, self.kv.quantization, self.kv.restore)
+        self.cold_block_bytes = cold.block_nbytes(self.cfg.num_layers)
+        self.kv_cpu_bytes = (kv_cfg.cpu_blocks or 0) * self.cold_block_bytes  # explicit ones; auto: what is left
+        self.kv_disk_bytes = (kv_cfg.disk_blocks or 0) * self.cold_block_bytes
 
     def _chunk_choices(self) -> tuple[int, ...]:
         """The prefill chunks to try, largest first: the explicit one, or the automatic ones the KV pool allows."""
@@ -256,6 +263,12 @@ class Planner:
             cal = load_calibration(self.config.calibration)
             depth, note = self.choose_depth(cal, Workload(prefill_chunk=self.chunks[0]))
         fit = self.fit(self.caps, depth)
+        if self.upcast != self.compute and fit.plan.streamed:  # compute_dtype auto: float32 if it fits
+            self._set_compute(self.upcast)
+            try:
+                fit = self.fit(self.caps, depth)
+            except CapacityError:
+                self._set_compute(self.dtype)
         plan, kv_blocks = fit.plan, fit.kv_blocks
         if self.config.kv_cache.gpu_blocks is None and self.config.tiers is not None and self.caps.gpu is not None:
             kv_blocks += max(plan.capacity("gpu") - plan.used("gpu"), 0) // self.block_bytes  # what is left free
