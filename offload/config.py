@@ -162,7 +162,8 @@ class SpeculativeConfig:
                       "none")
     tokens: int | None = _opt(_int_or_auto(1), "draft tokens proposed per pass; auto = the count the measured "
                               "acceptance and pass times predict fastest", 8)
-    tree: bool = _opt(_bool, "propose a tree of candidates (tree attention mask) instead of a chain", False)
+    tree: bool = _opt(_bool, "greedy outputs branch on the draft's top 3 first tokens, each continued as a "
+                             "chain and verified in a fork of the sequence in the same pass", False)
     #: the draft checkpoint directory (resolved); None for none and the self-* drafts
     path: Path | None = field(default=None, compare=False, metadata={"internal": True})
 

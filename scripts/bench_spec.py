@@ -80,6 +80,7 @@ def worker(spec: dict) -> dict:
             "draft_ms": 1000 * spec_.draft_s / spec_.draft_passes if spec_ and spec_.draft_passes else None,
             "auto_choice": spec_.choice.tokens if spec_ and spec_.choice else None,
             "alpha": spec_.alpha if spec_ else None,  # per-token acceptance given the ones before were kept
+            "tree_wins": spec_.tree_wins if spec_ else None,  # steps that kept a branch other than the first
             "disk_bytes_per_pass": disk / max(st.decode_steps + st.prefill_passes, 1),
             "streamed_groups": len(r.plan.streamed), "load": load(),
         }
@@ -128,9 +129,10 @@ def predictions(row: dict, plain: dict, target_cfg: dict, draft_cfg: dict, k: in
 
 # ----------------------------------------------------------------------------- orchestration
 def bench_target(name: str, target: Path, drafts: dict[str, Path], out: Path, new: int, ks: list, batch: int,
-                 temperature: float = 0.0) -> list[dict]:
+                 temperature: float = 0.0, tree_ks: tuple = ()) -> list[dict]:
     import torch
 
+    from offload.kv.cache import PagedKVCache
     from offload.model.checkpoint import Checkpoint
     from offload.weights.groups import model_layouts
     from scripts.bench import ensure_store
@@ -159,10 +161,20 @@ def bench_target(name: str, target: Path, drafts: dict[str, Path], out: Path, ne
         draft_rp, _, _ = plan_of(draft_alone)
         draft_bytes = draft_rp.plan.used("gpu") + blocks * draft_rp.kv_block_bytes
         spec_tiers = base["tiers"] | {"gpu": {"capacity": ring + draft_bytes}}  # the draft resident beside the ring
-        for k in ks:
-            cfg_k = base | {"tiers": spec_tiers, "speculative": {"draft": str(draft), "tokens": k}}
-            print(f"[{name}] draft {dname}, tokens={k} (load {load()})", file=sys.stderr)
-            row = {"target": name, "run": f"{dname} k={k}", "batch": batch, **run_worker(job | {"config": cfg_k})}
+        for k in [*ks, *(f"{t} tree" for t in tree_ks)]:
+            tree = isinstance(k, str) and k.endswith("tree")
+            cfg_k = base | {"tiers": spec_tiers, "speculative": {"draft": str(draft), "tokens": k, "tree": tree}}
+            if tree:  # device blocks for the forks of the extra branches (3 per output, each a chain and a copy)
+                k = int(k.split()[0])
+                extra = batch * 3 * (2 + -(-(k + 1) // 16))
+                block = PagedKVCache.block_nbytes(Checkpoint(target).config, 16, torch.bfloat16)
+                cfg_k = cfg_k | {"speculative": {"draft": str(draft), "tokens": k, "tree": True},
+                                 "kv_cache": {"block_size": 16, "gpu_blocks": blocks + extra},
+                                 "tiers": spec_tiers | {"gpu": {"capacity": spec_tiers["gpu"]["capacity"]
+                                                                + extra * (block + draft_rp.kv_block_bytes)}}}
+            label = f"{dname} k={k}" + (" tree" if tree else "")
+            print(f"[{name}] draft {dname}, {label} (load {load()})", file=sys.stderr)
+            row = {"target": name, "run": label, "batch": batch, **run_worker(job | {"config": cfg_k})}
             row["speedup"] = row["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
             row["same_tokens_as_plain"] = row["tokens"] == plain["tokens"]
             if row["draft_ms"] and row["verify_ms"]:
@@ -223,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     new = 16 if args.quick else args.new
     drafts = {"self-int4": "self-int4", "self-int8": "self-int8"}
     result["rows"] += bench_target("SmolLM2-135M (trained)", trained, drafts, out, new,
-                                   [4, "auto"] if args.quick else [4, 8, "auto"], batch=1)
+                                   [4, "auto"] if args.quick else [4, 8, "auto"], batch=1,
+                                   tree_ks=(4,) if args.quick else (4, 8))
     if not args.quick:
         medium = args.medium or ensure_model(out, "medium")
         result["rows"] += bench_target("medium (random)", medium, {"self-int4": "self-int4"}, out, 8, [4, "auto"],

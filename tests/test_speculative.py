@@ -247,8 +247,6 @@ def test_bad_drafts_are_refused_with_the_knob_to_change(tiny_llama, model_factor
     base = run_config(tiny_llama)
     with pytest.raises(ConfigError, match="speculative.draft.*neither none"):
         Runner.from_config({**base, "speculative": {"draft": str(tmp_path / "nope")}})
-    with pytest.raises(ConfigError, match="speculative.tree"):
-        Runner.from_config({**base, "speculative": {"draft": str(tiny_llama), "tree": True}})
     with pytest.raises(ConfigError, match="vocabulary of 640 tokens"):
         bigger = model_factory("llama", overrides={"vocab_size": 640})
         Runner.from_config({**base, "speculative": {"draft": str(bigger)}})
@@ -328,3 +326,41 @@ def test_greedy_speculation_is_exact_in_bf16(model_factory):
         out = r.generate(prompts, max_new_tokens=40, stop_on_eos=False)
     assert [x.token_ids for x in out] == want
     assert 0 < out[0].stats.accepted_tokens < out[0].stats.draft_tokens
+
+
+def test_a_tree_verifies_the_drafts_top_first_tokens_and_keeps_the_longest_branch(model_factory, draft_for):
+    """tree: true: greedy outputs branch on the draft's top first tokens, each branch verified in a fork of the
+    output's sequence in the same pass; the tokens are still the target's, some steps keep a branch other than
+    the draft's first choice, the forks' blocks all come back, and a pass yields at least a chain's tokens."""
+    target = model_factory("llama")
+    prompts = ragged(512)
+    expected = hf_greedy(target, prompts, NEW)
+    per_pass = {}
+    for tree in (False, True):
+        cfg = run_config(target, speculative={"draft": str(draft_for(target, 0.3)), "tokens": 3, "tree": tree},
+                         kv_cache={"block_size": 4}, activations={"prefill_chunk": 8})
+        with Runner.from_config(cfg) as r:
+            out = r.generate(prompts, max_new_tokens=NEW, stop_on_eos=False)
+            assert [o.token_ids for o in out] == expected
+            assert r.kv.pool.num_free == r.kv.pool.num_blocks and r.draft.kv.pool.num_free == r.draft.kv.pool.num_blocks
+            verify = [s for s in r.timeline.on("speculative") if s.name == "verify"]
+            per_pass[tree] = out[0].stats.tokens_per_decode_pass
+            if tree:
+                assert r.speculator.tree_wins > 0
+                assert any(s.args["branches"] > s.args["rows"] for s in verify)
+    assert per_pass[True] >= per_pass[False]
+
+
+def test_a_tree_is_exact_in_bf16_and_sampled_outputs_keep_one_chain(model_factory):
+    target = model_factory("llama", overrides=WIDE)
+    prompt = ragged(512, lens=(21,))
+    base = run_config(target, dtype="bfloat16", kv_cache={"block_size": 4})
+    with Runner.from_config(base) as r:
+        want = r.generate(prompt, max_new_tokens=40, stop_on_eos=False)[0].token_ids
+    tree = base | {"speculative": {"draft": "self-int4", "tokens": 6, "tree": True}}
+    with Runner.from_config(tree) as r:
+        assert r.generate(prompt, max_new_tokens=40, stop_on_eos=False)[0].token_ids == want
+        r.timeline.clear()
+        r.generate(prompt, max_new_tokens=12, temperature=0.8, seed=1, stop_on_eos=False)
+        verify = [s for s in r.timeline.on("speculative") if s.name == "verify"][-3:]
+        assert verify and all(s.args["branches"] == s.args["rows"] for s in verify)  # sampling: one chain

@@ -50,12 +50,15 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
     return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w.linear(x, bias)
 
 
-def column_groups(lens: list[int], device: torch.device | str = "cpu") -> list[torch.Tensor]:
+def column_groups(lens: list[int], device: torch.device | str = "cpu",
+                  lanes: list[int] | None = None) -> list[torch.Tensor]:
     """Flat rows of sequences with `lens` rows each, grouped by column: group j holds row j of every
-    sequence that has one (the j-th new token of each chain)."""
+    sequence that has one (the j-th new token of each chain). With `lanes` (tree mode: the branch each
+    sequence verifies), a group is a column of one lane: one row per output, as a plain step has."""
     starts = torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()
-    return [torch.tensor([s + j for s, n in zip(starts, lens) if n > j], device=device)
-            for j in range(max(lens, default=0))]
+    lanes = lanes or [0] * len(lens)
+    return [torch.tensor([s + j for s, n, b in zip(starts, lens, lanes) if n > j and b == lane], device=device)
+            for lane in sorted(set(lanes)) for j in range(max(n for n, b in zip(lens, lanes) if b == lane))]
 
 
 @dataclass(frozen=True, slots=True)

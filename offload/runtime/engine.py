@@ -41,6 +41,7 @@ from offload.plan.planner import pass_tokens
 from offload.runtime.requests import Kept, Output, Request, Sampling, TokenLogprob, blocks_needed
 from offload.runtime.results import RunStats, TokenCallback
 from offload.runtime.sampling import sample
+from offload.runtime.speculative import TREE_WIDTH
 from offload.runtime.stops import StopMatcher
 from storage.block_pool import Admission
 
@@ -197,9 +198,14 @@ class Engine:
                     rows.append((req, [o], [o.token_ids[-1]], True))
         decode_rows = len(rows)
         spec = self.speculator if decode_rows else None
-        drafts = spec.propose([(req, outs[0]) for req, outs, _, _ in rows]) if spec else []
+        width = TREE_WIDTH if spec and self.runner.config.speculative.tree and self._tree_room(decode_rows) else 1
+        branches = spec.propose([(req, outs[0]) for req, outs, _, _ in rows], width) if spec else []
+        drafts = [b[0] for b in branches]
         for i, chain in enumerate(drafts):
             rows[i][2].extend(chain)
+        # tree mode: every further branch is verified in a fork of the output's sequence, in the same pass
+        lanes = [(i, b, self.kv.fork(rows[i][1][0].sid, self.kv.length(rows[i][1][0].sid) + len(br[b]) + 1),
+                  [rows[i][2][0], *br[b]]) for i, br in enumerate(branches) for b in range(1, len(br))]
         left = self.budget  # prompt tokens per pass; decode rows ride along (a row each)
         for req in self.prefilling:
             if left <= 0:
@@ -215,15 +221,18 @@ class Engine:
             return
         keep = [len(toks) for _, _, toks, _ in rows[:decode_rows]] + [1] * (len(rows) - decode_rows) if spec else None
         t_pass = time.perf_counter()
-        logits = self.runner._forward([outs[0].sid for _, outs, _, _ in rows], [toks for _, _, toks, _ in rows],
-                                      keep=keep)
+        logits = self.runner._forward([outs[0].sid for _, outs, _, _ in rows] + [sid for _, _, sid, _ in lanes],
+                                      [toks for _, _, toks, _ in rows] + [toks for _, _, _, toks in lanes],
+                                      keep=keep and keep + [len(toks) for _, _, _, toks in lanes],
+                                      lanes=[0] * len(rows) + [b for _, b, _, _ in lanes] if lanes else None)
         verify_end = time.perf_counter()
         if spec:
-            logits, emitted = self._verify(rows[:decode_rows], drafts, logits, keep)
+            logits, emitted = self._verify(rows[:decode_rows], branches, lanes, logits, keep)
             spec.timed_verify(verify_end - t_pass, max(map(len, drafts)))
             self.runner.timeline.add("speculative", "verify", t_pass - self.runner.timeline.origin,
                                      verify_end - self.runner.timeline.origin, step=step_id,
-                                     proposed=sum(map(len, drafts)), accepted=emitted - decode_rows, rows=decode_rows)
+                                     proposed=sum(len(c) for br in branches for c in br),
+                                     accepted=emitted - decode_rows, rows=decode_rows, branches=decode_rows + len(lanes))
         else:
             emitted = decode_rows
         picks: list[tuple[Request, Output, torch.Tensor]] = []
@@ -253,25 +262,43 @@ class Engine:
         self.stats.passes.append((step_id, kind, 1000 * dt))
         self._retire()
 
-    def _verify(self, rows, drafts: list[list[int]], logits: torch.Tensor, keep: list[int]
+    def _verify(self, rows, branches: list[list[list[int]]], lanes: list, logits: torch.Tensor, keep: list[int]
                 ) -> tuple[list[torch.Tensor], int]:
-        """Accept or reject each decoding output's drafts; roll its KV back; emit what it keeps.
+        """Accept or reject each decoding output's drafts; keep the sequence of the branch it took (the
+        others are freed), roll its KV back; emit what it keeps.
 
         Returns one logits row per pass row (the last of each decoding row's) and the tokens emitted."""
-        per_row = list(torch.split(logits, keep))
+        per_row = list(torch.split(logits, keep + [len(toks) for _, _, _, toks in lanes]))
+        seen = [[(rows[i][1][0].sid, per_row[i])] for i in range(len(rows))]  # (sid, logits) of each branch
+        for (i, _, sid, _), lg in zip(lanes, per_row[len(keep):]):
+            seen[i].append((sid, lg))
         emitted = 0
-        kept = self.speculator.accept([(req, outs[0]) for req, outs, _, _ in rows], per_row[: len(rows)])
-        for (req, outs, _, _), chain, tokens in zip(rows, drafts, kept):
+        kept = self.speculator.accept([(req, outs[0]) for req, outs, _, _ in rows], [[lg for _, lg in s] for s in seen])
+        for (req, outs, _, _), br, (tokens, best), lane in zip(rows, branches, kept, seen):
             o = outs[0]
-            self.kv.truncate(o.sid, self.kv.length(o.sid) - (len(chain) + 1 - len(tokens)), reserve=True)
-            self.stats.draft_tokens += len(chain)
+            for b, (sid, _) in enumerate(lane):
+                if b != best:
+                    self.kv.free_sequence(sid)
+            if best:  # the branch's fork becomes the output's sequence, with its worst case reserved again
+                o.sid = lane[best][0]
+                self.kv.reserve(o.sid, len(req.context) + len(req.prompt) + req.sampling.max_new_tokens)
+            self.kv.truncate(o.sid, self.kv.length(o.sid) - (len(br[best]) + 1 - len(tokens)), reserve=True)
+            self.stats.draft_tokens += len(br[best])
             self.stats.accepted_tokens += len(tokens) - 1
             for tok in tokens:
                 if o.finish_reason:
                     break
                 self._emit(req, o, tok)
                 emitted += 1
-        return [r[-1] for r in per_row], emitted
+        return [r[-1] for r in per_row[: len(keep)]], emitted
+
+    def _tree_room(self, decode_rows: int) -> bool:
+        """Are there free device slots and logical blocks for a tree's extra branches this pass (each a fork
+        that may copy its partial block and write a chain) beside the chains' and a prefill pass's blocks?
+        Otherwise the pass verifies chains (a full device is not made fuller by demotions for a tree)."""
+        forks = decode_rows * (TREE_WIDTH - 1)
+        need = (forks + decode_rows) * (self._row_blocks + 1) + (self._pass_blocks if self.prefilling else 0)
+        return self.kv.pools["gpu"].num_free >= need and self.kv.logical.num_free >= need
 
     def _sample(self, picks: list[tuple[Request, Output, torch.Tensor]]) -> None:
         by_params: dict[Sampling, list[tuple[Request, Output, torch.Tensor]]] = {}

@@ -35,7 +35,7 @@ from offload.plan.planner import Planner, pass_tokens, resolve_capacities
 from offload.plan.speculative import reserve_draft, verify_cost
 from offload.runtime.engine import Engine, Output, Request, Sampling, blocks_needed
 from offload.runtime.results import GenerationResult, RunStats, TokenCallback
-from offload.runtime.speculative import Speculator, check_draft, draft_config
+from offload.runtime.speculative import TREE_WIDTH, Speculator, check_draft, draft_config
 from offload.weights.groups import WeightFormat, check_tensors
 from offload.weights.tiered import TieredWeights
 from schedulers.timeline import Timeline
@@ -207,16 +207,17 @@ class Runner:
 
     # -- the forward pass ---------------------------------------------------------------------
     def _forward(self, sids: list[int], tokens: list[list[int]], all_logits: bool = False,
-                 keep: Sequence[int] | None = None) -> torch.Tensor:
+                 keep: Sequence[int] | None = None, lanes: list[int] | None = None) -> torch.Tensor:
         """Run new `tokens[b]` of sequences `sids` through the model; logits [rows, V] float32.
 
         Rows are every token (all_logits), the last `keep[b]` new tokens of each sequence (speculative
-        verification), or each sequence's last new token.
+        verification; `lanes[b]`: the tree branch a sequence verifies), or each sequence's last new token.
         """
         kv = self._kv()
         layout, step = kv.prepare(sids, [len(t) for t in tokens])
         if keep is not None:  # verifying drafts: each token column multiplies as a plain decode step would
-            layout = dataclasses.replace(layout, row_groups=M.column_groups(layout.q_lens, layout.positions.device))
+            layout = dataclasses.replace(layout, row_groups=M.column_groups(layout.q_lens, layout.positions.device,
+                                                                            lanes))
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
         cold = any(g.tier != "gpu" for g in step.groups)
         try:
@@ -238,7 +239,7 @@ class Runner:
             if keep is not None:
                 ends = torch.tensor(layout.q_lens).cumsum(0).tolist()
                 x = x[torch.cat([torch.arange(e - n, e) for e, n in zip(ends, keep)]).to(x.device)]
-                head_groups = M.column_groups(list(keep), x.device)
+                head_groups = M.column_groups(list(keep), x.device, lanes)
             elif not all_logits:
                 x = x[layout.last_token_rows()]
             w = M.HeadWeights.from_views(self.weights.acquire("head"))
@@ -372,6 +373,8 @@ class Runner:
         stats = RunStats(prompt_tokens=sum(map(len, encoded)))
         bs = self.kv_settings.block_size
         need = sum(blocks_needed(len(r.prompt), r.sampling, bs) for r in requests)
+        if self.speculator is not None and self.config.speculative.tree:  # room for every output's branches
+            need += sum(r.sampling.n for r in requests) * TREE_WIDTH * (2 + -(-(self.speculator.most_tokens + 1) // bs))
         self._ensure_kv(need)  # unless fixed
         if self.draft is not None:
             self.draft._ensure_kv(need)

@@ -1,9 +1,10 @@
 """Speculative decoding: a small resident draft proposes a chain of tokens, the target checks them in one pass.
 
     spec = Speculator(draft_runner, tokens=8, timeline=runner.timeline, verify_cost=...)
-    drafts = spec.propose(rows)             # up to `tokens` draft passes: a chain per decoding output
-    ... the target runs [last token, *drafts] of every output in one pass, logits for each position ...
-    kept = spec.accept(req, output, logits)  # the accepted drafts and one token of the target's own
+    branches = spec.propose(rows, width)    # up to `tokens` draft passes: a chain (or a tree) per output
+    ... the target runs [last token, *branch] of every branch in one pass, logits for each position ...
+    kept = spec.accept(rows, logits)        # per output: the accepted drafts and one token of the target's,
+                                            # and the branch they came from
 
 The draft is a second runner with its own KV cache (resident: its passes read no streamed bytes).
 Each output has a draft sequence that lags the committed tokens by at most two; a step first
@@ -15,6 +16,13 @@ result exactly:
                rejected one is replaced by a draw from max(p - q, 0), normalised; if all are kept, one
                more is drawn from p (Leviathan et al. 2023; Chen et al. 2023), so every token is
                distributed as the target alone would draw it (p, q: after temperature, top-k, top-p)
+
+A tree (`tree: true`, greedy outputs, while the pools have room) is TREE_WIDTH chains that share the
+output's context and start with the draft's top first tokens: each extra branch is a fork of the
+sequence (copy-on-write blocks), so the target verifies it with plain causal attention in the same
+pass; the longest accepted branch wins and the other forks go (a tree attention mask over one
+sequence would put a node's keys out of token order, and its bits would not be a plain step's).
+Sampled outputs keep one chain: the rule above is for one candidate per position.
 
 The caller rolls the target's KV back past the kept tokens (`PagedKVCache.truncate`); this module
 rolls back the draft's. `tokens: auto` re-chooses the chain length each step from the measured
@@ -42,6 +50,8 @@ from schedulers.timeline import Timeline
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.6, 8.0
 #: with `tokens: auto` and drafting not paying, every PROBE_EVERY-th pass still drafts one token
 PROBE_EVERY = 16
+#: `tree: true`: the draft's top TREE_WIDTH first tokens, each continued greedily to the chain's length
+TREE_WIDTH = 3
 
 
 def draft_config(config: OffloadConfig) -> OffloadConfig:
@@ -49,9 +59,6 @@ def draft_config(config: OffloadConfig) -> OffloadConfig:
 
     Its KV pool is sized by the caller once the target's is known (one draft block per target block)."""
     spec = config.speculative
-    if spec.tree:
-        raise ConfigError("speculative.tree: a tree of candidates is not built yet; use tree: false (a chain of "
-                          "speculative.tokens drafts)")
     kv = KVCacheConfig(block_size=config.kv_cache.block_size, gpu_blocks=None)
     off = dataclasses.replace(spec, draft="none", path=None)
     if spec.draft in SELF_DRAFTS:  # the target itself, its matrices packed (in memory: every weight is resident)
@@ -90,7 +97,9 @@ class Speculator:
         self.verify_s = 0.0  # seconds in target passes that verified drafts (normalised to a plain pass)
         self.verify_passes = 0
         self.choice: SpecPrediction | None = None  # the last automatic choice
-        self._step: dict[int, tuple[list[int], torch.Tensor | None, int]] = {}  # output -> (drafts, q, context)
+        self.tree_wins = 0  # tree mode: steps whose longest accepted branch was not the draft's first choice
+        # output -> (branches of drafts, their draft sequences, q of a sampled chain, context length)
+        self._step: dict[int, tuple[list[list[int]], list[int], torch.Tensor | None, int]] = {}
 
     # -- bookkeeping ---------------------------------------------------------------------------
     @property
@@ -124,7 +133,9 @@ class Speculator:
         if output.draft_sid is not None:
             self.draft._kv().free_sequence(output.draft_sid)
             output.draft_sid = None
-        self._step.pop(output.index, None)
+        step = self._step.pop(output.index, None)
+        for sid in step[1][1:] if step else ():
+            self.draft._kv().free_sequence(sid)
 
     def timed_verify(self, seconds: float, k: int) -> None:
         """The target's verify pass took `seconds` with chains of up to `k` drafts."""
@@ -132,28 +143,60 @@ class Speculator:
         self.verify_passes += 1
 
     # -- proposing ----------------------------------------------------------------------------
-    def propose(self, rows: list[tuple[Any, Any]]) -> list[list[int]]:
-        """Draft tokens for each (request, output): at most `tokens`, and never past max_new_tokens."""
+    def propose(self, rows: list[tuple[Any, Any]], width: int = 1) -> list[list[list[int]]]:
+        """Draft branches for each (request, output): at most `tokens` each, never past max_new_tokens.
+
+        A chain is one branch. With `width` > 1 (tree mode, greedy outputs, room in the draft's pool) the
+        draft's top `width` first tokens each start a branch continued greedily: the target verifies
+        every branch in the same pass and keeps the longest accepted one."""
         k_max = self.tokens()
         ks = [min(k_max, req.sampling.max_new_tokens - len(o.token_ids) - 1) for req, o in rows]
-        drafts: list[list[int]] = [[] for _ in rows]
+        lanes: list[list[int]] = [[o.draft_sid] for _, o in rows]  # draft sequence of each branch
+        branches: list[list[list[int]]] = [[[]] for _ in rows]
         qs: list[list[torch.Tensor]] = [[] for _ in rows]
         active = [i for i, k in enumerate(ks) if k > 0]
         if active:
             with self.timeline.span("speculative", "draft", tokens=max(ks)):
                 self._start([rows[i] for i in active])
-                feed = {i: self._unseen(*rows[i]) for i in active}
+                lanes = [[o.draft_sid] for _, o in rows]
+                feed = {(i, 0): self._unseen(*rows[i]) for i in active}
                 for j in range(max(ks)):
-                    live = [i for i in active if ks[i] > j]
-                    logits = self._draft_pass([rows[i][1].draft_sid for i in live], [feed[i] for i in live])
-                    for i, (tok, q) in zip(live, self._pick([rows[i] for i in live], logits)):
-                        drafts[i].append(tok)
-                        qs[i].append(q)
-                        feed[i] = [tok]
+                    live = [(i, b) for i in active if ks[i] > j for b in range(len(lanes[i]))]
+                    logits = self._draft_pass([lanes[i][b] for i, b in live], [feed[i, b] for i, b in live])
+                    if j == 0 and width > 1:
+                        self._widen(rows, live, logits, lanes, branches, qs, feed, width, ks)
+                        continue
+                    picks = self._pick([rows[i] for i, _ in live], logits)
+                    for (i, b), (tok, q) in zip(live, picks):
+                        branches[i][b].append(tok)
+                        if b == 0:
+                            qs[i].append(q)
+                        feed[i, b] = [tok]
         for i, (req, o) in enumerate(rows):
             q = torch.stack(qs[i]) if qs[i] and qs[i][0] is not None else None
-            self._step[o.index] = (drafts[i], q, len(req.prompt) + len(o.token_ids))
-        return drafts
+            self._step[o.index] = (branches[i], lanes[i], q, len(req.prompt) + len(o.token_ids))
+        return branches
+
+    def _widen(self, rows, live, logits, lanes, branches, qs, feed, width: int, ks: list[int]) -> None:
+        """The first draft pass of a tree: greedy outputs branch on the draft's top tokens (forked draft
+        sequences, while the draft's pool has room); sampled ones keep their single drawn chain."""
+        kv = self.draft._kv()
+        room = min(kv.pools["gpu"].num_free, kv.logical.num_free)  # blocks the extra branches may take
+        for (i, _), row, (tok, q) in zip(live, logits, self._pick([rows[i] for i, _ in live], logits)):
+            req, o = rows[i]
+            tops = [tok]
+            qs[i].append(q)
+            if q is None:  # greedy: the top `width` (the first is the argmax)
+                extra = -(-(ks[i] + 1) // kv.block_size) + 1  # blocks a branch may write, copy-on-write included
+                tops = row.topk(min(width, row.shape[-1], 1 + room // extra)).indices.tolist()
+                room -= (len(tops) - 1) * extra
+            for b, t in enumerate(tops):
+                if b:
+                    context = kv.length(o.draft_sid)
+                    lanes[i].append(kv.fork(o.draft_sid, context + ks[i] + 1))
+                    branches[i].append([])
+                branches[i][b].append(t)
+                feed[i, b] = [t]
 
     def _start(self, rows: list[tuple[Any, Any]]) -> None:
         """Draft sequences for outputs that have none: the prompt goes in once, the samples of a prompt fork it."""
@@ -200,31 +243,38 @@ class Speculator:
         return out
 
     # -- verifying ----------------------------------------------------------------------------
-    def accept(self, rows: list[tuple[Any, Any]], logits: list[torch.Tensor]) -> list[list[int]]:
-        """The tokens this step commits for each (request, output): kept drafts, then one of the target's.
+    def accept(self, rows: list[tuple[Any, Any]], logits: list[list[torch.Tensor]]) -> list[tuple[list[int], int]]:
+        """The tokens this step commits for each (request, output) and the branch they come from.
 
-        logits[i]: [k_i + 1, V], the target's at the output's last token and each of its drafts. Rolls the
-        draft's KV back to the kept tokens; the caller rolls back the target's.
+        logits[i][b]: [k + 1, V], the target's at the output's last token and each draft of branch b. Keeps
+        the chosen branch's draft sequence (rolled back to the kept tokens) and frees the others; the caller
+        does the same for the target's sequences.
         """
-        ps = distributions([r for r, lg in zip(rows, logits) for _ in range(len(lg))], torch.cat(logits))
+        firsts = [lanes[0] for lanes in logits]
+        ps = distributions([r for r, lg in zip(rows, firsts) for _ in range(len(lg))], torch.cat(firsts))
         out, at = [], 0
-        for (req, o), lg in zip(rows, logits):
-            p, at = ps[at : at + len(lg)], at + len(lg)
-            out.append(self._accept_one(req, o, lg, None if p[0] is None else torch.stack(p)))
+        for (req, o), lanes in zip(rows, logits):
+            p, at = ps[at : at + len(lanes[0])], at + len(lanes[0])
+            out.append(self._accept_one(req, o, lanes, None if p[0] is None else torch.stack(p)))
         return out
 
-    def _accept_one(self, req: Any, o: Any, logits: torch.Tensor, p: torch.Tensor | None) -> list[int]:
-        drafts, q, context = self._step.pop(o.index)
-        k = len(drafts)
-        if p is None:  # greedy
-            target = logits.argmax(dim=-1).tolist()
-            a = 0
-            while a < k and drafts[a] == target[a]:
-                a += 1
-            out = drafts[:a] + [target[a]]
-        else:  # p [k+1, V], q [k, V]
+    def _accept_one(self, req: Any, o: Any, lanes: list[torch.Tensor], p: torch.Tensor | None
+                    ) -> tuple[list[int], int]:
+        branches, sids, q, context = self._step.pop(o.index)
+        best = 0
+        if p is None:  # greedy: the branch whose drafts equal the target's argmax the longest
+            found = []
+            for drafts, logits in zip(branches, lanes):
+                target = logits.argmax(dim=-1).tolist()
+                a = 0
+                while a < len(drafts) and drafts[a] == target[a]:
+                    a += 1
+                found.append(drafts[:a] + [target[a]])
+            best = max(range(len(found)), key=lambda b: (len(found[b]), -b))
+            out = found[best]
+        else:  # one chain: p [k+1, V], q [k, V]
             out = []
-            for j, d in enumerate(drafts):
+            for j, d in enumerate(branches[0]):
                 u = float(torch.rand(1, generator=o.generator))
                 if u * float(q[j, d]) < float(p[j, d]):  # kept with probability min(1, p/q)
                     out.append(d)
@@ -234,15 +284,22 @@ class Speculator:
                 out.append(int(torch.multinomial(residual / total if total > 0 else p[j], 1, generator=o.generator)))
                 break
             else:
-                out.append(int(torch.multinomial(p[k], 1, generator=o.generator)))
-        kept = len(out) - 1
+                out.append(int(torch.multinomial(p[len(branches[0])], 1, generator=o.generator)))
+        k, kept = len(branches[best]), len(out) - 1
         self.proposed += k
         self.accepted += kept
         self.cut += kept < k
+        self.tree_wins += best > 0
+        kv = self.draft._kv()
+        for b, sid in enumerate(sids):
+            if b != best:
+                kv.free_sequence(sid)
+        if best:  # the chosen branch's draft sequence becomes the output's, with its worst case reserved
+            o.draft_sid = sids[best]
+            kv.reserve(o.draft_sid, len(req.prompt) + req.sampling.max_new_tokens)
         if k and o.draft_sid is not None:  # the draft saw the context and drafts[:-1]; keep what was accepted
-            kv = self.draft._kv()
             kv.truncate(o.draft_sid, min(kv.length(o.draft_sid), context + kept), reserve=True)
-        return out
+        return out, best
 
 
 def distributions(rows: list[tuple[Any, Any]], logits: torch.Tensor) -> list[torch.Tensor | None]:
