@@ -192,7 +192,8 @@ def markdown(result: dict) -> str:
     lines = [f"# Speculative decoding over streamed weights ({result['date']})", "",
              f"Machine: {result['machine']}; load (1/5/15 min) at start {result['load_start']}, end "
              f"{result['load_end']}. CPU flags: {result['cpu_flags']}.", "",
-             "| target | run | tok/s | x plain | drafts kept | alpha | tokens/pass | draft ms | verify ms | plain ms/pass "
+             "| target | run | tok/s | x plain | drafts kept | alpha | tokens/pass | draft ms | verify ms "
+             "| plain ms/pass "
              "| predicted x (measured times) | predicted x (cost model) | same tokens | load |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
@@ -204,7 +205,8 @@ def markdown(result: dict) -> str:
         if r["run"] == "plain":
             plain[r["target"]] = r["ms_per_pass"]
         lines.append(f"| {r['target']} | {r['run']} | {f(r['decode_tokens_per_s'])} | {f(r.get('speedup'))} | "
-                     f"{f(r['acceptance'])} | {f(r.get('alpha'))} | {f(r['tokens_per_pass'])} | {f(r['draft_ms'], 0)} | "
+                     f"{f(r['acceptance'])} | {f(r.get('alpha'))} | {f(r['tokens_per_pass'])} | "
+                     f"{f(r['draft_ms'], 0)} | "
                      f"{f(r['verify_ms'], 0)} | {f(plain.get(r['target']), 0)} | "
                      f"{f(r.get('predicted_speedup_from_measured_times'))} | "
                      f"{f(r.get('predicted_speedup_from_cost_model'))} | {r.get('same_tokens_as_plain', '')} | "

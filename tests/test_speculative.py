@@ -304,7 +304,8 @@ def test_a_verify_pass_gives_each_token_the_bits_of_a_plain_decode_step(model_fa
     9 plain decode steps, in bf16, with the chain crossing KV blocks: what makes greedy speculation exact."""
     target = model_factory("llama", overrides=WIDE)
     g = torch.Generator().manual_seed(3)
-    prompt, chain = torch.randint(3, 512, (27,), generator=g).tolist(), torch.randint(3, 512, (9,), generator=g).tolist()
+    prompt = torch.randint(3, 512, (27,), generator=g).tolist()
+    chain = torch.randint(3, 512, (9,), generator=g).tolist()
     with Runner.from_config(run_config(target, dtype="bfloat16", kv_cache={"block_size": 4})) as r:
         kv = r._ensure_kv(32)
         a, b = kv.add_sequence(), kv.add_sequence()

@@ -18,10 +18,10 @@ import torch
 from offload.cli.main import main
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
+from offload.model.checkpoint import Checkpoint
 from offload.plan import calibrate
 from offload.plan.calibrate import compute_dtype
 from offload.plan.planner import Planner
-from offload.model.checkpoint import Checkpoint
 from offload.runtime.runner import Runner
 from offload.weights.groups import model_layouts
 from storage.errors import CapacityError

@@ -142,7 +142,8 @@ class BatchLayout:
     def column_keys(self, block: int) -> list[int]:
         """Key slots a decode step gathers for the j-th new token of every sequence (keys in token order,
         `block` to a block): up to the block holding the latest such token, for each column j."""
-        last = [max(kl - ql + j for ql, kl in zip(self.q_lens, self.kv_lens) if ql > j) for j in range(max(self.q_lens))]
+        last = [max(kl - ql + j for ql, kl in zip(self.q_lens, self.kv_lens) if ql > j)
+                for j in range(max(self.q_lens))]
         return [-(-(p + 1) // block) * block for p in last]
 
     def mask(self, key_positions: torch.Tensor, key_valid: torch.Tensor, window: int | None) -> torch.Tensor:

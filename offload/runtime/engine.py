@@ -232,7 +232,8 @@ class Engine:
             self.runner.timeline.add("speculative", "verify", t_pass - self.runner.timeline.origin,
                                      verify_end - self.runner.timeline.origin, step=step_id,
                                      proposed=sum(len(c) for br in branches for c in br),
-                                     accepted=emitted - decode_rows, rows=decode_rows, branches=decode_rows + len(lanes))
+                                     accepted=emitted - decode_rows, rows=decode_rows,
+                                     branches=decode_rows + len(lanes))
         else:
             emitted = decode_rows
         picks: list[tuple[Request, Output, torch.Tensor]] = []

@@ -184,7 +184,8 @@ class Runner:
                  host_memory: torch.Tensor | None = None) -> PagedKVCache:
         s = self.kv_settings
         disk = self.config.tiers.disk if self.config.tiers else None
-        return PagedKVCache(self.cfg, s.block_size, gpu_blocks, self.compute_dtype, self.device, memory=memory, settings=s,
+        return PagedKVCache(self.cfg, s.block_size, gpu_blocks, self.compute_dtype, self.device, memory=memory,
+                            settings=s,
                             disk_dir=disk.path / "kv-scratch" if disk is not None and s.disk_blocks else None,
                             pin_memory=self.device.type == "cuda", timeline=self.timeline, rope=self.rope,
                             traffic=self.traffic, host_memory=host_memory,
