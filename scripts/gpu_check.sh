@@ -2,6 +2,7 @@
 # The CUDA checks, as one prepared script for a lent GPU machine (see ../shared/device/README.md):
 #   scripts/gpu_check.sh OUT_DIR
 # 1. every test marked `cuda` (tests/test_cuda.py: placements, cold KV tiers, int8, recompute, pinned arena,
+#    cold KV on the copy stream without a host sync; tests/test_speculative.py: bf16-exact verify on cuBLAS;
 #    slot reuse, device->host slot writes), 2. the GPU benchmark (streamed from pinned RAM vs the PCIe bound).
 # Everything lands in OUT_DIR (log, junit XML, benchmark JSON, spans). Budget: well under 8 minutes.
 set -uo pipefail

@@ -365,3 +365,28 @@ def test_a_tree_is_exact_in_bf16_and_sampled_outputs_keep_one_chain(model_factor
         r.generate(prompt, max_new_tokens=12, temperature=0.8, seed=1, stop_on_eos=False)
         verify = [s for s in r.timeline.on("speculative") if s.name == "verify"][-3:]
         assert verify and all(s.args["branches"] == s.args["rows"] for s in verify)  # sampling: one chain
+
+
+@pytest.mark.cuda
+@torch.inference_mode()
+def test_on_cuda_a_verify_pass_gives_the_bits_of_plain_decode_steps_and_greedy_is_exact(model_factory):
+    """The same on cuBLAS and the fused attention kernel: a chain checked in one pass equals single steps bit
+    for bit in bf16, and greedy speculation (chain and tree, self-int4) gives the plain run's tokens."""
+    target = model_factory("llama", overrides=WIDE)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 512, (27,), generator=g).tolist()
+    chain = torch.randint(3, 512, (9,), generator=g).tolist()
+    base = run_config(target, device="cuda", dtype="bfloat16", kv_cache={"block_size": 4})
+    with Runner.from_config(base) as r:
+        kv = r._ensure_kv(32)
+        a, b = kv.add_sequence(), kv.add_sequence()
+        r._forward([a], [prompt])
+        r._forward([b], [prompt])
+        steps = torch.cat([r._forward([a], [[t]]) for t in chain])
+        assert torch.equal(r._forward([b], [chain], keep=[len(chain)]), steps)
+        kv.free_sequence(a)
+        kv.free_sequence(b)
+        want = r.generate([prompt], max_new_tokens=40, stop_on_eos=False)[0].token_ids
+    for tree in (False, True):
+        with Runner.from_config(base | {"speculative": {"draft": "self-int4", "tokens": 6, "tree": tree}}) as r:
+            assert r.generate([prompt], max_new_tokens=40, stop_on_eos=False)[0].token_ids == want
