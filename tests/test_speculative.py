@@ -390,3 +390,36 @@ def test_on_cuda_a_verify_pass_gives_the_bits_of_plain_decode_steps_and_greedy_i
     for tree in (False, True):
         with Runner.from_config(base | {"speculative": {"draft": "self-int4", "tokens": 6, "tree": tree}}) as r:
             assert r.generate([prompt], max_new_tokens=40, stop_on_eos=False)[0].token_ids == want
+
+
+def test_a_prompt_chunk_riding_in_a_verify_pass_is_one_product_and_changes_no_token(tiny_llama, draft_for,
+                                                                                    monkeypatch):
+    """A request joins while others speculate: its prompt chunk shares their verify pass. The chunk is
+    multiplied as one product and attended in one call (not one per token: 64 tokens would be 64 products
+    per matrix), and every request still gets the tokens it gets alone without a draft."""
+    import offload.model.functional as M
+    from offload.runtime.engine import Engine, Request, Sampling
+
+    assert [len(g) for g in M.column_groups([5, 64, 3], lanes=[0, -1, 0])] == [2, 2, 2, 1, 1, 64]
+    prompts = [[1, 17, 99, 23, 5, 61, 7, 300, 41], [1, *range(40, 100)]]
+    with Runner.from_config(run_config(tiny_llama, kv_cache={"gpu_blocks": 64})) as r:
+        want = [r.generate([p], max_new_tokens=12, stop_on_eos=False)[0].token_ids for p in prompts]
+    cfg = run_config(tiny_llama, kv_cache={"gpu_blocks": 64}, activations={"prefill_chunk": 64},
+                     speculative={"draft": str(draft_for(tiny_llama)), "tokens": 4})
+    groups = []
+    linear = M.linear
+    monkeypatch.setattr(M, "linear",
+                        lambda x, w, b=None, g=None: (groups.append(len(g or [0])), linear(x, w, b, g))[1])
+    with Runner.from_config(cfg) as r:
+        engine = Engine(r)
+        first = engine.submit(Request(prompts[0], Sampling(max_new_tokens=12)))
+        for _ in range(3):
+            engine.step()
+        assert engine.decoding == [first]
+        later = engine.submit(Request(prompts[1], Sampling(max_new_tokens=12)))
+        groups.clear()
+        engine.step()  # the first request's chain verified, the newcomer's 61-token prompt in the same pass
+        assert max(groups) <= 4 + 1 + 1  # the chain's columns and one for the prompt
+        while engine.busy:
+            engine.step()
+    assert [first.outputs[0].token_ids, later.outputs[0].token_ids] == want

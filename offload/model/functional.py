@@ -54,11 +54,16 @@ def column_groups(lens: list[int], device: torch.device | str = "cpu",
                   lanes: list[int] | None = None) -> list[torch.Tensor]:
     """Flat rows of sequences with `lens` rows each, grouped by column: group j holds row j of every
     sequence that has one (the j-th new token of each chain). With `lanes` (tree mode: the branch each
-    sequence verifies), a group is a column of one lane: one row per output, as a plain step has."""
+    sequence verifies), a group is a column of one lane: one row per output, as a plain step has; lane -1
+    (a prompt chunk in the same pass) is one group whatever its length."""
     starts = torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()
     lanes = lanes or [0] * len(lens)
-    return [torch.tensor([s + j for s, n, b in zip(starts, lens, lanes) if n > j and b == lane], device=device)
-            for lane in sorted(set(lanes)) for j in range(max(n for n, b in zip(lens, lanes) if b == lane))]
+    groups = [torch.tensor([s + j for s, n, b in zip(starts, lens, lanes) if n > j and b == lane], device=device)
+              for lane in sorted(set(lanes) - {-1}) for j in range(max(n for n, b in zip(lens, lanes) if b == lane))]
+    if -1 in lanes:  # prompt chunks riding in the pass: one product (their bits are not a decode step's anyway)
+        groups.append(torch.tensor([s + j for s, n, b in zip(starts, lens, lanes) if b == -1 for j in range(n)],
+                                   device=device))
+    return groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +115,7 @@ class BatchLayout:
     unpad_index: torch.Tensor  # [N] long, index of each flat token into the flattened [B * Tq] padded queries
     q_pos: torch.Tensor  # [B, Tq] long, position of each padded query (-1 for padding)
     row_groups: list[torch.Tensor] | None = None  # matrix products one group of rows at a time (see linear)
+    columns: int = 0  # with row_groups: query columns attended one at a time (the verified chains' longest)
 
     @classmethod
     def build(cls, q_lens: list[int], kv_lens: list[int], device: torch.device | str) -> BatchLayout:
@@ -143,7 +149,7 @@ class BatchLayout:
         """Key slots a decode step gathers for the j-th new token of every sequence (keys in token order,
         `block` to a block): up to the block holding the latest such token, for each column j."""
         last = [max(kl - ql + j for ql, kl in zip(self.q_lens, self.kv_lens) if ql > j)
-                for j in range(max(self.q_lens))]
+                for j in range(min(self.columns, max(self.q_lens)))]
         return [-(-(p + 1) // block) * block for p in last]
 
     def mask(self, key_positions: torch.Tensor, key_valid: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -273,6 +279,10 @@ def attend_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     outs, lses = [], []
     for j, n in enumerate(keys):
         out, lse, _ = attend_group(q[:, j : j + 1], k[:, :n], v[:, :n], mask[:, j : j + 1, :n], scale)
+        outs.append(out)
+        lses.append(lse)
+    if q.shape[1] > len(keys):  # the rest of a prompt chunk in the same pass: one call
+        out, lse, _ = attend_group(q[:, len(keys) :], k, v, mask[:, len(keys) :], scale)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)

@@ -224,7 +224,8 @@ class Engine:
         logits = self.runner._forward([outs[0].sid for _, outs, _, _ in rows] + [sid for _, _, sid, _ in lanes],
                                       [toks for _, _, toks, _ in rows] + [toks for _, _, _, toks in lanes],
                                       keep=keep and keep + [len(toks) for _, _, _, toks in lanes],
-                                      lanes=[0] * len(rows) + [b for _, b, _, _ in lanes] if lanes else None)
+                                      lanes=[0] * decode_rows + [-1] * (len(rows) - decode_rows)
+                                      + [b for _, b, _, _ in lanes] if spec else None)
         verify_end = time.perf_counter()
         if spec:
             logits, emitted = self._verify(rows[:decode_rows], branches, lanes, logits, keep)

@@ -217,8 +217,10 @@ class Runner:
         kv = self._kv()
         layout, step = kv.prepare(sids, [len(t) for t in tokens])
         if keep is not None:  # verifying drafts: each token column multiplies as a plain decode step would
-            layout = dataclasses.replace(layout, row_groups=M.column_groups(layout.q_lens, layout.positions.device,
-                                                                            lanes))
+            lanes = lanes or [0] * len(sids)  # -1: a prompt chunk riding in the pass
+            columns = max((n for n, b in zip(layout.q_lens, lanes) if b >= 0), default=0)
+            layout = dataclasses.replace(layout, columns=columns,
+                                         row_groups=M.column_groups(layout.q_lens, layout.positions.device, lanes))
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
         cold = any(g.tier != "gpu" for g in step.groups)
         try:
