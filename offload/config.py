@@ -158,14 +158,16 @@ class TimelineConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    draft: str = _opt(_draft, "none | self-int4 | self-int8 | a draft checkpoint directory sharing the tokenizer",
-                      "none")
+    draft: str = _opt(_draft, "none | self-int4 | self-int8 | a draft checkpoint directory or Hub id (org/name"
+                              "[@revision]) sharing the target's tokenizer", "none")
     tokens: int | None = _opt(_int_or_auto(1), "draft tokens proposed per pass; auto = the count the measured "
                               "acceptance and pass times predict fastest", 8)
     tree: bool = _opt(_bool, "greedy outputs branch on the draft's top 3 first tokens, each continued as a "
                              "chain and verified in a fork of the sequence in the same pass", False)
     #: the draft checkpoint directory (resolved); None for none and the self-* drafts
     path: Path | None = field(default=None, compare=False, metadata={"internal": True})
+    #: a Hub draft's id: `path` holds its config and tokenizer until the draft's runner fetches the weights
+    hub: str | None = field(default=None, compare=False, metadata={"internal": True})
 
     @property
     def enabled(self) -> bool:
@@ -289,7 +291,11 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str, base_dir: Path, sour
             raise ConfigError(f"{prefix}path: missing required key; the disk tier needs a directory for its store")
         values["path"] = _resolve(values["path"], base_dir, prefix + "path")
     if cls is SpeculativeConfig and values.get("draft", "none") not in ("none", *SELF_DRAFTS):
-        values["path"] = _draft_dir(values["draft"], base_dir, prefix + "draft")
+        if hub.is_hub_id(values["draft"], base_dir):
+            values["hub"] = values["draft"]
+            values["path"] = hub.fetch(values["draft"], weights=False, key=prefix + "draft")
+        else:
+            values["path"] = _draft_dir(values["draft"], base_dir, prefix + "draft")
     return cls(**values)
 
 
@@ -306,8 +312,7 @@ def _draft_dir(value: str, base_dir: Path, key: str) -> Path:
     if not path.is_dir():
         raise ConfigError(
             f"{key}: {value!r} is neither none, self-int4, self-int8 nor a checkpoint directory; give the path of a "
-            "draft checkpoint (config.json, *.safetensors, the target's tokenizer) - hub ids are not downloaded, "
-            "fetch the model first"
+            "draft checkpoint (config.json, *.safetensors, the target's tokenizer) or a Hub id (org/name)"
         )
     return path
 

@@ -108,3 +108,38 @@ def test_download_only_what_a_run_reads_then_run_offline_from_the_cache(hub, tmp
 def test_a_token_opens_a_gated_repository(hub, tmp_path):
     got = drive({"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "hf_test"}, "org/gated")
     assert "tokens" in got["org/gated"], got
+
+
+DRAFT_DRIVER = textwrap.dedent("""
+    import json, sys
+    from offload.errors import OffloadError
+    from offload.runtime.runner import Runner
+    out = {}
+    for draft in sys.argv[2:]:
+        cfg = {"model": sys.argv[1], "device": "cpu", "dtype": "float32", "speculative": {"draft": draft, "tokens": 3}}
+        try:
+            with Runner.from_config(cfg) as r:
+                res = r.generate([PROMPT], max_new_tokens=6, stop_on_eos=False)[0]
+                out[draft] = {"tokens": res.token_ids, "draft": str(r.draft.config.model),
+                              "weights": sorted(p.name for p in r.draft.config.model.glob("*.safetensors"))}
+        except OffloadError as e:
+            out[draft] = {"error": str(e)}
+    print(json.dumps(out))
+""").replace("PROMPT", str(PROMPT))
+
+
+def test_a_hub_id_as_the_draft_is_fetched_like_the_model(hub, tmp_path, tiny_llama):
+    """speculative.draft: org/name: the draft's config and tokenizer when the config loads, its weights when its
+    runner starts (from the same cache, resumable, no pickles); greedy tokens are the target's own; a missing
+    repository is one sentence naming speculative.draft."""
+    with Runner.from_config(run_config(tiny_llama)) as r:
+        local = r.generate([PROMPT], max_new_tokens=6, stop_on_eos=False)[0].token_ids
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {"PYTHONPATH": str(ROOT)}
+    env |= {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([sys.executable, "-c", DRAFT_DRIVER, str(tiny_llama), "org/tiny", "org/missing"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["org/tiny"]["tokens"] == local
+    assert str(tmp_path / "hf") in got["org/tiny"]["draft"] and got["org/tiny"]["weights"]
+    assert got["org/missing"]["error"].startswith("speculative.draft: org/missing: no such repository")

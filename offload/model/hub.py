@@ -47,10 +47,11 @@ def split_id(value: str) -> tuple[str, str | None]:
     return m.group("repo"), m.group("revision")
 
 
-def fetch(value: str, weights: bool = True) -> Path:
-    """The local snapshot directory of a Hub checkpoint, downloading what is missing (see the module doc)."""
+def fetch(value: str, weights: bool = True, key: str = "model") -> Path:
+    """The local snapshot directory of a Hub checkpoint, downloading what is missing (see the module doc);
+    errors name the config `key` it came from."""
     repo, revision = split_id(value)
-    where = f"model: {value}"
+    where = f"{key}: {value}"
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     try:
         path = Path(snapshot_download(repo, revision=revision, allow_patterns=METADATA + (WEIGHTS if weights else []),

@@ -60,14 +60,15 @@ def draft_config(config: OffloadConfig) -> OffloadConfig:
     Its KV pool is sized by the caller once the target's is known (one draft block per target block)."""
     spec = config.speculative
     kv = KVCacheConfig(block_size=config.kv_cache.block_size, gpu_blocks=None)
-    off = dataclasses.replace(spec, draft="none", path=None)
+    off = dataclasses.replace(spec, draft="none", path=None, hub=None)
     if spec.draft in SELF_DRAFTS:  # the target itself, its matrices packed (in memory: every weight is resident)
         fmt = WeightFormat(spec.draft.removeprefix("self-"), config.weights.group_size, tuple(config.weights.keep))
         fmt = fmt.fitted(Checkpoint(config.model).config)  # a group size every packed matrix allows
         weights = dataclasses.replace(config.weights, quantization=fmt.quantization, group_size=fmt.group_size)
         return dataclasses.replace(config, tiers=None, kv_cache=kv, weights=weights, speculative=off)
     assert spec.path is not None
-    return dataclasses.replace(config, model=spec.path, tiers=None, kv_cache=kv, speculative=off)
+    # a Hub draft: its runner fetches the weights (config.hub), as the target's does
+    return dataclasses.replace(config, model=spec.path, hub=spec.hub, tiers=None, kv_cache=kv, speculative=off)
 
 
 def check_draft(target: Any, draft: Any) -> None:
