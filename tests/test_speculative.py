@@ -423,3 +423,28 @@ def test_a_prompt_chunk_riding_in_a_verify_pass_is_one_product_and_changes_no_to
         while engine.busy:
             engine.step()
     assert [first.outputs[0].token_ids, later.outputs[0].token_ids] == want
+
+
+def test_a_pass_that_fails_mid_tree_leaves_every_block_free(tiny_llama, draft_for, monkeypatch):
+    """Forks of a tree (target and draft) live for one pass; when the pass raises (a full disk, Ctrl-C) the
+    run's clean-up still gets every block of both pools back, and the runner serves the next request."""
+    cfg = run_config(tiny_llama, kv_cache={"block_size": 4, "gpu_blocks": 64},
+                     speculative={"draft": str(draft_for(tiny_llama, 0.3)), "tokens": 3, "tree": True})
+    with Runner.from_config(cfg) as r:
+        forward, calls = r._forward, []
+
+        def failing(sids, tokens, all_logits=False, keep=None, lanes=None):
+            calls.append(lanes)
+            if lanes and max(lanes) > 0 and len(calls) > 3:
+                raise OSError(28, "No space left on device")
+            return forward(sids, tokens, all_logits, keep, lanes)
+
+        monkeypatch.setattr(r, "_forward", failing)
+        with pytest.raises(OSError):
+            r.generate(ragged(512), max_new_tokens=NEW, stop_on_eos=False)
+        assert any(lanes and max(lanes) > 0 for lanes in calls)  # it failed in a pass that verified a tree
+        assert r.kv.pool.num_free == r.kv.pool.num_blocks and r.kv.logical.num_free == r.kv.logical.num_blocks
+        assert r.draft.kv.pool.num_free == r.draft.kv.pool.num_blocks
+        assert r.draft.kv.logical.num_free == r.draft.kv.logical.num_blocks
+        monkeypatch.setattr(r, "_forward", forward)
+        assert len(r.generate([[1, 5, 9]], max_new_tokens=4, stop_on_eos=False)[0].token_ids) == 4

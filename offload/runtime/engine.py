@@ -221,11 +221,16 @@ class Engine:
             return
         keep = [len(toks) for _, _, toks, _ in rows[:decode_rows]] + [1] * (len(rows) - decode_rows) if spec else None
         t_pass = time.perf_counter()
-        logits = self.runner._forward([outs[0].sid for _, outs, _, _ in rows] + [sid for _, _, sid, _ in lanes],
-                                      [toks for _, _, toks, _ in rows] + [toks for _, _, _, toks in lanes],
-                                      keep=keep and keep + [len(toks) for _, _, _, toks in lanes],
-                                      lanes=[0] * decode_rows + [-1] * (len(rows) - decode_rows)
-                                      + [b for _, b, _, _ in lanes] if spec else None)
+        try:
+            logits = self.runner._forward([outs[0].sid for _, outs, _, _ in rows] + [sid for _, _, sid, _ in lanes],
+                                          [toks for _, _, toks, _ in rows] + [toks for _, _, _, toks in lanes],
+                                          keep=keep and keep + [len(toks) for _, _, _, toks in lanes],
+                                          lanes=[0] * decode_rows + [-1] * (len(rows) - decode_rows)
+                                          + [b for _, b, _, _ in lanes] if spec else None)
+        except BaseException:  # a failed pass leaves no fork behind (the draft's go with `release`)
+            for _, _, sid, _ in lanes:
+                self.kv.free_sequence(sid)
+            raise
         verify_end = time.perf_counter()
         if spec:
             logits, emitted = self._verify(rows[:decode_rows], branches, lanes, logits, keep)

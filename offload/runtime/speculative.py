@@ -156,10 +156,24 @@ class Speculator:
         branches: list[list[list[int]]] = [[[]] for _ in rows]
         qs: list[list[torch.Tensor]] = [[] for _ in rows]
         active = [i for i, k in enumerate(ks) if k > 0]
+        try:
+            self._draft_branches(rows, ks, active, lanes, branches, qs, width)
+        except BaseException:  # a failed draft pass leaves no forked draft sequence behind
+            for sids in lanes:
+                for sid in sids[1:]:
+                    self.draft._kv().free_sequence(sid)
+            raise
+        for i, (req, o) in enumerate(rows):
+            q = torch.stack(qs[i]) if qs[i] and qs[i][0] is not None else None
+            self._step[o.index] = (branches[i], lanes[i], q, len(req.prompt) + len(o.token_ids))
+        return branches
+
+    def _draft_branches(self, rows, ks, active, lanes, branches, qs, width: int) -> None:
+        """The draft passes of a step: fills `branches` (tokens), `lanes` (draft sequences), `qs` (q per token)."""
         if active:
             with self.timeline.span("speculative", "draft", tokens=max(ks)):
                 self._start([rows[i] for i in active])
-                lanes = [[o.draft_sid] for _, o in rows]
+                lanes[:] = [[o.draft_sid] for _, o in rows]
                 feed = {(i, 0): self._unseen(*rows[i]) for i in active}
                 for j in range(max(ks)):
                     live = [(i, b) for i in active if ks[i] > j for b in range(len(lanes[i]))]
@@ -173,10 +187,6 @@ class Speculator:
                         if b == 0:
                             qs[i].append(q)
                         feed[i, b] = [tok]
-        for i, (req, o) in enumerate(rows):
-            q = torch.stack(qs[i]) if qs[i] and qs[i][0] is not None else None
-            self._step[o.index] = (branches[i], lanes[i], q, len(req.prompt) + len(o.token_ids))
-        return branches
 
     def _widen(self, rows, live, logits, lanes, branches, qs, feed, width: int, ks: list[int]) -> None:
         """The first draft pass of a tree: greedy outputs branch on the draft's top tokens (forked draft
