@@ -196,9 +196,9 @@ class OffloadConfig:
     dtype: str = _opt(_choice(*DTYPE_NAMES), "storage and transfer dtype of the weights (and compute dtype)",
                       "bfloat16")
     compute_dtype: str = _opt(_choice("auto", "float32", "float16", "bfloat16"),
-                              "dtype of the math and the KV cache: auto = float32 for streamed weights on a CPU "
-                              "that multiplies float32 1.5x faster than dtype (upcast after the transfer) when "
-                              "that plan fits, else dtype",
+                              "dtype of the math and the KV cache: auto = float32 on a CPU that multiplies "
+                              "float32 1.5x faster than dtype (weights upcast after the transfer, every placement "
+                              "alike; dtype where float32 cannot fit), else dtype",
                               "auto")
     tiers: TiersConfig | None = field(default=None, metadata={"section": TiersConfig})
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig, metadata={"section": KVCacheConfig})

@@ -157,7 +157,7 @@ BUDGET_SCRIPT = textwrap.dedent("""
     import offload.weights.tiered, schedulers.prefetch, storage.store
     model, store = sys.argv[1], sys.argv[2]
     base = psutil.Process().memory_info().rss
-    cfg = {"model": model, "device": "cpu", "dtype": "bfloat16",
+    cfg = {"model": model, "device": "cpu", "dtype": "bfloat16", "compute_dtype": "bfloat16",
            "tiers": {"gpu": {"capacity": "28MiB"}, "cpu": {"capacity": "16MiB"}, "disk": {"path": store}},
            "kv_cache": {"gpu_blocks": 8}, "prefetch": {"depth": 1}, "activations": {"prefill_chunk": 16}}
     with Runner.from_config(cfg) as r:
@@ -188,7 +188,7 @@ def test_peak_memory_stays_within_the_budget_for_a_model_4x_larger(tmp_path, mod
     assert out["homes"] == ["cpu", "disk"]
     assert grown <= budget + FIXED_OVERHEAD, (
         f"peak RSS grew {grown / 2**20:.0f} MiB for a {budget / 2**20:.0f} MiB budget")
-    with Runner.from_config(run_config(model, dtype="bfloat16")) as r:  # the all-resident run agrees
+    with Runner.from_config(run_config(model, dtype="bfloat16", compute_dtype="bfloat16")) as r:  # all-resident
         assert r.generate([list(range(1, 17))], max_new_tokens=6, stop_on_eos=False)[0].token_ids == out["tokens"]
 
 
@@ -214,13 +214,15 @@ def test_float32_compute_over_bf16_weights_gives_the_float32_runs_tokens(model_f
     assert compute_dtype("auto", torch.bfloat16, cpu, packed=False) == torch.float32  # an AVX2 machine's figures
     assert compute_dtype("auto", torch.bfloat16, cuda, packed=False) == torch.bfloat16
     assert compute_dtype("auto", torch.bfloat16, cpu, packed=True) == torch.bfloat16
-    # with every `auto` on, such a CPU computes a streamed run in float32 and an all-resident one in bf16 (nothing
-    # is transferred to upcast after), and keeps bf16 where a float32 plan would not fit the budget
+    # with every `auto` on, such a CPU computes every placement in float32 (streamed and all-resident alike: the
+    # same tokens), and keeps bf16 only where a float32 plan could not fit the budget
     auto = {k: v for k, v in cfg.items() if k != "compute_dtype"}
     with Runner.from_config(auto) as r:
         assert r.plan.streamed and r.compute_dtype == torch.float32
+        streamed = [o.token_ids for o in r.generate(prompts, max_new_tokens=10, stop_on_eos=False)]
     with Runner.from_config(run_config(model, dtype="bfloat16")) as r:
-        assert r.compute_dtype == torch.bfloat16
+        assert r.compute_dtype == torch.float32
+        assert [o.token_ids for o in r.generate(prompts, max_new_tokens=10, stop_on_eos=False)] == streamed == want
     tight = auto | {"tiers": tiers_for("all-disk", layer, 1, tmp_path / "store"), "prefetch": {"depth": 1}}
     lo, hi = 0, 8 * layer  # the least device budget a bf16-compute plan fits in (a float32 one needs more)
     while hi - lo > 4096:

@@ -41,8 +41,8 @@ def compute_dtype(name: str, dtype: torch.dtype, device: torch.device, packed: b
 
     `auto`: `dtype`, except on a CPU whose 16-bit matrix products are slow (no native bf16: a 5632x2048
     weight at 64 rows takes 153 ms in bf16 and 46 ms in float32 on a 2-core AVX2 machine), where the
-    weights are upcast after the transfer (the planner takes it only for a plan that streams and still
-    fits). Packed weights multiply in `dtype`."""
+    weights are upcast after the transfer, in every placement alike (the planner falls back to `dtype`
+    only when a float32 plan cannot fit). Packed weights multiply in `dtype`."""
     if name != "auto":
         chosen = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
         if packed and chosen != dtype:

@@ -128,10 +128,10 @@ class Planner:
         self.bs = kv_cfg.block_size
         self.kv = resolve_kv(config, cfg, device)
         self.fmt = WeightFormat.from_config(config.weights, cfg)
-        # auto: the faster compute dtype for streamed weights (decided in run_plan: an all-resident run moves
-        # nothing to upcast after, and a float32 plan that does not fit falls back to dtype)
+        # the compute dtype is a property of the machine, not of the placement: every placement computes alike
+        # (the same tokens as the all-in-memory run); only a float32 plan that cannot fit falls back (run_plan)
         self.upcast = compute_dtype(config.compute_dtype, dtype, device, self.fmt.quantization != "none")
-        self._set_compute(self.upcast if config.compute_dtype != "auto" else dtype)
+        self._set_compute(self.upcast)
         self.caps = caps or resolve_capacities(config.tiers, device)
         self.fmt.check(cfg)
         self.groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"))
@@ -262,13 +262,16 @@ class Planner:
         if depth is None:
             cal = load_calibration(self.config.calibration)
             depth, note = self.choose_depth(cal, Workload(prefill_chunk=self.chunks[0]))
-        fit = self.fit(self.caps, depth)
-        if self.upcast != self.compute and fit.plan.streamed:  # compute_dtype auto: float32 if it fits
-            self._set_compute(self.upcast)
-            try:
-                fit = self.fit(self.caps, depth)
-            except CapacityError:
-                self._set_compute(self.dtype)
+        try:
+            fit = self.fit(self.caps, depth)
+        except CapacityError:
+            if self.compute == self.dtype or self.config.compute_dtype != "auto":
+                raise
+            self._set_compute(self.dtype)  # auto: fit what there is, in dtype
+            fit = self.fit(self.caps, depth)
+            log.warning("compute_dtype auto: a float32 plan does not fit these tiers, so this run computes in %s "
+                        "(its tokens can differ from an all-in-memory run's, which computes in float32 on this "
+                        "CPU); set compute_dtype to choose", str(self.dtype).removeprefix("torch."))
         plan, kv_blocks = fit.plan, fit.kv_blocks
         if self.config.kv_cache.gpu_blocks is None and self.config.tiers is not None and self.caps.gpu is not None:
             kv_blocks += max(plan.capacity("gpu") - plan.used("gpu"), 0) // self.block_bytes  # what is left free
