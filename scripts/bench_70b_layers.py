@@ -23,30 +23,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from scripts.bench import evict, vm_hwm
+from scripts.machine import cpu_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=28672,
              vocab_size=128256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
 PROMPT = [1, 450, 7, 88, 301, 12, 64, 9]
 NEW = 4
-
-
-def cpu_flags() -> str:
-    flags = set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    keep = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4")))
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, {' '.join(keep)}"
 
 
 # ----------------------------------------------------------------------------- workers (own processes)

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.machine import cpu_flags, load
+
 ROOT = Path(__file__).resolve().parent.parent
 
 PROMPTS = [
@@ -35,21 +37,6 @@ PROMPTS = [
     "Here is a Python function that computes the factorial of a number:\n\ndef factorial(n):",
     "Photosynthesis is the process by which plants",
 ]
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                return " ".join(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4")))
-    except OSError:
-        pass
-    return platform.processor()
 
 
 # ----------------------------------------------------------------------------- worker (one per subprocess)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import tempfile
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from scripts.machine import cpu_flags
 from storage import io
 from storage.arena import aligned_empty
 from storage.tiers import DiskTier
@@ -36,17 +36,6 @@ from storage.tiers import DiskTier
 def cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                return " ".join(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def run_mode(path: Path, keys: list[str], size: int, direct: bool, verify: str, slot: torch.Tensor) -> dict:
