@@ -261,7 +261,7 @@ def test_bad_drafts_are_refused_with_the_knob_to_change(tiny_llama, model_factor
         Runner.from_config({**base, "speculative": {"draft": str(other)}})
 
 
-def test_offload_plan_places_the_draft_first_and_predicts(tiny_llama, draft_for, tmp_path, capsys):
+def test_offload_plan_places_the_draft_first_and_predicts(tiny_llama, draft_for, tmp_path, capsys, caplog):
     cfg = run_config(tiny_llama, tiers={"gpu": {"capacity": "7MiB"}, "cpu": {"capacity": 0},
                                         "disk": {"path": str(tmp_path / "store")}},
                      kv_cache={"gpu_blocks": 8}, activations={"prefill_chunk": 16})
@@ -276,6 +276,11 @@ def test_offload_plan_places_the_draft_first_and_predicts(tiny_llama, draft_for,
     assert main(["plan", "--config", str(with_draft)]) == 0
     out = capsys.readouterr().out
     assert "speculative decoding" in out and "acceptance 0.9: tokens 4" in out
+    # what the draft's memory costs: the plan compares with the draft-less step, a run warns once
+    assert "without a draft:" in out and "speculation pays only above x" in out
+    with caplog.at_level("WARNING"), Runner.from_config(json.loads(with_draft.read_text())):
+        pass
+    assert sum("streamed groups instead of 0" in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize("draft", ["self-int8", "self-int4"])

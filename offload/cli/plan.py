@@ -29,9 +29,9 @@ from offload.model.config import ModelConfig
 from offload.plan.calibrate import calibrate, default_path, load_calibration
 from offload.plan.planner import Planner, resolve_capacities
 from offload.plan.predict import Workload, predict_decode, predict_prefill_per_token, suggestions
-from offload.plan.speculative import choose_tokens, predict, reserve_draft, verify_cost
+from offload.plan.speculative import choose_tokens, predict, reserve_draft, streaming_note, verify_cost, without_draft
 from offload.runtime.runner import resolve_dtype
-from offload.runtime.speculative import draft_config
+from offload.runtime.speculative import draft_config, target_config
 from schedulers.costmodel import explain, plan_bytes
 from storage.errors import CapacityError
 
@@ -109,6 +109,7 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     dtype = resolve_dtype(config.dtype, cfg.torch_dtype)
     caps, draft = resolve_capacities(config.tiers, device), None
     if config.speculative.enabled:  # the draft is placed first, resident; the target plans around it
+        config = target_config(config)
         dconf = draft_config(config)
         dcfg = ModelConfig.from_dict(json.loads((dconf.model / "config.json").read_text()), str(dconf.model))
         draft = Planner(dconf, dcfg, dtype, device).run_plan(), dcfg
@@ -167,6 +168,12 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
               f"bound by {row['bottleneck']}")
     if draft is not None:
         _print_speculative(config, draft, rp, cfg, cal, device, dtype, pred.step_s)
+        alone = without_draft(config, cfg, dtype, device)
+        note = streaming_note(rp.plan, alone.plan)
+        if note:
+            t_alone = predict_decode(alone.plan, cfg, cal, device.type, work, dtype.itemsize, sizes).step_s
+            print(f"  without a draft: {1000 * t_alone:.0f} ms/step ({work.batch / t_alone:.2f} tokens/s), so "
+                  f"speculation pays only above x{pred.step_s / t_alone:.2f} here. {note}")
     if helps:
         print("what would help most:")
         for s in helps[:4]:

@@ -18,9 +18,11 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from offload.config import OffloadConfig
+import torch
+
+from offload.config import OffloadConfig, SpeculativeConfig
 from offload.model.config import ModelConfig
-from offload.plan.planner import AUTO_KV_TOKENS
+from offload.plan.planner import AUTO_KV_TOKENS, Planner
 from offload.plan.predict import Workload, predict_decode
 from schedulers.calibration import Calibration
 from schedulers.placement import Capacities, Plan
@@ -98,3 +100,21 @@ def reserve_draft(config: OffloadConfig, caps: Capacities, draft_gpu_bytes: int,
         raise CapacityError(f"speculative.draft: the draft needs {need / 2**20:.1f} MiB resident on the device but "
                             f"tiers.gpu.capacity is {caps.gpu / 2**20:.1f} MiB; raise it or choose a smaller draft")
     return dataclasses.replace(caps, gpu=caps.gpu - need)
+
+
+def without_draft(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    """The target's plan had speculative decoding been off (the device tier all its own): what the draft's
+    resident bytes cost the target, e.g. layers that now stream every pass."""
+    return Planner(config.replace(speculative=SpeculativeConfig()), cfg, dtype, device).run_plan()
+
+
+def streaming_note(with_draft: Plan, alone: Plan) -> str | None:
+    """A warning when the draft's device bytes make the target stream what it would otherwise hold."""
+    extra = sum(with_draft.sizes[g] for g in with_draft.streamed) - sum(alone.sizes[g] for g in alone.streamed)
+    if extra <= 0:
+        return None
+    return (f"speculative.draft: the draft's resident bytes make the target move {extra / 2**20:.0f} MiB more per "
+            f"pass than it would without a draft ({len(with_draft.streamed)} streamed groups instead of "
+            f"{len(alone.streamed)}); speculation must make up for that: raise tiers.gpu.capacity, or compare with "
+            "speculative.draft: none")
+

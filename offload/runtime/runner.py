@@ -32,10 +32,10 @@ from offload.model.checkpoint import Checkpoint
 from offload.model.tokenizer import TextTokenizer
 from offload.plan.calibrate import load_calibration
 from offload.plan.planner import Planner, pass_tokens, resolve_capacities
-from offload.plan.speculative import reserve_draft, verify_cost
+from offload.plan.speculative import reserve_draft, streaming_note, verify_cost, without_draft
 from offload.runtime.engine import Engine, Output, Request, Sampling, blocks_needed
 from offload.runtime.results import GenerationResult, RunStats, TokenCallback
-from offload.runtime.speculative import TREE_WIDTH, Speculator, check_draft, draft_config
+from offload.runtime.speculative import TREE_WIDTH, Speculator, check_draft, draft_config, target_config
 from offload.weights.groups import WeightFormat, check_tensors
 from offload.weights.tiered import TieredWeights
 from schedulers.timeline import Timeline
@@ -122,11 +122,7 @@ class Runner:
         self.speculator: Speculator | None = None
         caps = resolve_capacities(config.tiers, self.device)
         if config.speculative.enabled:
-            # the draft's device KV mirrors every target block: automatic cold KV tiers would make it huge
-            kv = config.kv_cache
-            config = config.replace(kv_cache=dataclasses.replace(kv, cpu_blocks=kv.cpu_blocks or 0,
-                                                                 disk_blocks=kv.disk_blocks or 0))
-            self.config = config
+            self.config = config = target_config(config)
             self.draft = self._owned.draft = Runner(draft_config(config), Timeline(enabled=False))
             try:
                 check_draft(self, self.draft)
@@ -136,6 +132,10 @@ class Runner:
             caps = reserve_draft(config, caps, self.draft.plan.used("gpu"), self.draft.kv_block_bytes)
         # KV: with tiers, a fixed pool inside the device tier's budget; without, sized per request
         run_plan = Planner(config, self.cfg, self.dtype, self.device, caps).run_plan()
+        if self.draft is not None and run_plan.plan.streamed:  # what the draft's memory costs the target
+            note = streaming_note(run_plan.plan, without_draft(config, self.cfg, self.dtype, self.device).plan)
+            if note:
+                log.warning("%s", note)
         self.kv_settings = run_plan.kv
         self.compute_dtype = run_plan.compute_dtype  # the math and the KV cache; the weights move as self.dtype
         self.rope = M.Rope(self.cfg, self.device, self.compute_dtype)
