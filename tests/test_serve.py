@@ -290,3 +290,32 @@ def test_offload_run_input_output_from_the_command_line(chat_llama, tmp_path, ca
     assert "2 requests done, 0 already in" in capsys.readouterr().out
     assert main(["run", "--config", str(cfg), "--input", str(inp)]) == 2  # --output missing: one clear error
     assert "--output" in capsys.readouterr().err
+
+
+def test_a_speculating_server_gives_concurrent_clients_their_replies_alone(chat_llama, reference):
+    """Speculative decoding (a tree over a self-int4 draft) behind the OpenAI API: eight concurrent greedy
+    clients each get the text a non-speculative run gives, and every block of both pools comes back."""
+    jobs = [(" ".join(WORDS[: 3 + i % 9]), 4 + (5 * i) % 11) for i in range(8)]
+    expected = [alone(reference, p, n)[1] for p, n in jobs]
+    cfg = run_config(chat_llama, kv_cache={"gpu_blocks": 160}, activations={"prefill_chunk": 32},
+                     speculative={"draft": "self-int4", "tokens": 3, "tree": True})
+    with Runner.from_config(cfg) as runner:
+        runner.fix_kv_pool(160)
+        with BackgroundServer(runner, Limits(max_batch=8, max_queue=16, timeout_s=120), name="tiny") as srv:
+            client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=60)
+            start = threading.Barrier(len(jobs))
+
+            def ask(job: tuple[str, int]) -> str:
+                start.wait()
+                return client.completions.create(model="tiny", prompt=job[0], max_tokens=job[1],
+                                                 temperature=0).choices[0].text
+
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                got = list(pool.map(ask, jobs))
+            s = settle(srv)
+        assert got == expected
+        assert s["kv_blocks_free"] == s["kv_blocks"] and s["kv_sequences"] == 0
+        assert runner.speculator.accepted > 0
+        verify = [sp for sp in runner.timeline.on("speculative") if sp.name == "verify"]
+        assert any(sp.args["branches"] > sp.args["rows"] for sp in verify)  # trees were verified
+        assert runner.draft.kv.pool.num_free == runner.draft.kv.pool.num_blocks
