@@ -23,8 +23,9 @@ import torch
 from offload.config import OffloadConfig, SpeculativeConfig
 from offload.model.config import ModelConfig
 from offload.plan.planner import AUTO_KV_TOKENS, Planner
-from offload.plan.predict import Workload, predict_decode
+from offload.plan.predict import Workload, compute_seconds
 from schedulers.calibration import Calibration
+from schedulers.costmodel import simulate
 from schedulers.placement import Capacities, Plan
 from storage.errors import CapacityError
 
@@ -70,9 +71,14 @@ def choose_tokens(alpha: float, t_draft: float, t_verify: Callable[[int], float]
 
 def verify_cost(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, dtype_bytes: int
                 ) -> Callable[[int], float]:
-    """k -> the cost model's time for a target pass over k+1 tokens, relative to a pass over one."""
-    def step(tokens: int) -> float:
-        return predict_decode(plan, cfg, cal, device_type, Workload(batch=tokens), dtype_bytes).step_s
+    """k -> the cost model's time for a target pass over k+1 tokens, relative to a pass over one.
+
+    A verify pass multiplies each of its k+1 token columns as its own product (the bits of a plain step:
+    `functional.column_groups`), so its compute is k+1 single-row passes' while its bytes move once."""
+    one = compute_seconds(plan, cfg, cal, device_type, 1, Workload().context, 1, dtype_bytes)
+
+    def step(columns: int) -> float:
+        return simulate(plan, {g: columns * s for g, s in one.items()}, cal.links).step_s
 
     base = step(1)
 
