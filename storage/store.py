@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -49,6 +50,7 @@ FORMAT = "offload-store"
 VERSION = 2
 MANIFEST = "manifest.json"
 MARKER = ".offload-converting"
+JOURNAL = ".offload-converted.jsonl"  # a line per group written (fsync'ed): what an interrupted conversion resumes
 LOCK = ".offload-lock"
 #: Room left on the file system beyond the store itself (metadata, temp files).
 FREE_SPACE_MARGIN = 64 * 2**20
@@ -104,7 +106,11 @@ class StoreWriter:
     """
 
     def __init__(self, path: str | Path, total_bytes: int, force: bool = False,
-                 capacity: int | None = None, lock: FileLock | None = None) -> None:
+                 capacity: int | None = None, lock: FileLock | None = None,
+                 identity: Mapping[str, Any] | None = None) -> None:
+        """`identity`: what the store is converted from (checkpoint, dtype, format); an interrupted conversion
+        of the same identity resumes (its journaled groups whose bytes are intact are kept), any other is
+        wiped."""
         self.path = Path(path)
         _refuse_foreign(self.path)
         created = not self.path.exists()
@@ -116,7 +122,7 @@ class StoreWriter:
         assert lock.mode == "exclusive", "a store is written under its exclusive lock"
         self.lock = lock
         try:
-            self._start(total_bytes, force, capacity)
+            self._start(total_bytes, force, capacity, identity)
         except BaseException:
             if self._own_lock:
                 lock.close()
@@ -125,7 +131,8 @@ class StoreWriter:
                 self.path.rmdir()
             raise
 
-    def _start(self, total_bytes: int, force: bool, capacity: int | None) -> None:
+    def _start(self, total_bytes: int, force: bool, capacity: int | None,
+               identity: Mapping[str, Any] | None) -> None:
         state = store_state(self.path)
         if state is StoreState.COMPLETE and not force:
             raise StoreError(f"{self.path} already holds a converted store; pass --force to replace it")
@@ -134,32 +141,80 @@ class StoreWriter:
                 f"the converted model needs {total_bytes / 2**30:.2f} GiB on disk but tiers.disk.capacity is "
                 f"{capacity / 2**30:.2f} GiB; raise it to at least {total_bytes / 2**30:.2f} GiB"
             )
-        if state in (StoreState.PARTIAL, StoreState.COMPLETE):
-            _wipe(self.path)  # ours: an interrupted conversion, or a forced replacement
+        identity = None if identity is None else json.loads(json.dumps(identity))
+        resume = state is StoreState.PARTIAL and not force and identity is not None and _marker(self.path) == identity
+        if state in (StoreState.PARTIAL, StoreState.COMPLETE) and not resume:
+            _wipe(self.path)  # ours: an interrupted conversion of something else, or a forced replacement
+        if not resume:
+            self._check_free(total_bytes)  # before anything is created
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.lock.announce("converting")
+            if not resume:
+                (self.path / MARKER).write_text(json.dumps({"started": time.time(), "identity": identity}))
+        except OSError as e:
+            raise io.disk_error(e, self.path) from None
+        self.tier = DiskTier(self.path, read_only=False, read_threads=1)
+        self.records: dict[str, GroupRecord] = self._journaled() if resume else {}
+        if resume:
+            try:
+                self._check_free(total_bytes - sum(r.nbytes for r in self.records.values()))
+            except BaseException:
+                self.tier.close()
+                raise
+
+    def _check_free(self, nbytes: int) -> None:
         anchor = self.path
         while not anchor.exists():
             anchor = anchor.parent
         free = shutil.disk_usage(anchor).free
-        if free < total_bytes + FREE_SPACE_MARGIN:
+        if free < nbytes + FREE_SPACE_MARGIN:
             raise StoreError(
-                f"{self.path}: converting needs {(total_bytes + FREE_SPACE_MARGIN) / 2**30:.2f} GiB free but the "
+                f"{self.path}: converting needs {(nbytes + FREE_SPACE_MARGIN) / 2**30:.2f} GiB free but the "
                 f"disk has {free / 2**30:.2f} GiB; free space or choose another tiers.disk.path"
             )
-        self.path.mkdir(parents=True, exist_ok=True)
+
+    def _journaled(self) -> dict[str, GroupRecord]:
+        """The groups an interrupted conversion finished whose chunk files are whole and carry the journaled
+        checksum (a group written but not journaled, or damaged since, is written again)."""
+        records = {}
         try:
-            self.lock.announce("converting")
-            (self.path / MARKER).write_text(json.dumps({"started": time.time()}))
-        except OSError as e:
-            raise io.disk_error(e, self.path) from None
-        self.tier = DiskTier(self.path, read_only=False, read_threads=1)
-        self.records: dict[str, GroupRecord] = {}
+            lines = (self.path / JOURNAL).read_text().splitlines()
+        except OSError:
+            return records
+        for line in lines:
+            try:
+                entry = json.loads(line)
+                layout = GroupLayout.from_json(entry["name"], entry["layout"])
+                self.tier.open_existing(layout.name, layout.nbytes)
+                with open(self.tier.chunk_path(layout.name), "rb") as f:
+                    f.seek(layout.nbytes)
+                    trailer = f.read(4)
+                if int.from_bytes(trailer, "little") == entry["crc32c"]:
+                    records[layout.name] = GroupRecord(layout, entry["crc32c"])
+            except (ValueError, KeyError, TypeError, OSError, StoreError):
+                continue  # a torn last line, or a group to write again
+        return records
+
+    def done(self, layout: GroupLayout) -> bool:
+        """Was this group written whole by the conversion this one resumes?"""
+        r = self.records.get(layout.name)
+        return r is not None and r.layout.to_json() == layout.to_json()
 
     def write_group(self, layout: GroupLayout, data: torch.Tensor) -> None:
         """Write one packed group (a uint8 CPU tensor of layout.nbytes)."""
         assert data.dtype == torch.uint8 and data.numel() == layout.nbytes
         self.tier.allocate(layout.name, layout.nbytes)
         self.tier.write(layout.name, data)
-        self.records[layout.name] = GroupRecord(layout, io.crc32c(data))
+        record = GroupRecord(layout, io.crc32c(data))
+        self.records[layout.name] = record
+        try:  # journaled once its bytes are on disk: a conversion cut short resumes after it
+            with open(self.path / JOURNAL, "a") as f:
+                f.write(json.dumps({"name": layout.name, "crc32c": record.crc32c, "layout": layout.to_json()}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise io.disk_error(e, self.path / JOURNAL) from None
 
     def finish(self, meta: Mapping[str, Any]) -> Store:
         manifest = {
@@ -171,6 +226,7 @@ class StoreWriter:
         self.tier.close()
         io.atomic_write_bytes(self.path / MANIFEST, json.dumps(manifest, indent=1).encode())
         (self.path / MARKER).unlink(missing_ok=True)
+        (self.path / JOURNAL).unlink(missing_ok=True)
         if not self._own_lock:
             return Store.open(self.path, lock=self.lock)
         self.lock.shared()  # from writer to reader; the store now owns the lock
@@ -180,14 +236,24 @@ class StoreWriter:
             self.lock.close()
             raise
 
-    def abort(self) -> None:
-        """Remove what was written (the directory was empty or ours when we started); keeps the lock file."""
+    def abort(self, keep: bool = False) -> None:
+        """Remove what was written (the directory was empty or ours when we started); keeps the lock file.
+        With `keep` (Ctrl-C, SIGTERM) the groups written stay, journaled: the next conversion resumes."""
         try:
             self.tier.close()
-            _wipe(self.path)
+            if not keep:
+                _wipe(self.path)
         finally:
             if self._own_lock:
                 self.lock.close()
+
+
+def _marker(path: Path) -> Any:
+    """The identity an interrupted conversion recorded in its marker (None if unreadable)."""
+    try:
+        return json.loads((path / MARKER).read_text()).get("identity")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _wipe(path: Path) -> None:

@@ -294,6 +294,10 @@ class DiskTier(Tier):
         self._chunks[key] = chunk
         self.sizes[key] = nbytes
 
+    def chunk_path(self, key: str) -> Path:
+        """The chunk file holding a region's bytes and their crc32c."""
+        return self._chunks[key].path
+
     def _check_key(self, key: str) -> None:
         try:
             check_name(key, f"{self.path}: array")

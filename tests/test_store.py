@@ -98,6 +98,48 @@ def test_interrupted_conversion_is_detected_and_restarted_cleanly(tmp_path, tiny
     assert store_state(store) is StoreState.COMPLETE and not (store / MARKER).exists()
 
 
+def test_an_interrupted_conversion_resumes_after_its_last_whole_group(tmp_path, tiny_llama, reference, monkeypatch):
+    """Ctrl-C (or a kill) half way through converting a 140 GB model must not cost the half already written:
+    the next conversion of the same checkpoint, dtype and format writes only the groups still missing, and
+    rewrites a journaled group whose bytes were damaged since; another dtype starts again from scratch."""
+    import storage.store as st
+
+    ckpt, store = Checkpoint(tiny_llama), tmp_path / "store"
+    groups = list(model_layouts(ckpt.config, torch.float32))
+    written: list[str] = []
+    real = st.StoreWriter.write_group
+
+    def counting(self, layout, data, stop_after=None):
+        real(self, layout, data)
+        written.append(layout.name)
+        if stop_after is not None and len(written) == stop_after:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(st.StoreWriter, "write_group", lambda self, lo, d: counting(self, lo, d, stop_after=3))
+    with pytest.raises(KeyboardInterrupt):
+        convert(ckpt, store, torch.float32, progress=False)
+    assert store_state(store) is StoreState.PARTIAL and written == groups[:3]  # kept, journaled
+    first = {g: chunk_of(store, g).stat().st_mtime_ns for g in groups[:3]}
+    with open(chunk_of(store, groups[1]), "r+b") as f:  # damaged since: cut short
+        f.truncate(16)
+    written.clear()
+    monkeypatch.setattr(st.StoreWriter, "write_group", lambda self, lo, d: counting(self, lo, d))
+    convert(ckpt, store, torch.float32, progress=False).close()
+    assert written == [groups[1], *groups[3:]]  # only what was missing or damaged
+    assert chunk_of(store, groups[0]).stat().st_mtime_ns == first[groups[0]]
+    assert store_state(store) is StoreState.COMPLETE and tokens(disk_config(tiny_llama, store)) == reference
+
+    other = tmp_path / "other"
+    monkeypatch.setattr(st.StoreWriter, "write_group", lambda self, lo, d: counting(self, lo, d, stop_after=2))
+    written.clear()
+    with pytest.raises(KeyboardInterrupt):
+        convert(ckpt, other, torch.float32, progress=False)
+    written.clear()
+    monkeypatch.setattr(st.StoreWriter, "write_group", lambda self, lo, d: counting(self, lo, d))
+    convert(ckpt, other, torch.bfloat16, progress=False).close()  # another dtype: nothing of the first is kept
+    assert written == groups
+
+
 def test_complete_store_is_not_overwritten_without_force(tmp_path, tiny_llama):
     ckpt = Checkpoint(tiny_llama)
     convert(ckpt, tmp_path / "s", torch.float32, progress=False).close()

@@ -45,7 +45,9 @@ def store_meta(ckpt: Checkpoint, dtype: torch.dtype, fmt: WeightFormat = DENSE) 
 def convert(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, force: bool = False,
             capacity: int | None = None, progress: bool | None = None, fmt: WeightFormat = DENSE,
             lock: FileLock | None = None) -> Store:
-    """Write the store; on any failure (a full disk, Ctrl-C) remove what was written and re-raise.
+    """Write the store. Interrupted (Ctrl-C, SIGTERM, a kill), what was written stays, journaled, and the
+    next conversion of the same checkpoint, dtype and format resumes after it; on any other failure (a
+    full disk, a bad tensor) what was written is removed. Re-raises either way.
 
     Holds the store's lock exclusively while writing: `lock` if the caller holds it, else taken here
     (waiting, with a message, while other processes use the store).
@@ -54,20 +56,28 @@ def convert(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, force: 
     check_tensors(ckpt, fmt)  # a missing or misshapen tensor is refused before anything is written
     layouts = model_layouts(ckpt.config, dtype, fmt)
     total = sum(layout.nbytes for layout in layouts.values())
-    writer = StoreWriter(store_dir, total, force=force, capacity=capacity, lock=lock)
-    log.info("converting %s into %s (%.2f GiB, %s, weights %s)", ckpt.path, store_dir, total / 2**30,
-             dtype_name(dtype), fmt.quantization)
+    meta = store_meta(ckpt, dtype, fmt)
+    writer = StoreWriter(store_dir, total, force=force, capacity=capacity, lock=lock, identity=meta)
+    done = [layout for layout in layouts.values() if writer.done(layout)]
+    log.info("converting %s into %s (%.2f GiB, %s, weights %s)%s", ckpt.path, store_dir, total / 2**30,
+             dtype_name(dtype), fmt.quantization,
+             f": resuming, {len(done)} of {len(layouts)} groups already written" if done else "")
     try:
         buf = torch.empty(max(layout.nbytes for layout in layouts.values()), dtype=torch.uint8)
         # progress None: a bar only when stderr is a terminal
-        with tqdm(total=total, unit="B", unit_scale=True, desc="converting",
-                  disable=None if progress is None else not progress) as bar:
+        with tqdm(total=total, initial=sum(layout.nbytes for layout in done), unit="B", unit_scale=True,
+                  desc="converting", disable=None if progress is None else not progress) as bar:
             for layout in layouts.values():
+                if writer.done(layout):
+                    continue
                 part = buf[: layout.nbytes]
                 fill_group(ckpt, layout, part, fmt)
                 writer.write_group(layout, part)
                 bar.update(layout.nbytes)
-        return writer.finish(store_meta(ckpt, dtype, fmt))
+        return writer.finish(meta)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: keep what was written, to resume
+        writer.abort(keep=True)
+        raise
     except BaseException:
         writer.abort()
         raise
@@ -85,7 +95,8 @@ def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capa
 
     def build(lock: FileLock) -> None:
         if store_state(store_dir) is StoreState.PARTIAL:
-            log.warning("%s holds an interrupted conversion; starting it again", store_dir)
+            log.warning("%s holds an interrupted conversion; resuming it (or starting again if it was of "
+                        "another checkpoint, dtype or format)", store_dir)
         convert(ckpt, store_dir, dtype, capacity=capacity, fmt=fmt, lock=lock).close()
 
     store = open_or_build(store_dir, build if auto_convert else None, page_cache=page_cache, verify=verify,
