@@ -48,6 +48,17 @@ from storage.block_pool import Admission
 log = logging.getLogger(__name__)
 
 
+def row_blocks(chain: int, block_size: int) -> int:
+    """Device blocks a running sequence may hold in a pass: its newest, plus those a `chain` of tokens fills."""
+    return 1 + -(-chain // block_size)
+
+
+def tree_blocks(outputs: int, blocks_per_row: int) -> int:
+    """Device blocks the branches of `outputs` trees may take in a pass (each branch a sequence or its fork,
+    writing a chain, its partial block copied on write)."""
+    return outputs * TREE_WIDTH * (blocks_per_row + 1)
+
+
 class Engine:
     def __init__(self, runner, stats: RunStats | None = None) -> None:
         self.runner = runner
@@ -67,7 +78,7 @@ class Engine:
         self._pass_blocks = -(-self.budget // bs) + 1
         # device blocks each running sequence may hold in a pass: its newest, plus a speculative chain's
         chain = self.speculator.most_tokens + 1 if self.speculator is not None else 0
-        self._row_blocks = 1 + -(-chain // bs)
+        self._row_blocks = row_blocks(chain, bs)
 
     # -- requests -----------------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
@@ -173,7 +184,7 @@ class Engine:
         running = sum(len(r.outputs) for r in self.prefilling + self.decoding) + len(self._kept)
         if running and (running + req.sampling.n) * self._row_blocks + self._pass_blocks > self.kv.pool.num_blocks:
             return False  # the device could not hold every running sequence's newest block and a prefill pass
-        total = len(req.context) + len(req.prompt) + req.sampling.max_new_tokens
+        total = req.worst_case_tokens
         if req.outputs[0].sid is not None:  # a continued sequence: reserve what it will grow by
             return self.kv.reserve(req.outputs[0].sid, total) is Admission.OK
         need = blocks_needed(len(req.prompt), req.sampling, self.kv.block_size)
@@ -248,7 +259,7 @@ class Engine:
                 continue
             if outs is req.outputs and req in self.prefilling:  # the prompt is in: fork the samples, decode next
                 for o in outs[1:]:
-                    o.sid = self.kv.fork(outs[0].sid, len(req.context) + len(req.prompt) + req.sampling.max_new_tokens)
+                    o.sid = self.kv.fork(outs[0].sid, req.worst_case_tokens)
                 self.prefilling.remove(req)
                 self.decoding.append(req)
                 picks += [(req, o, row) for o in outs]
@@ -288,7 +299,7 @@ class Engine:
                     self.kv.free_sequence(sid)
             if best:  # the branch's fork becomes the output's sequence, with its worst case reserved again
                 o.sid = lane[best][0]
-                self.kv.reserve(o.sid, len(req.context) + len(req.prompt) + req.sampling.max_new_tokens)
+                self.kv.reserve(o.sid, req.worst_case_tokens)
             self.kv.truncate(o.sid, self.kv.length(o.sid) - (len(br[best]) + 1 - len(tokens)), reserve=True)
             self.stats.draft_tokens += len(br[best])
             self.stats.accepted_tokens += len(tokens) - 1
@@ -303,8 +314,7 @@ class Engine:
         """Are there free device slots and logical blocks for a tree's extra branches this pass (each a fork
         that may copy its partial block and write a chain) beside the chains' and a prefill pass's blocks?
         Otherwise the pass verifies chains (a full device is not made fuller by demotions for a tree)."""
-        forks = decode_rows * (TREE_WIDTH - 1)
-        need = (forks + decode_rows) * (self._row_blocks + 1) + (self._pass_blocks if self.prefilling else 0)
+        need = tree_blocks(decode_rows, self._row_blocks) + (self._pass_blocks if self.prefilling else 0)
         return self.kv.pools["gpu"].num_free >= need and self.kv.logical.num_free >= need
 
     def _sample(self, picks: list[tuple[Request, Output, torch.Tensor]]) -> None:

@@ -83,6 +83,11 @@ class Request:
     def finished(self) -> bool:
         return bool(self.outputs) and all(o.finish_reason for o in self.outputs)
 
+    @property
+    def worst_case_tokens(self) -> int:
+        """The most tokens one output's sequence can hold: the cached context, the prompt, every new token."""
+        return len(self.context) + len(self.prompt) + self.sampling.max_new_tokens
+
 
 def blocks_needed(prompt_len: int, s: Sampling, block_size: int) -> int:
     """Logical KV blocks a request reserves: prompt + max_new_tokens per output, full prompt blocks shared."""

@@ -33,9 +33,9 @@ from offload.model.tokenizer import TextTokenizer
 from offload.plan.calibrate import load_calibration
 from offload.plan.planner import Planner, pass_tokens, resolve_capacities
 from offload.plan.speculative import reserve_draft, streaming_note, verify_cost, without_draft
-from offload.runtime.engine import Engine, Output, Request, Sampling, blocks_needed
+from offload.runtime.engine import Engine, Output, Request, Sampling, blocks_needed, row_blocks, tree_blocks
 from offload.runtime.results import GenerationResult, RunStats, TokenCallback
-from offload.runtime.speculative import TREE_WIDTH, Speculator, check_draft, draft_config, target_config
+from offload.runtime.speculative import Speculator, check_draft, draft_config, target_config
 from offload.weights.groups import WeightFormat, check_tensors
 from offload.weights.tiered import TieredWeights
 from schedulers.timeline import Timeline
@@ -377,7 +377,7 @@ class Runner:
         bs = self.kv_settings.block_size
         need = sum(blocks_needed(len(r.prompt), r.sampling, bs) for r in requests)
         if self.speculator is not None and self.config.speculative.tree:  # room for every output's branches
-            need += sum(r.sampling.n for r in requests) * TREE_WIDTH * (2 + -(-(self.speculator.most_tokens + 1) // bs))
+            need += tree_blocks(sum(r.sampling.n for r in requests), row_blocks(self.speculator.most_tokens + 1, bs))
         self._ensure_kv(need)  # unless fixed
         if self.draft is not None:
             self.draft._ensure_kv(need)

@@ -228,8 +228,7 @@ class Speculator:
             return
         firsts = []
         for req, outs in new.values():
-            reserve = len(req.prompt) + req.sampling.max_new_tokens
-            outs[0].draft_sid = kv.add_sequence(reserve_tokens=reserve)
+            outs[0].draft_sid = kv.add_sequence(reserve_tokens=draft_tokens(req))
             firsts.append((outs[0].draft_sid, req.prompt[:-1]))
         firsts = [(sid, p) for sid, p in firsts if p]
         if firsts:
@@ -237,7 +236,7 @@ class Speculator:
                 self._draft_pass([s for s, _, _ in chunk], [t for _, t, _ in chunk])
         for req, outs in new.values():
             for o in outs[1:]:
-                o.draft_sid = kv.fork(outs[0].draft_sid, len(req.prompt) + req.sampling.max_new_tokens)
+                o.draft_sid = kv.fork(outs[0].draft_sid, draft_tokens(req))
 
     def _unseen(self, req: Any, o: Any) -> list[int]:
         """Committed tokens the draft's KV does not hold yet (the last one at least)."""
@@ -315,10 +314,16 @@ class Speculator:
                 kv.free_sequence(sid)
         if best:  # the chosen branch's draft sequence becomes the output's, with its worst case reserved
             o.draft_sid = sids[best]
-            kv.reserve(o.draft_sid, len(req.prompt) + req.sampling.max_new_tokens)
+            kv.reserve(o.draft_sid, draft_tokens(req))
         if k and o.draft_sid is not None:  # the draft saw the context and drafts[:-1]; keep what was accepted
             kv.truncate(o.draft_sid, min(kv.length(o.draft_sid), context + kept), reserve=True)
         return out, best
+
+
+def draft_tokens(req: Any) -> int:
+    """The most tokens an output's draft sequence holds: the prompt and every new token (a continued
+    conversation's cached context is not fed to the draft)."""
+    return len(req.prompt) + req.sampling.max_new_tokens
 
 
 def distributions(rows: list[tuple[Any, Any]], logits: torch.Tensor) -> list[torch.Tensor | None]:
