@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from offload.model import kernels
 from offload.model.config import ModelConfig
 
 
@@ -27,6 +28,9 @@ class PackedWeight(Protocol):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] -> x @ W.T + bias, [..., out]."""
 
+    def row_invariant(self, x: torch.Tensor) -> bool:
+        """Is every row of `linear(x)` independent of the other rows of x (see `offload.model.kernels`)?"""
+
 
 #: A weight matrix: a dense tensor [out, in], or a packed one.
 Weight = torch.Tensor | PackedWeight
@@ -34,14 +38,22 @@ Weight = torch.Tensor | PackedWeight
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
            groups: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """x [N, in] -> [N, out]; with `groups` (flat row indices), each group is its own matrix product.
+    """x [N, in] -> [N, out]; with `groups` (flat row indices), rows must have the bits they have in a plain
+    decode step (a speculative verify pass multiplies the j-th token of every chain as group j).
 
-    GEMM kernels (oneDNN on CPU, cuBLAS) choose how to split the reduction by the number of rows, so a
-    row's result can change in the last bits with the rows beside it (bf16 [576, 1536] on this CPU: 1, 2
-    or 3 rows give one result, 4 rows another). A speculative verify pass multiplies the j-th token of
-    every chain as one group: the shape a plain decode step has, hence the plain step's bits.
+    On the CPU every product is row-invariant (`offload.model.kernels`: each row computed by the same
+    instructions whatever rows are beside it), so groups need no product of their own and the weights are read
+    once. Elsewhere (cuBLAS, or a CPU without numba) GEMM kernels choose how to split the reduction by the
+    number of rows (bf16 [576, 1536] with oneDNN: 1, 2 or 3 rows give one result, 4 rows another), so each
+    group is its own product: the shape a plain decode step has, hence the plain step's bits.
     """
-    if groups is not None and len(groups) > 1:
+    if isinstance(w, torch.Tensor):
+        if kernels.dense_supported(x, w):
+            return kernels.dense_linear(x, w, bias)
+        invariant = False
+    else:
+        invariant = w.row_invariant(x)
+    if groups is not None and len(groups) > 1 and not invariant:
         parts = [linear(x[g], w, bias) for g in groups]
         out = parts[0].new_empty(x.shape[0], parts[0].shape[-1])
         for g, y in zip(groups, parts):
@@ -352,7 +364,7 @@ def restore_kv(h: torch.Tensor, positions: torch.Tensor, w: LayerWeights, rope: 
     q_size, n = cfg.q_size, h.shape[0]
     if isinstance(w.qkv, torch.Tensor):  # project onto K and V only
         bias = None if w.qkv_bias is None else w.qkv_bias[q_size:]
-        kv = F.linear(h, w.qkv[q_size:], bias)
+        kv = linear(h, w.qkv[q_size:], bias)
     else:  # a packed matrix is multiplied whole
         kv = linear(h, w.qkv, w.qkv_bias)[:, q_size:]
     k, v = kv.split([cfg.kv_size, cfg.kv_size], dim=-1)

@@ -41,6 +41,8 @@ class Size:
     vocab: int  # the tokenizer is trained to min(vocab, what the corpus supports)
     shard_bytes: int  # largest safetensors shard
     window: int  # mistral's sliding window
+    tie: bool | None = None  # tie embeddings (None: as the family does)
+    exact_vocab: bool = False  # the config keeps `vocab` even where the tokenizer has fewer tokens (a real shape)
 
 
 SIZES = {
@@ -52,7 +54,10 @@ SIZES = {
                   shard_bytes=64 << 20, window=4096),
     # TinyLlama-1.1B shape: the benchmark
     "medium": Size(hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632, vocab=32000,
-                   shard_bytes=1 << 30, window=4096),
+                   shard_bytes=1 << 30, window=4096, exact_vocab=True),
+    # SmolLM2-1.7B shape (1.71B parameters, 3.4 GB in bf16, tied embeddings): the CPU benchmark against llama.cpp
+    "1.7b": Size(hidden=2048, layers=24, heads=32, kv_heads=32, intermediate=8192, vocab=49152,
+                 shard_bytes=1 << 30, window=4096, tie=True, exact_vocab=True),
 }
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -181,8 +186,8 @@ def make_model(out: str | os.PathLike, family: str = "llama", size: str = "tiny"
     out.mkdir(parents=True, exist_ok=True)
     spec = SIZES[size]
     tok = train_tokenizer(spec.vocab)
-    vocab = spec.vocab if size == "medium" else tok.get_vocab_size()
-    cfg = model_config(family, spec, vocab, dtype, rope_scaling, tie, head_dim)
+    vocab = spec.vocab if spec.exact_vocab else tok.get_vocab_size()
+    cfg = model_config(family, spec, vocab, dtype, rope_scaling, spec.tie if tie is None else tie, head_dim)
     cfg.update(overrides or {})
     torch_dtype = DTYPES[dtype]
     limit = shard_bytes or spec.shard_bytes

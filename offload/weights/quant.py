@@ -20,7 +20,8 @@ for each input column k, 32 bytes whose byte j holds row j (low nibble) and row 
 nibble). Rows are padded with zeros to a multiple of 64. Where the kernel is missing (CUDA, other
 group sizes) a matrix is dequantized into a reused scratch buffer and multiplied densely.
 
-Pure torch; knows nothing about models, groups or files.
+On a CPU a packed matrix multiplies through `offload.model.kernels` (row-invariant: torch's kernel above
+with bf16 scales, a numba kernel on the same bytes otherwise). Knows nothing about models, groups or files.
 """
 
 from __future__ import annotations
@@ -30,12 +31,25 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from offload.model import kernels
+
 SCHEMES = ("none", "int8", "int4")
 #: Output rows per tile of the packed layout.
 TILE_ROWS = 64
 #: Group sizes torch's fused CPU kernel accepts.
 FUSED_GROUPS = (32, 64, 128, 256)
 _FUSED = getattr(torch, "_weight_int4pack_mm_for_cpu", None)
+
+
+def _torch_packs_like_us() -> bool:
+    """torch packs int4 for its CPU kernel by the vector width it was dispatched to (64-row tiles with AVX-512,
+    32-row tiles with AVX2), while stores keep 64-row tiles on every machine: its kernel reads our bytes only
+    where its packing of a probe equals ours."""
+    convert = getattr(torch, "_convert_weight_to_int4pack_for_cpu", None)
+    if _FUSED is None or convert is None:
+        return False
+    nib = torch.arange(64 * 64, dtype=torch.int32).view(64, 64).mul_(7).remainder_(16)
+    return torch.equal(convert(nib, 1), pack_tiles(nib))
 
 
 def planes(bits: int) -> int:
@@ -154,7 +168,13 @@ class PackedLinear:
 
     @property
     def fused(self) -> bool:
-        return _FUSED is not None and self.q.device.type == "cpu" and self.group_size in FUSED_GROUPS
+        """torch's vectorised int4 kernel applies: a CPU, one of its group sizes, bf16 scales (other scale dtypes
+        take its scalar loop, so they go to the numba kernel where there is one)."""
+        return (_TORCH_LAYOUT and self.q.device.type == "cpu" and self.group_size in FUSED_GROUPS
+                and (self.sz.dtype == torch.bfloat16 or not kernels.packed_supported(self.sz)))
+
+    def row_invariant(self, x: torch.Tensor) -> bool:
+        return self.fused or kernels.packed_supported(self.sz)
 
     def dense(self) -> torch.Tensor:
         """The dequantized weight [out_features, k] (in the scratch buffer when there is one)."""
@@ -165,15 +185,22 @@ class PackedLinear:
         return dequantize(self.q, self.sz, buf[0], buf[1] if p > 1 else None)[: self.out_features]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., k] -> [..., out_features]."""
-        if not self.fused:
-            return F.linear(x, self.dense(), bias)
+        """x [..., k] -> [..., out_features] in x's dtype."""
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        y = _FUSED(x2, self.q[0], self.group_size, self.sz[0])
-        for i in range(1, self.q.shape[0]):
-            y = y + _FUSED(x2, self.q[i], self.group_size, self.sz[i])
-        y = y[:, : self.out_features]
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.fused:
+            x2 = x2.to(self.sz.dtype).contiguous()
+            y = _FUSED(x2, self.q[0], self.group_size, self.sz[0])
+            for i in range(1, self.q.shape[0]):
+                y = y + _FUSED(x2, self.q[i], self.group_size, self.sz[i])
+        elif kernels.packed_supported(self.sz):
+            y = kernels.packed_linear(x2, self.q, self.sz)
+        else:
+            return F.linear(x, self.dense().to(x.dtype), bias)
+        y = y[:, : self.out_features].to(x.dtype)
         if bias is not None:
             y = y + bias
         return y.reshape(*lead, self.out_features)
+
+
+_TORCH_LAYOUT = _torch_packs_like_us()

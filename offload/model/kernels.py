@@ -1,0 +1,191 @@
+"""Row-invariant matrix products on the CPU: a row of `x @ W.T` has the same bits whatever rows are beside it.
+
+GEMM libraries choose blocking, vector paths and thread splits by the number of rows, so a row's result can
+change in its last bits with the batch it runs in (MKL float32 [8192, 2048] on a 2-core AVX2 machine: one row
+alone and the same row among 4 differ). The products here compute every row with the same instructions in the
+same order whatever else is in the pass, so a decode step alone, the same step in a batch, the token columns of
+a speculative verify pass and a prompt chunk give a row the same bits, and a verify pass is one product over
+all its rows (the weights read once), not one product per column.
+
+    dense    numba (LLVM, compiled at first use and cached; no compiler needed): per output feature, the weight
+             row is widened to float32 once (bf16 and fp16 inline: no dense copy of the matrix, so a bf16 model
+             computes in float32 at bf16's bytes), then one dot product per input row, all rows by the one loop.
+    packed   the group-wise int4 / int8 tile layout of `offload.weights.quant`: torch's
+             `_weight_int4pack_mm_for_cpu` where it is vectorised (bf16 scales; each row accumulates along k
+             in order, so rows are independent by construction), else the numba kernel below on the same bytes.
+
+Without numba, dense products fall back to `F.linear` and `ROW_INVARIANT` is False (the verify pass then
+multiplies column by column, as before). Knows nothing about models, tiers or files.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+try:  # an install dependency; its absence only costs row invariance and the verify pass's speed
+    import numba
+    from numba import njit, prange
+except ImportError:  # pragma: no cover - exercised only on an install without numba
+    numba = None
+
+log = logging.getLogger(__name__)
+
+#: Every CPU product of this module keeps rows independent of the batch.
+ROW_INVARIANT = numba is not None
+#: Output features per parallel work item of the dense kernel.
+_CHUNK = 16
+
+if numba is not None:
+    _jit = njit(parallel=True, fastmath=True, cache=True, nogil=True)
+
+    @_jit
+    def _dense_f32(x, w, out):  # pragma: no cover - compiled
+        """x [R, K] f32, w [N, K] f32 -> out [R, N] f32."""
+        R, K = x.shape
+        N = w.shape[0]
+        for c in prange((N + _CHUNK - 1) // _CHUNK):
+            for n in range(c * _CHUNK, min(N, c * _CHUNK + _CHUNK)):
+                for r in range(R):
+                    acc = np.float32(0.0)
+                    for k in range(K):
+                        acc += x[r, k] * w[n, k]
+                    out[r, n] = acc
+
+    @_jit
+    def _dense_bf16(x, w, out):  # pragma: no cover - compiled
+        """x [R, K] f32, w [N, K] uint16 (bf16 bits) -> out [R, N] f32."""
+        R, K = x.shape
+        N = w.shape[0]
+        for c in prange((N + _CHUNK - 1) // _CHUNK):
+            bits = np.empty(K, np.uint32)
+            row = bits.view(np.float32)
+            for n in range(c * _CHUNK, min(N, c * _CHUNK + _CHUNK)):
+                for k in range(K):
+                    bits[k] = np.uint32(w[n, k]) << 16
+                for r in range(R):
+                    acc = np.float32(0.0)
+                    for k in range(K):
+                        acc += x[r, k] * row[k]
+                    out[r, n] = acc
+
+    @_jit
+    def _dense_f16(x, w, out):  # pragma: no cover - compiled
+        """x [R, K] f32, w [N, K] uint16 (IEEE half bits) -> out [R, N] f32."""
+        R, K = x.shape
+        N = w.shape[0]
+        for c in prange((N + _CHUNK - 1) // _CHUNK):
+            bits = np.empty(K, np.uint32)
+            row = bits.view(np.float32)
+            for n in range(c * _CHUNK, min(N, c * _CHUNK + _CHUNK)):
+                for k in range(K):  # exponent and mantissa moved into float32's fields, rebiased by 2^112 below
+                    bits[k] = (np.uint32(w[n, k]) & np.uint32(0x7FFF)) << 13
+                for k in range(K):
+                    h = np.uint32(w[n, k])
+                    v = row[k] * np.float32(5.192296858534828e33)  # 2^112: normals and subnormals exact
+                    if (h & np.uint32(0x7C00)) == np.uint32(0x7C00):  # inf / nan
+                        v = np.inf if (h & np.uint32(0x3FF)) == 0 else np.nan
+                    row[k] = -v if h & np.uint32(0x8000) else v
+                for r in range(R):
+                    acc = np.float32(0.0)
+                    for k in range(K):
+                        acc += x[r, k] * row[k]
+                    out[r, n] = acc
+
+    @_jit
+    def _packed(x, q, sz, shift, out):  # pragma: no cover - compiled
+        """x [R, K] f32; q uint8 [P, rows / 64, K, 32] (tile order, see quant); sz [P, K / g, rows, 2] (scale,
+        zero) as raw bits, uint16 (bf16, shift 16) or uint32 (float32, shift 0), w = (nibble - 8) * scale + zero
+        per plane, planes summed (int8 is two) -> out [R, rows] f32.
+        Vectorised across the 64 rows of a tile; every output accumulates along k in order."""
+        P, B, K, _ = q.shape
+        G = sz.shape[1]
+        gs = K // G
+        R = x.shape[0]
+        for b in prange(B):
+            acc = np.zeros((R, 64), np.float32)
+            w = np.empty(64, np.float32)
+            sbits = np.empty((P, 64), np.uint32)
+            zbits = np.empty((P, 64), np.uint32)
+            s, z = sbits.view(np.float32), zbits.view(np.float32)
+            for gi in range(G):
+                for p in range(P):
+                    for j in range(64):
+                        sbits[p, j] = np.uint32(sz[p, gi, b * 64 + j, 0]) << shift
+                        zbits[p, j] = np.uint32(sz[p, gi, b * 64 + j, 1]) << shift
+                    for j in range(64):
+                        z[p, j] -= 8 * s[p, j]
+                for k in range(gi * gs, (gi + 1) * gs):
+                    for j in range(64):
+                        w[j] = 0.0
+                    for p in range(P):
+                        for j in range(32):
+                            byte = q[p, b, k, j]
+                            w[j] += np.float32(byte & 15) * s[p, j] + z[p, j]
+                            w[j + 32] += np.float32(byte >> 4) * s[p, j + 32] + z[p, j + 32]
+                    for r in range(R):
+                        xr = x[r, k]
+                        for j in range(64):
+                            acc[r, j] += xr * w[j]
+            for r in range(R):
+                for j in range(64):
+                    out[r, b * 64 + j] = acc[r, j]
+
+    _DENSE = {torch.float32: _dense_f32, torch.bfloat16: _dense_bf16, torch.float16: _dense_f16}
+else:  # pragma: no cover
+    _DENSE = {}
+
+
+def _threads() -> None:
+    """numba's pool follows torch's thread count (both default to the cores this process may use)."""
+    want = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != want:
+        numba.set_num_threads(want)
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def dense_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Does `dense_linear` take this pair (CPU, a 2-D weight of a dtype it widens)?"""
+    return (numba is not None and x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2
+            and w.dtype in _DENSE and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (float32 / bf16 / fp16) @ w [N, K].T (+ bias) -> [..., N] in x's dtype, accumulated in float32,
+    every row independent of the others. The weight keeps its dtype (no widened copy)."""
+    _threads()
+    lead, K = x.shape[:-1], x.shape[-1]
+    x32 = x.reshape(-1, K).to(torch.float32).contiguous()
+    out = torch.empty(x32.shape[0], w.shape[0], dtype=torch.float32)
+    if x32.shape[0]:
+        _DENSE[w.dtype](x32.numpy(), _as_numpy(w.contiguous()), out.numpy())
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype).reshape(*lead, w.shape[0])
+
+
+def packed_supported(sz: torch.Tensor) -> bool:
+    return numba is not None and sz.device.type == "cpu" and sz.dtype in (torch.bfloat16, torch.float32)
+
+
+def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ the packed planes (q uint8 [P, rows, K/2] in tile order, sz [P, K/g, rows, 2] bf16 or float32)
+    -> [M, rows] float32, every row independent of the others."""
+    _threads()
+    P, rows, half = q.shape
+    K = 2 * half
+    x32 = x.to(torch.float32).contiguous()
+    out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
+    bits = sz.view(torch.int16).numpy().view(np.uint16) if sz.dtype == torch.bfloat16 else \
+        sz.numpy().view(np.uint32)
+    if x32.shape[0]:
+        _packed(x32.numpy(), q.view(P, rows // 64, K, 32).numpy(), bits, 16 if sz.dtype == torch.bfloat16 else 0,
+                out.numpy())
+    return out
