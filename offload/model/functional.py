@@ -262,6 +262,8 @@ def attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     """
     if block is None and q.device.type == "cuda":  # fused kernel: no [heads, Tq, Tk] float32 scores
         return (*sdpa_with_lse(q, k, v, mask, scale), None)
+    if block is None and kernels.attention_supported(q, k):  # each query row on its own: batch-invariant
+        return (*kernels.attend(q, k, v, mask, scale), None)
     B, Tq, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
@@ -287,7 +289,10 @@ def attend_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     """`attend_group` one query column at a time, column j over its first `keys[j]` key slots: the shapes a
     plain decode step at those positions has (a verify pass of speculative decoding; the kernels reduce
     over keys and query rows in an order that depends on both counts). `keys` comes from the host-side
-    layout (`BatchLayout.column_keys`): no device sync."""
+    layout (`BatchLayout.column_keys`): no device sync. The CPU kernel attends every query row on its own
+    already (`offload.model.kernels.attend`): there all columns are one call."""
+    if kernels.attention_supported(q, k):
+        return kernels.attend(q, k, v, mask, scale)
     outs, lses = [], []
     for j, n in enumerate(keys):
         out, lse, _ = attend_group(q[:, j : j + 1], k[:, :n], v[:, :n], mask[:, j : j + 1, :n], scale)

@@ -39,7 +39,9 @@ ROW_INVARIANT = numba is not None
 _CHUNK = 16
 
 if numba is not None:
-    _jit = njit(parallel=True, fastmath=True, cache=True, nogil=True)
+    # reassociation (vectorised reductions: the order is the compiled loop's, the same for every row) and FMA
+    # contraction, but no "no infinities / NaNs" assumption: masked keys and fp16 infinities are real values
+    _jit = njit(parallel=True, fastmath={"reassoc", "contract", "nsz"}, cache=True, nogil=True)
 
     @_jit
     def _dense_f32(x, w, out):  # pragma: no cover - compiled
@@ -133,6 +135,52 @@ if numba is not None:
                 for j in range(64):
                     out[r, b * 64 + j] = acc[r, j]
 
+    @_jit
+    def _attend(q, k, v, mask, scale, shift, out, lse):  # pragma: no cover - compiled
+        """q [B, Tq, Hq, D] f32; k, v [B, Tk, Hkv, D] raw bits (uint32 float32 with shift 0, uint16 bf16 with
+        shift 16); mask [B, Tq, Tk] -> out [B, Tq, Hq, D], lse [B, Tq, Hq] (f32; a query that sees no key: zeros
+        and -inf). Each (query, head) walks its visible keys in order: padding, other queries and other
+        sequences change nothing in it."""
+        B, Tq, Hq, D = q.shape
+        Tk, Hkv = k.shape[1], k.shape[2]
+        G = Hq // Hkv
+        for idx in prange(B * Tq * Hq):
+            b, t, h = idx // (Tq * Hq), (idx // Hq) % Tq, idx % Hq
+            kh = h // G
+            scores = np.empty(Tk, np.float32)
+            bits = np.empty(D, np.uint32)
+            row = bits.view(np.float32)
+            acc = np.zeros(D, np.float32)
+            m = -np.inf
+            seen = False
+            for j in range(Tk):
+                if mask[b, t, j]:
+                    seen = True
+                    for d in range(D):
+                        bits[d] = np.uint32(k[b, j, kh, d]) << shift
+                    dot = np.float32(0.0)
+                    for d in range(D):
+                        dot += q[b, t, h, d] * row[d]
+                    scores[j] = dot * scale
+                    m = max(m, scores[j])
+            if not seen:
+                for d in range(D):
+                    out[b, t, h, d] = 0.0
+                lse[b, t, h] = -np.inf
+                continue
+            total = np.float32(0.0)
+            for j in range(Tk):
+                if mask[b, t, j]:
+                    p = np.exp(scores[j] - m)
+                    total += p
+                    for d in range(D):
+                        bits[d] = np.uint32(v[b, j, kh, d]) << shift
+                    for d in range(D):
+                        acc[d] += p * row[d]
+            for d in range(D):
+                out[b, t, h, d] = acc[d] / total
+            lse[b, t, h] = m + np.log(total)
+
     _DENSE = {torch.float32: _dense_f32, torch.bfloat16: _dense_bf16, torch.float16: _dense_f16}
 else:  # pragma: no cover
     _DENSE = {}
@@ -155,6 +203,12 @@ def dense_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Does `dense_linear` take this pair (CPU, a 2-D weight of a dtype it widens)?"""
     return (numba is not None and x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2
             and w.dtype in _DENSE and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def widens(w: torch.Tensor, compute: torch.dtype) -> bool:
+    """Does `dense_linear` multiply the matrix `w` by activations of dtype `compute` as it is (no upcast copy)?"""
+    return numba is not None and w.device.type == "cpu" and w.dim() == 2 and w.dtype in _DENSE and \
+        compute in (torch.float32, torch.bfloat16, torch.float16)
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,3 +243,31 @@ def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.T
         _packed(x32.numpy(), q.view(P, rows // 64, K, 32).numpy(), bits, 16 if sz.dtype == torch.bfloat16 else 0,
                 out.numpy())
     return out
+
+
+def _bits(t: torch.Tensor) -> tuple[np.ndarray, int]:
+    """A float32 or bf16 tensor as raw bits for the kernels: (array, shift that widens it to float32 bits)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16), 16
+    return t.numpy().view(np.uint32), 0
+
+
+def attention_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return (numba is not None and q.device.type == "cpu" and k.device.type == "cpu" and k.dtype == q.dtype
+            and k.dtype in (torch.float32, torch.bfloat16))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of padded queries with its log-sum-exp, each query row on its own (`functional.attend_group`'s
+    contract): q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; mask [B, Tq, Tk] -> out [B, Tq, Hq, D], lse [B, Tq, Hq], float32."""
+    _threads()
+    B, Tq, Hq, D = q.shape
+    out = torch.empty(B, Tq, Hq, D, dtype=torch.float32)
+    lse = torch.empty(B, Tq, Hq, dtype=torch.float32)
+    if out.numel():
+        kb, shift = _bits(k.contiguous())
+        vb, _ = _bits(v.contiguous())
+        _attend(q.to(torch.float32).contiguous().numpy(), kb, vb, mask.contiguous().numpy(), float(scale), shift,
+                out.numpy(), lse.numpy())
+    return out, lse

@@ -14,6 +14,7 @@ import logging
 import torch
 
 from offload.config import OffloadConfig
+from offload.model import kernels
 from offload.model.checkpoint import Checkpoint
 from offload.weights.convert import open_store
 from offload.weights.groups import (
@@ -145,8 +146,10 @@ class TieredWeights:
     def acquire(self, group: str) -> dict:
         """The group's tensors as views into its slot; packed matrices as `PackedLinear`s."""
         views = self.layouts[group].views(self.prefetcher.acquire(group))
-        if self.compute_dtype != self.dtype:  # upcast after the transfer (dense weights only: see compute_dtype)
-            return {name: t.to(self.compute_dtype) for name, t in views.items()}
+        if self.compute_dtype != self.dtype:  # upcast after the transfer (dense weights only: see compute_dtype),
+            # except the matrices a CPU kernel widens as it multiplies (no float32 copy of them per pass)
+            return {name: t if kernels.widens(t, self.compute_dtype) else t.to(self.compute_dtype)
+                    for name, t in views.items()}
         return weight_views(self.cfg, group, views, self.scratch, self.fmt)
 
     def release(self, group: str) -> None:

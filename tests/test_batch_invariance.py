@@ -1,0 +1,95 @@
+"""Every row's result is independent of the batch it runs in (CPU): a prompt's greedy tokens are the same alone,
+in batches of any size, split into other prefill chunks, joining a running batch, and in a verify pass.
+
+GEMM libraries choose their reduction order by the number of rows, and padded attention by the longest
+sequence, so without row-invariant kernels (`offload.model.kernels`) a batched bf16 or float32 run changes
+some greedy completions of a model whose logits have near ties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.model import kernels
+from offload.runtime.engine import Engine, Request, Sampling
+from offload.runtime.runner import Runner
+from tests.conftest import run_config
+
+pytestmark = pytest.mark.skipif(not kernels.ROW_INVARIANT, reason="row-invariant CPU kernels need numba")
+
+# matrices wide enough that a GEMM library splits its reduction differently for 1 row and for several
+WIDE = {"hidden_size": 512, "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "num_hidden_layers": 3}
+LENS = (21, 6, 13, 30, 9)
+NEW = 24
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in LENS]
+
+
+@pytest.fixture(scope="module")
+def wide(model_factory):
+    return model_factory("llama", overrides=WIDE)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_tokens_are_the_same_alone_in_any_batch_and_any_prefill_chunking(wide, dtype):
+    batch = prompts(512)
+    base = run_config(wide, dtype=dtype, kv_cache={"block_size": 4})
+    with Runner.from_config(base) as r:
+        alone = [r.generate([p], max_new_tokens=NEW, stop_on_eos=False)[0].token_ids for p in batch]
+    with Runner.from_config(base | {"activations": {"prefill_chunk": 7}}) as r:  # other chunk boundaries
+        for group in ([0, 1], [2, 3, 4], [4, 0, 3, 1, 2]):
+            got = r.generate([batch[i] for i in group], max_new_tokens=NEW, stop_on_eos=False)
+            assert [g.token_ids for g in got] == [alone[i] for i in group], f"batch {group}"
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_rows_logits_are_bit_equal_alone_and_beside_other_rows(wide, dtype):
+    """One decode step of a sequence, alone and in a pass with a longer sequence's step and a prompt chunk."""
+    batch = prompts(512)
+    with Runner.from_config(run_config(wide, dtype=dtype, kv_cache={"block_size": 4})) as r:
+        kv = r._ensure_kv(64)
+        a, b, c = kv.add_sequence(), kv.add_sequence(), kv.add_sequence()
+        r._forward([a], [batch[0]])
+        r._forward([b], [batch[3]])
+        alone = r._forward([a], [[5]])
+        kv.truncate(a, len(batch[0]))
+        mixed = r._forward([b, a, c], [[9], [5], batch[1]])
+        assert torch.equal(mixed[1], alone[0])
+
+
+@torch.inference_mode()
+def test_a_9_token_verify_pass_gives_the_bits_of_9_single_steps_in_float32(wide):
+    """A chain checked in one pass (one product per matrix, the weights read once) equals 9 plain steps."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 512, (27,), generator=g).tolist()
+    chain = torch.randint(3, 512, (9,), generator=g).tolist()
+    with Runner.from_config(run_config(wide, kv_cache={"block_size": 4})) as r:
+        kv = r._ensure_kv(32)
+        a, b = kv.add_sequence(), kv.add_sequence()
+        r._forward([a], [prompt])
+        r._forward([b], [prompt])
+        steps = torch.cat([r._forward([a], [[t]]) for t in chain])
+        verify = r._forward([b], [chain], keep=[len(chain)])
+        assert torch.equal(verify, steps)
+
+
+def test_a_request_joining_a_running_batch_gets_its_tokens_alone(wide):
+    """Continuous batching: a prompt prefilled in passes beside another request's decode rows."""
+    batch = prompts(512)
+    base = run_config(wide, dtype="bfloat16", kv_cache={"block_size": 4, "gpu_blocks": 64},
+                      activations={"prefill_chunk": 8})
+    with Runner.from_config(base) as r:
+        alone = [r.generate([p], max_new_tokens=NEW, stop_on_eos=False)[0].token_ids for p in batch[:2]]
+        engine = Engine(r)
+        first = engine.submit(Request(batch[0], Sampling(max_new_tokens=NEW)))
+        for _ in range(5):
+            engine.step()
+        later = engine.submit(Request(batch[1], Sampling(max_new_tokens=NEW)))
+        while engine.busy:
+            engine.step()
+    assert [first.outputs[0].token_ids, later.outputs[0].token_ids] == alone
