@@ -259,8 +259,9 @@ def attention_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention of padded queries with its log-sum-exp, each query row on its own (`functional.attend_group`'s
-    contract): q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; mask [B, Tq, Tk] -> out [B, Tq, Hq, D], lse [B, Tq, Hq], float32."""
+    """Exact attention of padded queries with its log-sum-exp, each query row on its own (the contract of
+    `functional.attend_group`): q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; mask [B, Tq, Tk] -> out [B, Tq, Hq, D],
+    lse [B, Tq, Hq], float32."""
     _threads()
     B, Tq, Hq, D = q.shape
     out = torch.empty(B, Tq, Hq, D, dtype=torch.float32)
