@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from offload.model import kernels
 from offload.model.config import ModelConfig
+from offload.model.sdpa import sdpa_with_lse
 
 
 # ----------------------------------------------------------------------------- weights
@@ -29,7 +30,7 @@ class PackedWeight(Protocol):
         """x [..., in] -> x @ W.T + bias, [..., out]."""
 
     def row_invariant(self, x: torch.Tensor) -> bool:
-        """Is every row of `linear(x)` independent of the other rows of x (see `offload.model.kernels`)?"""
+        """Is each row of `linear(x)` independent of x's other rows (`offload.model.kernels`)?"""
 
 
 #: A weight matrix: a dense tensor [out, in], or a packed one.
@@ -38,22 +39,14 @@ Weight = torch.Tensor | PackedWeight
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
            groups: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """x [N, in] -> [N, out]; with `groups` (flat row indices), rows must have the bits they have in a plain
-    decode step (a speculative verify pass multiplies the j-th token of every chain as group j).
+    """x [N, in] -> [N, out]; `groups` (flat rows; a verify pass's j-th tokens) must get a plain step's bits.
 
-    On the CPU every product is row-invariant (`offload.model.kernels`: each row computed by the same
-    instructions whatever rows are beside it), so groups need no product of their own and the weights are read
-    once. Elsewhere (cuBLAS, or a CPU without numba) GEMM kernels choose how to split the reduction by the
-    number of rows (bf16 [576, 1536] with oneDNN: 1, 2 or 3 rows give one result, 4 rows another), so each
-    group is its own product: the shape a plain decode step has, hence the plain step's bits.
+    CPU products are row-invariant (`offload.model.kernels`): groups need no product of their own. cuBLAS
+    splits its reduction by the number of rows, so there each group is its own product, a plain step's shape.
     """
-    if isinstance(w, torch.Tensor):
-        if kernels.dense_supported(x, w):
-            return kernels.dense_linear(x, w, bias)
-        invariant = False
-    else:
-        invariant = w.row_invariant(x)
-    if groups is not None and len(groups) > 1 and not invariant:
+    if isinstance(w, torch.Tensor) and kernels.dense_supported(x, w):
+        return kernels.dense_linear(x, w, bias)
+    if groups is not None and len(groups) > 1 and not (not isinstance(w, torch.Tensor) and w.row_invariant(x)):
         parts = [linear(x[g], w, bias) for g in groups]
         out = parts[0].new_empty(x.shape[0], parts[0].shape[-1])
         for g, y in zip(groups, parts):
@@ -289,8 +282,7 @@ def attend_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     """`attend_group` one query column at a time, column j over its first `keys[j]` key slots: the shapes a
     plain decode step at those positions has (a verify pass of speculative decoding; the kernels reduce
     over keys and query rows in an order that depends on both counts). `keys` comes from the host-side
-    layout (`BatchLayout.column_keys`): no device sync. The CPU kernel attends every query row on its own
-    already (`offload.model.kernels.attend`): there all columns are one call."""
+    layout (`BatchLayout.column_keys`): no device sync. The CPU kernel attends each row on its own: one call."""
     if kernels.attention_supported(q, k):
         return kernels.attend(q, k, v, mask, scale)
     outs, lses = [], []
@@ -303,40 +295,6 @@ def attend_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
-
-
-#: Fused attention kernels read an additive bias whose last dimension is padded to this many keys.
-BIAS_ALIGN = 16
-
-
-def sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attend_group` without per-block masses, through PyTorch's fused attention that also returns the
-    log-sum-exp (memory-efficient kernel on CUDA, flash kernel on CPU): memory linear in the context.
-
-    q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; mask [B, Tq, Tk] -> out [B, Tq, Hq, D] float32, lse [B, Tq, Hq]
-    float32 (-inf and a zero output where a query sees no key), the same contract as `attend_group`.
-    """
-    B, Tq, Hq, D = q.shape
-    Tk, Hkv = k.shape[1], k.shape[2]
-    pad = -Tk % BIAS_ALIGN
-    qh = q.transpose(1, 2)  # [B, Hq, Tq, D]
-    kh = F.pad(k, (0, 0, 0, 0, 0, pad)).transpose(1, 2).repeat_interleave(Hq // Hkv, dim=1)  # [B, Hq, Tk', D]
-    vh = F.pad(v, (0, 0, 0, 0, 0, pad)).transpose(1, 2).repeat_interleave(Hq // Hkv, dim=1)
-    seen = F.pad(mask, (0, pad))  # [B, Tq, Tk']
-    bias = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
-    bias = bias[:, None].expand(B, Hq, Tq, Tk + pad)
-    if q.device.type == "cuda":
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qh, kh, vh, bias, True, 0.0, False,
-                                                                          scale=scale)[:2]
-        lse = lse[:, :, :Tq]  # the kernel pads queries to a multiple of 32
-    else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, attn_mask=bias,
-                                                                              scale=scale)
-    any_key = mask.any(dim=-1)[:, None, :]  # [B, 1, Tq]
-    lse = torch.where(any_key, lse.float(), float("-inf")).transpose(1, 2)  # [B, Tq, Hq]
-    out = torch.where(any_key[..., None], out.float(), 0.0).transpose(1, 2)  # [B, Tq, Hq, D]
-    return out, lse
 
 
 def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
