@@ -14,13 +14,15 @@ all its rows (the weights read once), not one product per column.
              `_weight_int4pack_mm_for_cpu` where it is vectorised (bf16 scales; each row accumulates along k
              in order, so rows are independent by construction), else the numba kernel below on the same bytes.
 
-Without numba, dense products fall back to `F.linear` and `ROW_INVARIANT` is False (the verify pass then
-multiplies column by column, as before). Knows nothing about models, tiers or files.
+Without numba (or with OFFLOAD_CPU_KERNELS=library, to measure what invariance costs), products fall back
+to `F.linear` / torch's kernels and `ROW_INVARIANT` is False (a verify pass multiplies column by column).
+Knows nothing about models, tiers or files.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
@@ -29,6 +31,8 @@ try:  # an install dependency; its absence only costs row invariance and the ver
     import numba
     from numba import njit, prange
 except ImportError:  # pragma: no cover - exercised only on an install without numba
+    numba = None
+if os.environ.get("OFFLOAD_CPU_KERNELS", "invariant") == "library":  # measure the library path (benchmarks)
     numba = None
 
 log = logging.getLogger(__name__)

@@ -22,8 +22,10 @@ from offload.config import cache_dir
 from offload.errors import ConfigError
 from offload.kv.cache import PagedKVCache
 from offload.model import functional as M
+from offload.model import kernels
 from offload.model.config import ModelConfig
-from offload.weights.groups import group_layout
+from offload.weights.groups import WeightFormat, group_layout, model_layouts, weight_views
+from offload.weights.quant import Scratch
 from schedulers.calibration import Calibration, CalibrationError, measure_links
 
 log = logging.getLogger(__name__)
@@ -86,22 +88,38 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
 
 
 def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int, ...] = (1, 8, 64, 512),
-                    context: int = 64) -> dict[str, list[float]]:
-    """Seconds of one decoder layer (TinyLlama shape) per pass of n tokens, as weight bytes per second."""
+                    context: int = 64, compute: torch.dtype | None = None,
+                    quantization: str = "none") -> dict[str, list[float]]:
+    """Seconds of one decoder layer (TinyLlama shape) per pass of n tokens, as weight bytes per second.
+
+    The layer is computed as a run computes it: weights stored in `dtype` (group-wise packed with
+    `quantization`), activations and KV in `compute` (default `dtype`). The bytes are the layer's dense
+    bytes at `dtype` whatever the format, so a packed format's table says how fast its kernels go through
+    the same matrices (the planner's `compute_sizes` are dense bytes)."""
     cfg = ModelConfig.from_dict(REFERENCE)
-    layout = group_layout(cfg, "layer.0", dtype)
+    compute = compute or dtype
+    fmt = WeightFormat(quantization)
+    layout = group_layout(cfg, "layer.0", dtype, fmt)
     buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
     views = layout.views(buf)
     g = torch.Generator(device="cpu").manual_seed(0)
-    for t in views.values():
-        t.copy_((torch.randn(t.shape, generator=g) / max(t.shape[-1], 1) ** 0.5).to(dtype))
-    w = M.LayerWeights.from_views(views)
-    rope = M.Rope(cfg, device, dtype)
+    for name, t in views.items():
+        if t.dtype == torch.uint8:  # packed nibbles
+            t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
+        elif name.endswith(".sz"):  # (scale, zero) pairs of weights ~ N(0, 1 / in)
+            t.copy_((torch.rand(t.shape, generator=g) * 0.01).to(dtype))
+        else:
+            t.copy_((torch.randn(t.shape, generator=g) / max(t.shape[-1], 1) ** 0.5).to(dtype))
+    # upcast after the transfer as the run does: all but the matrices a CPU kernel widens as it multiplies
+    views = {k: v if v.dtype == torch.uint8 or kernels.widens(v, compute) else v.to(compute) for k, v in views.items()}
+    w = M.LayerWeights.from_views(weight_views(cfg, "layer.0", views, Scratch(), fmt))
+    rope = M.Rope(cfg, device, compute)
+    dense_bytes = group_layout(cfg, "layer.0", dtype).nbytes
     rates = []
     for n in tokens:
         batch = max(1, min(n, 8)) if n <= 8 else 1  # decode-like for small n, one prefill chunk for large
         per_seq = n // batch
-        kv = PagedKVCache(cfg, 16, batch * -(-(context + per_seq) // 16), dtype, device)
+        kv = PagedKVCache(cfg, 16, batch * -(-(context + per_seq) // 16), compute, device)
         sids = [kv.add_sequence() for _ in range(batch)]
         kv.prepare(sids, [context] * batch)
         times = []
@@ -109,7 +127,7 @@ def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int,
             for s in sids:
                 kv.seqs[s].length = context
             layout_, step = kv.prepare(sids, [per_seq] * batch)
-            x = torch.randn(batch * per_seq, cfg.hidden_size, generator=g).to(device=device, dtype=dtype)
+            x = torch.randn(batch * per_seq, cfg.hidden_size, generator=g).to(device=device, dtype=compute)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
@@ -117,15 +135,33 @@ def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int,
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
-        rates.append(layout.nbytes / min(times))
+        rates.append(dense_bytes / min(times))
     return {"tokens": list(tokens), "weight_bytes_per_s": rates}
+
+
+def compute_sizes(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat, cal: Calibration,
+                  device_type: str) -> dict[str, int]:
+    """Per group, the dense bytes at `dtype` that the cost model divides by the calibrated compute rate, a
+    packed format's layers scaled by how much slower (or faster) its kernels went than the dense ones at one
+    token, where the calibration measured the format (`compute["cpu/int4"]`); else at dense speed."""
+    sizes = {name: layout.nbytes for name, layout in model_layouts(cfg, dtype).items()}
+    key = f"{device_type}/{fmt.quantization}"
+    if fmt.prequant is None and key in cal.compute and device_type in cal.compute:
+        factor = cal.weight_bytes_per_s(device_type, 1) / cal.weight_bytes_per_s(key, 1)
+        sizes = {g: int(n * factor) if g.startswith("layer.") else n for g, n in sizes.items()}
+    return sizes
 
 
 def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None) -> Calibration:
     links = measure_links(device, disk_path)
-    compute = {device.type: measure_compute(device, dtype)}
+    run_dtype = compute_dtype("auto", dtype, device, False)  # what an all-in-memory dense run computes in
+    compute = {device.type: measure_compute(device, dtype, compute=run_dtype)}
+    if device.type == "cpu":  # packed kernels differ from dense ones there (and multiply in dtype)
+        for scheme in ("int8", "int4"):
+            compute[f"cpu/{scheme}"] = measure_compute(device, dtype, (1, 8, 64), quantization=scheme)
     meta = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "cpus": os.cpu_count(), "dtype": str(dtype).removeprefix("torch."),
+            "compute_dtype": str(run_dtype).removeprefix("torch."),
             "disk_path": str(disk_path) if disk_path else None}
     return Calibration(links, compute, "measured", meta)

@@ -23,7 +23,7 @@ from offload.kv.blocks import KVSettings
 from offload.kv.cache import PagedKVCache
 from offload.kv.formats import ColdFormat
 from offload.model.config import ModelConfig
-from offload.plan.calibrate import compute_dtype, load_calibration
+from offload.plan.calibrate import compute_dtype, compute_sizes, load_calibration
 from offload.plan.predict import Workload, predict_decode
 from offload.weights.groups import WeightFormat, model_layouts
 from schedulers.calibration import Calibration
@@ -136,8 +136,8 @@ class Planner:
         self.fmt.check(cfg)
         self.groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"))
                        for name, layout in model_layouts(cfg, dtype, self.fmt).items()]
-        #: bytes the math reads per group at the compute dtype (packed matrices multiply at dense speed)
-        self.compute_sizes = {name: layout.nbytes for name, layout in model_layouts(cfg, dtype).items()}
+        #: bytes the math reads per group at the compute rate (packed ones scaled by their calibrated speed)
+        self.compute_sizes = compute_sizes(cfg, dtype, self.fmt, load_calibration(config.calibration), device.type)
         self.chunks = self._chunk_choices()
 
     def _set_compute(self, dtype: torch.dtype) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.config import OffloadConfig, SpeculativeConfig
+from offload.model import kernels
 from offload.model.config import ModelConfig
 from offload.plan.planner import AUTO_KV_TOKENS, Planner
 from offload.plan.predict import Workload, compute_seconds
@@ -73,11 +74,15 @@ def verify_cost(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str
                 ) -> Callable[[int], float]:
     """k -> the cost model's time for a target pass over k+1 tokens, relative to a pass over one.
 
-    A verify pass multiplies each of its k+1 token columns as its own product (the bits of a plain step:
+    On a CPU with row-invariant kernels (`offload.model.kernels`) a verify pass is one pass over k+1 tokens;
+    elsewhere it multiplies each of its k+1 token columns as its own product (the bits of a plain step:
     `functional.column_groups`), so its compute is k+1 single-row passes' while its bytes move once."""
     one = compute_seconds(plan, cfg, cal, device_type, 1, Workload().context, 1, dtype_bytes)
 
     def step(columns: int) -> float:
+        if device_type == "cpu" and kernels.ROW_INVARIANT:
+            comp = compute_seconds(plan, cfg, cal, device_type, columns, Workload().context, 1, dtype_bytes)
+            return simulate(plan, comp, cal.links).step_s
         return simulate(plan, {g: columns * s for g, s in one.items()}, cal.links).step_s
 
     base = step(1)

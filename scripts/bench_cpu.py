@@ -1,0 +1,334 @@
+"""Offload against llama.cpp on this CPU: same machine, same run, each in its own process, all threads.
+
+    python scripts/bench_cpu.py                          # 1.7B Llama shape and SmolLM2-135M, bf16 / int8 / int4
+    python scripts/bench_cpu.py --models smollm2 --formats bf16 int4 --repeat 3
+    python scripts/bench_cpu.py --quick                  # a tiny model, no llama.cpp: the smoke run the tests use
+
+For each model and format (Offload bf16 / int8 / int4 against llama.cpp's BF16 / Q8_0 / Q4_0 GGUF of the same
+checkpoint), in fresh subprocesses, `--repeat` times interleaved (other jobs share this machine: the best of the
+repeats is reported, and the load average is recorded beside every number):
+  offload    all weights resident: batch-1 decode tokens/s (a 64-token prompt, `--new` tokens), 64-token prefill
+             tokens/s, and `offload plan --json`'s predicted decode step (this machine's calibration, measured
+             once at the start of the run) against the measured one
+  library    the same with OFFLOAD_CPU_KERNELS=library (torch's GEMMs, attention padded to the batch): what the
+             row-invariant kernels cost or save
+  llama.cpp  llama-bench: pp64 and tg32 (built by shared/peers/llama_cpp.sh from the registry's source package)
+  streamed   Offload with its weights on disk and a device tier of a quarter of them (`--streamed` formats)
+  verify     a verify pass over k+1 tokens (one sequence) over a plain decode step, for each k in `--verify`
+Writes OUT/bench-cpu.json and OUT/bench-cpu.md (OUT defaults to scripts/results/), the command line included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from scripts.machine import cpu_flags, load  # noqa: E402
+
+LLAMA = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
+QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
+PEERS = ROOT.parent / "shared" / "peers" / "llama_cpp.sh"
+
+
+def prompt(length: int, vocab: int) -> list[int]:
+    return [1] + [(7919 * i) % (vocab - 3) + 3 for i in range(1, length)]
+
+
+# ----------------------------------------------------------------------------- workers (one per subprocess)
+def worker_offload(spec: dict) -> dict:
+    import torch
+
+    from offload.runtime.runner import Runner
+
+    out = {"kernels": os.environ.get("OFFLOAD_CPU_KERNELS", "invariant"), "threads": torch.get_num_threads()}
+    with Runner.from_config(spec["config"]) as r:
+        ids = prompt(spec["prompt"], r.cfg.vocab_size)
+        r.generate([ids], max_new_tokens=2, stop_on_eos=False)  # warm-up: first-use compilation, page faults
+        best = None
+        for _ in range(spec.get("inner", 2)):
+            res = r.generate([ids], max_new_tokens=spec["new"], stop_on_eos=False)[0]
+            run = {"decode_ms": res.stats.decode_only_ms_per_step, "prefill_s": res.stats.prefill_s,
+                   "tokens": res.token_ids}
+            best = run if best is None or run["decode_ms"] < best["decode_ms"] else best
+        out |= best | {"compute_dtype": str(r.compute_dtype).removeprefix("torch.")}
+        if spec.get("verify"):
+            out["verify"] = verify_costs(r, ids, spec["verify"])
+    return out
+
+
+def verify_costs(r, ids: list[int], ks: list[int], reps: int = 3) -> dict[str, float]:
+    """Seconds of a pass over k+1 new tokens of one sequence (a verify pass) over a plain decode step."""
+    import torch
+
+    kv = r._ensure_kv(-(-(len(ids) + max(ks) + 2) // r.config.kv_cache.block_size) + 1)
+    sid = kv.add_sequence()
+    try:
+        r._forward([sid], [ids])
+
+        def timed(tokens: list[int], keep: list[int] | None) -> float:
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    r._forward([sid], [tokens], keep=keep)
+                best = min(best, time.perf_counter() - t0)
+                kv.truncate(sid, len(ids))
+            return best
+
+        plain = timed([5], None)
+        out = {"plain_ms": 1000 * plain}
+        for k in ks:
+            out[str(k)] = timed([5 + i for i in range(k + 1)], [k + 1]) / plain
+        return out
+    finally:
+        kv.free_sequence(sid)
+
+
+def worker_llama(spec: dict) -> dict:
+    proc = subprocess.run(["bash", str(PEERS), "bench", spec["gguf"], str(spec["threads"])], capture_output=True,
+                          text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    rows = json.loads(proc.stdout[proc.stdout.index("["):])
+    pp = next(x for x in rows if x["n_prompt"] and not x["n_gen"])
+    tg = next(x for x in rows if x["n_gen"] and not x["n_prompt"])
+    return {"prefill_tok_s": pp["avg_ts"], "decode_tok_s": tg["avg_ts"], "decode_tok_s_sd": tg["stddev_ts"],
+            "build": rows[0].get("build_commit"), "cpu_info": rows[0].get("cpu_info"), "type": rows[0].get("type")}
+
+
+def worker_plan(spec: dict) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "offload", "plan", spec["config_path"], "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    data = json.loads(proc.stdout[proc.stdout.index("{"):])
+    return {"predicted_step_ms": 1000 * data["prediction"]["step_s"], "compute_dtype": data.get("compute_dtype")}
+
+
+WORKERS = {"offload": worker_offload, "llama": worker_llama, "plan": worker_plan}
+
+
+def run_worker(kind: str, spec: dict, env: dict | None = None, timeout: int = 5400) -> dict:
+    before = load()
+    proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout, cwd=str(ROOT),
+                          env=os.environ | {"PYTHONPATH": str(ROOT)} | (env or {}))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1]) | {"load_before": before, "load_after": load()}
+
+
+# ----------------------------------------------------------------------------- models
+def ensure_models(names: list[str], cache: Path, quick: bool) -> dict[str, Path]:
+    from offload.testing.make_model import make_model
+
+    out = {}
+    for name in names:
+        if name == "smollm2":
+            from scripts.trained_model import ensure_trained_model
+
+            out[name] = ensure_trained_model(dtype="bfloat16")
+        else:
+            size = "tiny" if quick else name
+            path = cache / "models" / f"llama-{size}-bf16"
+            if not (path / "config.json").is_file():
+                make_model(path.with_name(path.name + ".partial"), family="llama", size=size, dtype="bfloat16",
+                           progress=True).rename(path)
+            out[name] = path
+    return out
+
+
+def ensure_gguf(model: Path, cache: Path) -> Path:
+    base = cache / "gguf" / model.name
+    base.parent.mkdir(parents=True, exist_ok=True)
+    if not Path(f"{base}-q4_0.gguf").is_file():
+        subprocess.run(["bash", str(PEERS), "gguf", str(model), str(base)], check=True, stdout=subprocess.DEVNULL)
+    return base
+
+
+def ensure_store(model: Path, store: Path, quant: str) -> None:
+    import torch
+
+    from offload.model.checkpoint import Checkpoint
+    from offload.weights.convert import open_store
+    from offload.weights.groups import WeightFormat
+
+    open_store(Checkpoint(model), store, torch.bfloat16, fmt=WeightFormat(quant)).close()
+
+
+def layer_bytes(model: Path, quant: str) -> int:
+    import torch
+
+    from offload.model.checkpoint import Checkpoint
+    from offload.weights.groups import WeightFormat, model_layouts
+
+    return sum(g.nbytes for g in model_layouts(Checkpoint(model).config, torch.bfloat16, WeightFormat(quant)).values())
+
+
+# ----------------------------------------------------------------------------- orchestration
+def best(runs: list[dict], key: str, high: bool = True) -> dict:
+    return sorted(runs, key=lambda r: r[key], reverse=high)[0]
+
+
+def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) -> list[dict]:
+    rows = []
+    gguf = None if args.no_llama else ensure_gguf(model, cache)
+    for fmt in args.formats:
+        config = {"model": str(model), "device": "cpu", "dtype": "bfloat16", "calibration": str(calibration),
+                  "weights": {"quantization": QUANT[fmt]}}
+        spec = {"config": config, "prompt": args.prompt, "new": args.new}
+        runs: dict[str, list[dict]] = {"offload": [], "library": [], "llama": []}
+        for rep in range(args.repeat):  # interleaved: each peer sees the same stretch of this machine's load
+            runs["offload"].append(run_worker("offload", spec | {"verify": args.verify if rep == 0 else []}))
+            if not args.no_library:
+                runs["library"].append(run_worker("offload", spec, {"OFFLOAD_CPU_KERNELS": "library"}))
+            if gguf is not None:
+                runs["llama"].append(run_worker("llama", {"gguf": f"{gguf}-{LLAMA[fmt]}.gguf",
+                                                          "threads": args.threads}))
+        for r in runs["offload"] + runs["library"]:
+            r["decode_tok_s"], r["prefill_tok_s"] = 1000 / r["decode_ms"], args.prompt / r["prefill_s"]
+        off = best(runs["offload"], "decode_tok_s")
+        cfg_path = cache / f"plan-{name}-{fmt}.yaml"
+        cfg_path.write_text(json.dumps(config))
+        plan = run_worker("plan", {"config_path": str(cfg_path)})
+        row = {"model": name, "format": fmt, "llama_format": LLAMA[fmt].upper(),
+               "bytes": layer_bytes(model, QUANT[fmt]),
+               "offload": off, "offload_prefill_tok_s": best(runs["offload"], "prefill_tok_s")["prefill_tok_s"],
+               "verify": runs["offload"][0].get("verify"), "plan": plan,
+               "prediction_error": plan["predicted_step_ms"] / off["decode_ms"] - 1,
+               "repeats": {k: [{x: r.get(x) for x in ("decode_tok_s", "prefill_tok_s", "load_before")} for r in v]
+                           for k, v in runs.items()}}
+        if runs["library"]:
+            lib = best(runs["library"], "decode_tok_s")
+            row["library"] = lib | {"prefill_tok_s": best(runs["library"], "prefill_tok_s")["prefill_tok_s"]}
+            row["tokens_equal_library"] = lib["tokens"] == off["tokens"]
+        if runs["llama"]:
+            row["llama"] = best(runs["llama"], "decode_tok_s") | {
+                "prefill_tok_s": best(runs["llama"], "prefill_tok_s")["prefill_tok_s"]}
+        if fmt in args.streamed:
+            store = cache / "stores" / f"{model.name}-{QUANT[fmt]}"
+            ensure_store(model, store, QUANT[fmt])
+            quarter = f"{max(1, row['bytes'] // 4 // 2**20)}MiB"
+            streamed = config | {"tiers": {"gpu": {"capacity": quarter}, "cpu": {"capacity": "0MiB"},
+                                           "disk": {"path": str(store)}}, "kv_cache": {"gpu_blocks": 16}}
+            s = run_worker("offload", {"config": streamed, "prompt": args.prompt, "new": args.new})
+            row["streamed"] = s | {"decode_tok_s": 1000 / s["decode_ms"], "device_tier": quarter,
+                                   "tokens_equal_resident": s["tokens"] == off["tokens"]}
+        rows.append(row)
+        print(f"{name} {fmt}: offload {off['decode_tok_s']:.1f} tok/s"
+              + (f", llama.cpp {row['llama']['decode_tok_s']:.1f}" if "llama" in row else ""), file=sys.stderr)
+    return rows
+
+
+def fmt_row(r: dict) -> str:
+    o, lib, ll = r["offload"], r.get("library"), r.get("llama")
+    v = r.get("verify") or {}
+
+    def num(x: float | None, f: str = ".1f") -> str:
+        return "-" if x is None else format(x, f)
+
+    def ratio(a: float, b: float | None) -> str:
+        return f"{a / b:.2f}" if b else "-"
+
+    cells = [r["model"], f"{r['format']} / {r['llama_format']}", num(r["bytes"] / 2**20, ".0f"),
+             num(o["decode_tok_s"]), num(ll and ll["decode_tok_s"]),
+             ratio(o["decode_tok_s"], ll and ll["decode_tok_s"]),
+             num(r["offload_prefill_tok_s"]), num(ll and ll["prefill_tok_s"]),
+             ratio(r["offload_prefill_tok_s"], ll and ll["prefill_tok_s"]),
+             num(lib and lib["decode_tok_s"]), num(lib and lib["prefill_tok_s"]),
+             str(r["tokens_equal_library"]) if lib else "-",
+             f"{r['plan']['predicted_step_ms']:.0f} / {o['decode_ms']:.0f} ({r['prediction_error']:+.0%})",
+             num(r["streamed"]["decode_tok_s"]) if "streamed" in r else "-",
+             " ".join(f"{k}: {x:.2f}" for k, x in v.items() if k != "plain_ms") or "-"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"`{result['command']}`", "",
+             f"Machine: {m['cpus']} CPUs, {m['processor']}; flags: {m['cpu_flags']}; load before / after: "
+             f"{m['load_before']} / {m['load_after']}; torch {m['torch']}, numba {m['numba']}; "
+             f"{result['threads']} threads. Best of {result['repeat']} interleaved repeats (other jobs share this "
+             "machine; each repeat's load is in the JSON). Decode: batch 1, all resident, a "
+             f"{result['prompt']}-token prompt, {result['new']} new tokens; prefill: the {result['prompt']}-token "
+             "prompt.", "",
+             "| model | Offload / llama.cpp format | MiB | Offload decode tok/s | llama.cpp decode tok/s | ratio "
+             "| Offload prefill tok/s | llama.cpp prefill tok/s | ratio | library-kernels decode tok/s "
+             "| library prefill tok/s | same tokens | plan predicted / measured ms (error) | streamed decode tok/s "
+             "| verify k+1 over plain, by k |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [fmt_row(r) for r in result["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="*", default=["1.7b", "smollm2"], choices=("1.7b", "smollm2", "tiny"))
+    ap.add_argument("--formats", nargs="*", default=["bf16", "int8", "int4"], choices=tuple(QUANT))
+    ap.add_argument("--streamed", nargs="*", default=["int4"], choices=tuple(QUANT))
+    ap.add_argument("--verify", type=int, nargs="*", default=[1, 2, 4, 8])
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--quick", action="store_true", help="the tiny model, one format, no llama.cpp")
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--no-library", action="store_true")
+    ap.add_argument("--cache", type=Path, default=Path(os.environ.get("OFFLOAD_CACHE", Path.home() / ".cache/offload"))
+                    / "bench-cpu", help="models, GGUFs, stores and the calibration")
+    ap.add_argument("--out", type=Path, default=ROOT / "scripts" / "results")
+    ap.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(WORKERS[args.worker](json.loads(args.spec))))
+        return 0
+    if args.quick:
+        args.models, args.formats, args.streamed, args.no_llama, args.repeat = ["tiny"], ["int4"], ["int4"], True, 1
+        args.verify, args.new, args.prompt = [1, 2], 4, 16
+    import torch
+
+    from offload.plan.calibrate import calibrate
+
+    cache = args.cache.resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    models = ensure_models(args.models, cache, args.quick)
+    calibration = cache / "calibration.json"
+    if not calibration.is_file() or args.quick:
+        calibrate(torch.device("cpu"), torch.bfloat16, cache).save(calibration)
+    machine = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+               "cpu_flags": cpu_flags(), "load_before": load(), "torch": torch.__version__,
+               "numba": _numba_version(), "python": sys.version.split()[0]}
+    rows = []
+    for name, path in models.items():
+        rows += bench_model(name, path, args, cache, calibration)
+    machine["load_after"] = load()
+    result = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "machine": machine,
+              "threads": args.threads, "repeat": args.repeat, "prompt": args.prompt, "new": args.new, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "bench-cpu-quick" if args.quick else "bench-cpu"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"{name}.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+def _numba_version() -> str | None:
+    try:
+        import numba
+    except ImportError:
+        return None
+    return numba.__version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
