@@ -7,9 +7,10 @@ same order whatever else is in the pass, so a decode step alone, the same step i
 a speculative verify pass and a prompt chunk give a row the same bits, and a verify pass is one product over
 all its rows (the weights read once), not one product per column.
 
-    dense    numba (LLVM, compiled at first use and cached; no compiler needed): per output feature, the weight
-             row is widened to float32 once (bf16 and fp16 inline: no dense copy of the matrix, so a bf16 model
-             computes in float32 at bf16's bytes), then one dot product per input row, all rows by the one loop.
+    dense    numba (LLVM, compiled at first use and cached; no compiler needed): two output features at a time,
+             their weight rows widened to float32 once (bf16 and fp16 inline: no dense copy of the matrix, so a
+             bf16 model computes in float32 at bf16's bytes), then 4 input rows at a time against both (8 FMAs
+             per 6 loads), every row through that one loop (rows padded to a multiple of 4).
     packed   the group-wise int4 / int8 tile layout of `offload.weights.quant`: torch's
              `_weight_int4pack_mm_for_cpu` where it is vectorised (bf16 scales; each row accumulates along k
              in order, so rows are independent by construction), else the numba kernel below on the same bytes.
@@ -47,58 +48,85 @@ if numba is not None:
     # contraction, but no "no infinities / NaNs" assumption: masked keys and fp16 infinities are real values
     _jit = njit(parallel=True, fastmath={"reassoc", "contract", "nsz"}, cache=True, nogil=True)
 
+    @njit(inline="always", fastmath={"reassoc", "contract", "nsz"})
+    def _rows4(x, u, v, two, n, out):  # pragma: no cover - compiled
+        """out[:, n] (and out[:, n + 1] when `two`) = x @ u (v), 4 rows of x at a time: one weight load feeds
+        4 (8) FMAs. Every row goes through this code (x is padded to a multiple of 4 rows), so a row's bits do
+        not depend on the rows beside it or on its place among the 4."""
+        R, K = x.shape
+        for r in range(0, R, 4):
+            x0, x1, x2, x3 = x[r], x[r + 1], x[r + 2], x[r + 3]
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            if two:
+                c0 = c1 = c2 = c3 = np.float32(0.0)
+                for k in range(K):
+                    wu, wv = u[k], v[k]
+                    a0 += x0[k] * wu
+                    a1 += x1[k] * wu
+                    a2 += x2[k] * wu
+                    a3 += x3[k] * wu
+                    c0 += x0[k] * wv
+                    c1 += x1[k] * wv
+                    c2 += x2[k] * wv
+                    c3 += x3[k] * wv
+                out[r, n + 1], out[r + 1, n + 1], out[r + 2, n + 1], out[r + 3, n + 1] = c0, c1, c2, c3
+            else:
+                for k in range(K):
+                    wu = u[k]
+                    a0 += x0[k] * wu
+                    a1 += x1[k] * wu
+                    a2 += x2[k] * wu
+                    a3 += x3[k] * wu
+            out[r, n], out[r + 1, n], out[r + 2, n], out[r + 3, n] = a0, a1, a2, a3
+
     @_jit
     def _dense_f32(x, w, out):  # pragma: no cover - compiled
-        """x [R, K] f32, w [N, K] f32 -> out [R, N] f32."""
-        R, K = x.shape
+        """x [R, K] f32 (R a multiple of 4), w [N, K] f32 -> out [R, N] f32."""
         N = w.shape[0]
         for c in prange((N + _CHUNK - 1) // _CHUNK):
-            for n in range(c * _CHUNK, min(N, c * _CHUNK + _CHUNK)):
-                for r in range(R):
-                    acc = np.float32(0.0)
-                    for k in range(K):
-                        acc += x[r, k] * w[n, k]
-                    out[r, n] = acc
+            end = min(N, c * _CHUNK + _CHUNK)
+            for n in range(c * _CHUNK, end, 2):
+                two = n + 1 < end
+                _rows4(x, w[n], w[n + 1] if two else w[n], two, n, out)
 
-    @_jit
-    def _dense_bf16(x, w, out):  # pragma: no cover - compiled
-        """x [R, K] f32, w [N, K] uint16 (bf16 bits) -> out [R, N] f32."""
-        R, K = x.shape
-        N = w.shape[0]
-        for c in prange((N + _CHUNK - 1) // _CHUNK):
-            bits = np.empty(K, np.uint32)
-            row = bits.view(np.float32)
-            for n in range(c * _CHUNK, min(N, c * _CHUNK + _CHUNK)):
-                for k in range(K):
-                    bits[k] = np.uint32(w[n, k]) << 16
-                for r in range(R):
-                    acc = np.float32(0.0)
-                    for k in range(K):
-                        acc += x[r, k] * row[k]
-                    out[r, n] = acc
+    @njit(inline="always")
+    def _widen_bf16(src, dst):  # pragma: no cover - compiled
+        for k in range(src.shape[0]):
+            dst[k] = np.uint32(src[k]) << 16
 
-    @_jit
-    def _dense_f16(x, w, out):  # pragma: no cover - compiled
-        """x [R, K] f32, w [N, K] uint16 (IEEE half bits) -> out [R, N] f32."""
-        R, K = x.shape
-        N = w.shape[0]
-        for c in prange((N + _CHUNK - 1) // _CHUNK):
-            bits = np.empty(K, np.uint32)
-            row = bits.view(np.float32)
-            for n in range(c * _CHUNK, min(N, c * _CHUNK + _CHUNK)):
-                for k in range(K):  # exponent and mantissa moved into float32's fields, rebiased by 2^112 below
-                    bits[k] = (np.uint32(w[n, k]) & np.uint32(0x7FFF)) << 13
-                for k in range(K):
-                    h = np.uint32(w[n, k])
-                    v = row[k] * np.float32(5.192296858534828e33)  # 2^112: normals and subnormals exact
-                    if (h & np.uint32(0x7C00)) == np.uint32(0x7C00):  # inf / nan
-                        v = np.inf if (h & np.uint32(0x3FF)) == 0 else np.nan
-                    row[k] = -v if h & np.uint32(0x8000) else v
-                for r in range(R):
-                    acc = np.float32(0.0)
-                    for k in range(K):
-                        acc += x[r, k] * row[k]
-                    out[r, n] = acc
+    @njit(inline="always")
+    def _widen_f16(src, dst):  # pragma: no cover - compiled
+        """IEEE half bits -> float32 bits: exponent and mantissa moved into float32's fields and rebiased by
+        multiplying by 2^112 (normals and subnormals exact), infinities and NaNs restored, the sign put back."""
+        row = dst.view(np.float32)
+        for k in range(src.shape[0]):
+            dst[k] = (np.uint32(src[k]) & np.uint32(0x7FFF)) << 13
+        for k in range(src.shape[0]):
+            h = np.uint32(src[k])
+            val = row[k] * np.float32(5.192296858534828e33)
+            if (h & np.uint32(0x7C00)) == np.uint32(0x7C00):
+                val = np.inf if (h & np.uint32(0x3FF)) == 0 else np.nan
+            row[k] = -val if h & np.uint32(0x8000) else val
+
+    def _make_dense16(widen):
+        @_jit
+        def dense16(x, w, out):  # pragma: no cover - compiled
+            """x [R, K] f32 (R a multiple of 4), w [N, K] uint16 (16-bit float bits) -> out [R, N] f32."""
+            K = x.shape[1]
+            N = w.shape[0]
+            for c in prange((N + _CHUNK - 1) // _CHUNK):
+                b0, b1 = np.empty(K, np.uint32), np.empty(K, np.uint32)
+                end = min(N, c * _CHUNK + _CHUNK)
+                for n in range(c * _CHUNK, end, 2):
+                    two = n + 1 < end
+                    widen(w[n], b0)
+                    if two:
+                        widen(w[n + 1], b1)
+                    _rows4(x, b0.view(np.float32), b1.view(np.float32), two, n, out)
+        return dense16
+
+    _dense_bf16 = _make_dense16(_widen_bf16)
+    _dense_f16 = _make_dense16(_widen_f16)
 
     @_jit
     def _packed(x, q, sz, shift, out):  # pragma: no cover - compiled
@@ -220,10 +248,16 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     every row independent of the others. The weight keeps its dtype (no widened copy)."""
     _threads()
     lead, K = x.shape[:-1], x.shape[-1]
-    x32 = x.reshape(-1, K).to(torch.float32).contiguous()
+    if w.shape[1] != K:  # the kernels do not check bounds
+        raise ValueError(f"x has {K} columns but the weight {tuple(w.shape)} takes {w.shape[1]}")
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    x32 = torch.zeros(-(-M // 4) * 4, K, dtype=torch.float32)  # rows padded to the kernel's 4
+    x32[:M] = x2
     out = torch.empty(x32.shape[0], w.shape[0], dtype=torch.float32)
-    if x32.shape[0]:
+    if M:
         _DENSE[w.dtype](x32.numpy(), _as_numpy(w.contiguous()), out.numpy())
+    out = out[:M]
     if bias is not None:
         out += bias
     return out.to(x.dtype).reshape(*lead, w.shape[0])
@@ -239,6 +273,8 @@ def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.T
     _threads()
     P, rows, half = q.shape
     K = 2 * half
+    if x.shape[-1] != K or sz.shape[1] == 0 or K % sz.shape[1] or rows % 64:
+        raise ValueError(f"x {tuple(x.shape)} does not fit packed planes {tuple(q.shape)} / {tuple(sz.shape)}")
     x32 = x.to(torch.float32).contiguous()
     out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
     bits = sz.view(torch.int16).numpy().view(np.uint16) if sz.dtype == torch.bfloat16 else \
@@ -268,6 +304,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     lse [B, Tq, Hq], float32."""
     _threads()
     B, Tq, Hq, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or Hq % k.shape[2] or mask.shape != (B, Tq, k.shape[1]):
+        raise ValueError(f"attention shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, mask {tuple(mask.shape)}")
     out = torch.empty(B, Tq, Hq, D, dtype=torch.float32)
     lse = torch.empty(B, Tq, Hq, dtype=torch.float32)
     if out.numel():
