@@ -142,7 +142,7 @@ def ensure_models(names: list[str], cache: Path, quick: bool) -> dict[str, Path]
             path = cache / "models" / f"llama-{size}-bf16"
             if not (path / "config.json").is_file():
                 make_model(path.with_name(path.name + ".partial"), family="llama", size=size, dtype="bfloat16",
-                           progress=True).rename(path)
+                           progress=True, overrides={"intermediate_size": 384} if quick else None).rename(path)
             out[name] = path
     return out
 

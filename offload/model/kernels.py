@@ -306,7 +306,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     B, Tq, Hq, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or Hq % k.shape[2] \
             or mask.shape != (B, Tq, k.shape[1]):
-        raise ValueError(f"attention shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, mask {tuple(mask.shape)}")
+        raise ValueError(f"attention shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"mask {tuple(mask.shape)}")
     out = torch.empty(B, Tq, Hq, D, dtype=torch.float32)
     lse = torch.empty(B, Tq, Hq, dtype=torch.float32)
     if out.numel():
