@@ -240,7 +240,7 @@ def fmt_row(r: dict) -> str:
         return f"{a / b:.2f}" if b else "-"
 
     cells = [r["model"], f"{r['format']} / {r['llama_format']}", num(r["bytes"] / 2**20, ".0f"),
-             num(o["decode_tok_s"]), num(ll and ll["decode_tok_s"]),
+             num(o["decode_tok_s"]), num(r["bytes"] / o["decode_ms"] / 1e6), num(ll and ll["decode_tok_s"]),
              ratio(o["decode_tok_s"], ll and ll["decode_tok_s"]),
              num(r["offload_prefill_tok_s"]), num(ll and ll["prefill_tok_s"]),
              ratio(r["offload_prefill_tok_s"], ll and ll["prefill_tok_s"]),
@@ -256,16 +256,18 @@ def markdown(result: dict) -> str:
     m = result["machine"]
     lines = [f"`{result['command']}`", "",
              f"Machine: {m['cpus']} CPUs, {m['processor']}; flags: {m['cpu_flags']}; load before / after: "
-             f"{m['load_before']} / {m['load_after']}; torch {m['torch']}, numba {m['numba']}; "
+             f"{m['load_before']} / {m['load_after']}; memory {m['memory']['sum'] / 1e9:.1f} GB/s (sum of 1 GiB), "
+             f"{m['memory']['copy'] / 1e9:.1f} GB/s (copy); torch {m['torch']}, numba {m['numba']}; "
              f"{result['threads']} threads. Best of {result['repeat']} interleaved repeats (other jobs share this "
              "machine; each repeat's load is in the JSON). Decode: batch 1, all resident, a "
              f"{result['prompt']}-token prompt, {result['new']} new tokens; prefill: the {result['prompt']}-token "
              "prompt.", "",
-             "| model | Offload / llama.cpp format | MiB | Offload decode tok/s | llama.cpp decode tok/s | ratio "
+             "| model | Offload / llama.cpp format | MiB | Offload decode tok/s | weights GB/s "
+             "| llama.cpp decode tok/s | ratio "
              "| Offload prefill tok/s | llama.cpp prefill tok/s | ratio | library-kernels decode tok/s "
              "| library prefill tok/s | same tokens | plan predicted / measured ms (error) | streamed decode tok/s "
              "| verify k+1 over plain, by k |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [fmt_row(r) for r in result["rows"]]
     return "\n".join(lines) + "\n"
 
@@ -307,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         calibrate(torch.device("cpu"), torch.bfloat16, cache).save(calibration)
     machine = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                "cpu_flags": cpu_flags(), "load_before": load(), "torch": torch.__version__,
-               "numba": _numba_version(), "python": sys.version.split()[0]}
+               "numba": _numba_version(), "python": sys.version.split()[0], "memory": memory_bandwidth()}
     rows = []
     for name, path in models.items():
         rows += bench_model(name, path, args, cache, calibration)
@@ -320,6 +322,27 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{name}.md").write_text(markdown(result))
     print(markdown(result))
     return 0
+
+
+def memory_bandwidth(nbytes: int = 2**30, reps: int = 3) -> dict[str, float]:
+    """This machine's memory bandwidth, all threads: a sum over `nbytes` of float32 (reads) and a copy of
+    them (reads + writes, counted twice), best of `reps`, in bytes per second."""
+    import torch
+
+    a = torch.ones(nbytes // 4)
+    b = torch.empty_like(a)
+    out = {}
+    for name, f, moved in (("sum", a.sum, nbytes), ("copy", lambda: b.copy_(a), 2 * nbytes)):
+        f()
+        t = min(_timed(f) for _ in range(reps))
+        out[name] = moved / t
+    return out
+
+
+def _timed(f) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
 
 
 def _numba_version() -> str | None:
