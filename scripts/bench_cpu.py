@@ -106,7 +106,8 @@ def worker_llama(spec: dict) -> dict:
 
 
 def worker_plan(spec: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "offload", "plan", spec["config_path"], "--json"],
+    proc = subprocess.run([sys.executable, "-m", "offload", "plan", "--config", spec["config_path"], "--json",
+                           "--context", str(spec["context"])],
                           capture_output=True, text=True, timeout=600, cwd=str(ROOT))
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
@@ -199,7 +200,7 @@ def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) ->
         off = best(runs["offload"], "decode_tok_s")
         cfg_path = cache / f"plan-{name}-{fmt}.yaml"
         cfg_path.write_text(json.dumps(config))
-        plan = run_worker("plan", {"config_path": str(cfg_path)})
+        plan = run_worker("plan", {"config_path": str(cfg_path), "context": args.prompt + args.new // 2})
         row = {"model": name, "format": fmt, "llama_format": LLAMA[fmt].upper(),
                "bytes": layer_bytes(model, QUANT[fmt]),
                "offload": off, "offload_prefill_tok_s": best(runs["offload"], "prefill_tok_s")["prefill_tok_s"],
