@@ -61,14 +61,13 @@ def worker_offload(spec: dict) -> dict:
             best = run if best is None or run["decode_ms"] < best["decode_ms"] else best
         out |= best | {"compute_dtype": str(r.compute_dtype).removeprefix("torch.")}
         if spec.get("verify"):
-            out["verify"] = verify_costs(r, ids, spec["verify"])
+            with torch.inference_mode():  # the KV pool was made inside generate's inference mode
+                out["verify"] = verify_costs(r, ids, spec["verify"])
     return out
 
 
 def verify_costs(r, ids: list[int], ks: list[int], reps: int = 3) -> dict[str, float]:
     """Seconds of a pass over k+1 new tokens of one sequence (a verify pass) over a plain decode step."""
-    import torch
-
     kv = r._ensure_kv(-(-(len(ids) + max(ks) + 2) // r.config.kv_cache.block_size) + 1)
     sid = kv.add_sequence()
     try:
@@ -78,8 +77,7 @@ def verify_costs(r, ids: list[int], ks: list[int], reps: int = 3) -> dict[str, f
             best = float("inf")
             for _ in range(reps):
                 t0 = time.perf_counter()
-                with torch.inference_mode():
-                    r._forward([sid], [tokens], keep=keep)
+                r._forward([sid], [tokens], keep=keep)
                 best = min(best, time.perf_counter() - t0)
                 kv.truncate(sid, len(ids))
             return best
