@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -130,18 +131,24 @@ def run_worker(kind: str, spec: dict, env: dict | None = None, timeout: int = 54
 def ensure_models(names: list[str], cache: Path, quick: bool) -> dict[str, Path]:
     from offload.testing.make_model import make_model
 
+    from scripts.trained_model import ensure_trained_model
+
     out = {}
     for name in names:
         if name == "smollm2":
-            from scripts.trained_model import ensure_trained_model
-
             out[name] = ensure_trained_model(dtype="bfloat16")
         else:
             size = "tiny" if quick else name
             path = cache / "models" / f"llama-{size}-bf16"
             if not (path / "config.json").is_file():
-                make_model(path.with_name(path.name + ".partial"), family="llama", size=size, dtype="bfloat16",
-                           progress=True, overrides={"intermediate_size": 384} if quick else None).rename(path)
+                tmp = make_model(path.with_name(path.name + ".partial"), family="llama", size=size, dtype="bfloat16",
+                                 progress=True, overrides={"intermediate_size": 384} if quick else None)
+                if size == "1.7b":  # SmolLM2-1.7B's tokenizer is SmolLM2-135M's (vocab 49152): llama.cpp's GGUF
+                    # converter knows its pre-tokenizer, not the one make_model trains
+                    smol = ensure_trained_model(dtype="bfloat16")
+                    for f in ("tokenizer.json", "tokenizer_config.json"):
+                        shutil.copy(smol / f, tmp / f)
+                tmp.rename(path)
             out[name] = path
     return out
 
