@@ -130,7 +130,6 @@ def run_worker(kind: str, spec: dict, env: dict | None = None, timeout: int = 54
 # ----------------------------------------------------------------------------- models
 def ensure_models(names: list[str], cache: Path, quick: bool) -> dict[str, Path]:
     from offload.testing.make_model import make_model
-
     from scripts.trained_model import ensure_trained_model
 
     out = {}
