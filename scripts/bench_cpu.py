@@ -37,7 +37,10 @@ from scripts.machine import cpu_flags, load  # noqa: E402
 
 LLAMA = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
-PEERS = ROOT.parent / "shared" / "peers" / "llama_cpp.sh"
+#: shared/peers/llama_cpp.sh beside the checkout (/work/main) or beside a worktree's parent (/work/wt/NAME)
+PEERS = Path(os.environ.get("OFFLOAD_PEERS", next((p / "shared" / "peers" / "llama_cpp.sh" for p in ROOT.parents
+                                                   if (p / "shared" / "peers" / "llama_cpp.sh").is_file()),
+                                                  ROOT.parent / "shared" / "peers" / "llama_cpp.sh")))
 
 
 def prompt(length: int, vocab: int) -> list[int]:
