@@ -218,9 +218,15 @@ else:  # pragma: no cover
     _DENSE = {}
 
 
-def _threads() -> None:
-    """numba's pool follows torch's thread count (both default to the cores this process may use)."""
-    want = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+#: multiply-adds below which a kernel runs on one thread: a parallel region costs more than it saves on a
+#: small matrix, and on a busy machine it waits for every thread to be scheduled
+PARALLEL_WORK = 1 << 22
+
+
+def _threads(work: int) -> None:
+    """numba's pool follows torch's thread count (both default to the cores this process may use), one thread
+    for small work. Results do not depend on it: every output is computed whole by one thread."""
+    want = 1 if work < PARALLEL_WORK else max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if numba.get_num_threads() != want:
         numba.set_num_threads(want)
 
@@ -246,7 +252,7 @@ def widens(w: torch.Tensor, compute: torch.dtype) -> bool:
 def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (float32 / bf16 / fp16) @ w [N, K].T (+ bias) -> [..., N] in x's dtype, accumulated in float32,
     every row independent of the others. The weight keeps its dtype (no widened copy)."""
-    _threads()
+    _threads(x.numel() * w.shape[0])
     lead, K = x.shape[:-1], x.shape[-1]
     if w.shape[1] != K:  # the kernels do not check bounds
         raise ValueError(f"x has {K} columns but the weight {tuple(w.shape)} takes {w.shape[1]}")
@@ -270,7 +276,7 @@ def packed_supported(sz: torch.Tensor) -> bool:
 def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ the packed planes (q uint8 [P, rows, K/2] in tile order, sz [P, K/g, rows, 2] bf16 or float32)
     -> [M, rows] float32, every row independent of the others."""
-    _threads()
+    _threads(x.numel() * q.shape[1] * q.shape[0])
     P, rows, half = q.shape
     K = 2 * half
     if x.shape[-1] != K or sz.shape[1] == 0 or K % sz.shape[1] or rows % 64:
@@ -302,7 +308,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Exact attention of padded queries with its log-sum-exp, each query row on its own (the contract of
     `functional.attend_group`): q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; mask [B, Tq, Tk] -> out [B, Tq, Hq, D],
     lse [B, Tq, Hq], float32."""
-    _threads()
+    _threads(q.numel() * k.shape[1])
     B, Tq, Hq, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or Hq % k.shape[2] \
             or mask.shape != (B, Tq, k.shape[1]):
