@@ -15,7 +15,7 @@ repeats is reported, and the load average is recorded beside every number):
   llama.cpp  llama-bench: pp64 and tg32 (built by shared/peers/llama_cpp.sh from the registry's source package)
   streamed   Offload with its weights on disk and a device tier of a quarter of them (`--streamed` formats)
   verify     a verify pass over k+1 tokens (one sequence) over a plain decode step, for each k in `--verify`
-Writes OUT/bench-cpu.json and OUT/bench-cpu.md (OUT defaults to scripts/results/), the command line included.
+Writes OUT/cpu-vs-llama.json and OUT/cpu-vs-llama.md (OUT defaults to scripts/results/), the command line included.
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "machine": machine,
               "threads": args.threads, "repeat": args.repeat, "prompt": args.prompt, "new": args.new, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "bench-cpu-quick" if args.quick else "bench-cpu"
+    name = "cpu-vs-llama-quick" if args.quick else "cpu-vs-llama"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
     (args.out / f"{name}.md").write_text(markdown(result))
     print(markdown(result))
