@@ -169,6 +169,9 @@ BUDGET_SCRIPT = textwrap.dedent("""
     print(json.dumps({"base": base, "peak": peak, "tokens": res[0].token_ids, "homes": homes}))
 """)
 FIXED_OVERHEAD = 64 * 2**20  # interpreter objects, thread stacks, tokenizer, allocator slack, logits
+# numba's LLVM runtime and the CPU kernels it loads (offload.model.kernels): a fixed cost whatever the model
+# (measured: +56 MiB to import numba, +121 MiB to load and run the cached kernels, in a fresh process)
+JIT_OVERHEAD = 128 * 2**20
 
 
 @pytest.mark.slow
@@ -186,7 +189,7 @@ def test_peak_memory_stays_within_the_budget_for_a_model_4x_larger(tmp_path, mod
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     grown = out["peak"] - out["base"]
     assert out["homes"] == ["cpu", "disk"]
-    assert grown <= budget + FIXED_OVERHEAD, (
+    assert grown <= budget + FIXED_OVERHEAD + JIT_OVERHEAD, (
         f"peak RSS grew {grown / 2**20:.0f} MiB for a {budget / 2**20:.0f} MiB budget")
     with Runner.from_config(run_config(model, dtype="bfloat16", compute_dtype="bfloat16")) as r:  # all-resident
         assert r.generate([list(range(1, 17))], max_new_tokens=6, stop_on_eos=False)[0].token_ids == out["tokens"]
