@@ -132,17 +132,16 @@ class ForwardBatch:
 
     @classmethod
     def last(cls, sids: Sequence[int], tokens: Sequence[Sequence[int]]) -> ForwardBatch:
-        return cls(tuple(sids), tuple(tuple(t) for t in tokens))
+        return cls(sids, tokens)  # type: ignore[arg-type]  (made tuples by __post_init__)
 
     @classmethod
     def every_token(cls, sids: Sequence[int], tokens: Sequence[Sequence[int]]) -> ForwardBatch:
-        return cls(tuple(sids), tuple(tuple(t) for t in tokens), every=True)
+        return cls(sids, tokens, every=True)  # type: ignore[arg-type]
 
     @classmethod
     def verify(cls, sids: Sequence[int], tokens: Sequence[Sequence[int]], keep: Sequence[int],
                lanes: Sequence[int] | None = None) -> ForwardBatch:
-        return cls(tuple(sids), tuple(tuple(t) for t in tokens), keep=tuple(keep),
-                   lanes=None if lanes is None else tuple(lanes))
+        return cls(sids, tokens, keep=keep, lanes=lanes)  # type: ignore[arg-type]
 
     @property
     def q_lens(self) -> list[int]:
