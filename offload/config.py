@@ -166,7 +166,7 @@ class SpeculativeConfig:
                              "chain and verified in a fork of the sequence in the same pass", False)
     #: the draft checkpoint directory (resolved); None for none and the self-* drafts
     path: Path | None = field(default=None, compare=False, metadata={"internal": True})
-    #: a Hub draft's id: `path` holds its config and tokenizer until the draft's runner fetches the weights
+    #: a Hub draft's id: `path` is None until `OffloadConfig.fetched()` names its snapshot
     hub: str | None = field(default=None, compare=False, metadata={"internal": True})
 
     @property
@@ -212,8 +212,8 @@ class OffloadConfig:
     calibration: Path | None = _opt(_str, "calibration file from `offload calibrate` (default: the saved one, if any)")
     #: where a YAML file was loaded from (relative paths are resolved against its directory)
     source: Path | None = field(default=None, compare=False, metadata={"internal": True})
-    #: the Hub id `model:` named (None: a local directory); `model` is then its snapshot in the Hub cache,
-    #: holding config and tokenizer files until a runner fetches the weights (`offload.model.hub.fetch`)
+    #: the Hub id `model:` named (None: a local directory); `model` is then the id itself until `fetched()`
+    #: names its snapshot in the Hugging Face cache (a runner fetches when it starts; loading never does)
     hub: str | None = field(default=None, metadata={"internal": True})
 
     @classmethod
@@ -254,6 +254,20 @@ class OffloadConfig:
     def replace(self, **changes: Any) -> OffloadConfig:
         return dataclasses.replace(self, **changes)
 
+    def fetched(self, weights: bool = True) -> OffloadConfig:
+        """This config with its Hub checkpoints (`model:` and a speculative draft given as org/name) in the local
+        Hugging Face cache, downloading what is missing (`weights=False`: config and tokenizer files only, what
+        a plan needs); `model` (and `speculative.path`) then name the snapshot directories. Loading a config
+        never downloads: a runner calls this when it starts."""
+        config = self
+        if self.hub:
+            config = config.replace(model=hub.fetch(self.hub, weights=weights))
+        spec = config.speculative
+        if spec.hub:
+            path = hub.fetch(spec.hub, weights=weights, key="speculative.draft")
+            config = config.replace(speculative=dataclasses.replace(spec, path=path))
+        return config
+
 
 def _build(cls: type, data: Mapping[str, Any], prefix: str, base_dir: Path, source: Path | None) -> Any:
     if not isinstance(data, Mapping):
@@ -279,9 +293,9 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str, base_dir: Path, sour
             values[name] = f.metadata["parse"](value, key)
     if cls is OffloadConfig:
         values["source"] = source
-        if hub.is_hub_id(values["model"], base_dir):
+        if hub.is_hub_id(values["model"], base_dir):  # fetched when a runner starts (`fetched`), not now
             values["hub"] = values["model"]
-            values["model"] = hub.fetch(values["model"], weights=False)  # what `offload plan` needs, no weights
+            values["model"] = Path(values["model"])
         else:
             values["model"] = _model_dir(values["model"], base_dir)
         if values.get("calibration") is not None:
@@ -291,9 +305,8 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str, base_dir: Path, sour
             raise ConfigError(f"{prefix}path: missing required key; the disk tier needs a directory for its store")
         values["path"] = _resolve(values["path"], base_dir, prefix + "path")
     if cls is SpeculativeConfig and values.get("draft", "none") not in ("none", *SELF_DRAFTS):
-        if hub.is_hub_id(values["draft"], base_dir):
+        if hub.is_hub_id(values["draft"], base_dir):  # fetched with the model (`OffloadConfig.fetched`)
             values["hub"] = values["draft"]
-            values["path"] = hub.fetch(values["draft"], weights=False, key=prefix + "draft")
         else:
             values["path"] = _draft_dir(values["draft"], base_dir, prefix + "draft")
     return cls(**values)

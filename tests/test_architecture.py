@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from offload.runtime.executor import WeightSource
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("storage", "schedulers", "offload")
 #: What each top-level package may import of ours (the card's one-way dependency).
@@ -169,3 +171,92 @@ def test_modules_stay_small():
     big = {m: n for m, p in MODULES.items() if m.startswith("offload") and (n := len(p.read_text().splitlines()))
            > MAX_LINES}
     assert big == {}, f"modules over {MAX_LINES} lines (split them by idea): {big}"
+
+
+# ----------------------------------------------------------------------------- private members
+#: (module, private member) reads of another module's internals, each with its reason
+PRIVATE_ALLOWED = {
+    ("scripts.stream_cost", "_verified"): "a benchmark of the disk tier's raw read path: primes its checksum cache",
+    ("scripts.stream_cost", "_direct_fds"): "... and reports whether the reads really went through O_DIRECT",
+}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _own_privates(tree: ast.AST) -> set[str]:
+    """Private members the classes of a module define: methods, class attributes, `self._x` / `cls._x`."""
+    names: set[str] = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_private(node.name):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                    node.value.id in ("self", "cls") and _is_private(node.attr):
+                names.add(node.attr)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(t.id for t in targets if isinstance(t, ast.Name) and _is_private(t.id))
+    return names
+
+
+def _private_reads(tree: ast.AST) -> list[tuple[str, int, str]]:
+    """(member, line, expression) for every `x._member` whose `x` is not self, cls or super()."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                continue
+            if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+                continue
+            out.append((node.attr, node.lineno, ast.unparse(node)))
+    return out
+
+
+TREES = {m: ast.parse(p.read_text(), str(p)) for m, p in MODULES.items()}
+OWN = {m: _own_privates(t) for m, t in TREES.items()}
+ALL_PRIVATES = set().union(*OWN.values())
+
+
+def foreign_private_reads(module: str, tree: ast.AST, defined_by: set[str]) -> list[str]:
+    """Reads of a private member that the classes of another module define (and this module's do not)."""
+    own = OWN.get(module, set())
+    return [f"{module}:{line}: {expr}" for name, line, expr in _private_reads(tree)
+            if name in defined_by and name not in own and (module, name) not in PRIVATE_ALLOWED]
+
+
+def test_the_private_member_check_sees_a_foreign_read():
+    # guards the check itself: a module reaching into the executor's internals is caught
+    tree = ast.parse("def f(runner):\n    return runner.target._res.kv\n")
+    assert foreign_private_reads("offload.serve.x", tree, ALL_PRIVATES) == ["offload.serve.x:2: runner.target._res"]
+    assert "_res" in OWN["offload.runtime.executor"] and "_finalizer" in OWN["offload.runtime.runner"]
+
+
+def test_no_module_reads_the_private_members_of_another_modules_classes():
+    """Layers meet at public seams (STYLE.md item 12): the engine, speculation, conversations and the server
+    call the executor and the runner through their public methods; a module touches `_x` only of its own
+    classes. Approximation: a private name its own classes also define is taken to be its own."""
+    scripts = {module_name(p): ast.parse(p.read_text(), str(p)) for p in sorted((ROOT / "scripts").rglob("*.py"))}
+    bad = [hit for m, tree in {**TREES, **scripts}.items() for hit in foreign_private_reads(m, tree, ALL_PRIVATES)]
+    assert bad == [], "read through a public method or attribute instead:\n" + "\n".join(bad)
+
+
+def test_tests_use_the_runtime_through_its_public_seam():
+    """Tests may poke storage internals to check a layout, but the runner, executors, engine and speculator
+    are exercised the way their callers use them."""
+    runtime = set().union(*(OWN[m] for m in MODULES if m.startswith("offload.runtime")))
+    elsewhere = set().union(*(OWN[m] for m in MODULES if not m.startswith("offload.runtime")))
+    bad = [hit for p in sorted((ROOT / "tests").glob("*.py"))
+           for hit in foreign_private_reads(module_name(p), ast.parse(p.read_text(), str(p)), runtime - elsewhere)]
+    assert bad == [], "\n".join(bad)
+
+
+def test_the_weight_source_protocol_names_every_call_the_executor_makes():
+    calls = {node.attr for node in ast.walk(TREES["offload.runtime.executor"])
+             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+             and node.value.attr == "weights" and isinstance(node.value.value, ast.Name)
+             and node.value.value.id == "self"}
+    members = {n for n in vars(WeightSource) if not n.startswith("_")}
+    assert calls and calls <= members, f"the executor calls {sorted(calls - members)} beyond WeightSource"

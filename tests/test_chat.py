@@ -97,7 +97,7 @@ def test_a_kept_conversation_continues_on_cold_blocks(chat_dir, tmp_path):
 
 def test_every_eos_of_generation_config_ends_a_reply(chat_dir, tmp_path):
     with Runner.from_config(run_config(chat_dir)) as r:
-        free = Conversation(r, Sampling(NEW)).say(TURNS[0]).token_ids  # no EOS at all
+        free = Conversation(r, Sampling(NEW, stop_token_ids=frozenset())).say(TURNS[0]).token_ids  # no EOS at all
     d = tmp_path / "m"
     shutil.copytree(chat_dir, d)
     eos = [free[6], free[3]]  # the second EOS id comes first in the reply
@@ -113,6 +113,25 @@ def test_every_eos_of_generation_config_ends_a_reply(chat_dir, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
     gen = model.generate(torch.tensor([reply_prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     assert gen[0, len(reply_prompt):].tolist() == free[:cut]  # transformers stops there too
+
+
+def test_a_conversation_stops_at_eos_by_default(chat_dir, tmp_path):
+    """`runner.chat()`, `Conversation(runner)` and a hand-made `Sampling` all end a reply at the model's EOS ids
+    (generation_config.json / config.json) without being given them."""
+    with Runner(run_config(chat_dir)) as r:
+        free = Conversation(r, Sampling(NEW, stop_token_ids=frozenset())).say(TURNS[0]).token_ids
+    d = tmp_path / "m"
+    shutil.copytree(chat_dir, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [free[4]], "do_sample": False}))
+    with Runner(run_config(d)) as r:
+        want = free[: next(i for i, t in enumerate(free) if t in r.generation.eos_token_ids) + 1]
+        for conv in (r.chat(max_new_tokens=NEW), Conversation(r, Sampling(NEW))):
+            reply = conv.say(TURNS[0])
+            assert reply.token_ids == want and reply.finish_reason == "eos"
+            conv.close()
+        reply = Conversation(r).say(TURNS[0])  # the checkpoint's defaults: up to 512 new tokens
+        assert reply.token_ids == want and reply.finish_reason == "eos"
+        assert r.chat(temperature=0.5, max_new_tokens=3).sampling.temperature == 0.5
 
 
 def test_a_stop_string_ends_the_reply_and_is_not_shown(chat_dir):
@@ -214,7 +233,8 @@ def test_sampling_defaults_come_from_generation_config_unless_flags_override(cha
 
     with Runner.from_config(cfg) as r:
         hot = r.generate(["Hello"], max_new_tokens=7, temperature=3.0, top_k=50, seed=3)[0].token_ids
-        greedy_ids = r.generate(["Hello"], max_new_tokens=5)[0].token_ids
+        greedy_ids = r.generate(["Hello"], max_new_tokens=5, temperature=0)[0].token_ids
+        assert r.generate(["Hello"], seed=3)[0].token_ids == hot  # Python applies the same defaults
     assert run() == hot and len(hot) == 7
     assert run("--temperature", "0", "--max-new-tokens", "5") == greedy_ids != hot[:5]
 

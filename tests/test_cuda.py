@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload.runtime.executor import ForwardBatch
 from offload.runtime.runner import Runner
 from schedulers.placement import Capacities, Plan
 from schedulers.prefetch import Prefetcher
@@ -195,8 +196,8 @@ def test_cold_kv_crosses_pcie_in_its_cold_format_without_a_host_sync(model_facto
         r.generate(PROMPTS, max_new_tokens=8, stop_on_eos=False)  # blocks demoted to the host and the disk
         kv = r.kv
         sids = [kv.add_sequence(reserve_tokens=64) for _ in PROMPTS]
-        for chunk in r._prefill_chunks(sids, [list(p) for p in PROMPTS]):
-            r._forward([s for s, _, _ in chunk], [t for _, t, _ in chunk])
+        for chunk in r.target.prefill_chunks(sids, [list(p) for p in PROMPTS]):
+            r.target.forward(ForwardBatch.last([c.sid for c in chunk], [c.tokens for c in chunk]))
         layout, step = kv.prepare(sids, [1] * len(sids))
         assert any(g.tier != "gpu" for g in step.groups)  # the step reads cold blocks
         staged = kv.fetch_cold(0, step)[0]
@@ -206,7 +207,7 @@ def test_cold_kv_crosses_pcie_in_its_cold_format_without_a_host_sync(model_facto
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            logits = r._forward(sids, [[5]] * len(sids))
+            logits = r.target.forward(ForwardBatch.last(sids, [[5]] * len(sids)))
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert torch.isfinite(logits).all()

@@ -46,13 +46,13 @@ def test_a_request_that_joins_a_decoding_batch_gets_its_own_tokens(runner):
 
 def test_a_pass_never_holds_more_prompt_tokens_than_the_budget(runner):
     seen = []
-    original = runner._forward
-    runner._forward = lambda sids, toks, **kw: (seen.append([len(t) for t in toks]), original(sids, toks, **kw))[1]
+    original = runner.target.forward
+    runner.target.forward = lambda batch, **kw: (seen.append(batch.q_lens), original(batch, **kw))[1]
     try:
         engine = Engine(runner)
         engine.run([Request(p, Sampling(max_new_tokens=4)) for p in PROMPTS])
     finally:
-        runner._forward = original
+        del runner.target.forward  # the class's method again
     # decode rows are one token each; the prompt chunks of a pass add up to at most the budget
     assert seen and all(sum(n for n in lens if n > 1) <= 8 for lens in seen), seen
 

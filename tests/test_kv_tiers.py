@@ -11,6 +11,7 @@ from offload.kv.cache import PagedKVCache
 from offload.kv.formats import dequantize_int8, quantize_int8
 from offload.model.config import ModelConfig
 from offload.model.functional import attend_group
+from offload.runtime.executor import ForwardBatch
 from offload.runtime.runner import Runner
 from schedulers.eviction import Candidate, Idle, make_policy
 from storage.slots import DiskSlots, MemorySlots
@@ -122,7 +123,7 @@ def test_attention_mass_comes_from_attention(small, tmp_path):
         # (blocks are freed with their sequence, so look during a run)
         cache = r.kv
         sid = cache.add_sequence(reserve_tokens=40)
-        r._forward([sid], [PROMPTS[0][:40]])
+        r.target.forward(ForwardBatch.last([sid], [PROMPTS[0][:40]]))
         masses = [cache.blocks[b].mass for b in cache.seqs[sid].blocks]
         cache.free_sequence(sid)
     assert all(m > 0 for m in masses)
@@ -134,8 +135,9 @@ def test_attention_mass_comes_from_attention(small, tmp_path):
 def test_int8_kv_error_and_bytes(model_factory, tmp_path):
     model = model_factory("llama", "small", dtype="bfloat16")
     # the KV cache in bf16 whatever this CPU computes fastest in (auto picks float32 where bf16 is slow)
-    cfg = lambda q: run_config(model, dtype="bfloat16", compute_dtype="bfloat16", **{k: v for k, v in tiered(model, tmp_path, quantization=q)
-                                                            .items() if k not in ("model", "dtype")})
+    cfg = lambda q: run_config(model, dtype="bfloat16", compute_dtype="bfloat16",
+                               **{k: v for k, v in tiered(model, tmp_path, quantization=q).items()
+                                  if k not in ("model", "dtype")})
     per_step = {}
     for q in ("none", "int8"):
         with Runner.from_config(cfg(q)) as r:
@@ -163,11 +165,11 @@ def int8_attention_error(model) -> float:
         return original(q, kv, layout, window, scale, restore)
 
     with Runner.from_config(run_config(model, activations={"prefill_chunk": 128})) as r:
-        cache = r._ensure_kv(16)
+        cache = r.ensure_kv(16)
         sid = cache.add_sequence()
         M.attention = capture
         try:
-            r._forward([sid], [PROMPTS[0][:80]])
+            r.target.forward(ForwardBatch.last([sid], [PROMPTS[0][:80]]))
         finally:
             M.attention = original
         slots = [cache.blocks[b].slot for b in cache.seqs[sid].blocks]
@@ -194,10 +196,11 @@ def test_four_samples_of_a_512_token_prompt_share_its_blocks(small):
     # 32 prompt blocks + 4 samples x 1 block for their 8 new tokens: 36; unshared it would be 4 x 33 = 132
     with Runner.from_config(run_config(small, kv_cache={"gpu_blocks": 40}, activations={"prefill_chunk": 128})) as r:
         seen = {}
-        original = r._forward
+        original = r.target.forward
 
-        def spy(sids, toks, **kw):
-            out = original(sids, toks, **kw)
+        def spy(batch, **kw):
+            out = original(batch, **kw)
+            sids = batch.sids
             if len(sids) == 4:  # a decode step of the four samples
                 cache = r.kv
                 prompt_blocks = cache.seqs[sids[0]].blocks[:32]
@@ -206,20 +209,20 @@ def test_four_samples_of_a_512_token_prompt_share_its_blocks(small):
                 seen["materialised"] = len(cache.blocks)
             return out
 
-        r._forward = spy
-        greedy = r.generate([prompt], max_new_tokens=8, stop_on_eos=False, num_samples=4)
-        sampled = r.generate([prompt], max_new_tokens=8, temperature=1.0, seed=3, stop_on_eos=False,
-                             num_samples=4)
+        r.target.forward = spy
+        [greedy] = r.generate([prompt], max_new_tokens=8, stop_on_eos=False, num_samples=4)
+        [sampled] = r.generate([prompt], max_new_tokens=8, temperature=1.0, seed=3, stop_on_eos=False,
+                               num_samples=4)
         [alone] = r.generate([prompt], max_new_tokens=8, stop_on_eos=False)
     assert seen == {"shared": True, "refs": {4}, "materialised": 36}
-    assert all(x.token_ids == alone.token_ids for x in greedy)  # sharing changes nothing
-    assert len({tuple(x.token_ids) for x in sampled}) > 1  # each sample draws its own tokens
+    assert len(greedy.outputs) == 4 and all(x.token_ids == alone.token_ids for x in greedy.outputs)  # sharing
+    assert len({tuple(x.token_ids) for x in sampled.outputs}) > 1  # each sample draws its own tokens
 
 
 # ----------------------------------------------------------------------------- admission
 def test_admission_answers_ok_later_never(small):
     with Runner.from_config(run_config(small, kv_cache={"gpu_blocks": 12}, activations={"prefill_chunk": 16})) as r:
-        cache = r._ensure_kv(12)
+        cache = r.ensure_kv(12)
         from storage.block_pool import Admission
         assert cache.admit(100) is Admission.OK
         sid = cache.add_sequence(reserve_tokens=150)  # 10 of the 12 blocks reserved

@@ -40,8 +40,8 @@ def test_chunked_prefill_equals_unchunked(tiny_llama, runner, chunk):
 def test_prefill_is_split_into_passes_of_at_most_the_chunk(tiny_llama):
     with Runner.from_config(run_config(tiny_llama, activations={"prefill_chunk": 4})) as r:
         seen = []
-        original = r._forward
-        r._forward = lambda sids, toks, **kw: (seen.append(sum(map(len, toks))), original(sids, toks, **kw))[1]
+        original = r.target.forward
+        r.target.forward = lambda batch, **kw: (seen.append(sum(batch.q_lens)), original(batch, **kw))[1]
         r.generate(PROMPTS, max_new_tokens=1)
     prefill = seen  # max_new_tokens=1: every pass is a prefill pass
     assert max(prefill) <= 4 and sum(prefill) == sum(map(len, PROMPTS))

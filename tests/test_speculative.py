@@ -18,6 +18,7 @@ from offload.errors import ConfigError
 from offload.kv.cache import PagedKVCache
 from offload.model.checkpoint import Checkpoint
 from offload.plan.speculative import choose_tokens, expected_tokens
+from offload.runtime.executor import ForwardBatch
 from offload.runtime.runner import Runner
 from offload.runtime.speculative import Speculator
 from offload.testing.draft import perturbed_copy
@@ -115,13 +116,13 @@ def test_rollback_leaves_the_blocks_of_a_run_that_never_saw_the_rejected_tokens(
     prompt, rejected = [1, 17, 99, 23, 5, 61, 7], [300, 41, 42, 43, 44, 45]
     with Runner.from_config(cfg) as spec, Runner.from_config(cfg) as plain:
         a = spec.kv.add_sequence(reserve_tokens=16)
-        spec._forward([a], [prompt])
-        spec._forward([a], [[8, *rejected]])  # 7 tokens: spans two more blocks
+        spec.target.forward(ForwardBatch.last([a], [prompt]))
+        spec.target.forward(ForwardBatch.last([a], [[8, *rejected]]))  # 7 tokens: spans two more blocks
         reserved = len(spec.kv.seqs[a].reserved)
         spec.kv.truncate(a, len(prompt) + 1, reserve=True)  # only token 8 is kept (rejected drafts: ids reserved)
         b = plain.kv.add_sequence(reserve_tokens=16)
-        plain._forward([b], [prompt])
-        plain._forward([b], [[8]])
+        plain.target.forward(ForwardBatch.last([b], [prompt]))
+        plain.target.forward(ForwardBatch.last([b], [[8]]))
         assert spec.kv.length(a) == plain.kv.length(b) == 8
         assert len(spec.kv.seqs[a].blocks) == len(plain.kv.seqs[b].blocks) == 2
         ka, kb = kv_bytes(spec, a), kv_bytes(plain, b)  # [L, blocks, 2, block_size, Hkv, D]
@@ -133,7 +134,8 @@ def test_rollback_leaves_the_blocks_of_a_run_that_never_saw_the_rejected_tokens(
         assert spec.kv.pool.num_free == plain.kv.pool.num_free  # the device slots went back to the pool
         assert len(spec.kv.seqs[a].reserved) == reserved + 2  # the logical ids back to the reservation
         # the next token goes where the plain run puts it, and attends over the same context
-        torch.testing.assert_close(spec._forward([a], [[42]]), plain._forward([b], [[42]]), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(spec.target.forward(ForwardBatch.last([a], [[42]])),
+                                   plain.target.forward(ForwardBatch.last([b], [[42]])), rtol=1e-4, atol=1e-4)
 
 
 def test_rollback_never_touches_blocks_shared_with_other_samples(tiny_llama):
@@ -141,11 +143,11 @@ def test_rollback_never_touches_blocks_shared_with_other_samples(tiny_llama):
     with Runner.from_config(cfg) as r:
         kv = r.kv
         parent = kv.add_sequence(reserve_tokens=16)
-        r._forward([parent], [[1, 17, 99, 23, 5, 61]])  # one full block, one partial (shared) block
+        r.target.forward(ForwardBatch.last([parent], [[1, 17, 99, 23, 5, 61]]))  # a full block, a partial (shared) one
         child = kv.fork(parent, 16)
         before = kv_bytes(r, parent).clone()
         shared = list(kv.seqs[parent].blocks)
-        r._forward([child], [[7, 8, 9, 10, 11]])  # copy-on-write of the partial block, then two more
+        r.target.forward(ForwardBatch.last([child], [[7, 8, 9, 10, 11]]))  # copy-on-write of the partial block, 2 more
         kv.truncate(child, 7)
         assert kv.seqs[child].blocks[0] == shared[0] and kv.seqs[child].blocks[1] != shared[1]
         assert [kv.logical.refcount(b) for b in shared] == [2, 1]
@@ -200,7 +202,8 @@ def test_sampled_tokens_follow_the_targets_distribution(tiny_llama, draft_for):
     cells = [(a, b, c) for a, b in pairs for c in p3[a, b].nonzero().flatten().tolist()]
     expected = [n * float(p1[a] * p2[a][b] * p3[a, b][c]) for a, b, c in cells]
     counts = {c: 0 for c in cells}
-    for o in out:
+    assert len(out) == 1 and len(out[0].outputs) == n  # one result for the prompt, its n samples
+    for o in out[0].outputs:
         counts[tuple(o.token_ids[:3])] += 1  # a KeyError here: a token the target could never draw
     assert chi_square_p([counts[c] for c in cells], expected) > 1e-3
 
@@ -312,12 +315,12 @@ def test_a_verify_pass_gives_each_token_the_bits_of_a_plain_decode_step(model_fa
     prompt = torch.randint(3, 512, (27,), generator=g).tolist()
     chain = torch.randint(3, 512, (9,), generator=g).tolist()
     with Runner.from_config(run_config(target, dtype="bfloat16", kv_cache={"block_size": 4})) as r:
-        kv = r._ensure_kv(32)
+        kv = r.ensure_kv(32)
         a, b = kv.add_sequence(), kv.add_sequence()
-        r._forward([a], [prompt])
-        r._forward([b], [prompt])
-        steps = torch.cat([r._forward([a], [[t]]) for t in chain])
-        verify = r._forward([b], [chain], keep=[len(chain)])
+        r.target.forward(ForwardBatch.last([a], [prompt]))
+        r.target.forward(ForwardBatch.last([b], [prompt]))
+        steps = torch.cat([r.target.forward(ForwardBatch.last([a], [[t]])) for t in chain])
+        verify = r.target.forward(ForwardBatch.verify([b], [chain], keep=[len(chain)]))
         assert torch.equal(verify, steps)
         assert torch.equal(kv_bytes(r, b), kv_bytes(r, a))
 
@@ -383,12 +386,12 @@ def test_on_cuda_a_verify_pass_gives_the_bits_of_plain_decode_steps_and_greedy_i
     chain = torch.randint(3, 512, (9,), generator=g).tolist()
     base = run_config(target, device="cuda", dtype="bfloat16", kv_cache={"block_size": 4})
     with Runner.from_config(base) as r:
-        kv = r._ensure_kv(32)
+        kv = r.ensure_kv(32)
         a, b = kv.add_sequence(), kv.add_sequence()
-        r._forward([a], [prompt])
-        r._forward([b], [prompt])
-        steps = torch.cat([r._forward([a], [[t]]) for t in chain])
-        assert torch.equal(r._forward([b], [chain], keep=[len(chain)]), steps)
+        r.target.forward(ForwardBatch.last([a], [prompt]))
+        r.target.forward(ForwardBatch.last([b], [prompt]))
+        steps = torch.cat([r.target.forward(ForwardBatch.last([a], [[t]])) for t in chain])
+        assert torch.equal(r.target.forward(ForwardBatch.verify([b], [chain], keep=[len(chain)])), steps)
         kv.free_sequence(a)
         kv.free_sequence(b)
         want = r.generate([prompt], max_new_tokens=40, stop_on_eos=False)[0].token_ids
@@ -436,20 +439,20 @@ def test_a_pass_that_fails_mid_tree_leaves_every_block_free(tiny_llama, draft_fo
     cfg = run_config(tiny_llama, kv_cache={"block_size": 4, "gpu_blocks": 64},
                      speculative={"draft": str(draft_for(tiny_llama, 0.3)), "tokens": 3, "tree": True})
     with Runner.from_config(cfg) as r:
-        forward, calls = r._forward, []
+        forward, calls = r.target.forward, []
 
-        def failing(sids, tokens, all_logits=False, keep=None, lanes=None):
-            calls.append(lanes)
-            if lanes and max(lanes) > 0 and len(calls) > 3:
+        def failing(batch, hidden=None):
+            calls.append(batch.lanes)
+            if batch.lanes and max(batch.lanes) > 0 and len(calls) > 3:
                 raise OSError(28, "No space left on device")
-            return forward(sids, tokens, all_logits, keep, lanes)
+            return forward(batch, hidden)
 
-        monkeypatch.setattr(r, "_forward", failing)
+        monkeypatch.setattr(r.target, "forward", failing)
         with pytest.raises(OSError):
             r.generate(ragged(512), max_new_tokens=NEW, stop_on_eos=False)
         assert any(lanes and max(lanes) > 0 for lanes in calls)  # it failed in a pass that verified a tree
         assert r.kv.pool.num_free == r.kv.pool.num_blocks and r.kv.logical.num_free == r.kv.logical.num_blocks
         assert r.draft.kv.pool.num_free == r.draft.kv.pool.num_blocks
         assert r.draft.kv.logical.num_free == r.draft.kv.logical.num_blocks
-        monkeypatch.setattr(r, "_forward", forward)
+        monkeypatch.setattr(r.target, "forward", forward)
         assert len(r.generate([[1, 5, 9]], max_new_tokens=4, stop_on_eos=False)[0].token_ids) == 4

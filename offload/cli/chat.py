@@ -19,12 +19,12 @@ import time
 from typing import TextIO
 
 from offload.cli import auto
-from offload.cli.run import add_sampling_args, sampling_args
+from offload.cli.run import add_sampling_args, check_sampling_args, cli_sampling
 from offload.config import OffloadConfig
 from offload.errors import ConfigError, OffloadError
 from offload.runtime.conversation import Conversation
-from offload.runtime.engine import Sampling
 from offload.runtime.runner import Runner
+from offload.runtime.sampling import Sampling
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,9 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def session_sampling(runner: Runner, args: argparse.Namespace) -> Sampling:
-    kw = sampling_args(runner, args, max_new_tokens=512)
-    return Sampling(kw["max_new_tokens"], kw["temperature"], kw["top_p"], kw["top_k"], args.seed, 1,
-                    frozenset(runner.generation.eos_token_ids), tuple(args.stop))
+    return cli_sampling(runner, args, fallback_max_new_tokens=512)
 
 
 def repl(conv: Conversation, inp: TextIO, out: TextIO, err: TextIO) -> int:
@@ -97,6 +95,7 @@ def chat_with(runner: Runner, args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    check_sampling_args(args)
     if (args.config is None) == (args.auto is None):
         raise ConfigError("give --config FILE or --auto MODEL_OR_PATH (one of the two)")
     if args.auto is None and (args.disk or args.weights):

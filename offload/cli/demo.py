@@ -12,7 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from offload.cli.run import add_generation_args, generate_and_print, read_prompts
+from offload.cli.run import add_generation_args, check_sampling_args, generate_and_print, read_prompts
 from offload.config import cache_dir
 from offload.runtime.runner import Runner
 from offload.testing.make_model import make_model
@@ -66,6 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    check_sampling_args(args)
     root = (args.cache_dir or cache_dir()).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     ensure_demo_model(root)

@@ -30,7 +30,7 @@ from offload.plan.calibrate import calibrate, default_path, load_calibration
 from offload.plan.planner import Planner, resolve_capacities
 from offload.plan.predict import Workload, predict_decode, predict_prefill_per_token, suggestions
 from offload.plan.speculative import choose_tokens, predict, reserve_draft, streaming_note, verify_cost, without_draft
-from offload.runtime.runner import resolve_dtype
+from offload.runtime.executor import resolve_dtype
 from offload.runtime.speculative import draft_config, target_config
 from schedulers.costmodel import explain, plan_bytes
 from storage.errors import CapacityError
@@ -60,7 +60,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[OffloadConfig, ModelConfig]:
     """The config (YAML, or flags) and the model shape (config.json alone is enough: no weights are read)."""
     if args.config or args.model:  # a model given by --model (a directory or a Hub id: config.json alone is fetched)
         config = (OffloadConfig.load(args.config, model=args.model) if args.config else
-                  OffloadConfig.load({"model": args.model, "device": args.device or "cuda"}))
+                  OffloadConfig.load({"model": args.model, "device": args.device or "cuda"})).fetched(weights=False)
         model_json = Path(args.model_config) if args.model_config else config.model / "config.json"
     elif args.model_config:
         model_json = Path(args.model_config)

@@ -17,6 +17,7 @@ from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.model.chat import ChatTemplate
 from offload.runtime.runner import GenerationResult, Runner
+from offload.runtime.sampling import Sampling, SamplingError
 from offload.serve.files import FileDefaults, run_file
 from schedulers.timeline import Timeline
 from schedulers.trace import format_summary
@@ -66,15 +67,20 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="end a reply when its text contains TEXT (repeat for several; the reply excludes it)")
 
 
-def sampling_args(runner: Runner, args: argparse.Namespace, max_new_tokens: int = 64) -> dict:
-    """The flags given, else generation_config.json's defaults: max_new_tokens, temperature, top_p, top_k."""
-    g = runner.generation
+def check_sampling_args(args: argparse.Namespace) -> None:
+    """Refuse a sampling flag out of range before any weight is read: one sentence naming the flag."""
+    given = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+             "top_k": args.top_k, "seed": args.seed}
+    try:
+        Sampling(**{k: v for k, v in given.items() if v is not None}, stop_strings=tuple(args.stop))
+    except SamplingError as e:
+        raise ConfigError(f"--{e.field.replace('_', '-')}: {e}") from None
 
-    def pick(flag, default):
-        return default if flag is None else flag
-    return {"max_new_tokens": pick(args.max_new_tokens, g.max_new_tokens or max_new_tokens),
-            "temperature": pick(args.temperature, g.temperature), "top_p": pick(args.top_p, g.top_p),
-            "top_k": pick(args.top_k, g.top_k)}
+
+def cli_sampling(runner: Runner, args: argparse.Namespace, fallback_max_new_tokens: int = 64) -> Sampling:
+    """The flags given, else generation_config.json's defaults (`Runner.sampling`, as Python and the server)."""
+    return runner.sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed,
+                           stop=tuple(args.stop), fallback_max_new_tokens=fallback_max_new_tokens)
 
 
 def read_prompts(args: argparse.Namespace, default: str | None = None) -> list[str]:
@@ -119,8 +125,7 @@ def generate_and_print(runner: Runner, prompts: list[str], args: argparse.Namesp
         out.write(prompts[0])
         out.flush()
     try:
-        results = runner.generate(inputs, **sampling_args(runner, args), seed=args.seed, stop=args.stop,
-                                  on_token=on_token)
+        results = runner.generate(inputs, sampling=cli_sampling(runner, args), on_token=on_token)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: show what was generated, then stop
         print_interrupted(runner, prompts, generated, stream, args.json, out)
         raise
@@ -176,6 +181,7 @@ def print_interrupted(runner: Runner, prompts: list[str], generated: dict[int, l
 def cmd_run(args: argparse.Namespace) -> int:
     if args.trace and args.no_spans:
         raise ConfigError("--trace needs the spans; drop --no-spans")
+    check_sampling_args(args)
     if args.input or args.output:
         return run_jsonl(args)
     prompts = read_prompts(args)

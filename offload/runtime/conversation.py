@@ -1,6 +1,6 @@
 """A multi-turn conversation on the engine: the chat template renders it, the KV cache keeps it.
 
-    conv = Conversation(runner, Sampling(max_new_tokens=256, stop_token_ids=...), system="Be brief.")
+    conv = runner.chat(system="Be brief.")                      # or Conversation(runner, sampling, system=...)
     reply = conv.say("Where is the kettle?", on_text=print)   # reply.text, reply.token_ids, reply.finish_reason
     reply.cached, reply.prefilled                              # prompt tokens reused from the cache / computed
 
@@ -8,7 +8,8 @@ Every turn renders the whole conversation with the checkpoint's template (as tra
 `apply_chat_template` does) and hands the ids to `Engine.continue_`, which prefills only the
 tokens after the prefix the kept sequence already holds. So the prompt is exactly what the
 model would see from scratch, and a turn costs its new tokens, not the history. This module
-knows messages and ids; the template is `offload.model.chat`, the tensors the runner's.
+knows messages and ids; the template is `offload.model.chat`, the tensors the executor's. Replies stop
+at every EOS id of generation_config.json / config.json unless the `Sampling` given says otherwise.
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ class Reply:
 
 
 class Conversation:
-    def __init__(self, runner, sampling: Sampling, system: str | None = None, context: int | None = None) -> None:
+    """`sampling`: None takes the checkpoint's defaults (`runner.sampling`, up to 512 new tokens a reply); a
+    `Sampling` is used as it is (its `stop_token_ids=None`, the default, stops at the model's EOS ids)."""
+
+    def __init__(self, runner, sampling: Sampling | None = None, system: str | None = None,
+                 context: int | None = None) -> None:
         model = runner.config.model
         self.template = ChatTemplate.from_checkpoint(model)
         if self.template is None:
@@ -45,12 +50,13 @@ class Conversation:
                               "`offload run` for plain completion, or add the template of the model's family")
         if runner.tokenizer is None:
             raise ConfigError(f"{model} has no tokenizer.json; a chat needs the model's tokenizer")
+        sampling = sampling or runner.sampling(fallback_max_new_tokens=512)
         if sampling.n != 1:
             raise ConfigError("a conversation has one reply per turn; use n=1")
         self.runner, self.sampling, self.system = runner, sampling, system
         limit = runner.cfg.max_position_embeddings
         tokens = min(context or min(limit, DEFAULT_CONTEXT), limit)
-        runner._ensure_kv(runner._blocks(tokens))  # a fixed pool (tiers) is used as it is
+        runner.ensure_kv(runner.target.blocks_for(tokens))  # a fixed pool (tiers) is used as it is
         self.engine = Engine(runner)
         self.messages: list[dict[str, str]] = []
         self.kept: Kept | None = None

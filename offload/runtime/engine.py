@@ -24,11 +24,12 @@ tokens of prefilling requests (oldest first; fewer once a prompt's context outgr
 workspace, see `offload.plan.planner.pass_tokens`), so a request
 that arrives while others decode joins at the next pass: the weights are read once for all
 of them. The n outputs of a request share its prompt's blocks copy-on-write. The engine
-knows requests, sequences and tokens; the model is the runner's business.
+knows requests, sequences and tokens; the model is the executor's business.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -38,33 +39,41 @@ import torch
 
 from offload.errors import CapacityError, ConfigError
 from offload.plan.planner import pass_tokens
-from offload.runtime.requests import Kept, Output, Request, Sampling, TokenLogprob, blocks_needed
+from offload.runtime.executor import ForwardBatch
+from offload.runtime.requests import (
+    DecodeRow,
+    Kept,
+    Output,
+    PrefillRow,
+    Request,
+    Sampling,
+    TokenLogprob,
+    blocks_needed,
+)
 from offload.runtime.results import RunStats, TokenCallback
 from offload.runtime.sampling import sample
 from offload.runtime.speculative import TREE_WIDTH
 from offload.runtime.stops import StopMatcher
+from offload.runtime.verify import Verification, row_blocks, tree_room
 from storage.block_pool import Admission
 
 log = logging.getLogger(__name__)
 
 
-def row_blocks(chain: int, block_size: int) -> int:
-    """Device blocks a running sequence may hold in a pass: its newest, plus those a `chain` of tokens fills."""
-    return 1 + -(-chain // block_size)
-
-
-def tree_blocks(outputs: int, blocks_per_row: int) -> int:
-    """Device blocks the branches of `outputs` trees may take in a pass (each branch a sequence or its fork,
-    writing a chain, its partial block copied on write)."""
-    return outputs * TREE_WIDTH * (blocks_per_row + 1)
-
-
 class Engine:
+    """Runs requests on a runner's target executor (`runner.target`: forward passes and the KV pool), with
+    its speculator when it has one; the runner's tokenizer streams text, its EOS ids end outputs."""
+
     def __init__(self, runner, stats: RunStats | None = None) -> None:
-        self.runner = runner
-        self.speculator = getattr(runner, "speculator", None)  # runtime.speculative.Speculator when configured
-        self.kv = runner._kv()
-        self.budget = runner.prefill_chunk  # activations.prefill_chunk, `auto` resolved by the planner
+        self.executor = runner.target  # offload.runtime.executor.Executor
+        self.speculator = runner.speculator  # offload.runtime.speculative.Speculator, or None
+        self.tokenizer = runner.tokenizer
+        self.model_name = runner.config.model
+        self.tree = runner.config.speculative.tree
+        self.eos = frozenset(runner.generation.eos_token_ids)  # what Sampling(stop_token_ids=None) stops at
+        assert self.executor.kv is not None, "size the KV pool first (Runner.ensure_kv)"
+        self.kv = self.executor.kv
+        self.budget = self.executor.prefill_chunk  # activations.prefill_chunk, `auto` resolved by the planner
         self.stats = stats or RunStats()
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
@@ -90,15 +99,17 @@ class Engine:
         if req.keep and req.sampling.n != 1:
             raise ConfigError(f"{req.name}: a kept (conversation) request has one output, not n={req.sampling.n}")
         self.check_fits(req)
+        if req.sampling.stop_token_ids is None:  # the model's EOS ids
+            req.sampling = dataclasses.replace(req.sampling, stop_token_ids=self.eos)
         seed = req.sampling.seed
         for s in range(req.sampling.n):
             o = self._next_output
             self._next_output += 1
             gen = None if seed is None else torch.Generator().manual_seed(seed + s)
-            tok = self.runner.tokenizer
+            tok = self.tokenizer
             stops = StopMatcher(req.sampling.stop_strings) if req.sampling.stop_strings else None
             if stops is not None and tok is None:
-                raise ConfigError(f"{self.runner.config.model} has no tokenizer.json, so stop strings cannot be "
+                raise ConfigError(f"{self.model_name} has no tokenizer.json, so stop strings cannot be "
                                   "matched; use stop token ids instead")
             stream = tok.stream() if tok and (req.on_token or stops) else None
             req.outputs.append(Output(o, gen, stream, stops=stops))
@@ -197,27 +208,60 @@ class Engine:
         """One forward pass: a token for every decoding output, then prompt chunks within the budget.
 
         With a speculator, each decoding output's row is its last token and the draft's chain; the
-        pass verifies them all, the target's KV is rolled back past the rejected ones, and an output
-        gains one to `tokens + 1` tokens.
+        pass verifies them all (`offload.runtime.verify`) and an output gains one to `tokens + 1` tokens.
         """
         self._admit()
-        t0, step_id = time.perf_counter(), self.runner.timeline.step
-        rows: list[tuple[Request, list[Output], list[int], bool]] = []  # (request, outputs, tokens, samples?)
-        for req in self.decoding:
-            for o in req.outputs:
-                if not o.finish_reason:
-                    rows.append((req, [o], [o.token_ids[-1]], True))
-        decode_rows = len(rows)
-        spec = self.speculator if decode_rows else None
-        width = TREE_WIDTH if spec and self.runner.config.speculative.tree and self._tree_room(decode_rows) else 1
-        branches = spec.propose([(req, outs[0]) for req, outs, _, _ in rows], width) if spec else []
-        drafts = [b[0] for b in branches]
-        for i, chain in enumerate(drafts):
-            rows[i][2].extend(chain)
-        # tree mode: every further branch is verified in a fork of the output's sequence, in the same pass
-        lanes = [(i, b, self.kv.fork(rows[i][1][0].sid, self.kv.length(rows[i][1][0].sid) + len(br[b]) + 1),
-                  [rows[i][2][0], *br[b]]) for i, br in enumerate(branches) for b in range(1, len(br))]
-        left = self.budget  # prompt tokens per pass; decode rows ride along (a row each)
+        t0, step_id = time.perf_counter(), self.executor.timeline.step
+        decode = [DecodeRow(req, o, [o.token_ids[-1]]) for req in self.decoding for o in req.outputs
+                  if not o.finish_reason]
+        verify = self._propose(decode) if decode and self.speculator is not None else None
+        prefill = self._prefill_rows()
+        if not decode and not prefill:
+            if self.waiting and not self.prefilling and not self.decoding:
+                raise AssertionError("nothing running and nothing admissible")  # NEVER was refused at submit
+            return
+        logits, timing = self._forward(self._batch(decode, prefill, verify), verify)
+        if verify is None:  # a row per sequence: each decoding output samples from its own
+            emitted, prompt_logits = len(decode), list(logits[len(decode):])
+            picks = [(row.req, row.output, lg) for row, lg in zip(decode, logits)]
+        else:  # decoding outputs keep the tokens verification gave them
+            emitted, prompt_logits = self._verified(verify, logits, len(prefill), step_id, timing)
+            picks = []
+        self._sample(picks + self._prompts_done(prefill, prompt_logits))
+        self._account(t0, step_id, len(decode), len(prefill), emitted)
+        self._retire()
+
+    def _forward(self, batch: ForwardBatch, verify: Verification | None
+                 ) -> tuple[torch.Tensor, tuple[float, float]]:
+        """The pass's logits, and when it started and ended (perf_counter seconds)."""
+        start = time.perf_counter()
+        try:
+            logits = self.executor.forward(batch)
+        except BaseException:  # a failed pass leaves no fork behind (the draft's go with `release`)
+            if verify is not None:
+                verify.abort()
+            raise
+        return logits, (start, time.perf_counter())
+
+    def _verified(self, verify: Verification, logits: torch.Tensor, prefill_rows: int, step_id: int,
+                  timing: tuple[float, float]) -> tuple[int, list[torch.Tensor]]:
+        """Accept each decoding output's drafts (emitting them); (tokens emitted, the prompt rows' logits)."""
+        done, prompt_logits = verify.accept(logits, prefill_rows, self._emit)
+        verify.record(self.executor.timeline, step_id, *timing, done)
+        self.stats.draft_tokens += done.drafted
+        self.stats.accepted_tokens += done.accepted
+        return done.emitted, prompt_logits
+
+    def _propose(self, decode: list[DecodeRow]) -> Verification:
+        """The draft's chains (a tree, greedy outputs, while the pools have room) appended to the decode rows."""
+        assert self.speculator is not None
+        prefill_blocks = self._pass_blocks if self.prefilling else 0
+        tree = self.tree and tree_room(self.kv, len(decode), self._row_blocks, prefill_blocks)
+        return Verification(self.speculator, self.kv, decode, TREE_WIDTH if tree else 1)
+
+    def _prefill_rows(self) -> list[PrefillRow]:
+        """Prompt chunks of prefilling requests, oldest first, within the pass's token budget."""
+        rows, left = [], self.budget  # decode rows ride along (a row each)
         for req in self.prefilling:
             if left <= 0:
                 break
@@ -225,47 +269,36 @@ class Engine:
             chunk = req.prompt[req.prefilled : req.prefilled + take]
             req.prefilled += take
             left -= take
-            rows.append((req, req.outputs, chunk, req.prefilled == len(req.prompt)))
-        if not rows:
-            if self.waiting and not self.prefilling and not self.decoding:
-                raise AssertionError("nothing running and nothing admissible")  # NEVER was refused at submit
-            return
-        keep = [len(toks) for _, _, toks, _ in rows[:decode_rows]] + [1] * (len(rows) - decode_rows) if spec else None
-        t_pass = time.perf_counter()
-        try:
-            logits = self.runner._forward([outs[0].sid for _, outs, _, _ in rows] + [sid for _, _, sid, _ in lanes],
-                                          [toks for _, _, toks, _ in rows] + [toks for _, _, _, toks in lanes],
-                                          keep=keep and keep + [len(toks) for _, _, _, toks in lanes],
-                                          lanes=[0] * decode_rows + [-1] * (len(rows) - decode_rows)
-                                          + [b for _, b, _, _ in lanes] if spec else None)
-        except BaseException:  # a failed pass leaves no fork behind (the draft's go with `release`)
-            for _, _, sid, _ in lanes:
-                self.kv.free_sequence(sid)
-            raise
-        verify_end = time.perf_counter()
-        if spec:
-            logits, emitted = self._verify(rows[:decode_rows], branches, lanes, logits, keep)
-            spec.timed_verify(verify_end - t_pass, max(map(len, drafts)))
-            self.runner.timeline.add("speculative", "verify", t_pass - self.runner.timeline.origin,
-                                     verify_end - self.runner.timeline.origin, step=step_id,
-                                     proposed=sum(len(c) for br in branches for c in br),
-                                     accepted=emitted - decode_rows, rows=decode_rows,
-                                     branches=decode_rows + len(lanes))
-        else:
-            emitted = decode_rows
-        picks: list[tuple[Request, Output, torch.Tensor]] = []
-        for i, ((req, outs, _, samples), row) in enumerate(zip(rows, logits)):
-            if not samples or (spec and i < decode_rows):
-                continue
-            if outs is req.outputs and req in self.prefilling:  # the prompt is in: fork the samples, decode next
+            rows.append(PrefillRow(req, chunk, req.prefilled == len(req.prompt)))
+        return rows
+
+    def _prompts_done(self, prefill: list[PrefillRow], logits: list[torch.Tensor]
+                      ) -> list[tuple[Request, Output, torch.Tensor]]:
+        """Requests whose whole prompt is in: their samples fork the prompt's sequence and decode from now on;
+        each samples its first token from the last chunk's logits."""
+        picks = []
+        for row, lg in zip(prefill, logits):
+            if row.last:
+                req, outs = row.req, row.req.outputs
                 for o in outs[1:]:
-                    o.sid = self.kv.fork(outs[0].sid, req.worst_case_tokens)
+                    o.sid = self.kv.fork(row.sid, req.worst_case_tokens)
                 self.prefilling.remove(req)
                 self.decoding.append(req)
-                picks += [(req, o, row) for o in outs]
-            else:
-                picks.append((req, outs[0], row))
-        self._sample(picks)
+                picks += [(req, o, lg) for o in outs]
+        return picks
+
+    def _batch(self, decode: list[DecodeRow], prefill: list[PrefillRow], verify: Verification | None
+               ) -> ForwardBatch:
+        rows: list[DecodeRow | PrefillRow] = [*decode, *prefill]
+        sids, tokens = [r.sid for r in rows], [r.tokens for r in rows]
+        if verify is None:
+            return ForwardBatch.last(sids, tokens)
+        forks = verify.forks
+        return ForwardBatch.verify(sids + [f.sid for f in forks], tokens + [f.tokens for f in forks],
+                                   keep=verify.keep + [1] * len(prefill) + [len(f.tokens) for f in forks],
+                                   lanes=[0] * len(decode) + [-1] * len(prefill) + [f.branch for f in forks])
+
+    def _account(self, t0: float, step_id: int, decode_rows: int, prefill_rows: int, emitted: int) -> None:
         dt = time.perf_counter() - t0
         if decode_rows:
             self.stats.decode_s += dt
@@ -274,48 +307,10 @@ class Engine:
             self.stats.step_ms.append(1000 * dt)
         else:
             self.stats.prefill_s += dt
-        if len(rows) > decode_rows:
+        if prefill_rows:
             self.stats.prefill_passes += 1
-        kind = "mixed" if decode_rows and len(rows) > decode_rows else "decode" if decode_rows else "prefill"
+        kind = "mixed" if decode_rows and prefill_rows else "decode" if decode_rows else "prefill"
         self.stats.passes.append((step_id, kind, 1000 * dt))
-        self._retire()
-
-    def _verify(self, rows, branches: list[list[list[int]]], lanes: list, logits: torch.Tensor, keep: list[int]
-                ) -> tuple[list[torch.Tensor], int]:
-        """Accept or reject each decoding output's drafts; keep the sequence of the branch it took (the
-        others are freed), roll its KV back; emit what it keeps.
-
-        Returns one logits row per pass row (the last of each decoding row's) and the tokens emitted."""
-        per_row = list(torch.split(logits, keep + [len(toks) for _, _, _, toks in lanes]))
-        seen = [[(rows[i][1][0].sid, per_row[i])] for i in range(len(rows))]  # (sid, logits) of each branch
-        for (i, _, sid, _), lg in zip(lanes, per_row[len(keep):]):
-            seen[i].append((sid, lg))
-        emitted = 0
-        kept = self.speculator.accept([(req, outs[0]) for req, outs, _, _ in rows], [[lg for _, lg in s] for s in seen])
-        for (req, outs, _, _), br, (tokens, best), lane in zip(rows, branches, kept, seen):
-            o = outs[0]
-            for b, (sid, _) in enumerate(lane):
-                if b != best:
-                    self.kv.free_sequence(sid)
-            if best:  # the branch's fork becomes the output's sequence, with its worst case reserved again
-                o.sid = lane[best][0]
-                self.kv.reserve(o.sid, req.worst_case_tokens)
-            self.kv.truncate(o.sid, self.kv.length(o.sid) - (len(br[best]) + 1 - len(tokens)), reserve=True)
-            self.stats.draft_tokens += len(br[best])
-            self.stats.accepted_tokens += len(tokens) - 1
-            for tok in tokens:
-                if o.finish_reason:
-                    break
-                self._emit(req, o, tok)
-                emitted += 1
-        return [r[-1] for r in per_row[: len(keep)]], emitted
-
-    def _tree_room(self, decode_rows: int) -> bool:
-        """Are there free device slots and logical blocks for a tree's extra branches this pass (each a fork
-        that may copy its partial block and write a chain) beside the chains' and a prefill pass's blocks?
-        Otherwise the pass verifies chains (a full device is not made fuller by demotions for a tree)."""
-        need = tree_blocks(decode_rows, self._row_blocks) + (self._pass_blocks if self.prefilling else 0)
-        return self.kv.pools["gpu"].num_free >= need and self.kv.logical.num_free >= need
 
     def _sample(self, picks: list[tuple[Request, Output, torch.Tensor]]) -> None:
         by_params: dict[Sampling, list[tuple[Request, Output, torch.Tensor]]] = {}

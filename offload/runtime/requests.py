@@ -1,6 +1,6 @@
 """What the engine works on: a request (one prompt, its sampling, its n outputs) and what it reserves.
 
-    Sampling   how tokens are chosen and when an output stops (EOS ids, stop strings, max_new_tokens)
+    Sampling   how tokens are chosen and when an output stops (offload.runtime.sampling)
     Output     one sample: its sequence in the KV cache, its tokens, why it finished
     Kept       a finished conversation's sequence left in the cache, to be continued
     Request    a prompt and its outputs, as the engine moves it from waiting to finished
@@ -16,22 +16,8 @@ import torch
 
 from offload.model.tokenizer import StreamDecoder
 from offload.runtime.results import TokenCallback
+from offload.runtime.sampling import Sampling
 from offload.runtime.stops import StopMatcher
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How one request's tokens are chosen and when its outputs stop."""
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int | None = None  # output s of the request samples from a generator seeded `seed + s`
-    n: int = 1  # outputs (samples) sharing the prompt's KV blocks
-    stop_token_ids: frozenset[int] = frozenset()  # every EOS id: the token ends the output (and is kept in it)
-    stop_strings: tuple[str, ...] = ()  # the decoded text containing one ends the output; the text excludes it
-    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest alternatives
 
 
 @dataclass(frozen=True)
@@ -95,3 +81,33 @@ def blocks_needed(prompt_len: int, s: Sampling, block_size: int) -> int:
     # with samples, a partial last prompt block is copied by every writer before the shared one goes
     copied = 1 if s.n > 1 and prompt_len % block_size else 0
     return per_output + (s.n - 1) * (per_output - prompt_len // block_size) + copied
+
+
+@dataclass
+class DecodeRow:
+    """A pass row of a decoding output: its last token (speculating: then the draft's chain to verify)."""
+
+    req: Request
+    output: Output
+    tokens: list[int]
+
+    @property
+    def sid(self) -> int:
+        assert self.output.sid is not None
+        return self.output.sid
+
+
+@dataclass
+class PrefillRow:
+    """A pass row of a prefilling request: a chunk of its prompt; the last chunk's logits give every output's
+    first token."""
+
+    req: Request
+    tokens: list[int]
+    last: bool
+
+    @property
+    def sid(self) -> int:
+        sid = self.req.outputs[0].sid
+        assert sid is not None
+        return sid

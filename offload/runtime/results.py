@@ -1,4 +1,5 @@
-"""What `Runner.generate` returns: each output's tokens and text, and the timing of the call."""
+"""What `Runner.generate` returns (one result per prompt, its n samples as `outputs`, the timing of the call)
+and what `Runner.stream` yields (one event per token)."""
 
 from __future__ import annotations
 
@@ -71,10 +72,44 @@ class RunStats:
         }
 
 
-@dataclass
+@dataclass(frozen=True)
+class Completion:
+    """One sample of a prompt."""
+
+    index: int  # 0..n-1 among the prompt's samples
+    token_ids: list[int]  # generated tokens only (an EOS that ended it included)
+    text: str  # decoded generated tokens, a stop string that ended it excluded ("" without a tokenizer)
+    finish_reason: str  # "eos" | "stop" (a stop string) | "length"
+
+
+@dataclass(frozen=True)
 class GenerationResult:
+    """A prompt's result: its samples (`outputs`, n of them) and the call's timing. With one sample,
+    `token_ids`, `text` and `finish_reason` are that sample's."""
+
     prompt_ids: list[int]
-    token_ids: list[int]  # generated tokens only
-    text: str  # decoded generated tokens ("" without a tokenizer)
-    finish_reason: str  # "eos" | "length"
+    outputs: list[Completion]
     stats: RunStats
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A token as `Runner.stream` yields it."""
+
+    prompt: int  # index of the prompt in the call
+    sample: int  # 0..n-1 among its samples
+    token_id: int
+    text: str  # the text this token adds (held back while it may start a stop string; may be "")
+    finish_reason: str | None  # None while the sample runs; else why this token ended it

@@ -1,12 +1,13 @@
 """Speculative decoding: a small resident draft proposes a chain of tokens, the target checks them in one pass.
 
-    spec = Speculator(draft_runner, tokens=8, timeline=runner.timeline, verify_cost=...)
+    spec = Speculator(draft_executor, tokens=8, timeline=runner.timeline, verify_cost=...)
     branches = spec.propose(rows, width)    # up to `tokens` draft passes: a chain (or a tree) per output
     ... the target runs [last token, *branch] of every branch in one pass, logits for each position ...
     kept = spec.accept(rows, logits)        # per output: the accepted drafts and one token of the target's,
                                             # and the branch they came from
 
-The draft is a second runner with its own KV cache (resident: its passes read no streamed bytes).
+The draft is a second executor (`offload.runtime.executor`) with its own KV pool (resident: its
+passes read no streamed bytes).
 Each output has a draft sequence that lags the committed tokens by at most two; a step first
 feeds the draft what it has not seen, then one token per pass. Verification keeps the target's
 result exactly:
@@ -24,8 +25,8 @@ pass; the longest accepted branch wins and the other forks go (a tree attention 
 sequence would put a node's keys out of token order, and its bits would not be a plain step's).
 Sampled outputs keep one chain: the rule above is for one candidate per position.
 
-The caller rolls the target's KV back past the kept tokens (`PagedKVCache.truncate`); this module
-rolls back the draft's. `tokens: auto` re-chooses the chain length each step from the measured
+`offload.runtime.verify` rolls the target's KV back past the kept tokens (`PagedKVCache.truncate`);
+this module rolls back the draft's. `tokens: auto` re-chooses the chain length each step from the measured
 acceptance rate and pass times (`offload.plan.speculative`).
 """
 
@@ -34,14 +35,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from offload.config import SELF_DRAFTS, KVCacheConfig, OffloadConfig
 from offload.errors import ConfigError
+from offload.kv.cache import PagedKVCache
 from offload.model.checkpoint import Checkpoint
+from offload.model.config import ModelConfig
+from offload.model.tokenizer import TextTokenizer
 from offload.plan.speculative import MAX_AUTO_TOKENS, SpecPrediction, choose_tokens
+from offload.runtime.executor import Executor, ForwardBatch
 from offload.runtime.sampling import probs
 from offload.weights.groups import WeightFormat
 from schedulers.timeline import Timeline
@@ -75,26 +81,28 @@ def draft_config(config: OffloadConfig) -> OffloadConfig:
         weights = dataclasses.replace(config.weights, quantization=fmt.quantization, group_size=fmt.group_size)
         return dataclasses.replace(config, tiers=None, kv_cache=kv, weights=weights, speculative=off)
     assert spec.path is not None
-    # a Hub draft: its runner fetches the weights (config.hub), as the target's does
+    # a Hub draft: the runner fetched it with the target (`OffloadConfig.fetched`)
     return dataclasses.replace(config, model=spec.path, hub=spec.hub, tiers=None, kv_cache=kv, speculative=off)
 
 
-def check_draft(target: Any, draft: Any) -> None:
+def check_draft(target_model: Path, target_cfg: ModelConfig, target_tokenizer: TextTokenizer | None,
+                draft: Executor) -> None:
     """A draft must speak the target's tokens: the same vocabulary size and the same tokenizer."""
     where = f"speculative.draft: {draft.config.model}"
-    if draft.cfg.vocab_size != target.cfg.vocab_size:
+    if draft.cfg.vocab_size != target_cfg.vocab_size:
         raise ConfigError(f"{where} has a vocabulary of {draft.cfg.vocab_size} tokens but the target has "
-                          f"{target.cfg.vocab_size}; a draft must share the target's tokenizer")
-    if (draft.tokenizer is None) != (target.tokenizer is None) or (
-            draft.tokenizer is not None and draft.tokenizer.vocab() != target.tokenizer.vocab()):
-        raise ConfigError(f"{where} has another tokenizer than the target ({target.config.model}); a draft must "
+                          f"{target_cfg.vocab_size}; a draft must share the target's tokenizer")
+    tokenizer = TextTokenizer.from_checkpoint(draft.config.model)
+    if (tokenizer is None) != (target_tokenizer is None) or (
+            tokenizer is not None and tokenizer.vocab() != target_tokenizer.vocab()):
+        raise ConfigError(f"{where} has another tokenizer than the target ({target_model}); a draft must "
                           "share the target's tokenizer.json (the same tokens with the same ids)")
 
 
 class Speculator:
-    def __init__(self, draft: Any, tokens: int | None, timeline: Timeline,
+    def __init__(self, draft: Executor, tokens: int | None, timeline: Timeline,
                  verify_cost: Callable[[int], float] = lambda k: 1.0) -> None:
-        self.draft = draft  # a Runner whose weights are all resident; its KV cache is its own
+        self.draft = draft  # an Executor whose weights are all resident; its KV pool is its own
         self.fixed = tokens  # draft tokens per step; None: auto
         self.timeline = timeline  # the target's: "speculative" spans (draft passes, verify passes)
         self.verify_cost = verify_cost  # target pass over k+1 tokens / over 1 token (from the cost model)
@@ -137,14 +145,19 @@ class Speculator:
             return 1  # drafting does not pay: plain passes, with a probe now and then to re-measure acceptance
         return self.choice.tokens
 
+    def _kv(self) -> PagedKVCache:
+        kv = self.draft.kv
+        assert kv is not None, "the draft's KV pool is sized with the target's (Runner.ensure_kv)"
+        return kv
+
     def release(self, output: Any) -> None:
         """An output finished: its draft sequence goes."""
         if output.draft_sid is not None:
-            self.draft._kv().free_sequence(output.draft_sid)
+            self._kv().free_sequence(output.draft_sid)
             output.draft_sid = None
         step = self._step.pop(output.index, None)
         for sid in step[1][1:] if step else ():
-            self.draft._kv().free_sequence(sid)
+            self._kv().free_sequence(sid)
 
     def timed_verify(self, seconds: float, k: int) -> None:
         """The target's verify pass took `seconds` with chains of up to `k` drafts."""
@@ -169,7 +182,7 @@ class Speculator:
         except BaseException:  # a failed draft pass leaves no forked draft sequence behind
             for sids in lanes:
                 for sid in sids[1:]:
-                    self.draft._kv().free_sequence(sid)
+                    self._kv().free_sequence(sid)
             raise
         for i, (req, o) in enumerate(rows):
             q = torch.stack(qs[i]) if qs[i] and qs[i][0] is not None else None
@@ -199,7 +212,7 @@ class Speculator:
     def _widen(self, rows, live, logits, lanes, branches, qs, feed, width: int, ks: list[int]) -> None:
         """The first draft pass of a tree: greedy outputs branch on the draft's top tokens (forked draft
         sequences, while the draft's pool has room); sampled ones keep their single drawn chain."""
-        kv = self.draft._kv()
+        kv = self._kv()
         room = min(kv.pools["gpu"].num_free, kv.logical.num_free)  # blocks the extra branches may take
         for (i, _), row, (tok, q) in zip(live, logits, self._pick([rows[i] for i, _ in live], logits)):
             req, o = rows[i]
@@ -219,7 +232,7 @@ class Speculator:
 
     def _start(self, rows: list[tuple[Any, Any]]) -> None:
         """Draft sequences for outputs that have none: the prompt goes in once, the samples of a prompt fork it."""
-        kv = self.draft._kv()
+        kv = self._kv()
         new = {}
         for req, o in rows:
             if o.draft_sid is None:
@@ -232,7 +245,7 @@ class Speculator:
             firsts.append((outs[0].draft_sid, req.prompt[:-1]))
         firsts = [(sid, p) for sid, p in firsts if p]
         if firsts:
-            for chunk in self.draft._prefill_chunks([s for s, _ in firsts], [p for _, p in firsts]):
+            for chunk in self.draft.prefill_chunks([s for s, _ in firsts], [p for _, p in firsts]):
                 self._draft_pass([s for s, _, _ in chunk], [t for _, t, _ in chunk])
         for req, outs in new.values():
             for o in outs[1:]:
@@ -241,11 +254,11 @@ class Speculator:
     def _unseen(self, req: Any, o: Any) -> list[int]:
         """Committed tokens the draft's KV does not hold yet (the last one at least)."""
         context = req.prompt + o.token_ids
-        return context[self.draft._kv().length(o.draft_sid) :]
+        return context[self._kv().length(o.draft_sid) :]
 
     def _draft_pass(self, sids: list[int], tokens: list[list[int]]) -> torch.Tensor:
         t0 = time.perf_counter()
-        logits = self.draft._forward(sids, tokens)
+        logits = self.draft.forward(ForwardBatch.last(sids, tokens))
         self.draft_s += time.perf_counter() - t0
         self.draft_passes += 1
         return logits
@@ -308,7 +321,7 @@ class Speculator:
         self.accepted += kept
         self.cut += kept < k
         self.tree_wins += best > 0
-        kv = self.draft._kv()
+        kv = self._kv()
         for b, sid in enumerate(sids):
             if b != best:
                 kv.free_sequence(sid)

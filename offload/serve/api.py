@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from offload.errors import CapacityError
-from offload.runtime.engine import Sampling
+from offload.runtime.sampling import Sampling
 from offload.serve.loop import Draining, EngineLoop, Event, Job, QueueFull
 from offload.serve.schema import BadRequest, ChatBody, Choice, CompletionBody, ServedModel, new_id, usage
 

@@ -24,8 +24,9 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from offload.errors import ConfigError
-from offload.runtime.engine import Sampling, blocks_needed
+from offload.runtime.requests import blocks_needed
 from offload.runtime.runner import Runner
+from offload.runtime.sampling import Sampling
 from offload.serve.loop import EngineLoop, Event, Job, Limits
 from offload.serve.schema import BadRequest, ChatBody, CompletionBody, ServedModel
 

@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.errors import OffloadError
-from offload.runtime.engine import Engine, Output, Request, Sampling, TokenLogprob
+from offload.runtime.engine import Engine
+from offload.runtime.requests import Output, Request, TokenLogprob
 from offload.runtime.runner import Runner
+from offload.runtime.sampling import Sampling
 from offload.runtime.stops import StopMatcher
 
 log = logging.getLogger(__name__)

@@ -12,6 +12,7 @@ knob out of range, a feature not built) is a `BadRequest` naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Mapping
@@ -23,10 +24,12 @@ from pydantic import BaseModel, ConfigDict
 from offload.errors import OffloadError
 from offload.model.chat import ChatTemplate, GenerationDefaults
 from offload.model.tokenizer import TextTokenizer
-from offload.runtime.engine import Sampling, TokenLogprob
+from offload.runtime.requests import TokenLogprob
 from offload.runtime.runner import Runner
+from offload.runtime.sampling import Sampling, SamplingError, resolve_sampling
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # samples per request
 
 
 class BadRequest(OffloadError):
@@ -96,8 +99,7 @@ class ServedModel:
     def from_runner(cls, runner: Runner, name: str | None = None, default_max_tokens: int = 256) -> ServedModel:
         model_dir = runner.config.model
         return cls(name or model_dir.name, runner, runner.tokenizer, ChatTemplate.from_checkpoint(model_dir),
-                   GenerationDefaults.from_checkpoint(model_dir, runner.cfg.eos_token_ids),
-                   runner.cfg.max_position_embeddings, default_max_tokens)
+                   runner.generation, runner.cfg.max_position_embeddings, default_max_tokens)
 
     # -- requests -----------------------------------------------------------------------------
     def check_model(self, body: _Body) -> None:
@@ -139,8 +141,7 @@ class ServedModel:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
-        default = min(self.defaults.max_new_tokens or self.default_max_tokens, max(self.context - len(ids), 1))
-        return ids, self._sampling(body, len(ids), default, logprobs), _stops(body.stop)
+        return ids, self._sampling(body, len(ids), self.default_max_tokens, logprobs, fit=True), _stops(body.stop)
 
     def _encode(self, prompt: str | list[int], param: str, special: bool = True) -> list[int]:
         if isinstance(prompt, str) and self.tokenizer is None:
@@ -151,28 +152,31 @@ class ServedModel:
         except OffloadError as e:
             raise BadRequest(str(e), param) from None
 
-    def _sampling(self, body: _Body, prompt_len: int, default_max: int, logprobs: int | None) -> Sampling:
-        d = self.defaults
-        max_tokens = default_max if body.max_tokens is None else body.max_tokens
-        temperature = d.temperature if body.temperature is None else body.temperature
-        top_p = d.top_p if body.top_p is None else body.top_p
-        top_k = d.top_k if body.top_k is None else body.top_k
-        checks = [(max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
-                  (temperature >= 0, "temperature", "temperature must be 0 (greedy) or more"),
-                  (0 < top_p <= 1, "top_p", "top_p must be in (0, 1]"),
-                  (top_k >= 0, "top_k", "top_k must be 0 (off) or more"),
-                  (1 <= body.n <= 128, "n", "n must be between 1 and 128"),
+    def _sampling(self, body: _Body, prompt_len: int, default_max: int, logprobs: int | None,
+                  fit: bool = False) -> Sampling:
+        """The body's knobs over the checkpoint's defaults (`resolve_sampling`, as Python and the CLI do); `fit`:
+        a reply whose length the body leaves out stops where the context ends."""
+        checks = [(1 <= body.n <= MAX_N, "n", f"n must be between 1 and {MAX_N}"),
                   (not body.presence_penalty and not body.frequency_penalty and not body.logit_bias,
                    "presence_penalty", "presence_penalty, frequency_penalty and logit_bias are not supported")]
         for ok, param, message in checks:
             if not ok:
                 raise BadRequest(message, param)
-        if prompt_len + max_tokens > self.context:
+        try:
+            sampling = resolve_sampling(self.defaults, max_new_tokens=body.max_tokens, temperature=body.temperature,
+                                        top_p=body.top_p, top_k=body.top_k, seed=body.seed, n=body.n,
+                                        logprobs=logprobs, fallback_max_new_tokens=default_max)
+        except SamplingError as e:  # named as the body names it
+            param = {"max_new_tokens": "max_tokens"}.get(e.field, e.field)
+            raise BadRequest(str(e).replace("max_new_tokens", "max_tokens"), param) from None
+        if fit and body.max_tokens is None:
+            sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens,
+                                                                        max(self.context - prompt_len, 1)))
+        if prompt_len + sampling.max_new_tokens > self.context:
             raise BadRequest(f"this model's maximum context length is {self.context} tokens; the prompt has "
-                             f"{prompt_len} and max_tokens asks for {max_tokens} more; shorten one of them",
-                             "max_tokens", code="context_length_exceeded")
-        return Sampling(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                        seed=body.seed, n=body.n, stop_token_ids=frozenset(d.eos_token_ids), logprobs=logprobs)
+                             f"{prompt_len} and max_tokens asks for {sampling.max_new_tokens} more; shorten one of "
+                             "them", "max_tokens", code="context_length_exceeded")
+        return sampling
 
     # -- responses ----------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:

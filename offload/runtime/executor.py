@@ -1,0 +1,398 @@
+"""One model's forward pass over a weight source and a KV pool: the seam every user of the model goes through.
+
+    ex = Executor(config)                                   # plan -> weight source (tiers) -> KV pool
+    kv = ex.ensure_kv(blocks)                               # the device block pool: fixed, or grown to fit
+    sid = kv.add_sequence()
+    logits = ex.forward(ForwardBatch.last([sid], [[1, 5, 9]]))          # [1, vocab] float32
+    ex.close()
+
+Who calls it: the engine loop (one pass per step over every running sequence), speculative
+decoding (the draft is a second executor, every weight resident), conversations (through the
+engine) and `prefill_logits`. It knows the checkpoint's shape, the device and dtypes, the plan,
+the weight source, the KV pool, RoPE, prefill chunking and the timeline; it knows nothing of
+text, sampling, requests or admission (the engine's), nor whose sequence is whose.
+
+What a pass is made of, for executors that extend it (a subclass, or a strategy calling these):
+
+    begin_pass(batch) -> LayerPass   the rows' layout, the KV step and RoPE every layer shares
+    layer(i, x, p) -> x              one decoder layer: acquire its group, compute, release. An MoE
+                                     executor overrides it: attention, then the router's experts,
+                                     each a group acquired from the weight source mid-layer
+    layers, has_head                 the slice of layers a pass runs: a pipeline stage is given hidden
+                                     states (`forward(batch, hidden=x)`) and, without the head, returns them
+    head_logits(x, p)                the rows the batch keeps -> logits
+
+The model math is `offload.model.functional` (pure); where the weights come from is the weight
+source's business (`offload.weights.tiered`); the blocks are `offload.kv.cache`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+from offload.config import OffloadConfig
+from offload.errors import ConfigError
+from offload.kv.blocks import StepKV
+from offload.kv.cache import PagedKVCache
+from offload.kv.view import LayerKV
+from offload.model import functional as M
+from offload.model.checkpoint import Checkpoint
+from offload.plan.planner import Planner, pass_tokens, resolve_capacities
+from offload.weights.groups import WeightFormat, check_tensors
+from offload.weights.tiered import TieredWeights
+from schedulers.placement import Capacities
+from schedulers.timeline import Timeline
+from schedulers.traffic import Traffic
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """Where an executor gets each group's weights (`TieredWeights`: resident, or streamed through the tiers).
+
+    Groups are acquired in the plan's order each pass (`layer.0` .. `layer.N-1`, `head`); `acquire` may wait
+    for the bytes, and the views it returns stay valid until `release`."""
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [N] (CPU) -> [N, H] on the device, compute dtype
+    def acquire(self, group: str) -> dict[str, M.Weight]: ...  # the group's tensors (packed matrices as PackedWeight)
+    def release(self, group: str) -> None: ...  # its slot may be reused
+    def abort_pass(self) -> None: ...  # a pass stopped half way: start the next one cleanly
+    # KV memory inside the tier budgets the plan reserved for it: 1-D uint8, the device pool ("gpu") or the
+    # cold host blocks ("cpu")
+    def allocate_kv(self, nbytes: int, tier: str = "gpu") -> torch.Tensor: ...
+    # per-pass work that rides with the weights, keyed by group (each job returns (result, bytes moved));
+    # `side_result(group)` waits for that group's
+    def submit_side(self, jobs: Mapping[str, Callable[[], tuple[Any, int]]]) -> None: ...
+    def side_result(self, group: str) -> Any: ...
+    def close(self) -> None: ...
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device: {name!r} was asked for but CUDA is not available here; use device: cpu")
+        if (dev.index or 0) >= torch.cuda.device_count():
+            raise ConfigError(f"device: {name!r} does not exist; this machine has {torch.cuda.device_count()} GPUs")
+    return dev
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None) -> torch.dtype:
+    if name == "auto":
+        return DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """The rows of one pass: the new `tokens[b]` of sequence `sids[b]` (ids in the executor's KV pool), and
+    which logits come back:
+
+        default          each sequence's last new token                              [B, V]
+        every=True       every new token                                             [sum(len(t)), V]
+        keep=(k0, ...)   the last keep[b] tokens of each sequence, each token column multiplied as a plain
+                         decode step would (speculative verification)                [sum(keep), V]
+                         lanes[b]: the tree branch sequence b verifies (-1: a prompt chunk riding along)
+    """
+
+    sids: tuple[int, ...]
+    tokens: tuple[tuple[int, ...], ...]
+    every: bool = False
+    keep: tuple[int, ...] | None = None
+    lanes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        set_ = functools.partial(object.__setattr__, self)
+        set_("sids", tuple(self.sids))
+        set_("tokens", tuple(tuple(t) for t in self.tokens))
+        if len(self.sids) != len(self.tokens) or not all(self.tokens):
+            raise ValueError("a ForwardBatch has one non-empty token list per sequence")
+        if self.keep is not None:
+            set_("keep", tuple(self.keep))
+            set_("lanes", tuple(self.lanes) if self.lanes is not None else (0,) * len(self.sids))
+            if self.every or len(self.keep) != len(self.sids) or len(self.lanes) != len(self.sids) or any(
+                    not 0 < k <= len(t) for k, t in zip(self.keep, self.tokens)):
+                raise ValueError("verification keeps 1..len(tokens[b]) logits of each sequence, one lane each")
+        elif self.lanes is not None:
+            raise ValueError("lanes go with keep (speculative verification)")
+
+    @classmethod
+    def last(cls, sids: Sequence[int], tokens: Sequence[Sequence[int]]) -> ForwardBatch:
+        return cls(sids, tokens)  # type: ignore[arg-type]  (made tuples by __post_init__)
+
+    @classmethod
+    def every_token(cls, sids: Sequence[int], tokens: Sequence[Sequence[int]]) -> ForwardBatch:
+        return cls(sids, tokens, every=True)  # type: ignore[arg-type]
+
+    @classmethod
+    def verify(cls, sids: Sequence[int], tokens: Sequence[Sequence[int]], keep: Sequence[int],
+               lanes: Sequence[int] | None = None) -> ForwardBatch:
+        return cls(sids, tokens, keep=keep, lanes=lanes)  # type: ignore[arg-type]
+
+    @property
+    def q_lens(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+
+@dataclass(frozen=True)
+class LayerPass:
+    """What every layer of one pass shares (made by `Executor.begin_pass`)."""
+
+    batch: ForwardBatch
+    ids: torch.Tensor  # [N] int64 (CPU): the new tokens, flat in row order
+    layout: M.BatchLayout  # where each row's tokens sit among the KV positions
+    step: StepKV  # this pass's block tables per tier (from `PagedKVCache.prepare`)
+    cos_sin: tuple[torch.Tensor, torch.Tensor]  # RoPE at every new token's position, [N, D] each
+    rope_table: M.Rope | None  # only when the KV cache rebuilds cold blocks from their layer inputs
+    cold: bool  # some blocks live in cold tiers: each layer's fetch rides with its weights
+
+
+class PromptChunk(NamedTuple):
+    sid: int
+    tokens: list[int]
+    start: int  # position of tokens[0] in the prompt
+
+
+class _Resources:
+    """What an executor must release (loader threads, slot files, the store's lock), kept apart from it so
+    that a finalizer can release it after the executor itself is gone."""
+
+    def __init__(self) -> None:
+        self.weights: WeightSource | None = None
+        self.kv: PagedKVCache | None = None
+
+    def close(self) -> None:
+        weights, kv, self.weights, self.kv = self.weights, self.kv, None, None
+        try:
+            if weights is not None:
+                weights.close()
+        finally:
+            if kv is not None:
+                kv.close()
+
+
+class Executor:
+    """Everything it starts is released by `close()`, else when it is garbage-collected, else at exit.
+
+    `capacities` (bytes per tier) default to what the config's tiers resolve to on this machine; the runner
+    passes less when a speculative draft already took its share of the device. The config's `model` must
+    be a local directory (`OffloadConfig.fetched()` brings a Hub checkpoint first)."""
+
+    def __init__(self, config: OffloadConfig, timeline: Timeline | None = None,
+                 capacities: Capacities | None = None, layers: range | None = None) -> None:
+        self._res = _Resources()
+        self._finalizer = weakref.finalize(self, self._res.close)
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.checkpoint = Checkpoint(config.model)
+        self.cfg = self.checkpoint.config
+        # every tensor config.json and the weight format imply, from the headers: before planning or allocating
+        check_tensors(self.checkpoint, WeightFormat.from_config(config.weights, self.cfg))
+        self.dtype = resolve_dtype(config.dtype, self.cfg.torch_dtype)  # the weights move as this
+        self.timeline = timeline or Timeline(nvtx=self.device.type == "cuda", keep_steps=config.timeline.keep_steps)
+        self.traffic = Traffic()  # bytes moved by weights and KV blocks, per route
+        self.layers = range(self.cfg.num_layers) if layers is None else layers  # the slice a pass runs
+        self.layer_groups = tuple(f"layer.{i}" for i in range(self.cfg.num_layers))
+        caps = capacities if capacities is not None else resolve_capacities(config.tiers, self.device)
+        run_plan = Planner(config, self.cfg, self.dtype, self.device, caps).run_plan()
+        self.kv_settings = run_plan.kv
+        self.compute_dtype = run_plan.compute_dtype  # the math and the KV cache
+        self.rope = M.Rope(self.cfg, self.device, self.compute_dtype)
+        self.kv_block_bytes = run_plan.kv_block_bytes  # device bytes of one KV block (all layers)
+        self.plan = run_plan.plan
+        self.prefill_chunk = run_plan.prefill_chunk  # activations.prefill_chunk, `auto` resolved
+        self._res.weights = TieredWeights(config, self.checkpoint, self.dtype, self.device, self.timeline,
+                                          run_plan.plan, self.traffic, self.compute_dtype)
+        self._kv_fixed = run_plan.kv_blocks > 0
+        if self._kv_fixed:  # tiers (or kv_cache.gpu_blocks): one pool inside the device tier's budget
+            try:
+                nbytes = run_plan.kv_blocks * run_plan.kv_block_bytes
+                memory = self.weights.allocate_kv(nbytes) if config.tiers else None
+                host = run_plan.plan.host_reserve  # the cold host blocks, in the cpu tier's (pinned) arena
+                host_memory = self.weights.allocate_kv(host, "cpu") if config.tiers and host else None
+                self._res.kv = self._make_kv(run_plan.kv_blocks, memory, host_memory)
+            except BaseException:
+                self.close()
+                raise
+
+    @property
+    def weights(self) -> WeightSource:
+        assert self._res.weights is not None, "the executor is closed"
+        return self._res.weights
+
+    @property
+    def kv(self) -> PagedKVCache | None:
+        """The KV block pool (None until `ensure_kv` when the config sizes it per request)."""
+        return self._res.kv
+
+    @property
+    def has_head(self) -> bool:
+        """Does a pass end with the head (logits), or hand hidden states on (a pipeline stage)?"""
+        return self.layers.stop == self.cfg.num_layers
+
+    def close(self) -> None:
+        """Stop and join every thread, close files and release memory; safe to call twice."""
+        self._finalizer()
+
+    # -- the KV pool ----------------------------------------------------------------------------
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.kv_settings.block_size)
+
+    @property
+    def kv_fixed(self) -> bool:
+        return self._kv_fixed
+
+    def ensure_kv(self, blocks: int) -> PagedKVCache:
+        """The device block pool: fixed (tiers, kv_cache.gpu_blocks, `fix_kv`), or (re)made with `blocks`."""
+        if self._kv_fixed:
+            assert self.kv is not None
+            return self.kv
+        if self.kv is None or self.kv.pool.num_blocks < blocks:
+            old, self._res.kv = self._res.kv, None
+            if old is not None:
+                old.close()  # the old pool goes before the new one is allocated
+            self._res.kv = self._make_kv(blocks)
+        return self._res.kv
+
+    def fix_kv(self, blocks: int) -> PagedKVCache:
+        """Keep one pool from now on (a long-lived engine): a planned pool stays as it is, a per-request one
+        is made with `blocks` blocks (if smaller) and no longer resized."""
+        kv = self.ensure_kv(blocks)
+        self._kv_fixed = True
+        return kv
+
+    def _make_kv(self, gpu_blocks: int, memory: torch.Tensor | None = None,
+                 host_memory: torch.Tensor | None = None) -> PagedKVCache:
+        s = self.kv_settings
+        disk = self.config.tiers.disk if self.config.tiers else None
+        return PagedKVCache(self.cfg, s.block_size, gpu_blocks, self.compute_dtype, self.device, memory=memory,
+                            settings=s,
+                            disk_dir=disk.path / "kv-scratch" if disk is not None and s.disk_blocks else None,
+                            pin_memory=self.device.type == "cuda", timeline=self.timeline, rope=self.rope,
+                            traffic=self.traffic, host_memory=host_memory,
+                            page_cache=bool(disk and disk.page_cache))
+
+    # -- the forward pass -----------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """One pass over `self.layers`: logits [rows, V] float32 (see `ForwardBatch`), or, without the head
+        (a pipeline stage), hidden states [N, H]. `hidden` [N, H]: the previous stage's, instead of embedding
+        the tokens. The new tokens' K/V are written into the KV pool."""
+        p = self.begin_pass(batch)
+        try:
+            self._start_cold_fetch(p)
+            x = self.weights.embed(p.ids) if hidden is None else hidden  # [N, H]
+            for i in self.layers:
+                x = self.layer(i, x, p)
+            out = self.head_logits(x, p) if self.has_head else x
+        except BaseException:
+            self.weights.abort_pass()
+            raise
+        finally:
+            self.timeline.next_step()
+        return out
+
+    def begin_pass(self, batch: ForwardBatch) -> LayerPass:
+        """Place the pass's tokens in the KV pool (blocks allocated, cold ones scheduled) and lay its rows out."""
+        kv = self.kv
+        assert kv is not None, "call ensure_kv first"
+        layout, step = kv.prepare(list(batch.sids), batch.q_lens)
+        if batch.keep is not None:  # verifying drafts: each token column multiplies as a plain decode step would
+            lanes = list(batch.lanes or ())
+            columns = max((n for n, b in zip(layout.q_lens, lanes) if b >= 0), default=0)
+            layout = dataclasses.replace(layout, columns=columns,
+                                         row_groups=M.column_groups(layout.q_lens, layout.positions.device, lanes))
+        ids = torch.tensor([t for seq in batch.tokens for t in seq], dtype=torch.long)
+        rope_table = self.rope if self.kv_settings.restore == "recompute" else None
+        cold = any(g.tier != "gpu" for g in step.groups)
+        return LayerPass(batch, ids, layout, step, self.rope(layout.positions), rope_table, cold)
+
+    def layer(self, i: int, x: torch.Tensor, p: LayerPass) -> torch.Tensor:
+        """Decoder layer i on x [N, H] -> [N, H], its group acquired for the computation and released after."""
+        group = self.layer_groups[i]
+        w = M.LayerWeights.from_views(self.weights.acquire(group))
+        view = self.kv_view(i, p)
+        with self.timeline.range(f"offload/compute/{group}"):
+            x = M.decoder_layer(x, w, view, p.layout, p.cos_sin, self.cfg, self.cfg.sliding_windows[i], p.rope_table)
+        self.weights.release(group)
+        return x
+
+    def kv_view(self, i: int, p: LayerPass) -> LayerKV:
+        """What layer i of the pass reads and writes of the KV pool (its cold blocks fetched by now)."""
+        assert self.kv is not None
+        return self.kv.view(i, p.layout, p.step, self._cold_blocks(i, p))
+
+    def head_logits(self, x: torch.Tensor, p: LayerPass) -> torch.Tensor:
+        """x [N, H] -> logits [rows, V] float32 of the rows the batch keeps."""
+        b, groups = p.batch, None
+        if b.keep is not None:
+            ends = torch.tensor(p.layout.q_lens).cumsum(0).tolist()
+            x = x[torch.cat([torch.arange(e - n, e) for e, n in zip(ends, b.keep)]).to(x.device)]
+            groups = M.column_groups(list(b.keep), x.device, list(b.lanes or ()))
+        elif not b.every:
+            x = x[p.layout.last_token_rows()]
+        w = M.HeadWeights.from_views(self.weights.acquire("head"))
+        with self.timeline.range("offload/compute/head"):
+            logits = M.head(x, w, self.cfg, groups)
+        self.weights.release("head")
+        return logits
+
+    # -- cold KV: each layer's host/disk blocks ride with that layer's weights (the weight source's side jobs) --
+    def _start_cold_fetch(self, p: LayerPass) -> None:
+        if p.cold:
+            kv = self.kv
+            assert kv is not None
+            self.weights.submit_side({self.layer_groups[i]: functools.partial(kv.fetch_cold, i, p.step)
+                                      for i in self.layers})
+
+    def _cold_blocks(self, i: int, p: LayerPass) -> Any:
+        return self.weights.side_result(self.layer_groups[i]) if p.cold else None
+
+    # -- prompts --------------------------------------------------------------------------------
+    def prefill_chunks(self, sids: Sequence[int], prompts: Sequence[Sequence[int]]) -> Iterator[list[PromptChunk]]:
+        """Passes of at most `prefill_chunk` prompt tokens, in prompt order (fewer once a prompt's context
+        outgrows the attention workspace: `offload.plan.planner.pass_tokens`)."""
+        pending = deque(PromptChunk(sid, list(p), 0) for sid, p in zip(sids, prompts))
+        while pending:
+            chunk: list[PromptChunk] = []
+            left = self.prefill_chunk
+            while pending and left > 0:
+                sid, p, start = pending.popleft()
+                take = min(left, len(p) - start, pass_tokens(self.prefill_chunk, start))
+                chunk.append(PromptChunk(sid, p[start : start + take], start))
+                left -= take
+                if start + take < len(p):
+                    pending.appendleft(PromptChunk(sid, p, start + take))
+            yield chunk
+
+    def prefill_logits(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Logits for every position of each prompt (token ids): [batch, max_len, vocab] float32, zeros past a
+        prompt's end. Its sequences are freed after."""
+        kv = self.ensure_kv(sum(self.blocks_for(len(p)) for p in prompts))
+        sids = [kv.add_sequence() for _ in prompts]
+        try:
+            out = torch.zeros(len(prompts), max(map(len, prompts)), self.cfg.vocab_size)
+            row_of = {sid: b for b, sid in enumerate(sids)}
+            for chunk in self.prefill_chunks(sids, prompts):
+                logits = self.forward(ForwardBatch.every_token([c.sid for c in chunk], [c.tokens for c in chunk]))
+                row = 0
+                for c in chunk:
+                    out[row_of[c.sid], c.start : c.start + len(c.tokens)] = logits[row : row + len(c.tokens)].cpu()
+                    row += len(c.tokens)
+            return out
+        finally:
+            for s in sids:
+                kv.free_sequence(s)
