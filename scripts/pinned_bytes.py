@@ -21,7 +21,7 @@ import torch
 from offload.config import OffloadConfig, parse_size
 from offload.model.config import ModelConfig
 from offload.plan.planner import Planner
-from schedulers.placement import STAGE_SLOTS
+from offload.plan.placement import STAGE_SLOTS
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ from offload.cli.main import main
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Sampling
 from offload.runtime.runner import Runner
-from schedulers.calibration import Calibration
+from offload.plan.calibrate import Calibration
 from tests.conftest import run_config
 from tests.test_chat_template import CHATML
 

@@ -27,7 +27,7 @@ from offload.plan.planner import (
 )
 from offload.runtime.runner import DTYPES, Runner
 from offload.weights.groups import model_layouts
-from schedulers.placement import min_device_bytes
+from offload.plan.placement import min_device_bytes
 from tests.conftest import run_config
 
 PROMPTS = [[1, 17, 99, 23, 5, 61, 7, 300, 41, 42, 43], [1, 8, 2], [1, 400, 33, 12, 19, 250]]

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from offload.runtime.runner import Runner
-from schedulers.placement import Capacities, Plan
+from schedulers.plan import Capacities, Plan
 from schedulers.prefetch import Prefetcher
 from schedulers.timeline import Timeline
 from schedulers.transfer import CudaEngine
+from storage.disk import DiskTier
 from storage.slots import MemorySlots
-from storage.tiers import DeviceTier, DiskTier, HostTier
+from storage.tiers import DeviceTier, HostTier
 from tests.conftest import run_config
 from tests.test_cuda_logic import cuda_shaped
 from tests.test_tiered_runner import PLACEMENTS, PROMPTS, config

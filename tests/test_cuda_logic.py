@@ -14,7 +14,7 @@ from offload.config import OffloadConfig
 from offload.model.checkpoint import Checkpoint
 from offload.plan.planner import Planner
 from offload.weights.groups import model_layouts
-from schedulers.placement import PAGE
+from storage.arena import PAGE
 from schedulers.timeline import Timeline
 from storage.errors import CapacityError
 from tests.test_tiered_runner import PLACEMENTS, config

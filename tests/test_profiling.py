@@ -15,12 +15,13 @@ from offload.plan.calibrate import load_calibration, measure_compute
 from offload.plan.planner import Planner
 from offload.plan.predict import Workload, predict_decode
 from offload.runtime.runner import Runner
-from schedulers.calibration import Calibration, measure_disk, measure_memcpy
-from schedulers.costmodel import simulate
-from schedulers.placement import Capacities, GroupSpec, make_plan
+from offload.plan.calibrate import Calibration, measure_disk, measure_memcpy
+from offload.plan.costmodel import simulate
+from offload.plan.placement import GroupSpec, make_plan
+from schedulers.plan import Capacities
 from schedulers.trace import check_chrome, load_chrome, summarize
+from storage.disk import DiskTier
 from storage.errors import CapacityError
-from storage.tiers import DiskTier
 from tests.conftest import run_config
 
 

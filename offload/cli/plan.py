@@ -32,7 +32,7 @@ from offload.plan.predict import Workload, predict_decode, predict_prefill_per_t
 from offload.plan.speculative import choose_tokens, predict, reserve_draft, streaming_note, verify_cost, without_draft
 from offload.runtime.runner import resolve_dtype
 from offload.runtime.speculative import draft_config, target_config
-from schedulers.costmodel import explain, plan_bytes
+from offload.plan.costmodel import explain, plan_bytes
 from storage.errors import CapacityError
 
 

@@ -40,6 +40,7 @@ from offload.weights.groups import WeightFormat, check_tensors
 from offload.weights.tiered import TieredWeights
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic
+from schedulers.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 class WeightSource(Protocol):
     """Where the runner gets each group's weights; `acquire` may wait, `release` frees its slot."""
+
+    engine: TransferEngine  # the run's one transfer engine (cold KV blocks cross on it too)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [N] (CPU) -> [N, H] on the device
     def acquire(self, group: str) -> dict[str, M.Weight]: ...
@@ -188,7 +191,7 @@ class Runner:
                             settings=s,
                             disk_dir=disk.path / "kv-scratch" if disk is not None and s.disk_blocks else None,
                             pin_memory=self.device.type == "cuda", timeline=self.timeline, rope=self.rope,
-                            traffic=self.traffic, host_memory=host_memory,
+                            traffic=self.traffic, host_memory=host_memory, engine=self.weights.engine,
                             page_cache=bool(disk and disk.page_cache))
 
     @classmethod
