@@ -83,7 +83,7 @@ class Prefetcher:
         self._stage_free: list[threading.Event] = []
         self._staged_events: dict[tuple[int, int], threading.Event] = {}
         self._threads: list[threading.Thread] = []
-        self.side = SideWorker(timeline, lead=plan.depth + 1)  # one thread for every pass's side jobs
+        self.side = SideWorker(lead=plan.depth + 1)  # one thread for every pass's side jobs
         self.reset()
 
     # -- compute side -------------------------------------------------------------------------
@@ -133,7 +133,7 @@ class Prefetcher:
     # -- side jobs: per-pass work that rides with the weights (cold KV for each layer) --------------
     def submit_side(self, jobs: dict[str, Callable[[], tuple[Any, int]]]) -> None:
         """Jobs for the coming pass, keyed by group, run in pass order by the one side thread (`schedulers.side`),
-        at most `depth + 1` groups ahead of compute; each returns (result, bytes moved) and becomes a span."""
+        at most `depth + 1` groups ahead of compute; each returns (result, bytes moved) and records its own span."""
         computed = [g for g in self.plan.order if g not in self.plan.rows_only]  # every one is acquired, released
         self.side.submit(jobs, {g: i for i, g in enumerate(computed)})
 

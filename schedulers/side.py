@@ -1,6 +1,6 @@
 """Side jobs: per-pass work that rides with the weights (a layer's cold KV blocks), on one persistent thread.
 
-    side = SideWorker(timeline, lead=depth + 1)
+    side = SideWorker(lead=depth + 1)
     side.submit(jobs, position)     # the coming pass's jobs, keyed by group; runs them in pass order
     side.advance()                  # compute finished one more group (the prefetcher calls it on release)
     result = side.result(group)     # compute takes a job's result (waits for it; re-raises its error)
@@ -9,9 +9,9 @@
 
 One thread, started at the first `submit` and ended by `close`, runs every pass's jobs: no
 thread per pass. It runs a group's job only while that group is at most `lead` groups ahead
-of compute, so the job's buffers are bounded like the ring's. A job returns (result, bytes
-moved) and becomes a span on its track; it counts its own traffic. Knows groups and order;
-nothing about what a job does.
+of compute, so the job's buffers are bounded like the ring's. A job records its own span and
+counts its own traffic (where the bytes are known). Knows groups and order; nothing about what
+a job does.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import logging
 import threading
 from collections.abc import Callable
 from typing import Any
-
-from schedulers.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +31,11 @@ Job = Callable[[], tuple[Any, int]]
 
 
 class SideWorker:
-    def __init__(self, timeline: Timeline, lead: int, track: str = "kv-fetch") -> None:
-        self.timeline, self.lead, self.track = timeline, lead, track
+    def __init__(self, lead: int) -> None:
+        self.lead = lead
         self._cond = threading.Condition()
         self._gen = 0  # the pass being served; a job of an older pass never delivers
-        self._pending: tuple[int, list[str], dict[str, int], dict[str, Job], int] | None = None
+        self._pending: tuple[int, list[str], dict[str, int], dict[str, Job]] | None = None
         self._results: dict[str, tuple[Any, BaseException | None]] = {}
         self._progress = 0  # groups compute finished in this pass
         self._busy = False  # a pass's jobs are running
@@ -52,7 +50,7 @@ class SideWorker:
         self.cancel()  # a previous pass is finished (or abandoned): its jobs never touch what comes next
         with self._cond:
             self._gen += 1
-            self._pending = (self._gen, order, position, jobs, self.timeline.step)
+            self._pending = (self._gen, order, position, jobs)
             self._results = {}
             self._progress = 0
             self._cond.notify_all()
@@ -106,18 +104,17 @@ class SideWorker:
                     self._cond.wait()
                 if self._stop:
                     return
-                gen, order, position, jobs, step = self._pending
+                gen, order, position, jobs = self._pending
                 self._pending = None
                 self._busy = True
             try:
-                self._run_pass(gen, order, position, jobs, step)
+                self._run_pass(gen, order, position, jobs)
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _run_pass(self, gen: int, order: list[str], position: dict[str, int], jobs: dict[str, Job],
-                  step: int) -> None:
+    def _run_pass(self, gen: int, order: list[str], position: dict[str, int], jobs: dict[str, Job]) -> None:
         for g in order:
             with self._cond:  # do not run further ahead than the ring would
                 while self._progress < position[g] - self.lead and gen == self._gen and not self._stop:
@@ -125,10 +122,7 @@ class SideWorker:
                 if gen != self._gen or self._stop:
                     return
             try:
-                start = self.timeline.now()
-                result, nbytes = jobs[g]()
-                self.timeline.add(self.track, g, start, self.timeline.now(), nbytes=nbytes, step=step)
-                outcome: tuple[Any, BaseException | None] = (result, None)
+                outcome: tuple[Any, BaseException | None] = (jobs[g]()[0], None)
             except BaseException as e:  # handed to compute
                 outcome = (None, e)
             with self._cond:

@@ -188,6 +188,7 @@ def test_cold_kv_crosses_pcie_in_its_cold_format_without_a_host_sync(model_facto
     int8 on the device (dequantized there, so PCIe carries int8), and a decode pass over host and disk blocks
     runs with `set_sync_debug_mode("error")`: nothing in it waits on the device from the host."""
     from offload.kv.staging import Staged
+
     from tests.test_kv_tiers import PROMPTS, tiered
 
     cfg = tiered(model_factory("llama", "small"), tmp_path, quantization="int8")

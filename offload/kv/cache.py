@@ -45,7 +45,7 @@ from offload.model.config import ModelConfig
 from offload.model.functional import BatchLayout
 from schedulers.eviction import Candidate, make_policy
 from schedulers.timeline import Timeline
-from schedulers.traffic import COMPUTE, Traffic
+from schedulers.traffic import Traffic
 from schedulers.transfer import TransferEngine, Upload, make_engine
 from storage.block_pool import Admission, BlockPool
 from storage.errors import CapacityError
@@ -84,8 +84,9 @@ class PagedKVCache:
             raise CapacityError("the KV cache needs at least one device block; raise kv_cache.gpu_blocks")
         self.stores: dict[str, TierStore] = {"gpu": TierStore("gpu", self.device_fmt, L, num_blocks, self.device,
                                                               memory=memory)}
+        self.traffic = traffic or Traffic()  # kind "kv": blocks demoted and promoted, cold blocks read by attention
         self.fetcher = ColdFetcher(self.cold_fmt, L, counts["cpu"], counts["disk"], self.engine, s.cpu_attention,
-                                   host_memory)
+                                   host_memory, self.timeline, self.traffic)
         if counts["cpu"]:
             self.stores["cpu"] = TierStore("cpu", self.cold_fmt, L, counts["cpu"], "cpu", pin_memory,
                                            memory=host_memory)
@@ -107,7 +108,6 @@ class PagedKVCache:
         self._dirty: set[int] = set()  # sequences touched since their blocks last got their time
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
-        self.traffic = traffic or Traffic()  # kind "kv": blocks demoted and promoted, cold blocks read by attention
 
     @staticmethod
     def device_format(cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str) -> ColdFormat:
@@ -391,10 +391,7 @@ class PagedKVCache:
 
     def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, dict[str, torch.Tensor] | Upload], int]:
         """One layer of the step's cold groups ({tier: parts or Upload}, bytes), run ahead by the side thread."""
-        out, moved = self.fetcher.fetch(self.stores, [g for g in step.groups if g.tier != "gpu"], layer)
-        for tier, n in moved.items():
-            self.traffic.add("kv", tier, COMPUTE, n)
-        return out, sum(moved.values())
+        return self.fetcher.fetch(self.stores, [g for g in step.groups if g.tier != "gpu"], layer)
 
     def view(self, layer: int, layout: BatchLayout, step: StepKV, cold: dict | None = None) -> LayerKV:
         return LayerKV(self, layer, layout, step, cold)

@@ -1,8 +1,8 @@
 """Cold KV on its way to compute: one layer of a step's cold blocks, read into pinned staging, uploaded.
 
-    fetcher = ColdFetcher(fmt, planes, cold_blocks, engine, memory)  # memory: pinned bytes (the cpu tier's arena)
-    parts, nbytes = fetcher.fetch(stores, groups, layer)             # side thread: {tier: Upload | parts}
-    parts = engine.receive(parts[tier])                               # compute: waits on the marker, the host not
+    fetcher = ColdFetcher(fmt, planes, cpu_blocks, disk_blocks, engine, memory=...)  # memory: the cpu tier's arena
+    parts, nbytes = fetcher.fetch(stores, groups, layer)   # side thread: {tier: Upload | parts}; a span, traffic
+    parts = engine.receive(parts[tier])                     # compute: waits on the marker, the host not
 
 On a CUDA device each cold group of a layer is gathered (host blocks) or read (disk blocks,
 through the one checksummed disk read path, `O_DIRECT` where a slot is whole pages) straight
@@ -12,8 +12,10 @@ engine's one copy stream (`schedulers.transfer`: the weights' stream and marker 
 is reused once the copies out of it have passed their marker (the side thread waits for that,
 never the compute thread). A step whose groups name one block twice (samples sharing a prompt)
 exceeds a buffer and uploads from ordinary memory instead: slower, the same bytes. On a CPU
-device, or with `cpu_attention`, the parts pass through where they are. `host_bytes` is the
-host memory the cold tiers take (blocks + staging), the planner's and the cache's one formula.
+device, or with `cpu_attention`, the parts pass through where they are. Each fetch is one
+"kv-fetch" span and the same bytes in the run's `Traffic` (kind "kv", tier -> compute), counted
+in one place. `host_bytes` is the host memory the cold tiers take (blocks + staging), the
+planner's and the cache's one formula.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch
 
 from offload.kv.blocks import TierBlocks
 from offload.kv.formats import ColdFormat, TierStore
+from schedulers.timeline import Timeline
+from schedulers.traffic import COMPUTE, Traffic
 from schedulers.transfer import Marker, TransferEngine, Upload
 from storage.arena import PAGE, HostArena, round_up
 
@@ -49,10 +53,13 @@ def host_bytes(fmt: ColdFormat, planes: int, cpu_blocks: int, disk_blocks: int, 
 
 class ColdFetcher:
     def __init__(self, fmt: ColdFormat, planes: int, cpu_blocks: int, disk_blocks: int, engine: TransferEngine,
-                 cpu_attention: bool = False, memory: torch.Tensor | None = None) -> None:
+                 cpu_attention: bool = False, memory: torch.Tensor | None = None, timeline: Timeline | None = None,
+                 traffic: Traffic | None = None) -> None:
         """`memory`: the host region of the cold tiers (`host_bytes`), staging after the cpu blocks; without it
         the staging buffers come from an arena of their own."""
         self.engine = engine
+        self.timeline = timeline or Timeline(enabled=False)
+        self.traffic = traffic or Traffic()
         self.staged = engine.copies_to_device and not cpu_attention and cpu_blocks + disk_blocks > 0
         self._arena: HostArena | None = None
         self._buffers: list[dict[str, torch.Tensor]] = []  # per buffer: part name -> uint8 region
@@ -77,20 +84,29 @@ class ColdFetcher:
             self._buffers.append(parts)
 
     def fetch(self, stores: dict[str, TierStore], groups: list[TierBlocks], layer: int
-              ) -> tuple[dict[str, dict[str, torch.Tensor] | Upload], dict[str, int]]:
+              ) -> tuple[dict[str, dict[str, torch.Tensor] | Upload], int]:
         """One layer of each cold group, read where it lives and (CUDA) queued to the device: ({tier: parts or
-        Upload}, {tier: bytes read})."""
-        out: dict[str, dict[str, torch.Tensor] | Upload] = {}
+        Upload}, bytes read); a "kv-fetch" span and the same bytes in `traffic`."""
+        start = self.timeline.now()
+        out = self._fetch(stores, groups, layer)
         nbytes = {g.tier: len(g.slots) * stores[g.tier].slot_nbytes for g in groups}
+        for tier, n in nbytes.items():
+            self.traffic.add("kv", tier, COMPUTE, n)
+        self.timeline.add("kv-fetch", f"layer.{layer}", start, self.timeline.now(), nbytes=sum(nbytes.values()))
+        return out, sum(nbytes.values())
+
+    def _fetch(self, stores: dict[str, TierStore], groups: list[TierBlocks], layer: int
+               ) -> dict[str, dict[str, torch.Tensor] | Upload]:
+        out: dict[str, dict[str, torch.Tensor] | Upload] = {}
         if not self.staged:
             for g in groups:
                 out[g.tier] = stores[g.tier].read_plane(layer, g.slots)
-            return out, nbytes
+            return out
         if sum(len(g.slots) for g in groups) > self._blocks or any(len(set(g.slots)) < len(g.slots)
                                                                       for g in groups):
             for g in groups:  # a block named twice: more entries than a buffer holds (see the module docstring)
                 out[g.tier] = self.engine.upload(stores[g.tier].read_plane(layer, g.slots))
-            return out, nbytes
+            return out
         b, self._next = self._next, (self._next + 1) % STAGE_BUFFERS
         for m in self._markers[b]:
             m.wait()  # the copies out of this buffer have finished (this is the side thread waiting)
@@ -107,7 +123,7 @@ class ColdFetcher:
             upload = self.engine.upload(parts)
             self._markers[b].append(upload.marker)
             out[g.tier] = upload
-        return out, nbytes
+        return out
 
     def close(self) -> None:
         """Wait for the copies out of the staging buffers, then let the memory go."""

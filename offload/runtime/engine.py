@@ -44,13 +44,14 @@ from offload.runtime.sampling import sample
 from offload.runtime.speculative import TREE_WIDTH
 from offload.runtime.stops import StopMatcher
 from storage.block_pool import Admission
+from storage.units import blocks_for
 
 log = logging.getLogger(__name__)
 
 
 def row_blocks(chain: int, block_size: int) -> int:
     """Device blocks a running sequence may hold in a pass: its newest, plus those a `chain` of tokens fills."""
-    return 1 + -(-chain // block_size)
+    return 1 + blocks_for(chain, block_size)
 
 
 def tree_blocks(outputs: int, blocks_per_row: int) -> int:
@@ -75,7 +76,7 @@ class Engine:
         self._kept: dict[int, None] = {}
         bs = self.kv.block_size
         # device blocks one prefill pass may write: every running sequence pins its newest block besides
-        self._pass_blocks = -(-self.budget // bs) + 1
+        self._pass_blocks = blocks_for(self.budget, bs) + 1
         # device blocks each running sequence may hold in a pass: its newest, plus a speculative chain's
         chain = self.speculator.most_tokens + 1 if self.speculator is not None else 0
         self._row_blocks = row_blocks(chain, bs)

@@ -41,6 +41,7 @@ from offload.weights.tiered import TieredWeights
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic
 from schedulers.transfer import TransferEngine
+from storage.units import blocks_for
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +322,7 @@ class Runner:
                 kv.free_sequence(s)
 
     def _blocks(self, tokens: int) -> int:
-        return -(-tokens // self.config.kv_cache.block_size)
+        return blocks_for(tokens, self.config.kv_cache.block_size)
 
     def _prefill_chunks(self, sids: list[int], prompts: list[list[int]]):
         """Yield passes of at most `prefill_chunk` tokens: [(sid, tokens, start position)], in prompt order."""
