@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from offload.kv.blocks import Block, KVSettings, Sequence, StepKV, tier_blocks
-from offload.kv.fetch import ColdFetcher
+from offload.kv.fetch import ColdFetcher, Fetched
 from offload.kv.formats import ColdFormat, TierStore, cold_kv, to_cold
 from offload.kv.view import LayerKV
 from offload.model import functional as M
@@ -46,7 +46,7 @@ from offload.model.functional import BatchLayout
 from schedulers.eviction import Candidate, make_policy
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic
-from schedulers.transfer import TransferEngine, Upload, make_engine
+from schedulers.transfer import TransferEngine, make_engine
 from storage.block_pool import Admission, BlockPool
 from storage.errors import CapacityError
 from storage.lock import ScratchDir
@@ -85,8 +85,8 @@ class PagedKVCache:
         self.stores: dict[str, TierStore] = {"gpu": TierStore("gpu", self.device_fmt, L, num_blocks, self.device,
                                                               memory=memory)}
         self.traffic = traffic or Traffic()  # kind "kv": blocks demoted and promoted, cold blocks read by attention
-        self.fetcher = ColdFetcher(self.cold_fmt, L, counts["cpu"], counts["disk"], self.engine, s.cpu_attention,
-                                   host_memory, self.timeline, self.traffic)
+        self.fetcher = ColdFetcher(self.cold_fmt, L, counts["cpu"], counts["disk"], self.engine, s.stage_blocks,
+                                   s.cpu_attention, host_memory, self.timeline, self.traffic)
         if counts["cpu"]:
             self.stores["cpu"] = TierStore("cpu", self.cold_fmt, L, counts["cpu"], "cpu", pin_memory,
                                            memory=host_memory)
@@ -389,7 +389,7 @@ class PagedKVCache:
         protected.add(bid)
         self._release(self.logical.free([old]))
 
-    def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, dict[str, torch.Tensor] | Upload], int]:
+    def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, Fetched], int]:
         """One layer of the step's cold groups ({tier: parts or Upload}, bytes), run ahead by the side thread."""
         return self.fetcher.fetch(self.stores, [g for g in step.groups if g.tier != "gpu"], layer)
 

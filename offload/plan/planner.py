@@ -22,7 +22,7 @@ from offload.config import OffloadConfig, TiersConfig
 from offload.errors import ConfigError
 from offload.kv.blocks import KVSettings
 from offload.kv.cache import PagedKVCache
-from offload.kv.fetch import host_bytes
+from offload.kv.fetch import host_bytes, stage_blocks
 from offload.kv.formats import ColdFormat
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import Calibration, compute_dtype, compute_sizes, load_calibration
@@ -279,27 +279,25 @@ class Planner:
         plan, kv_blocks = fit.plan, fit.kv_blocks
         if self.config.kv_cache.gpu_blocks is None and self.config.tiers is not None and self.caps.gpu is not None:
             kv_blocks += max(plan.capacity("gpu") - plan.used("gpu"), 0) // self.block_bytes  # what is left free
-        cpu_blocks, disk_blocks = self._cold_blocks(plan)
-        host, stage = self._cold_host_bytes(cpu_blocks, disk_blocks)
+        cpu_blocks, disk_blocks, piece = self._cold_blocks(plan)
+        host, stage = host_bytes(self.cold_fmt, self.cfg.num_layers, cpu_blocks, piece)
         plan = dataclasses.replace(plan, host_reserve=host, kv_stage_bytes=stage,
                                    disk_reserve=disk_blocks * self.cold_block_bytes)
-        kv = dataclasses.replace(self.kv, cpu_blocks=cpu_blocks, disk_blocks=disk_blocks)
+        kv = dataclasses.replace(self.kv, cpu_blocks=cpu_blocks, disk_blocks=disk_blocks, stage_blocks=piece)
         return RunPlan(plan, self.caps, kv_blocks, self.block_bytes, kv, fit.prefill_chunk, note, self.compute)
 
-    def _cold_host_bytes(self, cpu_blocks: int, disk_blocks: int) -> tuple[int, int]:
-        """(host bytes of the cold KV tiers, of which the pinned staging cold blocks cross to a CUDA device in)."""
-        staged = self.device.type == "cuda" and not self.kv.cpu_attention
-        return host_bytes(self.cold_fmt, self.cfg.num_layers, cpu_blocks, disk_blocks, staged)
-
-    def _cold_blocks(self, plan: Plan) -> tuple[int, int]:
-        """kv_cache.cpu_blocks / disk_blocks, `auto` resolved: what the tier leaves free, within a bound. On CUDA
-        every cold block also takes its share of the pinned staging in the cpu tier (`offload.kv.fetch`)."""
+    def _cold_blocks(self, plan: Plan) -> tuple[int, int, int]:
+        """(kv_cache.cpu_blocks, disk_blocks, blocks per KV staging buffer), `auto` resolved: what the tier leaves
+        free, within a bound. On CUDA (without cpu_attention) cold blocks cross to the device through two pinned
+        staging buffers in the cpu tier (`offload.kv.fetch`), taken before auto host blocks: each of up to
+        `STAGE_PIECE` bytes of blocks, shrunk to what the tier can hold, down to one block; where not even
+        that fits, automatic cold tiers are none, explicit ones refused."""
         kv_cfg, tiers = self.config.kv_cache, self.config.tiers
         cpu_cap = plan.capacity("cpu")
         room = None if cpu_cap is None else cpu_cap - (plan.used("cpu") - plan.host_reserve)  # for cold KV bytes
 
-        def fits(cpu: int, disk: int) -> bool:
-            return room is None or self._cold_host_bytes(cpu, disk)[0] <= room
+        def fits(cpu: int, piece: int) -> bool:
+            return room is None or host_bytes(self.cold_fmt, self.cfg.num_layers, cpu, piece)[0] <= room
 
         def most(bound: int, ok) -> int:
             """The largest n in [0, bound] with ok(n) (ok holds for every smaller n too)."""
@@ -310,22 +308,29 @@ class Planner:
             return lo
 
         disk = kv_cfg.disk_blocks
-        if disk is None and (tiers is None or tiers.disk is None):
-            disk = 0
-        elif disk is None:
+        if disk is None:
             cap, bound = plan.capacity("disk"), blocks_for(AUTO_DISK_KV_TOKENS, self.bs)
-            disk = bound if cap is None else min(bound, max(cap - plan.used("disk"), 0) // self.cold_block_bytes)
-            disk = most(disk, lambda n: fits(kv_cfg.cpu_blocks or 0, n))  # its staging, on CUDA
+            disk = 0 if tiers is None or tiers.disk is None else (
+                bound if cap is None else min(bound, max(cap - plan.used("disk"), 0) // self.cold_block_bytes))
+        cpu_bound = kv_cfg.cpu_blocks if kv_cfg.cpu_blocks is not None else (
+            0 if tiers is None else blocks_for(AUTO_HOST_KV_TOKENS, self.bs))
+        piece = 0
+        if self.device.type == "cuda" and not self.kv.cpu_attention and cpu_bound + disk:
+            piece = most(stage_blocks(self.cold_fmt, cpu_bound + disk), lambda p: fits(kv_cfg.cpu_blocks or 0, p))
+            if piece == 0 and not (kv_cfg.cpu_blocks or kv_cfg.disk_blocks):
+                return 0, 0, 0  # automatic cold tiers with no room to bring a block to the device: none
         cpu = kv_cfg.cpu_blocks
         if cpu is None:
-            cpu = 0 if tiers is None else most(blocks_for(AUTO_HOST_KV_TOKENS, self.bs), lambda n: fits(n, disk))
-        if not fits(cpu, disk):
-            host, stage = self._cold_host_bytes(cpu, disk)
+            cpu = most(cpu_bound, lambda n: fits(n, piece))
+        piece = piece if cpu + disk else 0
+        if (cpu + disk and self.device.type == "cuda" and not self.kv.cpu_attention and piece == 0) or not fits(
+                cpu, piece):
+            host, stage = host_bytes(self.cold_fmt, self.cfg.num_layers, cpu, max(piece, 1))
             raise CapacityError(
                 f"the cpu tier ({fmt_bytes(cpu_cap)}) cannot hold the cold KV blocks and the pinned staging they "
                 f"cross to the device in ({fmt_bytes(host)}, of which staging {fmt_bytes(stage)}) beside the weights; "
                 "raise tiers.cpu.capacity or lower kv_cache.cpu_blocks / disk_blocks")
-        return cpu, disk
+        return cpu, disk, piece
 
 
 def resolve_kv(config: OffloadConfig, cfg: ModelConfig, device: torch.device) -> KVSettings:
