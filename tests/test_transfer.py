@@ -13,11 +13,14 @@ import threading
 import pytest
 import torch
 
+from offload.config import OffloadConfig
 from offload.kv.blocks import KVSettings
 from offload.kv.cache import PagedKVCache
 from offload.kv.fetch import ColdFetcher, host_bytes, receive
 from offload.kv.formats import ColdFormat
+from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
+from offload.plan.planner import Planner
 from offload.runtime.runner import Runner
 from schedulers.side import SideWorker
 from schedulers.traffic import COMPUTE
@@ -126,6 +129,22 @@ def test_without_a_copying_engine_cold_parts_pass_through():
     cfg = ModelConfig.from_dict(CFG)
     fetcher = ColdFetcher(PagedKVCache.device_format(cfg, 4, torch.float32, "transfer"), 3, 2, 2, ThreadEngine())
     assert not fetcher.staged and fetcher._buffers == []
+
+
+def test_cuda_plans_reserve_the_cold_kv_staging_in_the_cpu_tier_and_cpu_plans_do_not(tiny, tmp_path):
+    for device in ("cpu", "cuda"):
+        oc = OffloadConfig.load(dict(tiered(tiny, tmp_path), device=device))
+        planner = Planner(oc, Checkpoint(oc.model).config, torch.float32, torch.device(device))
+        rp = planner.run_plan()
+        kv, plan = rp.kv, rp.plan
+        host, stage = host_bytes(planner.cold_fmt, planner.cfg.num_layers, kv.cpu_blocks, kv.stage_blocks)
+        assert (plan.host_reserve, plan.kv_stage_bytes) == (host, stage)
+        assert plan.used("cpu") <= plan.capacity("cpu") and kv.cpu_blocks == 1 and kv.disk_blocks == 64
+        if device == "cpu":
+            assert stage == 0 and kv.stage_blocks == 0 and "cold KV staging" not in plan.describe()
+        else:  # one staging buffer holds every cold block of a layer here (65 blocks of a tiny model < 64 MiB)
+            assert kv.stage_blocks == 65 and stage > 0 and "cold KV staging" in plan.describe()
+            assert plan.pinned_bytes() >= host
 
 
 # ----------------------------------------------------------------------------- one persistent fetch thread
