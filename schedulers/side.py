@@ -76,13 +76,15 @@ class SideWorker:
         return result
 
     def cancel(self) -> None:
-        """Drop the jobs not yet run and wait for the one running (if any) to end."""
+        """Drop the jobs not yet run and wait for the one running (if any) to end; one still running after
+        `JOIN_TIMEOUT_S` (a hung disk) is left to finish on its own, its result never delivered."""
         with self._cond:
             self._gen += 1
             self._pending = None
             self._cond.notify_all()
-            while self._busy and self._thread is not None and self._thread.is_alive():
-                self._cond.wait(JOIN_TIMEOUT_S)
+            if self._busy and not self._cond.wait_for(lambda: not self._busy, JOIN_TIMEOUT_S):
+                log.warning("a side job is still busy after %.0f s (a hung disk?); going on without it",
+                            JOIN_TIMEOUT_S)
 
     def close(self) -> None:
         with self._cond:
