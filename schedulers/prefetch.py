@@ -34,17 +34,15 @@ from typing import Any
 
 import torch
 
-from schedulers.placement import Plan
+from schedulers.plan import Plan
+from schedulers.side import JOIN_TIMEOUT_S, SideWorker
 from schedulers.timeline import Timeline
 from schedulers.traffic import COMPUTE, Traffic
 from schedulers.transfer import DONE, Marker, TransferEngine
 from storage.tiers import MemoryTier, Tier
+from storage.units import ceil_div
 
 log = logging.getLogger(__name__)
-
-#: How long `close` waits for a worker in the middle of one read or copy; a worker still busy after
-#: that (a hung disk) is left behind, a daemon, rather than blocking the program's exit.
-JOIN_TIMEOUT_S = 10.0
 
 
 def _join(t: threading.Thread) -> None:
@@ -85,6 +83,7 @@ class Prefetcher:
         self._stage_free: list[threading.Event] = []
         self._staged_events: dict[tuple[int, int], threading.Event] = {}
         self._threads: list[threading.Thread] = []
+        self.side = SideWorker(lead=plan.depth + 1)  # one thread for every pass's side jobs
         self.reset()
 
     # -- compute side -------------------------------------------------------------------------
@@ -116,9 +115,7 @@ class Prefetcher:
 
     def release(self, group: str) -> None:
         load, start, start_marker = self._current.pop(group)
-        with self._cond:
-            self._side_progress = getattr(self, "_side_progress", 0) + 1
-            self._cond.notify_all()
+        self.side.advance()
         done = self.engine.mark_compute()
         self._record_compute(group, start, start_marker, done, load)
         if load is None:
@@ -134,56 +131,14 @@ class Prefetcher:
         self._slot_free[load.slot].set()
 
     # -- side jobs: per-pass work that rides with the weights (cold KV for each layer) --------------
-    def submit_side(self, jobs: dict[str, Callable[[], tuple[Any, int]]], track: str = "kv-fetch") -> None:
-        """Jobs for the coming pass, keyed by group. A side thread runs them in pass order, at most
-        `depth + 1` groups ahead of compute; each returns (result, bytes moved) and becomes a span
-        (a job counts its own traffic)."""
-        self.join_side()
-        with self._cond:
-            self._side_results: dict[str, tuple[Any, BaseException | None]] = {}
-            self._side_progress = 0
-        order = [g for g in self.plan.order if g in jobs]
+    def submit_side(self, jobs: dict[str, Callable[[], tuple[Any, int]]]) -> None:
+        """Jobs for the coming pass, keyed by group, run in pass order by the one side thread (`schedulers.side`),
+        at most `depth + 1` groups ahead of compute; each returns (result, bytes moved) and records its own span."""
         computed = [g for g in self.plan.order if g not in self.plan.rows_only]  # every one is acquired, released
-        position = {g: i for i, g in enumerate(computed)}
-        step = self.timeline.step
-
-        def run() -> None:
-            for g in order:
-                with self._cond:  # do not run further ahead than the ring would
-                    while self._side_progress < position[g] - self.plan.depth - 1 and not self._stop:
-                        self._cond.wait()
-                if self._stop:
-                    return
-                try:
-                    start = self.timeline.now()
-                    result, nbytes = jobs[g]()
-                    self.timeline.add(track, g, start, self.timeline.now(), nbytes=nbytes, step=step)
-                    outcome = (result, None)
-                except BaseException as e:  # handed to compute
-                    outcome = (None, e)
-                with self._cond:
-                    self._side_results[g] = outcome
-                    self._cond.notify_all()
-                if outcome[1] is not None:
-                    return
-
-        self._side_thread = threading.Thread(target=run, name="offload-side", daemon=True)
-        self._side_thread.start()
+        self.side.submit(jobs, {g: i for i, g in enumerate(computed)})
 
     def side_result(self, group: str) -> Any:
-        with self._cond:
-            while group not in self._side_results:
-                self._cond.wait()
-            result, error = self._side_results.pop(group)
-        if error is not None:
-            raise error
-        return result
-
-    def join_side(self) -> None:
-        t = getattr(self, "_side_thread", None)
-        if t is not None:
-            _join(t)
-            self._side_thread = None
+        return self.side.result(group)
 
     def _count_resident(self) -> None:
         self.timeline.count("bytes resident", gpu=self._homed["gpu"] + self._in_ring, cpu=self._homed["cpu"])
@@ -221,7 +176,7 @@ class Prefetcher:
             k += 1
 
     def _pieces(self, group: str) -> int:
-        return -(-self.plan.sizes[group] // self.plan.stage_slot_bytes)
+        return ceil_div(self.plan.sizes[group], self.plan.stage_slot_bytes)
 
     def _piece(self, group: str, p: int) -> tuple[int, int]:
         """Byte range [start, start + n) of a group's p-th staging piece."""
@@ -343,12 +298,16 @@ class Prefetcher:
         return marker
 
     def close(self) -> None:
-        """Stop the threads, then wait for every copy they queued (the slots may be freed right after)."""
+        """Stop every thread (the side thread too), then wait for every copy they queued (the slots may be freed
+        right after)."""
+        self.side.close()
+        self._stop_loaders()
+
+    def _stop_loaders(self) -> None:
         with self._cond:
             self._stop = True  # under the lock: no thread creates an event to wait on after this
             events = list(self._staged_events.values())
             self._cond.notify_all()
-        self.join_side()
         for e in self._slot_free + self._stage_free + events:
             e.set()
         for t in self._threads:
@@ -357,8 +316,10 @@ class Prefetcher:
         self.engine.synchronize()  # copies still in flight on the copy stream read and write the slots
 
     def reset(self) -> None:
-        """(Re)start the schedule at its first load; also abandons a pass cut short by an exception."""
-        self.close()
+        """(Re)start the schedule at its first load; also abandons a pass cut short by an exception (its side jobs
+        are dropped; the side thread stays for the next pass)."""
+        self.side.cancel()
+        self._stop_loaders()
         for m in self._stage_marker + self._free_marker:
             m.wait()
         self._loads.clear()

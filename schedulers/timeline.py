@@ -179,6 +179,8 @@ class Timeline:
         return [s for s in self.spans if s.track == track and (step is None or s.step == step)]
 
     def bytes_on(self, track: str, steps: range | None = None) -> int:
+        """Bytes of the spans recorded on a track: a view of the trace. The counter of bytes moved is
+        `schedulers.traffic.Traffic`, counted at the same points as these spans (tests check they agree)."""
         return sum(s.nbytes for s in self.on(track) if steps is None or s.step in steps)
 
     def clear(self) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from schedulers.timeline import Span, busy_time, merge_intervals, overlap_time
+from storage.units import fmt_bytes
 
 #: Chrome thread ids, one per track, in display order.
 TRACK_TIDS = {"compute": 1, "stall": 2, "disk-read": 3, "h2d": 4, "d2h": 5, "disk-write": 6,
@@ -256,7 +257,7 @@ def format_summary(s: Summary, top: int = 5) -> str:
         lines.append(f"  {'link':<14} {'bytes/step':>12} {'busy ms/step':>13} {'GB/s':>7} {'of calibrated':>14}")
         for link in s.links:
             frac = link.fraction_of_calibrated
-            lines.append(f"  {link.link:<14} {link.bytes / n / 2**20:>9.1f} MiB {1000 * link.busy_s / n:>13.1f} "
+            lines.append(f"  {link.link:<14} {fmt_bytes(link.bytes / n, 'MiB'):>13} {1000 * link.busy_s / n:>13.1f} "
                          f"{link.bytes_per_s / 1e9:>7.2f} {('-' if frac is None else f'{100 * frac:.0f}%'):>14}")
     lines.append(f"  compute busy {1000 * s.compute_s / n:.1f} ms/step; stall {1000 * s.stall_s / n:.1f} ms/step"
                  + ("" if not s.stall_by_cause else " (" + ", ".join(

@@ -5,7 +5,11 @@
     traffic.add("kv", "gpu", "cpu", n)           a KV block demoted
 
 `routes(kind)` gives the totals per "src->dst"; `served()` is what each home tier handed to
-compute. Thread-safe (the prefetcher's threads add to it). Knows names and numbers only.
+compute. Bytes are counted once, by whoever moves them: the prefetcher (streamed groups, what
+each home hands to compute), the weight source (its reads of the store: homes, embedding rows,
+checks) and the KV cache (blocks demoted and promoted, cold blocks fetched for attention). The
+tiers count nothing; the timeline's spans carry the same bytes for the trace. Thread-safe (the
+prefetcher's threads add to it). Knows names and numbers only.
 """
 
 from __future__ import annotations

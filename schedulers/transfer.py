@@ -1,22 +1,27 @@
-"""Transfer engines: one interface for asynchronous copies and the markers that order them.
+"""The transfer layer: one engine per run for every host->device copy, and the one marker type that orders them.
 
-    engine.copy(dst, src, after=[markers]) -> Marker   copy once every marker has passed
+    engine.copy(dst, src, after=[markers]) -> Marker   copy into a slot once every marker has passed
+    engine.upload(parts, after=[markers]) -> Upload    copy tensors to new device memory (cold KV blocks)
+    engine.receive(upload) -> parts                    compute may use them: it waits on the marker, the host not
     engine.mark_compute() -> Marker                    "compute has reached this point"
     engine.compute_wait(marker)                        compute goes on only after marker
     marker.wait()                                      the host waits
     engine.synchronize()                               the host waits for every copy queued so far
 
-On CUDA (`CudaEngine`) copies run on a dedicated copy stream from pinned buffers and markers
-are CUDA events, so neither the host nor the compute stream blocks on a copy it does not
-need. On a CPU (`ThreadEngine`) copies run on the calling worker thread and markers are
-already-passed points; the scheduler above is the same code either way. Disk reads are not
-here: they are always worker threads (see `schedulers.prefetch`).
+On CUDA (`CudaEngine`) every copy, a weight group's and a layer's cold KV blocks alike, runs on
+the engine's one copy stream from pinned buffers (the cpu tier's arena), and markers are CUDA
+events: neither the host nor the compute stream blocks on a copy it does not need, and the
+link's bytes are serialised in one queue, as the cost model (`offload.plan.costmodel`) assumes.
+On a CPU (`ThreadEngine`) copies run on the calling worker thread and markers are already-passed
+points; the scheduler above is the same code either way. Disk reads are not here: they are
+always worker threads (`storage.reader`, driven by `schedulers.prefetch`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -54,8 +59,18 @@ class CudaMarker(Marker):
         return self.event.query()
 
 
+@dataclass
+class Upload:
+    """Tensors queued to the compute device, and the marker that ends their copies (`engine.receive` them)."""
+
+    tensors: dict[str, torch.Tensor]
+    marker: Marker = DONE
+
+
 class TransferEngine(ABC):
     device: torch.device
+    #: Do copies to the device really move bytes (CUDA), or is host memory the device's (a CPU run)?
+    copies_to_device: bool = False
 
     @abstractmethod
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Marker] = ()) -> Marker: ...
@@ -69,6 +84,17 @@ class TransferEngine(ABC):
     def timed_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Marker] = ()):
         """Like copy, plus (start, end) markers for the timeline (None on the CPU engine)."""
         return self.copy(dst, src, after), None
+
+    @abstractmethod
+    def upload(self, parts: dict[str, torch.Tensor], after: Sequence[Marker] = ()) -> Upload:
+        """Copy host tensors to new memory on the device once every marker has passed; the sources may be
+        reused once the upload's marker has passed."""
+
+    def receive(self, upload: Upload) -> dict[str, torch.Tensor]:
+        """The uploaded tensors, usable by compute from here on (compute waits for the copy; the host does not)."""
+        self.compute_wait(upload.marker)
+        upload.marker = DONE
+        return upload.tensors
 
     def synchronize(self) -> None:  # noqa: B027 - CPU copies are done when `copy` returns
         """Block the host until every copy queued so far has finished (before their buffers are freed)."""
@@ -86,6 +112,11 @@ class ThreadEngine(TransferEngine):
         dst.copy_(src)
         return DONE
 
+    def upload(self, parts: dict[str, torch.Tensor], after: Sequence[Marker] = ()) -> Upload:
+        for m in after:
+            m.wait()
+        return Upload({k: v.to(self.device) for k, v in parts.items()})  # a CPU device: the very tensors
+
     def mark_compute(self) -> Marker:
         return DONE
 
@@ -95,6 +126,8 @@ class ThreadEngine(TransferEngine):
 
 class CudaEngine(TransferEngine):
     """CUDA: a dedicated copy stream; markers are events; the compute stream waits on events, not the host."""
+
+    copies_to_device = True
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -106,19 +139,44 @@ class CudaEngine(TransferEngine):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Marker] = ()) -> Marker:
         return self.timed_copy(dst, src, after)[0]
 
+    def _after(self, after: Sequence[Marker]) -> None:
+        """The copy stream waits for every marker (events on the device; a host-side marker on the host)."""
+        for m in after:
+            if isinstance(m, CudaMarker):
+                self.copy_stream.wait_event(m.event)
+            else:
+                m.wait()
+
     def timed_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Marker] = ()):
         with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
-            for m in after:
-                if isinstance(m, CudaMarker):
-                    self.copy_stream.wait_event(m.event)
-                else:
-                    m.wait()
+            self._after(after)
             start = self._event()
             start.record(self.copy_stream)
             dst.copy_(src, non_blocking=True)
             end = self._event()
             end.record(self.copy_stream)
         return CudaMarker(end), (start, end)
+
+    def upload(self, parts: dict[str, torch.Tensor], after: Sequence[Marker] = ()) -> Upload:
+        """Allocated on the copy stream; `receive` marks them used by the compute stream, so the caching
+        allocator does not hand their memory out again before the compute that reads them is done."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
+            self._after(after)
+            moved = {k: v.to(self.device, non_blocking=True) for k, v in parts.items()}
+            end = self._event()
+            end.record(self.copy_stream)
+        return Upload(moved, CudaMarker(end))
+
+    def receive(self, upload: Upload) -> dict[str, torch.Tensor]:
+        if isinstance(upload.marker, CudaMarker):
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(upload.marker.event)
+            for t in upload.tensors.values():
+                t.record_stream(stream)
+        else:
+            upload.marker.wait()
+        upload.marker = DONE
+        return upload.tensors
 
     def synchronize(self) -> None:
         self.copy_stream.synchronize()

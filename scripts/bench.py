@@ -27,6 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from storage.units import blocks_for
+
 ROOT = Path(__file__).resolve().parent.parent
 
 PROFILES = {
@@ -247,7 +249,7 @@ def bench_kv(out: Path, quick: bool, repeat: int) -> list[dict]:
     model = ensure_model(out, "small")
     store = out / "stores" / f"{model.name}"
     ensure_store(model, store)
-    need = prof["batch"] * -(-(prof["prompt"] + prof["new"]) // 16)
+    need = prof["batch"] * blocks_for(prof["prompt"] + prof["new"], 16)
     quarter = need // 4
     spec = {"batch": prof["batch"], "prompt": prof["prompt"], "new": prof["new"]}
     common = {"model": str(model), "device": "cpu", "dtype": "bfloat16",
@@ -293,7 +295,7 @@ def predict_rows(rows: list[dict], model: Path, common: dict, tiers: dict, prof:
     cal = calibrate(torch.device("cpu"), torch.bfloat16, out)
     cfg = Checkpoint(model).config
     for r in rows:
-        kv = common["kv_cache"] | {"gpu_blocks": r["batch"] * -(-(prof["prompt"] + prof["new"]) // 16)}
+        kv = common["kv_cache"] | {"gpu_blocks": r["batch"] * blocks_for(prof["prompt"] + prof["new"], 16)}
         tiers_q = tiers | {"disk": {"path": r["store"]}}
         config = OffloadConfig.load(common | {"tiers": tiers_q, "kv_cache": kv, "prefetch": {"depth": r["depth"]},
                                               "weights": {"quantization": r["weights"]}})
@@ -411,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch in prof["batches"] if "stream" in args.sections else []:
         spec = {"batch": batch, "prompt": prof["prompt"], "new": prof["new"]}
         # the KV pool holds what this batch needs, so the rest of the gpu budget goes to weights
-        kv = common["kv_cache"] | {"gpu_blocks": batch * -(-(prof["prompt"] + prof["new"]) // 16)}
+        kv = common["kv_cache"] | {"gpu_blocks": batch * blocks_for(prof["prompt"] + prof["new"], 16)}
         runs: dict[str, list] = {}
         for _ in range(args.repeat):  # interleaved repeats: this disk drifts by tens of percent over minutes
             if not args.no_accelerate:

@@ -72,16 +72,21 @@ def worker_offload(spec: dict) -> dict:
 
 def verify_costs(r, ids: list[int], ks: list[int], reps: int = 3) -> dict[str, float]:
     """Seconds of a pass over k+1 new tokens of one sequence (a verify pass) over a plain decode step."""
-    kv = r._ensure_kv(-(-(len(ids) + max(ks) + 2) // r.config.kv_cache.block_size) + 1)
+    from offload.runtime.executor import ForwardBatch
+
+    ex = r.target  # offload.runtime.executor.Executor
+    kv = ex.ensure_kv(ex.blocks_for(len(ids) + max(ks) + 2) + 1)
     sid = kv.add_sequence()
     try:
-        r._forward([sid], [ids])
+        ex.forward(ForwardBatch.last([sid], [ids]))
 
         def timed(tokens: list[int], keep: list[int] | None) -> float:
             best = float("inf")
             for _ in range(reps):
                 t0 = time.perf_counter()
-                r._forward([sid], [tokens], keep=keep)
+                batch = ForwardBatch.last([sid], [tokens]) if keep is None else \
+                    ForwardBatch.verify([sid], [tokens], keep)
+                ex.forward(batch)
                 best = min(best, time.perf_counter() - t0)
                 kv.truncate(sid, len(ids))
             return best

@@ -36,6 +36,7 @@ from offload.serve.background import BackgroundServer  # noqa: E402
 from offload.serve.loop import Limits  # noqa: E402
 from schedulers.timeline import busy_time  # noqa: E402
 from scripts.bench import ensure_model, ensure_store, evict, prompts  # noqa: E402
+from storage.units import blocks_for  # noqa: E402
 
 PROFILES = {
     "full": dict(size="medium", gpu="512MiB", cpu="512MiB", prompt=8, new=8, batches=[1, 8, 32, 64, 128],
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     store = out / "stores" / model.name
     ensure_store(model, store)
     evict([store])
-    blocks = max(prof["batches"] + [prof["server_batch"]]) * -(-(prof["prompt"] + prof["new"]) // 16)
+    blocks = max(prof["batches"] + [prof["server_batch"]]) * blocks_for(prof["prompt"] + prof["new"], 16)
     config = {"model": str(model), "device": "cpu", "dtype": "bfloat16", "prefetch": {"depth": prof["depth"]},
               "tiers": {"gpu": {"capacity": prof["gpu"]}, "cpu": {"capacity": prof["cpu"]},
                         "disk": {"path": str(store)}},

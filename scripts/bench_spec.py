@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from scripts.machine import cpu_flags, load
+from storage.units import blocks_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,7 +131,7 @@ def bench_target(name: str, target: Path, drafts: dict[str, Path], out: Path, ne
     layer = model_layouts(cfg, torch.bfloat16)["layer.0"].nbytes
     ids = [[1] + torch.randint(3, cfg.vocab_size, (23,), generator=torch.Generator().manual_seed(i)).tolist()
            for i in range(batch)]
-    blocks = batch * -(-(64 + new + 16) // 16)
+    blocks = batch * blocks_for(64 + new + 16, 16)
     head = model_layouts(cfg, torch.bfloat16)["head"].nbytes
     ring = 3 * layer + head + (24 << 20)  # a ring of 3 layers; the head (larger than a slot) homed; KV, workspace
     base = {"model": str(target), "device": "cpu", "dtype": "bfloat16", "prefetch": {"depth": 2},
@@ -153,7 +154,7 @@ def bench_target(name: str, target: Path, drafts: dict[str, Path], out: Path, ne
             cfg_k = base | {"tiers": spec_tiers, "speculative": {"draft": str(draft), "tokens": k, "tree": tree}}
             if tree:  # device blocks for the forks of the extra branches (3 per output, each a chain and a copy)
                 k = int(k.split()[0])
-                extra = batch * 3 * (2 + -(-(k + 1) // 16))
+                extra = batch * 3 * (2 + blocks_for(k + 1, 16))
                 block = PagedKVCache.block_nbytes(Checkpoint(target).config, 16, torch.bfloat16)
                 cfg_k = cfg_k | {"speculative": {"draft": str(draft), "tokens": k, "tree": True},
                                  "kv_cache": {"block_size": 16, "gpu_blocks": blocks + extra},

@@ -23,6 +23,7 @@ import torch
 from offload.kv.blocks import KVSettings
 from offload.kv.cache import PagedKVCache
 from offload.model.config import ModelConfig
+from storage.units import blocks_for
 
 SMALL = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12,
          "num_key_value_heads": 4, "num_hidden_layers": 8, "vocab_size": 4096}
@@ -30,7 +31,7 @@ SMALL = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "
 
 def measure(context: int, batch: int, steps: int, block: int, cold_fraction: float) -> dict:
     cfg = ModelConfig.from_dict(SMALL)
-    blocks = batch * (-(-(context + steps) // block) + 1)
+    blocks = batch * (blocks_for(context + steps, block) + 1)
     cold = int(blocks * cold_fraction)
     settings = KVSettings(block_size=block, gpu_blocks=blocks - cold, cpu_blocks=cold, eviction="lru")
     kv = PagedKVCache(cfg, block, blocks - cold, torch.bfloat16, "cpu", settings=settings)

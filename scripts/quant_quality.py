@@ -33,6 +33,7 @@ from offload.runtime.runner import Runner
 from offload.weights.groups import WeightFormat, fill_group, group_layout, weight_views
 from offload.weights.quant import Scratch
 from scripts.trained_model import ensure_trained_model
+from storage.units import blocks_for
 
 FORMATS = [("none", 64), ("int8", 64), ("int4", 32), ("int4", 64), ("int4", 192)]
 TEXT = (
@@ -66,7 +67,7 @@ def layer_errors(path: Path, ids: list[int], fmt: WeightFormat) -> list[float]:
     rope = M.Rope(cfg, dev, dtype)
     caches = {}
     for name in ("dense", "quant"):
-        kv = PagedKVCache(cfg, 16, -(-len(ids) // 16), dtype, dev)
+        kv = PagedKVCache(cfg, 16, blocks_for(len(ids), 16), dtype, dev)
         sid = kv.add_sequence()
         caches[name] = (kv, *kv.prepare([sid], [len(ids)]))
     errors = []

@@ -24,10 +24,10 @@ import torch
 from offload.config import OffloadConfig
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import load_calibration
+from offload.plan.placement import GroupSpec
 from offload.plan.planner import Planner
 from offload.plan.predict import Workload, predict_decode
 from offload.plan.speculative import choose_tokens, verify_cost
-from schedulers.placement import GroupSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "scripts" / "examples" / "llama3-70b-24gb.yaml"

@@ -30,7 +30,7 @@ import torch
 from scripts.machine import cpu_flags
 from storage import io
 from storage.arena import aligned_empty
-from storage.tiers import DiskTier
+from storage.disk import DiskTier
 
 
 def cpu_seconds() -> float:
@@ -49,7 +49,7 @@ def run_mode(path: Path, keys: list[str], size: int, direct: bool, verify: str, 
     for k in keys:
         tier.read_into(k, slot)
     wall, cpu = time.perf_counter() - w0, cpu_seconds() - c0
-    used_direct = all(tier._direct_fds.get(k) is not None for k in keys) if direct else False
+    used_direct = all(tier.reader.direct(tier.chunk_path(k)) for k in keys) if direct else False
     tier.close()
     gib = len(keys) * size / 2**30
     return {"wall_s_per_gib": wall / gib, "cpu_s_per_gib": cpu / gib, "gb_per_s": len(keys) * size / wall / 1e9,

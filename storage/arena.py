@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from storage.errors import CapacityError
+from storage.units import ceil_div, fmt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ PAGE = mmap.PAGESIZE
 
 
 def round_up(n: int, multiple: int = PAGE) -> int:
-    return -(-n // multiple) * multiple
+    return ceil_div(n, multiple) * multiple
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
@@ -54,8 +55,8 @@ def check_pinnable(nbytes: int, available: int | None = None) -> None:
     available = pinnable_bytes() if available is None else available
     if nbytes > available:
         raise CapacityError(
-            f"the cpu tier would page-lock {nbytes / 2**30:.2f} GiB but this machine has only "
-            f"{available / 2**30:.2f} GiB of RAM available; lower tiers.cpu.capacity (or kv_cache.cpu_blocks) "
+            f"the cpu tier would page-lock {fmt_bytes(nbytes, 'GiB')} but this machine has only "
+            f"{fmt_bytes(available, 'GiB')} of RAM available; lower tiers.cpu.capacity (or kv_cache.cpu_blocks) "
             "to fit, or set tiers.cpu.pinned: false"
         )
 
@@ -107,7 +108,7 @@ class HostArena:
         err = cudart.cudaHostRegister(self.data.data_ptr(), self.nbytes, 0)
         if int(err) != 0:
             raise CapacityError(
-                f"CUDA refused to page-lock {self.nbytes / 2**30:.2f} GiB of host memory (error {int(err)}); "
+                f"CUDA refused to page-lock {fmt_bytes(self.nbytes, 'GiB')} of host memory (error {int(err)}); "
                 "lower tiers.cpu.capacity or set tiers.cpu.pinned: false"
             )
         self.pinned = self.nbytes

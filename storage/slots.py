@@ -7,18 +7,21 @@ or a few long reads on disk when slots are adjacent. Two implementations, one in
 
     write(slot, values)            values: [planes, *slot_shape], one whole slot
     read(slot) -> values           the whole slot, every plane
-    read_plane(plane, slots)       [len(slots), *slot_shape] of one plane
+    read_plane(plane, slots, out)  [len(slots), *slot_shape] of one plane (into `out` when given)
     valid(slot)                    has the slot been written since it was last freed?
 
 `MemorySlots` is a tensor on a device (pinned host memory on CUDA machines). `DiskSlots` is
 one preallocated file described by a zarr array of raw bytes — shape (planes, slots,
-slot_bytes), one chunk, no compression — written with `pwrite` and read with `preadv` at
-computed offsets from a small thread pool, with its own validity map: never a zarr write per
-slot (measured here: one zarr chunk per block writes at 50-60 MB/s, `pwrite` into one
-preallocated file at ~2.9 GB/s; random block reads through zarr 60-80 MB/s, `preadv` at queue
-depth 16 ~1 GB/s cold). The file is scratch space for one process and is removed when
-closed. The file's blocks are reserved when it is made (`posix_fallocate`), so a disk too
-full for it is refused before the run starts rather than during a spill. This module knows
+slot_bytes), one chunk, no compression — written with `pwrite` and read through the one disk
+read path (`storage.reader`: `preadv` straight into the destination, `O_DIRECT` where a slot is
+whole pages, several reads in flight), with its own validity map: never a zarr write per slot
+(measured here: one zarr chunk per block writes at 50-60 MB/s, `pwrite` into one preallocated
+file at ~2.9 GB/s; random block reads through zarr 60-80 MB/s, `preadv` at queue depth 16
+~1 GB/s cold). Every slot of every plane carries the crc32c of what was written there, kept in
+memory beside the validity map (the file is this process's scratch), and every read checks it:
+a disk that returns other bytes than it was given is a StoreError, never a wrong token. The file
+is removed when closed; its blocks are reserved when it is made (`posix_fallocate`), so a disk
+too full for it is refused before the run starts rather than during a spill. This module knows
 shapes and bytes, not what a slot holds.
 """
 
@@ -27,13 +30,14 @@ from __future__ import annotations
 import math
 import os
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from storage import io
 from storage.errors import StoreError
+from storage.reader import DiskReader
 
 
 class SlotArray(ABC):
@@ -68,7 +72,8 @@ class SlotArray(ABC):
     def read(self, slot: int) -> torch.Tensor: ...
 
     @abstractmethod
-    def read_plane(self, plane: int, slots: list[int]) -> torch.Tensor: ...
+    def read_plane(self, plane: int, slots: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(slots), *slot_shape] of one plane, in the order asked; written into `out` when given."""
 
     def close(self) -> None:  # noqa: B027 - memory needs no closing; files do
         pass
@@ -107,16 +112,22 @@ class MemorySlots(SlotArray):
         self._check([slot])
         return self.data[:, slot]
 
-    def read_plane(self, plane: int, slots: list[int]) -> torch.Tensor:
+    def read_plane(self, plane: int, slots: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         self._check(slots)
-        return self.data[plane].index_select(0, torch.tensor(slots, device=self.device, dtype=torch.long))
+        index = torch.tensor(slots, device=self.device, dtype=torch.long)
+        if out is None:
+            return self.data[plane].index_select(0, index)
+        return torch.index_select(self.data[plane], 0, index, out=out)
 
 
 class DiskSlots(SlotArray):
-    """A scratch file of planes x slots x slot_bytes, described by zarr metadata, read and written positionally."""
+    """A scratch file of planes x slots x slot_bytes, described by zarr metadata, read and written positionally.
+
+    `reader`: the disk read path to share (several arrays of one tier); by default one of its own."""
 
     def __init__(self, directory: str | Path, name: str, planes: int, slots: int, slot_shape: tuple[int, ...],
-                 dtype: torch.dtype, threads: int = 4, page_cache: bool = False) -> None:
+                 dtype: torch.dtype, threads: int = 4, page_cache: bool = False, direct_io: bool = False,
+                 reader: DiskReader | None = None) -> None:
         super().__init__(planes, slots, slot_shape, dtype)
         import zarr
         from zarr.codecs import BytesCodec
@@ -124,6 +135,9 @@ class DiskSlots(SlotArray):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.page_cache = page_cache
+        self._own_reader = reader is None
+        self.reader = reader or DiskReader(threads, direct_io=direct_io, page_cache=page_cache, name="kv-disk")
+        self._crc = np.zeros((planes, slots), dtype=np.uint32)  # crc32c of each slot of each plane, as written
         group = zarr.open_group(str(self.dir), mode="a")
         shape = (planes, slots, self.slot_nbytes)
         try:
@@ -144,56 +158,61 @@ class DiskSlots(SlotArray):
                 os.close(self.fd)
                 self.fd = None
             self.path.unlink(missing_ok=True)
+            if self._own_reader:
+                self.reader.close()
             raise io.disk_error(e, self.path) from None
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kv-disk") if threads > 1 else None
 
     def _offset(self, plane: int, slot: int) -> int:
         return (plane * self.slots + slot) * self.slot_nbytes
 
     def write(self, slot: int, values: torch.Tensor) -> None:
         values = values.detach().to("cpu", self.dtype).contiguous()  # [planes, *slot_shape]
+        self._valid[slot] = 0  # until every plane and its checksum are written
         for plane in range(self.planes):
             io.pwrite_from(self.fd, values[plane], self._offset(plane, slot), self.path)
+            self._crc[plane, slot] = io.crc32c(values[plane])
         self._valid[slot] = 1
 
     def read(self, slot: int) -> torch.Tensor:
         self._check([slot])
         out = torch.empty((self.planes, *self.slot_shape), dtype=self.dtype)
+        self.reader.read_all(self.path, [(out[p], self._offset(p, slot)) for p in range(self.planes)])
         for plane in range(self.planes):
-            io.preadv_into(self.fd, out[plane], self._offset(plane, slot), self.path)
+            self._verify(plane, slot, out[plane])
         return out
 
-    def read_plane(self, plane: int, slots: list[int]) -> torch.Tensor:
-        """Adjacent slots are read in one request; requests run on the thread pool."""
+    def read_plane(self, plane: int, slots: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots adjacent in the file and in the order asked are read in one request, straight into `out`;
+        the requests are in flight together, then each slot is checked against its crc32c."""
         self._check(slots)
-        out = torch.empty((len(slots), *self.slot_shape), dtype=self.dtype)
-        order = sorted(range(len(slots)), key=lambda i: slots[i])
-        runs: list[tuple[int, list[int]]] = []  # (first slot, positions in `out`)
-        for i in order:
-            if runs and slots[i] == runs[-1][0] + len(runs[-1][1]):
-                runs[-1][1].append(i)
+        if out is None:
+            out = torch.empty((len(slots), *self.slot_shape), dtype=self.dtype)
+        assert out.shape == (len(slots), *self.slot_shape) and out.dtype == self.dtype and out.is_contiguous()
+        runs: list[tuple[int, int]] = []  # (first position in `out`, count)
+        for i, s in enumerate(slots):
+            if runs and s == slots[runs[-1][0]] + runs[-1][1]:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
             else:
-                runs.append((slots[i], [i]))
-        jobs = []
-        for first, positions in runs:
-            buf = torch.empty((len(positions), *self.slot_shape), dtype=self.dtype)
-            jobs.append((buf, positions, first))
-        read = lambda job: io.preadv_into(self.fd, job[0], self._offset(plane, job[2]), self.path)  # noqa: E731
-        if self._pool is not None and len(jobs) > 1:
-            list(self._pool.map(read, jobs))
-        else:
-            for job in jobs:
-                read(job)
-        if not self.page_cache:
-            io.drop_page_cache(self.fd, self._offset(plane, 0), self.slots * self.slot_nbytes)
-        for buf, positions, _ in jobs:
-            out[torch.tensor(positions)] = buf
+                runs.append((i, 1))
+        self.reader.read_all(self.path, [(out[i : i + n], self._offset(plane, slots[i])) for i, n in runs])
+        for i, s in enumerate(slots):
+            self._verify(plane, s, out[i])
         return out
+
+    def _verify(self, plane: int, slot: int, values: torch.Tensor) -> None:
+        stored, actual = int(self._crc[plane, slot]), io.crc32c(values)
+        if actual != stored:
+            raise StoreError(
+                f"{self.path}: the KV block in slot {slot} (layer {plane}) does not match the checksum written with "
+                f"it (written {stored:#010x}, read {actual:#010x}); the disk returned other bytes than it was given: "
+                "check the disk, or move tiers.disk.path (or set kv_cache.disk_blocks: 0)"
+            )
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._own_reader:
+            self.reader.close()
+        else:
+            self.reader.forget(self.path)
         if getattr(self, "fd", None) is not None:
             os.close(self.fd)
             self.fd = None

@@ -3,9 +3,9 @@
     STORE/zarr.json                 the zarr group
     STORE/layer.3/zarr.json         one uint8 array per group, one chunk, bytes + crc32c codecs
     STORE/layer.3/c.0               the chunk: the group's packed bytes, then its crc32c
-    STORE/manifest.json             written last: format version, each group's layout and
-                                    checksum, and the caller's opaque `meta` (model config,
-                                    checkpoint fingerprint, dtype)
+    STORE/manifest.json             written last (storage.manifest): format version, each group's
+                                    layout and checksum, and the caller's opaque `meta` (model
+                                    config, checkpoint fingerprint, dtype)
     STORE/.offload-converting       present only while a conversion is running
     STORE/.offload-lock             the inter-process lock (storage.lock): exclusive while converting,
                                     shared by every process reading the complete store
@@ -31,23 +31,21 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from storage import io
+from storage.disk import DiskTier
 from storage.errors import CapacityError, StoreError
-from storage.layout import GroupLayout, check_name
+from storage.layout import GroupLayout
 from storage.lock import FileLock
-from storage.tiers import DiskTier
+from storage.manifest import FORMAT, VERSION, GroupRecord, read_manifest
+from storage.units import fmt_bytes
 
 log = logging.getLogger(__name__)
 
-FORMAT = "offload-store"
-#: 2: groups may hold packed (quantized) tensors, and the meta records the weight format per tensor.
-VERSION = 2
 MANIFEST = "manifest.json"
 MARKER = ".offload-converting"
 JOURNAL = ".offload-converted.jsonl"  # a line per group written (fsync'ed): what an interrupted conversion resumes
@@ -74,16 +72,6 @@ def store_state(path: str | Path) -> StoreState:
     if (path / MARKER).exists():
         return StoreState.PARTIAL
     return StoreState.FOREIGN
-
-
-@dataclass(frozen=True)
-class GroupRecord:
-    layout: GroupLayout
-    crc32c: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.layout.nbytes
 
 
 def _waiting(path: Path) -> Callable[[str], None]:
@@ -138,8 +126,8 @@ class StoreWriter:
             raise StoreError(f"{self.path} already holds a converted store; pass --force to replace it")
         if capacity is not None and total_bytes > capacity:
             raise CapacityError(
-                f"the converted model needs {total_bytes / 2**30:.2f} GiB on disk but tiers.disk.capacity is "
-                f"{capacity / 2**30:.2f} GiB; raise it to at least {total_bytes / 2**30:.2f} GiB"
+                f"the converted model needs {fmt_bytes(total_bytes, 'GiB')} on disk but tiers.disk.capacity is "
+                f"{fmt_bytes(capacity, 'GiB')}; raise it to at least {fmt_bytes(total_bytes, 'GiB')}"
             )
         identity = None if identity is None else json.loads(json.dumps(identity))
         resume = state is StoreState.PARTIAL and not force and identity is not None and _marker(self.path) == identity
@@ -170,8 +158,8 @@ class StoreWriter:
         free = shutil.disk_usage(anchor).free
         if free < nbytes + FREE_SPACE_MARGIN:
             raise StoreError(
-                f"{self.path}: converting needs {(nbytes + FREE_SPACE_MARGIN) / 2**30:.2f} GiB free but the "
-                f"disk has {free / 2**30:.2f} GiB; free space or choose another tiers.disk.path"
+                f"{self.path}: converting needs {fmt_bytes(nbytes + FREE_SPACE_MARGIN, 'GiB')} free but the "
+                f"disk has {fmt_bytes(free, 'GiB')}; free space or choose another tiers.disk.path"
             )
 
     def _journaled(self) -> dict[str, GroupRecord]:
@@ -324,8 +312,8 @@ class Store:
         manifest = read_manifest(path / MANIFEST)
         if capacity is not None and manifest["total_bytes"] > capacity:
             raise CapacityError(
-                f"{path}: the store takes {manifest['total_bytes'] / 2**30:.2f} GiB but tiers.disk.capacity is "
-                f"{capacity / 2**30:.2f} GiB; raise it"
+                f"{path}: the store takes {fmt_bytes(manifest['total_bytes'], 'GiB')} but tiers.disk.capacity is "
+                f"{fmt_bytes(capacity, 'GiB')}; raise it"
             )
         tier = DiskTier(path, read_only=True, page_cache=page_cache, verify=verify, read_threads=read_threads,
                         direct_io=direct_io)
@@ -348,53 +336,6 @@ class Store:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
-
-
-#: A manifest is a few KiB per group; one larger than this is not ours and is not read.
-MAX_MANIFEST_BYTES = 64 * 2**20
-
-
-def read_manifest(file: Path) -> dict[str, Any]:
-    """The manifest, every field checked (it may have been edited by hand), with `records`: each group's
-    GroupRecord. Anything wrong is one StoreError naming the file and the field, before a byte is allocated."""
-    def bad(field: str, why: str) -> StoreError:
-        return StoreError(f"{file}: {field} {why}; the manifest was edited or damaged, convert again with --force")
-
-    try:
-        if file.stat().st_size > MAX_MANIFEST_BYTES:
-            raise bad("the file", f"is larger than {MAX_MANIFEST_BYTES} bytes")
-        manifest = json.loads(file.read_bytes())
-    except (OSError, ValueError, RecursionError):
-        raise StoreError(f"{file}: unreadable or not an Offload manifest; convert again with --force") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "groups" not in manifest:
-        raise StoreError(f"{file}: unreadable or not an Offload manifest; convert again with --force")
-    if manifest.get("version") == 1:
-        raise StoreError(
-            f"{file.parent}: this store has format version 1, from before quantized weights (this Offload reads "
-            f"version {VERSION}); convert it again with `offload convert CHECKPOINT {file.parent} --force`"
-        )
-    if manifest.get("version") != VERSION:
-        raise StoreError(f"{file.parent}: store format version {str(manifest.get('version'))[:20]} is not {VERSION}, "
-                         "the one this Offload reads; convert again with --force")
-    groups, meta = manifest["groups"], manifest.get("meta")
-    if not isinstance(meta, dict):
-        raise bad("meta", "is not an object")
-    if not isinstance(groups, dict) or not groups:
-        raise bad("groups", "is not a non-empty object")
-    records = {}
-    for name, g in groups.items():
-        try:
-            check_name(name, "the group name")
-            crc = g.get("crc32c") if isinstance(g, dict) else None
-            if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 2**32:
-                raise ValueError(f"crc32c {str(crc)[:20]} is not a 32-bit checksum")
-            records[name] = GroupRecord(GroupLayout.from_json(name, g), crc)
-        except ValueError as e:
-            raise bad(f"groups.{name[:80]}:", str(e)) from None
-    total = manifest.get("total_bytes")
-    if total != sum(r.nbytes for r in records.values()) or isinstance(total, bool):
-        raise bad("total_bytes", f"({str(total)[:20]}) is not the sum of its groups' sizes")
-    return {**manifest, "records": records}
 
 
 def open_or_build(path: str | Path, build: Callable[[FileLock], None] | None, **open_args: Any) -> Store:

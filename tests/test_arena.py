@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from schedulers.placement import Capacities, GroupSpec, make_plan
+from offload.plan.placement import GroupSpec, make_plan
+from schedulers.plan import Capacities
 from storage.arena import PAGE, HostArena, PageRuns, check_pinnable
 from storage.errors import CapacityError
 from storage.tiers import DeviceTier, HostTier

@@ -14,10 +14,10 @@ import yaml
 
 from offload.cli import auto
 from offload.cli.main import main
+from offload.plan.calibrate import Calibration
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Sampling
 from offload.runtime.runner import Runner
-from schedulers.calibration import Calibration
 from tests.conftest import run_config
 from tests.test_chat_template import CHATML
 

@@ -16,6 +16,7 @@ import torch
 from offload.config import OffloadConfig
 from offload.errors import CapacityError, ConfigError
 from offload.model.checkpoint import Checkpoint
+from offload.plan.placement import min_device_bytes
 from offload.plan.planner import (
     ATTENTION_KEYS_PER_CHUNK,
     AUTO_CHUNKS,
@@ -27,7 +28,7 @@ from offload.plan.planner import (
 )
 from offload.runtime.runner import DTYPES, Runner
 from offload.weights.groups import model_layouts
-from schedulers.placement import min_device_bytes
+from storage.units import blocks_for
 from tests.conftest import run_config
 
 PROMPTS = [[1, 17, 99, 23, 5, 61, 7, 300, 41, 42, 43], [1, 8, 2], [1, 400, 33, 12, 19, 250]]
@@ -68,7 +69,7 @@ def sizes(model):
 def defaults_fit(raw, depth) -> bool:
     """Would the fixed defaults (a 2048-token device pool, a 512-token workspace) fit beside this depth's ring?"""
     p = plan_for(raw)
-    fixed = -(-AUTO_KV_TOKENS // 16) * p.block_bytes + workspace_bytes(p.cfg, 512, torch.float32, 512)
+    fixed = blocks_for(AUTO_KV_TOKENS, 16) * p.block_bytes + workspace_bytes(p.cfg, 512, torch.float32, 512)
     return min_device_bytes(p.groups, depth, fixed) <= p.caps.gpu
 
 

@@ -12,6 +12,7 @@ import torch
 
 from offload.model import kernels
 from offload.runtime.engine import Engine, Request, Sampling
+from offload.runtime.executor import ForwardBatch
 from offload.runtime.runner import Runner
 from tests.conftest import run_config
 
@@ -52,13 +53,14 @@ def test_a_decode_rows_logits_are_bit_equal_alone_and_beside_other_rows(wide, dt
     """One decode step of a sequence, alone and in a pass with a longer sequence's step and a prompt chunk."""
     batch = prompts(512)
     with Runner.from_config(run_config(wide, dtype=dtype, kv_cache={"block_size": 4})) as r:
-        kv = r._ensure_kv(64)
+        ex = r.target
+        kv = ex.ensure_kv(64)
         a, b, c = kv.add_sequence(), kv.add_sequence(), kv.add_sequence()
-        r._forward([a], [batch[0]])
-        r._forward([b], [batch[3]])
-        alone = r._forward([a], [[5]])
+        ex.forward(ForwardBatch.last([a], [batch[0]]))
+        ex.forward(ForwardBatch.last([b], [batch[3]]))
+        alone = ex.forward(ForwardBatch.last([a], [[5]]))
         kv.truncate(a, len(batch[0]))
-        mixed = r._forward([b, a, c], [[9], [5], batch[1]])
+        mixed = ex.forward(ForwardBatch.last([b, a, c], [[9], [5], batch[1]]))
         assert torch.equal(mixed[1], alone[0])
 
 
@@ -69,12 +71,13 @@ def test_a_9_token_verify_pass_gives_the_bits_of_9_single_steps_in_float32(wide)
     prompt = torch.randint(3, 512, (27,), generator=g).tolist()
     chain = torch.randint(3, 512, (9,), generator=g).tolist()
     with Runner.from_config(run_config(wide, kv_cache={"block_size": 4})) as r:
-        kv = r._ensure_kv(32)
+        ex = r.target
+        kv = ex.ensure_kv(32)
         a, b = kv.add_sequence(), kv.add_sequence()
-        r._forward([a], [prompt])
-        r._forward([b], [prompt])
-        steps = torch.cat([r._forward([a], [[t]]) for t in chain])
-        verify = r._forward([b], [chain], keep=[len(chain)])
+        ex.forward(ForwardBatch.last([a], [prompt]))
+        ex.forward(ForwardBatch.last([b], [prompt]))
+        steps = torch.cat([ex.forward(ForwardBatch.last([a], [[t]])) for t in chain])
+        verify = ex.forward(ForwardBatch.verify([b], [chain], [len(chain)]))
         assert torch.equal(verify, steps)
 
 

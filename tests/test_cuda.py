@@ -7,12 +7,13 @@ import torch
 
 from offload.runtime.executor import ForwardBatch
 from offload.runtime.runner import Runner
-from schedulers.placement import Capacities, Plan
+from schedulers.plan import Capacities, Plan
 from schedulers.prefetch import Prefetcher
 from schedulers.timeline import Timeline
-from schedulers.transfer import CudaEngine
+from schedulers.transfer import CudaEngine, Upload
+from storage.disk import DiskTier
 from storage.slots import MemorySlots
-from storage.tiers import DeviceTier, DiskTier, HostTier
+from storage.tiers import DeviceTier, HostTier
 from tests.conftest import run_config
 from tests.test_cuda_logic import cuda_shaped
 from tests.test_tiered_runner import PLACEMENTS, PROMPTS, config
@@ -184,10 +185,10 @@ def test_cuda_attention_is_the_fused_kernel_exact_and_linear_in_context():
 
 
 def test_cold_kv_crosses_pcie_in_its_cold_format_without_a_host_sync(model_factory, tmp_path):
-    """Cold int8 blocks: the side thread stages them (pinned, copy stream, an event); they reach the layer as
-    int8 on the device (dequantized there, so PCIe carries int8), and a decode pass over host and disk blocks
-    runs with `set_sync_debug_mode("error")`: nothing in it waits on the device from the host."""
-    from offload.kv.staging import Staged
+    """Cold int8 blocks: the side thread stages them (the pinned arena, the engine's copy stream, an event);
+    they reach the layer as int8 on the device (dequantized there, so PCIe carries int8), and a decode pass over
+    host and disk blocks runs with `set_sync_debug_mode("error")`: nothing in it waits on the device from the
+    host."""
     from tests.test_kv_tiers import PROMPTS, tiered
 
     cfg = tiered(model_factory("llama", "small"), tmp_path, quantization="int8")
@@ -201,9 +202,10 @@ def test_cold_kv_crosses_pcie_in_its_cold_format_without_a_host_sync(model_facto
         layout, step = kv.prepare(sids, [1] * len(sids))
         assert any(g.tier != "gpu" for g in step.groups)  # the step reads cold blocks
         staged = kv.fetch_cold(0, step)[0]
-        for parts in staged.values():
-            assert isinstance(parts, Staged) and parts.parts["kv8"].dtype == torch.int8
-            assert parts.parts["kv8"].device.type == "cuda"
+        for uploads in staged.values():
+            for u in uploads:
+                assert isinstance(u, Upload) and u.tensors["kv8"].dtype == torch.int8
+                assert u.tensors["kv8"].device.type == "cuda"
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:

@@ -14,8 +14,8 @@ from offload.config import OffloadConfig
 from offload.model.checkpoint import Checkpoint
 from offload.plan.planner import Planner
 from offload.weights.groups import model_layouts
-from schedulers.placement import PAGE
 from schedulers.timeline import Timeline
+from storage.arena import PAGE, round_up
 from storage.errors import CapacityError
 from tests.test_tiered_runner import PLACEMENTS, config
 
@@ -26,7 +26,7 @@ def cuda_shaped(cfg: dict, model) -> dict:
     tiers = cfg.get("tiers")
     if tiers and "disk" in tiers:
         layer = model_layouts(Checkpoint(model).config, torch.float32)["layer.0"].nbytes
-        stage = -(-layer // PAGE) * PAGE
+        stage = round_up(layer, PAGE)
         cfg["tiers"] = dict(tiers, cpu={"capacity": int(tiers["cpu"]["capacity"]) + 2 * stage})
     return cfg
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from schedulers.placement import MIN_STAGE, PAGE, STAGE_PIECE, Capacities, GroupSpec, make_plan
+from offload.plan.placement import MIN_STAGE, STAGE_PIECE, GroupSpec, make_plan
+from schedulers.plan import Capacities
+from storage.arena import PAGE
 from storage.errors import CapacityError
 
 MiB = 2**20

@@ -14,11 +14,12 @@ import time
 import pytest
 import torch
 
-from schedulers.placement import Capacities, Plan
+from schedulers.plan import Capacities, Plan
 from schedulers.prefetch import Prefetcher
 from schedulers.timeline import Span, Timeline
 from schedulers.transfer import ThreadEngine
-from storage.tiers import DeviceTier, DiskTier, HostTier
+from storage.disk import DiskTier
+from storage.tiers import DeviceTier, HostTier
 
 SIZES = {"g0": 40_000, "g1": 65_536, "g2": 12_288, "g3": 65_536, "g4": 30_000, "g5": 50_000}
 

@@ -34,9 +34,9 @@ from offload.model.config import ModelConfig
 from offload.runtime.runner import Runner
 from offload.weights.convert import convert
 from scripts.exit_check import FIVE_LINES, five_line_config
+from storage.disk import DiskTier
 from storage.lock import SCRATCH_LOCK, FileLock
 from storage.store import LOCK, MARKER, StoreState, read_manifest, store_state
-from storage.tiers import DiskTier
 from tests.conftest import run_config
 
 PROMPT = [1, 40, 41, 300, 7, 99, 12]

@@ -14,6 +14,7 @@ from offload.model.checkpoint import Checkpoint
 from offload.runtime.executor import resolve_dtype
 from offload.weights.convert import convert
 from offload.weights.groups import LINEARS, WeightFormat
+from storage.units import fmt_bytes
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +38,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     fmt = WeightFormat(args.weights, args.group_size, tuple(args.keep))
     store = convert(ckpt, args.store, dtype, force=args.force, progress=True, fmt=fmt)
     scheme = "" if fmt.quantization == "none" else f", weights {fmt.quantization} g{fmt.group_size}"
-    print(f"wrote {store.path}: {len(store.groups)} groups, {store.total_bytes / 2**30:.2f} GiB "
+    print(f"wrote {store.path}: {len(store.groups)} groups, {fmt_bytes(store.total_bytes, 'GiB')} "
           f"({str(dtype).removeprefix('torch.')}{scheme})")
     store.close()
     return 0

@@ -27,13 +27,14 @@ from offload.config import (
 from offload.errors import ConfigError
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import calibrate, default_path, load_calibration
+from offload.plan.costmodel import explain, plan_bytes
 from offload.plan.planner import Planner, resolve_capacities
 from offload.plan.predict import Workload, predict_decode, predict_prefill_per_token, suggestions
 from offload.plan.speculative import choose_tokens, predict, reserve_draft, streaming_note, verify_cost, without_draft
 from offload.runtime.executor import resolve_dtype
 from offload.runtime.speculative import draft_config, target_config
-from schedulers.costmodel import explain, plan_bytes
 from storage.errors import CapacityError
+from storage.units import fmt_bytes
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -145,7 +146,7 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     print(rp.plan.describe())
     kv = "sized per request" if rp.kv_blocks == 0 else (
         f"{rp.kv_blocks} blocks x {config.kv_cache.block_size} tokens "
-        f"({rp.kv_blocks * rp.kv_block_bytes / 2**20:.1f} MiB)")
+        f"({fmt_bytes(rp.kv_blocks * rp.kv_block_bytes, 'MiB')})")
     print(f"  KV cache on the device: {kv}")
     if rp.depth_note:
         print(f"  {rp.depth_note}")

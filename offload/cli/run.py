@@ -21,6 +21,7 @@ from offload.runtime.sampling import Sampling, SamplingError
 from offload.serve.files import FileDefaults, run_file
 from schedulers.timeline import Timeline
 from schedulers.trace import format_summary
+from storage.units import fmt_bytes
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -151,7 +152,7 @@ def generate_and_print(runner: Runner, prompts: list[str], args: argparse.Namesp
         passes = max(len(stats.passes), 1)
         out.write(runner.plan.describe() + "\n")
         out.write("  served per forward pass: " + ", ".join(
-            f"{tier} {n / passes / 2**20:.1f} MiB" for tier, n in sorted(served.items())) + "\n")
+            f"{tier} {fmt_bytes(n / passes, 'MiB')}" for tier, n in sorted(served.items())) + "\n")
         if summary is not None:
             out.write("decode timeline: " + format_summary(summary) + "\n")
     out.write(  # the last line: the speed summary

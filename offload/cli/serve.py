@@ -21,6 +21,7 @@ from offload.runtime.runner import Runner
 from offload.serve.api import create_app
 from offload.serve.loop import EngineLoop, Limits
 from offload.serve.schema import ServedModel
+from storage.units import blocks_for
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def fixed_pool(runner: Runner, kv_tokens: int | None) -> None:
         raise ConfigError(f"--kv-tokens must be at least 1, got {kv_tokens}")
     planned = runner.kv
     block = runner.kv_settings.block_size
-    kv = runner.fix_kv_pool(-(-(kv_tokens or AUTO_SERVE_KV_TOKENS) // block))
+    kv = runner.fix_kv_pool(blocks_for(kv_tokens or AUTO_SERVE_KV_TOKENS, block))
     if planned is None:
         log.info("KV pool: %d blocks of %d tokens (--kv-tokens)", kv.pool.num_blocks, block)
     elif kv_tokens is not None:

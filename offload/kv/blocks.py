@@ -74,6 +74,8 @@ class KVSettings:
     quantization: str = "none"  # none | int8 (cold blocks)
     restore: str = "transfer"  # transfer | recompute
     cpu_attention: bool = False  # attend cold blocks on the CPU instead of moving them to the device
+    direct_io: bool = False  # read the KV slot file with O_DIRECT where a slot is whole pages
+    stage_blocks: int = 0  # blocks per pinned staging buffer cold KV crosses to a CUDA device in (0: as many as fit)
 
 
 def tier_blocks(where_all: torch.Tensor, tier: str, block_ids: torch.Tensor, kv_lens: list[int],

@@ -6,7 +6,7 @@ at offset `t % block_size`. Each logical block lives in exactly one tier slot at
 
     logical pool (storage.BlockPool)   ids and reference counts (prompt blocks shared by samples)
     tier pools (storage.BlockPool)     free slots of the gpu / cpu / disk stores
-    stores (offload.kv_tiers)          the bytes, plane (layer) major
+    stores (offload.kv.formats)        the bytes, plane (layer) major
 
 New tokens are always written on the device. When the device is short of slots, the
 eviction policy picks victims (never the newest block of a running sequence, never a block
@@ -18,8 +18,9 @@ Attention reads every block where it lives: for each layer, the blocks of each t
 gathered and put back in token order on the device, so the arithmetic is that of a cache
 that never left it (the tokens are identical bit for bit). With `cpu_attention`, cold
 groups are attended on the CPU without moving them, and the groups are merged exactly
-with log-sum-exp (`offload.model.merge_attention`). The per-block
-share of attention (from the per-block log-sum-exp) feeds the `attention` eviction policy.
+with log-sum-exp (`offload.model.merge_attention`). The per-block share of attention (from
+the per-block log-sum-exp) feeds the `attention` eviction policy. Cold blocks travel to the
+device through `offload.kv.fetch`, on the run's one transfer engine.
 
 Prompts admitted with a worst-case reservation of logical blocks (OK / LATER / NEVER) never
 run out half way. This module knows sequences, blocks and token positions; the math is in
@@ -36,19 +37,21 @@ from pathlib import Path
 import torch
 
 from offload.kv.blocks import Block, KVSettings, Sequence, StepKV, tier_blocks
+from offload.kv.fetch import ColdFetcher, Fetched
 from offload.kv.formats import ColdFormat, TierStore, cold_kv, to_cold
-from offload.kv.staging import ColdStager
 from offload.kv.view import LayerKV
 from offload.model import functional as M
 from offload.model.config import ModelConfig
 from offload.model.functional import BatchLayout
 from schedulers.eviction import Candidate, make_policy
 from schedulers.timeline import Timeline
-from schedulers.traffic import COMPUTE, Traffic
+from schedulers.traffic import Traffic
+from schedulers.transfer import TransferEngine, make_engine
 from storage.block_pool import Admission, BlockPool
 from storage.errors import CapacityError
 from storage.lock import ScratchDir
 from storage.tiers import TIERS
+from storage.units import blocks_for
 
 
 class PagedKVCache:
@@ -57,15 +60,15 @@ class PagedKVCache:
                  settings: KVSettings | None = None, disk_dir: Path | None = None, pin_memory: bool = False,
                  timeline: Timeline | None = None, clock: Callable[[], float] = time.monotonic,
                  rope: M.Rope | None = None, page_cache: bool = False, traffic: Traffic | None = None,
-                 host_memory: torch.Tensor | None = None) -> None:
-        """`memory` / `host_memory`: uint8 regions (of the device tier / the pinned cpu tier) to lay the device
-        and the host blocks over, instead of allocating them here."""
+                 host_memory: torch.Tensor | None = None, engine: TransferEngine | None = None) -> None:
+        """`memory` / `host_memory`: uint8 regions (of the device tier / the pinned cpu tier) for the device blocks
+        and the cold host bytes (`fetch.host_bytes`). `engine`: the run's transfer engine (the weights')."""
         # the arguments are the truth about block size and device blocks; settings bring the rest
         s = dataclasses.replace(settings or KVSettings(), block_size=block_size, gpu_blocks=num_blocks)
         self.settings = s
         self.cfg, self.block_size, self.dtype = cfg, block_size, dtype
         self.device = torch.device(device)
-        self.stager = ColdStager(self.device)  # cold blocks to the device on a copy stream of their own
+        self.engine = engine or make_engine(self.device)  # the one copy stream, shared with the weights
         self.timeline = timeline or Timeline(enabled=False)
         self.clock = clock
         self.rope = rope
@@ -81,6 +84,9 @@ class PagedKVCache:
             raise CapacityError("the KV cache needs at least one device block; raise kv_cache.gpu_blocks")
         self.stores: dict[str, TierStore] = {"gpu": TierStore("gpu", self.device_fmt, L, num_blocks, self.device,
                                                               memory=memory)}
+        self.traffic = traffic or Traffic()  # kind "kv": blocks demoted and promoted, cold blocks read by attention
+        self.fetcher = ColdFetcher(self.cold_fmt, L, counts["cpu"], counts["disk"], self.engine, s.stage_blocks,
+                                   s.cpu_attention, host_memory, self.timeline, self.traffic)
         if counts["cpu"]:
             self.stores["cpu"] = TierStore("cpu", self.cold_fmt, L, counts["cpu"], "cpu", pin_memory,
                                            memory=host_memory)
@@ -89,7 +95,7 @@ class PagedKVCache:
             self._scratch = ScratchDir(disk_dir)
             try:
                 self.stores["disk"] = TierStore("disk", self.cold_fmt, L, counts["disk"], disk_dir=self._scratch.path,
-                                                page_cache=page_cache)
+                                                page_cache=page_cache, direct_io=s.direct_io)
             except BaseException:
                 self.close()
                 raise
@@ -102,7 +108,6 @@ class PagedKVCache:
         self._dirty: set[int] = set()  # sequences touched since their blocks last got their time
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
-        self.traffic = traffic or Traffic()  # kind "kv": blocks demoted and promoted, cold blocks read by attention
 
     @staticmethod
     def device_format(cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str) -> ColdFormat:
@@ -121,10 +126,11 @@ class PagedKVCache:
         return self.pools["gpu"]
 
     def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
+        return blocks_for(tokens, self.block_size)
 
     def close(self) -> None:
         try:
+            self.fetcher.close()  # the copies out of its staging end before the memory goes
             for store in self.stores.values():
                 store.close()
         finally:
@@ -383,18 +389,9 @@ class PagedKVCache:
         protected.add(bid)
         self._release(self.logical.free([old]))
 
-    def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
-        """One layer of every cold group of the step, still in the cold format: ({tier: parts}, bytes read).
-
-        This is what the prefetcher runs ahead of compute (the "kv-fetch" track); on CUDA each group is
-        already queued to the device on the stager's copy stream (`offload.kv.staging`)."""
-        out, nbytes = {}, 0
-        for g in (g for g in step.groups if g.tier != "gpu"):
-            parts = self.stores[g.tier].read_plane(layer, g.slots)
-            out[g.tier] = parts if self.settings.cpu_attention else self.stager(parts)  # to the device, unblocked
-            nbytes += (n := sum(v.numel() * v.element_size() for v in parts.values()))
-            self.traffic.add("kv", g.tier, COMPUTE, n)
-        return out, nbytes
+    def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, Fetched], int]:
+        """One layer of the step's cold groups ({tier: parts or Upload}, bytes), run ahead by the side thread."""
+        return self.fetcher.fetch(self.stores, [g for g in step.groups if g.tier != "gpu"], layer)
 
     def view(self, layer: int, layout: BatchLayout, step: StepKV, cold: dict | None = None) -> LayerKV:
         return LayerKV(self, layer, layout, step, cold)

@@ -15,7 +15,7 @@ Cold blocks (host RAM, disk) take one of three formats, chosen by the config:
 
 Stores are plane-major slot arrays (`storage.slots`): one layer of many blocks is one gather,
 or a few long disk reads. This module converts between formats; it does not decide which
-block goes where (that is `offload.kv_cache` with an eviction policy).
+block goes where (that is `offload.kv.cache` with an eviction policy).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from offload.model.config import ModelConfig
+from storage.reader import DiskReader
 from storage.slots import DiskSlots, MemorySlots, SlotArray
 
 QMAX = 127.0
@@ -72,16 +73,19 @@ class TierStore:
 
     def __init__(self, tier: str, fmt: ColdFormat, planes: int, slots: int, device: torch.device | str = "cpu",
                  pin_memory: bool = False, disk_dir: Path | None = None, page_cache: bool = False,
-                 memory: torch.Tensor | None = None) -> None:
+                 memory: torch.Tensor | None = None, direct_io: bool = False) -> None:
+        """Disk: one slot file per array under `disk_dir`, read through one shared checksummed reader."""
         self.tier, self.fmt, self.slots = tier, fmt, slots
         self.arrays: dict[str, SlotArray] = {}
+        self.reader = (DiskReader(4, direct_io=direct_io, page_cache=page_cache, name="kv-disk")
+                       if tier == "disk" else None)
         offset = 0
         for name, (shape, dt) in fmt.arrays.items():
             if tier == "disk":
                 assert disk_dir is not None
                 try:
                     self.arrays[name] = DiskSlots(disk_dir, f"kv-{name}", planes, slots, shape, dt,
-                                                  page_cache=page_cache)
+                                                  page_cache=page_cache, reader=self.reader)
                 except BaseException:
                     self.close()
                     raise
@@ -97,9 +101,10 @@ class TierStore:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
-    def plane_nbytes(self, n: int) -> int:
-        """Bytes one layer of n blocks takes in this store."""
-        return sum(n * a.slot_nbytes for a in self.arrays.values())
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes of one block in one layer (every array)."""
+        return sum(a.slot_nbytes for a in self.arrays.values())
 
     def write_block(self, slot: int, parts: dict[str, torch.Tensor]) -> None:
         for name, arr in self.arrays.items():
@@ -108,8 +113,11 @@ class TierStore:
     def read_block(self, slot: int) -> dict[str, torch.Tensor]:
         return {name: arr.read(slot) for name, arr in self.arrays.items()}
 
-    def read_plane(self, plane: int, slots: list[int]) -> dict[str, torch.Tensor]:
-        return {name: arr.read_plane(plane, slots) for name, arr in self.arrays.items()}
+    def read_plane(self, plane: int, slots: list[int], out: dict[str, torch.Tensor] | None = None
+                   ) -> dict[str, torch.Tensor]:
+        """One layer of `slots`, per array [len(slots), *slot_shape]; written into `out` when given."""
+        return {name: arr.read_plane(plane, slots, None if out is None else out[name])
+                for name, arr in self.arrays.items()}
 
     def invalidate(self, slot: int) -> None:
         for arr in self.arrays.values():
@@ -118,6 +126,9 @@ class TierStore:
     def close(self) -> None:
         for arr in self.arrays.values():
             arr.close()
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
 
 
 def to_cold(fmt: ColdFormat, kv: torch.Tensor, hidden: torch.Tensor | None) -> dict[str, torch.Tensor]:

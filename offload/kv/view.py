@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from offload.kv.blocks import StepKV, TierBlocks
+from offload.kv.fetch import receive
 from offload.kv.formats import cold_kv
-from offload.kv.staging import ready
 from offload.model import functional as M
 from offload.model.functional import BatchLayout
 
@@ -97,7 +97,7 @@ class LayerKV:
         if g.tier == "gpu":
             index = g.slot_index if g.slot_index is not None else torch.tensor(g.slots, device=cache.device)
             return cache.stores["gpu"].arrays["kv"].data[self.layer].index_select(0, index)  # no copy per layer
-        parts = ready(cold[g.tier])  # on CUDA: already on the device (the compute stream waits, the host not)
+        parts = receive(cache.engine, cold[g.tier])  # on CUDA: on the device (the compute stream waits, the host not)
         if cache.cold_fmt.name != "hidden":
             return cold_kv(cache.cold_fmt, parts, cache.dtype)  # int8 is dequantized where the parts are
         assert restore is not None, "kv_restore: recompute needs the layer's weights"

@@ -1,7 +1,8 @@
 """The planner: from the config's capacities and the model's shape to a `RunPlan`, every `auto` resolved.
 
 A `RunPlan` is what a run needs decided before it allocates anything: the placement plan
-(`schedulers.placement.Plan`: each group's home tier, the ring, the staging slots), the KV
+(`schedulers.plan.Plan`, made by `offload.plan.placement`: each group's home tier, the ring, the staging
+slots), the KV
 cache's settings and device blocks, and how an automatic prefetch depth was chosen. It is
 made from the config and `config.json` alone: no weights are read, no GPU memory is touched,
 so `offload plan` can plan for machines we do not have. The runtime executes the plan.
@@ -21,14 +22,16 @@ from offload.config import OffloadConfig, TiersConfig
 from offload.errors import ConfigError
 from offload.kv.blocks import KVSettings
 from offload.kv.cache import PagedKVCache
+from offload.kv.fetch import host_bytes, stage_blocks
 from offload.kv.formats import ColdFormat
 from offload.model.config import ModelConfig
-from offload.plan.calibrate import compute_dtype, compute_sizes, load_calibration
+from offload.plan.calibrate import Calibration, compute_dtype, compute_sizes, load_calibration
+from offload.plan.placement import GroupSpec, make_plan, min_device_bytes
 from offload.plan.predict import Workload, predict_decode
 from offload.weights.groups import WeightFormat, model_layouts
-from schedulers.calibration import Calibration
-from schedulers.placement import Capacities, GroupSpec, Plan, make_plan, min_device_bytes
+from schedulers.plan import Capacities, Plan
 from storage.errors import CapacityError
+from storage.units import blocks_for, config_size, fmt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +147,9 @@ class Planner:
         """The compute dtype, and the KV block sizes that follow from it."""
         kv_cfg, self.compute = self.config.kv_cache, dtype
         self.block_bytes = PagedKVCache.block_nbytes(self.cfg, kv_cfg.block_size, dtype, self.kv.restore)
-        cold = ColdFormat.for_config(self.cfg, kv_cfg.block_size, dtype, self.kv.quantization, self.kv.restore)
-        self.cold_block_bytes = cold.block_nbytes(self.cfg.num_layers)
+        self.cold_fmt = ColdFormat.for_config(self.cfg, kv_cfg.block_size, dtype, self.kv.quantization,
+                                              self.kv.restore)
+        self.cold_block_bytes = self.cold_fmt.block_nbytes(self.cfg.num_layers)
         self.kv_cpu_bytes = (kv_cfg.cpu_blocks or 0) * self.cold_block_bytes  # explicit ones; auto: what is left
         self.kv_disk_bytes = (kv_cfg.disk_blocks or 0) * self.cold_block_bytes
 
@@ -155,7 +159,7 @@ class Planner:
         limit = None if blocks is None else (blocks - 1) * self.bs + 1  # a pass writes at most this many tokens
         if chunk is not None:
             if limit is not None and chunk > limit:
-                need = -(-(chunk - 1) // self.bs) + 1  # the chunk's blocks when it starts inside a partial block
+                need = blocks_for(chunk - 1, self.bs) + 1  # the chunk's blocks when it starts inside a partial block
                 raise ConfigError(
                     f"activations.prefill_chunk: {chunk} can need {need} device KV blocks in a pass but "
                     f"kv_cache.gpu_blocks is {blocks}; lower prefill_chunk to at most {limit} (or auto), or raise "
@@ -172,8 +176,8 @@ class Planner:
             return [blocks]
         if self.config.tiers is None:
             return [0]
-        least = -(-chunk // self.bs) + 1  # a chunk's blocks plus the newest block of the sequence
-        return sorted({max(-(-AUTO_KV_TOKENS // self.bs), least), least}, reverse=True)
+        least = blocks_for(chunk, self.bs) + 1  # a chunk's blocks plus the newest block of the sequence
+        return sorted({max(blocks_for(AUTO_KV_TOKENS, self.bs), least), least}, reverse=True)
 
     def _make(self, caps: Capacities, depth: int, chunk: int, kv_blocks: int) -> Plan:
         ws = self._workspace(chunk)
@@ -213,10 +217,10 @@ class Planner:
                 else workspace_bytes(self.cfg, chunk, dtype, ATTENTION_KEYS_PER_CHUNK * chunk))
             return min_device_bytes(groups, depth, fixed)
 
-        helps = [f"tiers.gpu.capacity: {_size_up(need())}"]
+        helps = [f"tiers.gpu.capacity: {config_size(need())}"]
         if any(need(depth=d) <= gpu for d in range(depth)):
             helps.append(f"prefetch.depth: {max(d for d in range(depth) if need(depth=d) <= gpu)}")
-        least = -(-chunk // bs) + 1
+        least = blocks_for(chunk, bs) + 1
         if explicit_kv is not None and need(kv=least) <= gpu:
             most = (gpu - need(kv=0)) // self.block_bytes
             helps.append(f"kv_cache.gpu_blocks: {most} (or auto)")
@@ -228,9 +232,9 @@ class Planner:
             helps.append("dtype: bfloat16")
         kv = self._kv_choices(chunk)[-1]
         return CapacityError(
-            f"the gpu tier ({_size_up(gpu)}) cannot hold the smallest plan at prefetch depth {depth} "
+            f"the gpu tier ({config_size(gpu)}) cannot hold the smallest plan at prefetch depth {depth} "
             f"({depth + 1} ring slots, a prefill chunk of {chunk} tokens and {kv} device KV blocks need "
-            f"{_size_up(need())}); any one of these fits: " + "; ".join(helps))
+            f"{config_size(need())}); any one of these fits: " + "; ".join(helps))
 
     def placement(self, caps: Capacities, depth: int) -> Plan:
         """Homes, ring and staging for these capacities and depth (CapacityError if they cannot fit)."""
@@ -275,35 +279,58 @@ class Planner:
         plan, kv_blocks = fit.plan, fit.kv_blocks
         if self.config.kv_cache.gpu_blocks is None and self.config.tiers is not None and self.caps.gpu is not None:
             kv_blocks += max(plan.capacity("gpu") - plan.used("gpu"), 0) // self.block_bytes  # what is left free
-        cpu_blocks, disk_blocks = self._cold_blocks(plan)
-        plan = dataclasses.replace(plan, host_reserve=cpu_blocks * self.cold_block_bytes,
+        cpu_blocks, disk_blocks, piece = self._cold_blocks(plan)
+        host, stage = host_bytes(self.cold_fmt, self.cfg.num_layers, cpu_blocks, piece)
+        plan = dataclasses.replace(plan, host_reserve=host, kv_stage_bytes=stage,
                                    disk_reserve=disk_blocks * self.cold_block_bytes)
-        kv = dataclasses.replace(self.kv, cpu_blocks=cpu_blocks, disk_blocks=disk_blocks)
+        kv = dataclasses.replace(self.kv, cpu_blocks=cpu_blocks, disk_blocks=disk_blocks, stage_blocks=piece)
         return RunPlan(plan, self.caps, kv_blocks, self.block_bytes, kv, fit.prefill_chunk, note, self.compute)
 
-    def _cold_blocks(self, plan: Plan) -> tuple[int, int]:
-        """kv_cache.cpu_blocks / disk_blocks, `auto` resolved: what the tier leaves free, within a bound."""
+    def _cold_blocks(self, plan: Plan) -> tuple[int, int, int]:
+        """(kv_cache.cpu_blocks, disk_blocks, blocks per KV staging buffer), `auto` resolved: what the tier leaves
+        free, within a bound. On CUDA (without cpu_attention) cold blocks cross to the device through two pinned
+        staging buffers in the cpu tier (`offload.kv.fetch`), taken before auto host blocks: each of up to
+        `STAGE_PIECE` bytes of blocks, shrunk to what the tier can hold, down to one block; where not even
+        that fits, automatic cold tiers are none, explicit ones refused."""
         kv_cfg, tiers = self.config.kv_cache, self.config.tiers
+        cpu_cap = plan.capacity("cpu")
+        room = None if cpu_cap is None else cpu_cap - (plan.used("cpu") - plan.host_reserve)  # for cold KV bytes
 
-        def auto(tier: str, bound_tokens: int) -> int:
-            cap = plan.capacity(tier)
-            bound = -(-bound_tokens // self.bs)
-            return bound if cap is None else min(bound, max(cap - plan.used(tier), 0) // self.cold_block_bytes)
+        def fits(cpu: int, piece: int) -> bool:
+            return room is None or host_bytes(self.cold_fmt, self.cfg.num_layers, cpu, piece)[0] <= room
 
-        cpu = kv_cfg.cpu_blocks
-        if cpu is None:
-            cpu = 0 if tiers is None else auto("cpu", AUTO_HOST_KV_TOKENS)
+        def most(bound: int, ok) -> int:
+            """The largest n in [0, bound] with ok(n) (ok holds for every smaller n too)."""
+            lo, hi = 0, bound
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+            return lo
+
         disk = kv_cfg.disk_blocks
         if disk is None:
-            disk = 0 if tiers is None or tiers.disk is None else auto("disk", AUTO_DISK_KV_TOKENS)
-        return cpu, disk
-
-
-def _size_up(n: int) -> str:
-    """Bytes as a YAML size, rounded up: whole KiB below 64 MiB, whole MiB below 10 GiB, then 0.01 GiB."""
-    if n > 10 * 2**30:
-        return f"{math.ceil(n / 2**30 * 100) / 100:.2f}GiB"
-    return f"{-(-n // 2**20)}MiB" if n >= 64 * 2**20 else f"{-(-n // 2**10)}KiB"
+            cap, bound = plan.capacity("disk"), blocks_for(AUTO_DISK_KV_TOKENS, self.bs)
+            disk = 0 if tiers is None or tiers.disk is None else (
+                bound if cap is None else min(bound, max(cap - plan.used("disk"), 0) // self.cold_block_bytes))
+        cpu_bound = kv_cfg.cpu_blocks if kv_cfg.cpu_blocks is not None else (
+            0 if tiers is None else blocks_for(AUTO_HOST_KV_TOKENS, self.bs))
+        piece = 0
+        if self.device.type == "cuda" and not self.kv.cpu_attention and cpu_bound + disk:
+            piece = most(stage_blocks(self.cold_fmt, cpu_bound + disk), lambda p: fits(kv_cfg.cpu_blocks or 0, p))
+            if piece == 0 and not (kv_cfg.cpu_blocks or kv_cfg.disk_blocks):
+                return 0, 0, 0  # automatic cold tiers with no room to bring a block to the device: none
+        cpu = kv_cfg.cpu_blocks
+        if cpu is None:
+            cpu = most(cpu_bound, lambda n: fits(n, piece))
+        piece = piece if cpu + disk else 0
+        if (cpu + disk and self.device.type == "cuda" and not self.kv.cpu_attention and piece == 0) or not fits(
+                cpu, piece):
+            host, stage = host_bytes(self.cold_fmt, self.cfg.num_layers, cpu, max(piece, 1))
+            raise CapacityError(
+                f"the cpu tier ({fmt_bytes(cpu_cap)}) cannot hold the cold KV blocks and the pinned staging they "
+                f"cross to the device in ({fmt_bytes(host)}, of which staging {fmt_bytes(stage)}) beside the weights; "
+                "raise tiers.cpu.capacity or lower kv_cache.cpu_blocks / disk_blocks")
+        return cpu, disk, piece
 
 
 def resolve_kv(config: OffloadConfig, cfg: ModelConfig, device: torch.device) -> KVSettings:
@@ -327,6 +354,8 @@ def resolve_kv(config: OffloadConfig, cfg: ModelConfig, device: torch.device) ->
             cpu_attention = links["memcpy"] > links["host->device"]
         else:
             cpu_attention = False  # on a CPU device host blocks are attended in place anyway
+    disk = config.tiers.disk if config.tiers else None
     return KVSettings(block_size=kv.block_size, gpu_blocks=kv.gpu_blocks or 0, cpu_blocks=kv.cpu_blocks or 0,
                       disk_blocks=kv.disk_blocks or 0, eviction=kv.eviction, idle_seconds=kv.idle_seconds,
-                      quantization=kv.quantization, restore=restore, cpu_attention=cpu_attention)
+                      quantization=kv.quantization, restore=restore, cpu_attention=cpu_attention,
+                      direct_io=bool(disk and disk.direct_io and not disk.page_cache))

@@ -2,7 +2,7 @@
 
 The model side of the cost model: a group's compute time is its weight bytes over the
 calibrated layer-kernel throughput at that pass's token count, plus reading its KV blocks;
-`schedulers.costmodel.simulate` turns those and the link bandwidths into a pass time.
+`offload.plan.costmodel.simulate` turns those and the link bandwidths into a pass time.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from offload.model.config import ModelConfig
-from schedulers.calibration import Calibration
-from schedulers.costmodel import Prediction, plan_bytes, simulate
-from schedulers.placement import Capacities, Plan
+from offload.plan.calibrate import Calibration
+from offload.plan.costmodel import Prediction, plan_bytes, simulate
+from schedulers.plan import Capacities, Plan
 from storage.errors import CapacityError
+from storage.units import MiB, ceil_div, fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,10 @@ def suggestions(make_plan_for, base_caps, depth: int, cfg: ModelConfig, cal: Cal
 
     streamed_from_disk = plan_bytes(make_plan_for(base_caps, depth), "disk read")
     if streamed_from_disk and base_caps.cpu is not None:
-        extra = -(-streamed_from_disk // 2**20) * 2**20  # what the disk serves per step, in whole MiB
+        extra = ceil_div(streamed_from_disk, MiB) * MiB  # what the disk serves per step, in whole MiB
         more = dataclasses.replace(base_caps, cpu=base_caps.cpu + extra)
-        add(f"tiers.cpu.capacity +{_size(extra)} (nothing read from disk)", _try(make_plan_for, more, depth))
+        add(f"tiers.cpu.capacity +{fmt_bytes(extra, digits=1)} (nothing read from disk)",
+            _try(make_plan_for, more, depth))
     if base_caps.gpu is not None:
         add("tiers.gpu.capacity +50%", _try(make_plan_for, dataclasses.replace(base_caps, gpu=int(base_caps.gpu * 1.5)),
                                             depth))
@@ -97,10 +99,6 @@ def suggestions(make_plan_for, base_caps, depth: int, cfg: ModelConfig, cal: Cal
         batch=work.batch * 8)
     out.sort(key=lambda s: -s.tokens_per_s)
     return [s for s in out if s.tokens_per_s > base_tps * 1.02]
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _try(make_plan_for: Callable[[Capacities, int], Plan], caps: Capacities, depth: int) -> Plan | None:

@@ -23,12 +23,13 @@ import torch
 from offload.config import OffloadConfig, SpeculativeConfig
 from offload.model import kernels
 from offload.model.config import ModelConfig
+from offload.plan.calibrate import Calibration
+from offload.plan.costmodel import simulate
 from offload.plan.planner import AUTO_KV_TOKENS, Planner
 from offload.plan.predict import Workload, compute_seconds
-from schedulers.calibration import Calibration
-from schedulers.costmodel import simulate
-from schedulers.placement import Capacities, Plan
+from schedulers.plan import Capacities, Plan
 from storage.errors import CapacityError
+from storage.units import blocks_for, fmt_bytes
 
 #: longest chain `tokens: auto` considers
 MAX_AUTO_TOKENS = 16
@@ -105,11 +106,11 @@ def reserve_draft(config: OffloadConfig, caps: Capacities, draft_gpu_bytes: int,
     kv = config.kv_cache
     # auto cold tiers are resolved to none when speculating (the runner does so): the draft's device pool
     # mirrors every block the target can hold
-    blocks = (kv.gpu_blocks or -(-AUTO_KV_TOKENS // kv.block_size)) + (kv.cpu_blocks or 0) + (kv.disk_blocks or 0)
+    blocks = (kv.gpu_blocks or blocks_for(AUTO_KV_TOKENS, kv.block_size)) + (kv.cpu_blocks or 0) + (kv.disk_blocks or 0)
     need = draft_gpu_bytes + blocks * draft_block_bytes
     if need >= caps.gpu:
-        raise CapacityError(f"speculative.draft: the draft needs {need / 2**20:.1f} MiB resident on the device but "
-                            f"tiers.gpu.capacity is {caps.gpu / 2**20:.1f} MiB; raise it or choose a smaller draft")
+        raise CapacityError(f"speculative.draft: the draft needs {fmt_bytes(need, 'MiB')} resident on the device but "
+                            f"tiers.gpu.capacity is {fmt_bytes(caps.gpu, 'MiB')}; raise it or choose a smaller draft")
     return dataclasses.replace(caps, gpu=caps.gpu - need)
 
 
@@ -124,7 +125,7 @@ def streaming_note(with_draft: Plan, alone: Plan) -> str | None:
     extra = sum(with_draft.sizes[g] for g in with_draft.streamed) - sum(alone.sizes[g] for g in alone.streamed)
     if extra <= 0:
         return None
-    return (f"speculative.draft: the draft's resident bytes make the target move {extra / 2**20:.0f} MiB more per "
+    return (f"speculative.draft: the draft's resident bytes make the target move {fmt_bytes(extra, 'MiB', 1)} more per "
             f"pass than it would without a draft ({len(with_draft.streamed)} streamed groups instead of "
             f"{len(alone.streamed)}); speculation must make up for that: raise tiers.gpu.capacity, or compare with "
             "speculative.draft: none")

@@ -56,6 +56,7 @@ from offload.runtime.speculative import TREE_WIDTH
 from offload.runtime.stops import StopMatcher
 from offload.runtime.verify import Verification, row_blocks, tree_room
 from storage.block_pool import Admission
+from storage.units import blocks_for
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class Engine:
         self._kept: dict[int, None] = {}
         bs = self.kv.block_size
         # device blocks one prefill pass may write: every running sequence pins its newest block besides
-        self._pass_blocks = -(-self.budget // bs) + 1
+        self._pass_blocks = blocks_for(self.budget, bs) + 1
         # device blocks each running sequence may hold in a pass: its newest, plus a speculative chain's
         chain = self.speculator.most_tokens + 1 if self.speculator is not None else 0
         self._row_blocks = row_blocks(chain, bs)

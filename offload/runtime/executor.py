@@ -6,11 +6,10 @@
     logits = ex.forward(ForwardBatch.last([sid], [[1, 5, 9]]))          # [1, vocab] float32
     ex.close()
 
-Who calls it: the engine loop (one pass per step over every running sequence), speculative
-decoding (the draft is a second executor, every weight resident), conversations (through the
-engine) and `prefill_logits`. It knows the checkpoint's shape, the device and dtypes, the plan,
-the weight source, the KV pool, RoPE, prefill chunking and the timeline; it knows nothing of
-text, sampling, requests or admission (the engine's), nor whose sequence is whose.
+Who calls it: the engine loop (one pass per step over every running sequence), speculative decoding
+(the draft is a second executor, every weight resident), conversations (through the engine) and
+`prefill_logits`. It knows the checkpoint's shape, the device and dtypes, the plan, the weight source, the
+KV pool, RoPE, prefill chunking and the timeline; not text, sampling, requests or admission (the engine's).
 
 What a pass is made of, for executors that extend it (a subclass, or a strategy calling these):
 
@@ -22,8 +21,8 @@ What a pass is made of, for executors that extend it (a subclass, or a strategy 
                                      states (`forward(batch, hidden=x)`) and, without the head, returns them
     head_logits(x, p)                the rows the batch keeps -> logits
 
-The model math is `offload.model.functional` (pure); where the weights come from is the weight
-source's business (`offload.weights.tiered`); the blocks are `offload.kv.cache`'s.
+The model math is `offload.model.functional` (pure); where the weights come from is the weight source's
+business (`offload.weights.tiered`); the blocks are `offload.kv.cache`'s.
 """
 
 from __future__ import annotations
@@ -49,9 +48,11 @@ from offload.model.checkpoint import Checkpoint
 from offload.plan.planner import Planner, pass_tokens, resolve_capacities
 from offload.weights.groups import WeightFormat, check_tensors
 from offload.weights.tiered import TieredWeights
-from schedulers.placement import Capacities
+from schedulers.plan import Capacities
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic
+from schedulers.transfer import TransferEngine
+from storage.units import blocks_for
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,13 @@ class WeightSource(Protocol):
     Groups are acquired in the plan's order each pass (`layer.0` .. `layer.N-1`, `head`); `acquire` may wait
     for the bytes, and the views it returns stay valid until `release`."""
 
+    engine: TransferEngine  # the run's one transfer engine (cold KV blocks cross on it too)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [N] (CPU) -> [N, H] on the device, compute dtype
     def acquire(self, group: str) -> dict[str, M.Weight]: ...  # the group's tensors (packed matrices as PackedWeight)
     def release(self, group: str) -> None: ...  # its slot may be reused
     def abort_pass(self) -> None: ...  # a pass stopped half way: start the next one cleanly
-    # KV memory inside the tier budgets the plan reserved for it: 1-D uint8, the device pool ("gpu") or the
-    # cold host blocks ("cpu")
+    # KV memory inside the tier budgets the plan reserved: 1-D uint8, the device pool ("gpu") or cold host ("cpu")
     def allocate_kv(self, nbytes: int, tier: str = "gpu") -> torch.Tensor: ...
     # per-pass work that rides with the weights, keyed by group (each job returns (result, bytes moved));
     # `side_result(group)` waits for that group's
@@ -250,7 +252,7 @@ class Executor:
 
     # -- the KV pool ----------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.kv_settings.block_size)
+        return blocks_for(tokens, self.kv_settings.block_size)
 
     @property
     def kv_fixed(self) -> bool:
@@ -283,7 +285,7 @@ class Executor:
                             settings=s,
                             disk_dir=disk.path / "kv-scratch" if disk is not None and s.disk_blocks else None,
                             pin_memory=self.device.type == "cuda", timeline=self.timeline, rope=self.rope,
-                            traffic=self.traffic, host_memory=host_memory,
+                            traffic=self.traffic, host_memory=host_memory, engine=self.weights.engine,
                             page_cache=bool(disk and disk.page_cache))
 
     # -- the forward pass -----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from offload.model.tokenizer import StreamDecoder
 from offload.runtime.results import TokenCallback
 from offload.runtime.sampling import Sampling
 from offload.runtime.stops import StopMatcher
+from storage.units import blocks_for
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class Request:
 
 def blocks_needed(prompt_len: int, s: Sampling, block_size: int) -> int:
     """Logical KV blocks a request reserves: prompt + max_new_tokens per output, full prompt blocks shared."""
-    per_output = -(-(prompt_len + s.max_new_tokens) // block_size)
+    per_output = blocks_for(prompt_len + s.max_new_tokens, block_size)
     # with samples, a partial last prompt block is copied by every writer before the shared one goes
     copied = 1 if s.n > 1 and prompt_len % block_size else 0
     return per_output + (s.n - 1) * (per_output - prompt_len // block_size) + copied

@@ -51,6 +51,7 @@ from offload.runtime.executor import Executor, ForwardBatch
 from offload.runtime.sampling import probs
 from offload.weights.groups import WeightFormat
 from schedulers.timeline import Timeline
+from storage.units import blocks_for
 
 #: acceptance rate assumed before any draft token was checked (and the weight of that prior, in tokens)
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.6, 8.0
@@ -219,7 +220,7 @@ class Speculator:
             tops = [tok]
             qs[i].append(q)
             if q is None:  # greedy: the top `width` (the first is the argmax)
-                extra = -(-(ks[i] + 1) // kv.block_size) + 1  # blocks a branch may write, copy-on-write included
+                extra = blocks_for(ks[i] + 1, kv.block_size) + 1  # blocks a branch may write, copy-on-write included
                 tops = row.topk(min(width, row.shape[-1], 1 + room // extra)).indices.tolist()
                 room -= (len(tops) - 1) * extra
             for b, t in enumerate(tops):

@@ -26,11 +26,12 @@ from offload.kv.cache import PagedKVCache
 from offload.runtime.requests import DecodeRow, Output, Request
 from offload.runtime.speculative import TREE_WIDTH, Speculator
 from schedulers.timeline import Timeline
+from storage.units import blocks_for
 
 
 def row_blocks(chain: int, block_size: int) -> int:
     """Device blocks a running sequence may hold in a pass: its newest, plus those a `chain` of tokens fills."""
-    return 1 + -(-chain // block_size)
+    return 1 + blocks_for(chain, block_size)
 
 
 def tree_blocks(outputs: int, blocks_per_row: int) -> int:

@@ -21,6 +21,7 @@ from offload.weights.groups import DENSE, WeightFormat, check_tensors, fill_grou
 from storage.layout import dtype_name
 from storage.lock import FileLock
 from storage.store import Store, StoreState, StoreWriter, open_or_build, store_state
+from storage.units import fmt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def convert(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, force: 
     meta = store_meta(ckpt, dtype, fmt)
     writer = StoreWriter(store_dir, total, force=force, capacity=capacity, lock=lock, identity=meta)
     done = [layout for layout in layouts.values() if writer.done(layout)]
-    log.info("converting %s into %s (%.2f GiB, %s, weights %s)%s", ckpt.path, store_dir, total / 2**30,
+    log.info("converting %s into %s (%s, %s, weights %s)%s", ckpt.path, store_dir, fmt_bytes(total, "GiB"),
              dtype_name(dtype), fmt.quantization,
              f": resuming, {len(done)} of {len(layouts)} groups already written" if done else "")
     try:

@@ -4,7 +4,9 @@ This is the runner's weight source. It executes a placement plan (made by `offlo
 opens (or converts) the zarr store when the plan has a disk tier, fills every memory home
 once, and hands streaming to `schedulers.prefetch`. With no `tiers:` section the plan is
 "everything on the device", so the all-in-memory run is the same mechanism with nothing to
-stream.
+stream. It owns the run's transfer engine (`engine`: one copy stream on CUDA), which the KV
+cache's cold blocks cross on too, and counts every byte it reads from the store in `traffic`
+(filling homes, embedding rows, checks; the prefetcher counts what it streams).
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ from offload.weights.groups import (
     weight_views,
 )
 from offload.weights.quant import Scratch
-from schedulers.placement import Plan
+from schedulers.plan import Plan
 from schedulers.prefetch import Prefetcher
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic
 from schedulers.transfer import make_engine
 from storage.arena import check_pinnable
+from storage.disk import DiskTier
 from storage.store import Store
-from storage.tiers import DeviceTier, DiskTier, HostTier, MemoryTier, Tier
+from storage.tiers import DeviceTier, HostTier, MemoryTier, Tier
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ class TieredWeights:
         self.cfg, self.device, self.dtype = ckpt.config, device, dtype
         self.compute_dtype = compute_dtype or dtype  # weights are upcast to it after the transfer when it differs
         self.timeline = timeline
+        self.traffic = traffic or Traffic()
+        self.engine = make_engine(device)  # the run's one transfer engine: weights and cold KV blocks
         self.fmt = WeightFormat.from_config(config.weights, ckpt.config)
         self.fmt.check(ckpt.config)
         self.layouts = model_layouts(ckpt.config, dtype, self.fmt)
@@ -74,9 +79,10 @@ class TieredWeights:
                 if self.plan.homes[name] == "disk":
                     with timeline.span("disk-read", name, nbytes=self.layouts[name].nbytes, verify=True):
                         self.store.tier.verify_region(name)
+                    self.traffic.add("weights", "disk", "cpu", self.layouts[name].nbytes)
             ring = self._slots("gpu", "ring", self.plan.ring_slots, self.plan.ring_slot_bytes)
             stage = self._slots("cpu", "stage", self.plan.stage_slots, self.plan.stage_slot_bytes)
-            self.prefetcher = Prefetcher(self.plan, self.tiers, make_engine(device), timeline, ring, stage, traffic)
+            self.prefetcher = Prefetcher(self.plan, self.tiers, self.engine, timeline, ring, stage, self.traffic)
         except BaseException:
             self.close()
             raise
@@ -104,6 +110,7 @@ class TieredWeights:
             if self.store is not None:
                 with self.timeline.span("disk-read", name, nbytes=layout.nbytes, home=home):
                     self.store.tier.read_into(name, host)
+                self.traffic.add("weights", "disk", home, layout.nbytes)
             else:
                 fill_group(ckpt, layout, host, self.fmt)
             if host is not dest:
@@ -141,6 +148,7 @@ class TieredWeights:
         with self.timeline.span("disk-read", f"{self._embed_group} rows", nbytes=len(unique) * row_bytes):
             for i, token in enumerate(unique.tolist()):
                 tier.read_into(self._embed_group, rows[i], offset=spec.offset + token * row_bytes)
+        self.traffic.add("weights", "disk", "cpu", len(unique) * row_bytes)
         return rows[inverse].to(self.device, self.compute_dtype)
 
     def acquire(self, group: str) -> dict:

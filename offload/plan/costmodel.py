@@ -3,19 +3,21 @@
 Inputs are plain numbers: per-group compute seconds (the caller derives them from the model
 and a calibration), each link's bytes per second, and the `Plan`. The simulation replays what
 `schedulers.prefetch` does — one loader walking the streamed groups in order, reads into a
-staging slot or straight into a ring slot, copies on one copy stream, `depth + 1` ring slots
-freed when the compute that read them ends, compute in pass order waiting only for the group
-it needs — for a few passes, and reports the steady-state pass: its time, each link's busy
+staging slot or straight into a ring slot, copies on the transfer engine's one copy stream,
+`depth + 1` ring slots freed when the compute that read them ends, compute in pass order
+waiting only for the group it needs — for a few passes, and reports the steady-state pass: its time, each link's busy
 time, the exposed (not overlapped) transfer time per group, and the bottleneck.
 
-It knows groups, bytes, links and seconds; it knows nothing about models.
+It knows groups, bytes, links and seconds; it knows nothing about models (`offload.plan.predict`
+turns a model and a calibration into its inputs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schedulers.placement import Plan
+from schedulers.plan import Plan
+from storage.units import fmt_bytes
 
 #: link names, as in the calibration file and the trace summary
 DISK, H2D = "disk read", "host->device"
@@ -135,8 +137,8 @@ def explain(plan: Plan, pred: Prediction, links: dict[str, float]) -> list[str]:
     """Lines: the split of a step by link and compute, and the bound per link."""
     bound = link_bound(plan, links)
     parts = [f"compute {1000 * pred.compute_s:.0f} ms"] + [
-        f"{link} {1000 * t:.0f} ms ({plan_bytes(plan, link) / 2**20:.0f} MiB at {links[link] / 1e9:.1f} GB/s)"
-        for link, t in bound.items()]
+        f"{link} {1000 * t:.0f} ms ({fmt_bytes(plan_bytes(plan, link), 'MiB', digits=1)} at "
+        f"{links[link] / 1e9:.1f} GB/s)" for link, t in bound.items()]
     return [f"busy per step: {', '.join(parts)}",
             f"exposed transfer {1000 * pred.exposed_s:.0f} ms; bottleneck: {pred.bottleneck}"]
 
