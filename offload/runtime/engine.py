@@ -38,7 +38,7 @@ import torch
 
 from offload.errors import CapacityError, ConfigError
 from offload.plan.planner import pass_tokens
-from offload.runtime.requests import Kept, Output, Request, Sampling, TokenLogprob, blocks_needed
+from offload.runtime.requests import Context, Kept, Output, Request, Sampling, TokenLogprob, blocks_needed
 from offload.runtime.results import RunStats, TokenCallback
 from offload.runtime.sampling import sample
 from offload.runtime.speculative import TREE_WIDTH
@@ -65,6 +65,7 @@ class Engine:
         self.speculator = getattr(runner, "speculator", None)  # runtime.speculative.Speculator when configured
         self.kv = runner._kv()
         self.budget = runner.prefill_chunk  # activations.prefill_chunk, `auto` resolved by the planner
+        self.context = Context(runner.cfg.max_position_embeddings)  # a conversation may set a smaller one
         self.stats = stats or RunStats()
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
@@ -82,7 +83,8 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
-        """CapacityError if the request's worst-case KV could never fit (reads only the pool's fixed size)."""
+        """ContextLengthError if prompt + max_new_tokens exceed the context, CapacityError if the request's
+        worst-case KV could never fit (reads only the pool's fixed size)."""
         self._refuse_never(len(req.context) + len(req.prompt), req.sampling, req.name)
 
     def submit(self, req: Request, continues: Kept | None = None) -> Request:
@@ -110,6 +112,7 @@ class Engine:
         return req
 
     def _refuse_never(self, prompt_len: int, s: Sampling, name: str) -> None:
+        self.context.check(prompt_len, s.max_new_tokens, name)
         need = blocks_needed(prompt_len, s, self.kv.block_size)
         if need > self.kv.logical.num_blocks:  # NEVER; reads only the pool's fixed size: safe from any thread
             raise CapacityError(

@@ -34,6 +34,7 @@ from offload.plan.calibrate import load_calibration
 from offload.plan.planner import Planner, pass_tokens, resolve_capacities
 from offload.plan.speculative import reserve_draft, streaming_note, verify_cost, without_draft
 from offload.runtime.engine import Engine, Output, Request, Sampling, blocks_needed, row_blocks, tree_blocks
+from offload.runtime.requests import Context
 from offload.runtime.results import GenerationResult, RunStats, TokenCallback
 from offload.runtime.speculative import Speculator, check_draft, draft_config, target_config
 from offload.weights.groups import WeightFormat, check_tensors
@@ -373,6 +374,8 @@ class Runner:
                                         tuple(stop)),
                             name=f"prompt {i}", on_token=on_token)
                     for i, p in enumerate(encoded)]
+        for r in requests:  # before the KV pool is sized for them and before any pass
+            Context(self.cfg.max_position_embeddings).check(len(r.prompt), max_new_tokens, r.name)
         stats = RunStats(prompt_tokens=sum(map(len, encoded)))
         bs = self.kv_settings.block_size
         need = sum(blocks_needed(len(r.prompt), r.sampling, bs) for r in requests)
