@@ -114,12 +114,13 @@ class Context:
         total = prompt_len + max_new_tokens
         if total <= self.tokens:
             return
+        tokens = f"{prompt_len} prompt token" + ("" if prompt_len == 1 else "s")
         if prompt_len >= self.tokens:
             raise ContextLengthError(
-                f"{name} has {prompt_len} prompt tokens, which leaves no room for a new token in {self.source} of "
+                f"{name} has {tokens}, which leaves no room for a new token in {self.source} of "
                 f"{self.tokens} tokens; shorten the prompt to fewer than {self.tokens} tokens",
                 prompt_len, max_new_tokens, self.tokens)
         raise ContextLengthError(
-            f"{name} has {prompt_len} prompt tokens and {knob} asks for {max_new_tokens} more, {total} in all, but "
+            f"{name} has {tokens} and {knob} asks for {max_new_tokens} more, {total} in all, but "
             f"{self.source} is {self.tokens} tokens; lower {knob} to at most {self.tokens - prompt_len} or shorten "
             "the prompt", prompt_len, max_new_tokens, self.tokens)
