@@ -85,6 +85,7 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port
         sock.bind(address)
+        sock.listen(2048)  # now, so a second server cannot bind the port while this one loads (as uvicorn's backlog)
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
