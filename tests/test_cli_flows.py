@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from offload.cli.main import main
 from offload.errors import ContextLengthError
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Sampling
@@ -184,8 +185,7 @@ def test_serve_refuses_a_bad_or_busy_port_in_one_sentence_before_loading(tmp_pat
 def test_a_closed_pipe_ends_the_command_quietly(tmp_path, tiny_llama):
     cfg = write_yaml(tmp_path / "run.yaml", run_config(tiny_llama))
     trace = tmp_path / "t.json"
-    assert offload("run", "--config", str(cfg), "--prompt", "hi", "--max-new-tokens", "3", "--trace",
-                   str(trace)).returncode == 0
+    assert main(["run", "--config", str(cfg), "--prompt", "hi", "--max-new-tokens", "3", "--trace", str(trace)]) == 0
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for args in (["trace", "summary", "--json", str(trace)],
                  ["run", "--config", str(cfg), "--prompt", "hi", "--max-new-tokens", "50"]):
