@@ -542,7 +542,7 @@ def test_a_disk_full_while_writing_the_trace_leaves_no_half_file(tmp_path, tiny_
     assert main(["run", "--config", str(config), "--prompt", "Hi", "--max-new-tokens", "4", "--trace",
                  str(trace)]) == 2
     out, err = capsys.readouterr()
-    assert out.startswith("Hi") and "new tokens" in out  # the run itself went through and was printed
+    assert out.startswith("Hi") and "new tokens" in err  # the run itself went through and was printed
     assert f"{trace}: the disk is full" in err
     assert list(trace.parent.iterdir()) == []
 
