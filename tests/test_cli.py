@@ -29,15 +29,17 @@ def test_run_json_matches_the_python_api(tmp_path, tiny_llama, capsys):
     assert data["stats"]["prompt_tokens"] == len(ref.prompt_ids)
 
 
-def test_run_streams_text_and_ends_with_a_speed_line(tmp_path, tiny_llama, capsys):
+def test_run_streams_text_on_stdout_and_ends_stderr_with_a_speed_line(tmp_path, tiny_llama, capsys):
     cfg = write_config(tmp_path, tiny_llama)
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text("Once upon a time")
     assert main(["run", "--config", str(cfg), "--prompt-file", str(prompt_file), "--max-new-tokens", "5",
                  "--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("Once upon a time")
-    assert "ms/step" in out[-1] and "tok/s" in out[-1]
+    captured = capsys.readouterr()
+    assert captured.out.startswith("Once upon a time") and captured.out.endswith("\n")
+    assert "ms/step" not in captured.out
+    last = captured.err.splitlines()[-1]
+    assert "ms/step" in last and "tok/s" in last
 
 
 def test_batch_of_prompts_prints_each_result(tmp_path, tiny_llama, capsys):

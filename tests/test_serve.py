@@ -287,7 +287,7 @@ def test_offload_run_input_output_from_the_command_line(chat_llama, tmp_path, ca
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in got) == ["1", "2"]
     assert {r["id"]: len(r["choices"][0]["token_ids"]) for r in got} == {"1": 4, "2": 3}
-    assert "2 requests done, 0 already in" in capsys.readouterr().out
+    assert "2 requests done, 0 already in" in capsys.readouterr().err  # stdout stays free: results are in the file
     assert main(["run", "--config", str(cfg), "--input", str(inp)]) == 2  # --output missing: one clear error
     assert "--output" in capsys.readouterr().err
 

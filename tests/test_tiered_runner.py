@@ -145,9 +145,11 @@ def test_run_summary_prints_the_plan_and_what_each_tier_served(tmp_path, tiny8, 
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config(tiny8, "mixed", store, 2)))
     assert main(["run", "--config", str(path), "--prompt", "hello", "--max-new-tokens", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "placement plan" in out and "served per forward pass:" in out and "decode timeline:" in out
-    assert "ms/step" in out.splitlines()[-1]  # the speed summary stays the last line
+    captured = capsys.readouterr()
+    err = captured.err  # on stderr: stdout holds the generated text alone
+    assert "placement plan" in err and "served per forward pass:" in err and "decode timeline:" in err
+    assert "ms/step" in err.splitlines()[-1]  # the speed summary stays the last line
+    assert "placement plan" not in captured.out
 
 
 BUDGET_SCRIPT = textwrap.dedent("""

@@ -14,14 +14,17 @@ override them. Every EOS id it names ends a reply, and so does any `--stop` text
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
 from offload.cli import auto
+from offload.cli.prepare import check_new_tokens, convert_first, load_config, model_config, require_chat
 from offload.cli.run import add_sampling_args, check_sampling_args, cli_sampling
-from offload.config import OffloadConfig
 from offload.errors import ConfigError, OffloadError
+from offload.model import hub
 from offload.runtime.conversation import Conversation
 from offload.runtime.runner import Runner
 from offload.runtime.sampling import Sampling
@@ -40,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def session_sampling(runner: Runner, args: argparse.Namespace) -> Sampling:
-    return cli_sampling(runner, args, fallback_max_new_tokens=512)
+    return cli_sampling(runner.generation, args, fallback_max_new_tokens=512)
 
 
 def repl(conv: Conversation, inp: TextIO, out: TextIO, err: TextIO) -> int:
@@ -95,16 +98,27 @@ def chat_with(runner: Runner, args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    """Every check that reads small files comes first (sampling flags, a chat template, --max-new-tokens
+    against the context), then the setup (--auto) or a first-run conversion, then the weights load."""
     check_sampling_args(args)
     if (args.config is None) == (args.auto is None):
         raise ConfigError("give --config FILE or --auto MODEL_OR_PATH (one of the two)")
     if args.auto is None and (args.disk or args.weights):
         raise ConfigError("--disk and --weights go with --auto; with --config set tiers.disk.path in the YAML")
     if args.auto is not None:
-        config = auto.prepare(args.auto, args.disk, args.weights)
-        print("loading the weights into their homes ...", file=sys.stderr)
+        if hub.is_hub_id(args.auto):  # config and tokenizer files only: no weights before the template is known
+            require_chat(hub.fetch(args.auto, weights=False))
+        elif Path(args.auto).expanduser().is_dir():
+            require_chat(Path(args.auto).expanduser().resolve())
+        with contextlib.redirect_stdout(sys.stderr):  # the setup's account (machine, store, plan) is not the chat
+            config = auto.prepare(args.auto, args.disk, args.weights)
     else:
-        config = OffloadConfig.load(args.config, model=args.model)
+        config = load_config(args.config, args.model)
+    require_chat(config.model)
+    check_new_tokens(model_config(config), args.max_new_tokens)
+    convert_first(config)
+    if args.auto is not None:
+        print("loading the weights into their homes ...", file=sys.stderr)
     t0 = time.perf_counter()
     with Runner(config) as runner:
         print(f"ready in {time.perf_counter() - t0:.1f}s; type a message (/reset starts over, /exit quits)",

@@ -12,9 +12,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from offload.cli.run import add_generation_args, check_sampling_args, generate_and_print, read_prompts
-from offload.config import cache_dir
-from offload.runtime.runner import Runner
+from offload.cli.run import add_generation_args, check_sampling_args, read_prompts, run_prompts
+from offload.config import OffloadConfig, cache_dir
 from offload.testing.make_model import make_model
 
 log = logging.getLogger(__name__)
@@ -73,6 +72,4 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config_path = ensure_demo_config(root)
     print(f"offload demo: config {config_path}", file=sys.stderr)
     prompts = read_prompts(args, default=DEMO_PROMPT)
-    with Runner.from_config(config_path) as runner:
-        generate_and_print(runner, prompts, args)
-    return 0
+    return run_prompts(OffloadConfig.load(config_path), prompts, args)

@@ -6,14 +6,16 @@
     calibrate  measure this machine (cli.plan)           trace      summarise / draw a trace (cli.trace)
 
 Library code logs through `logging`; the command modules alone print to the terminal. Every
-`OffloadError` becomes one line on stderr and exit status 2. This package may import every
-other part of `offload`; nothing imports it.
+`OffloadError` becomes one line on stderr and exit status 2; a reader that goes away
+(`offload run ... | head`) ends the command quietly with status 141, as SIGPIPE would. This
+package may import every other part of `offload`; nothing imports it.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -36,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     previous = signal.signal(signal.SIGTERM, _terminate)  # SIGTERM stops like Ctrl-C: cleanly
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a reader gone by now is met here, inside these handlers, not at the interpreter's exit
+        return status
     except OffloadError as e:
         print(f"offload: error: {e}", file=sys.stderr)
         return 2
@@ -46,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("offload: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader closed it (`| head`): nobody reads the rest; stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush of stdout cannot fail again
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
     finally:
         signal.signal(signal.SIGTERM, previous)
 

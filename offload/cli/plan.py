@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from offload.cli.prepare import load_config, plan_for
 from offload.config import (
     CpuTierConfig,
     DiskTierConfig,
@@ -28,11 +29,10 @@ from offload.errors import ConfigError
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import calibrate, default_path, load_calibration
 from offload.plan.costmodel import explain, plan_bytes
-from offload.plan.planner import Planner, resolve_capacities
+from offload.plan.planner import Planner
 from offload.plan.predict import Workload, predict_decode, predict_prefill_per_token, suggestions
-from offload.plan.speculative import choose_tokens, predict, reserve_draft, streaming_note, verify_cost, without_draft
+from offload.plan.speculative import choose_tokens, predict, streaming_note, verify_cost, without_draft
 from offload.runtime.executor import resolve_dtype
-from offload.runtime.speculative import draft_config, target_config
 from storage.errors import CapacityError
 from storage.units import fmt_bytes
 
@@ -60,7 +60,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def _plan_inputs(args: argparse.Namespace) -> tuple[OffloadConfig, ModelConfig]:
     """The config (YAML, or flags) and the model shape (config.json alone is enough: no weights are read)."""
     if args.config or args.model:  # a model given by --model (a directory or a Hub id: config.json alone is fetched)
-        config = (OffloadConfig.load(args.config, model=args.model) if args.config else
+        config = (load_config(args.config, args.model) if args.config else
                   OffloadConfig.load({"model": args.model, "device": args.device or "cuda"})).fetched(weights=False)
         model_json = Path(args.model_config) if args.model_config else config.model / "config.json"
     elif args.model_config:
@@ -108,14 +108,7 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
         raise ConfigError("tiers.gpu.capacity: auto needs the GPU itself; give a size (e.g. --gpu 24GiB) to plan "
                           "on paper")
     dtype = resolve_dtype(config.dtype, cfg.torch_dtype)
-    caps, draft = resolve_capacities(config.tiers, device), None
-    if config.speculative.enabled:  # the draft is placed first, resident; the target plans around it
-        config = target_config(config)
-        dconf = draft_config(config)
-        dcfg = ModelConfig.from_dict(json.loads((dconf.model / "config.json").read_text()), str(dconf.model))
-        draft = Planner(dconf, dcfg, dtype, device).run_plan(), dcfg
-        caps = reserve_draft(config, caps, draft[0].plan.used("gpu"), draft[0].kv_block_bytes)
-    planner = Planner(config, cfg, dtype, device, caps)
+    config, planner, draft = plan_for(config, cfg, dtype, device)
     rp = planner.run_plan()
     cal = load_calibration(config.calibration)
     work = Workload(batch=batch, context=context, prefill_chunk=rp.prefill_chunk)

@@ -9,13 +9,15 @@ is closed.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
+import socket
 import sys
 
 import uvicorn
 
-from offload.config import OffloadConfig
+from offload.cli.prepare import convert_first, load_config
 from offload.errors import ConfigError
 from offload.runtime.runner import Runner
 from offload.serve.api import create_app
@@ -33,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (the banner says which)")
     p.add_argument("--model-name", default=None, help="the model id clients name (default: the checkpoint's "
                                                        "directory name)")
     add_loop_args(p)
@@ -70,11 +72,42 @@ def fixed_pool(runner: Runner, kv_tokens: int | None) -> None:
                     kv.pool.num_blocks)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now (before the model loads): a bad or busy address is one sentence."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port} is not a TCP port; give one from 1 to 65535 (0: any free port)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host!r} is not an address of this machine ({e.strerror}); use 127.0.0.1, "
+                          "0.0.0.0 or a name that resolves") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port
+        sock.bind(address)
+        sock.listen(2048)  # now, so a second server cannot bind the port while this one loads (as uvicorn's backlog)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is already in use (another server?); stop it or pass "
+                              "another --port") from None
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); pass another --host or --port") from None
+    return sock
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     for flag in ("max_batch", "max_queue", "default_max_tokens"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1")
-    runner = Runner(OffloadConfig.load(args.config))
+    sock = listen(args.host, args.port)  # before the weights load: a busy port costs nothing
+    try:
+        config = load_config(args.config)
+        convert_first(config)
+        runner = Runner(config)
+    except BaseException:
+        sock.close()
+        raise
     try:
         fixed_pool(runner, args.kv_tokens)
         loop = EngineLoop(runner, Limits(args.max_batch, args.max_queue, args.request_timeout))
@@ -82,15 +115,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop.start()
         server = uvicorn.Server(uvicorn.Config(create_app(served, loop), host=args.host, port=args.port,
                                                log_level="info", timeout_graceful_shutdown=args.drain_timeout))
-        print(f"offload: serving {served.name} on http://{args.host}:{args.port}/v1 "
+        port = sock.getsockname()[1]  # --port 0: the one the system chose
+        print(f"offload: serving {served.name} on http://{args.host}:{port}/v1 "
               f"(KV {runner.kv.pool.num_blocks} device blocks, batch up to {args.max_batch})", file=sys.stderr)
         # uvicorn re-raises the signal it stopped for once it has drained; these handlers take it so the
         # engine loop and the runner still close in order and the exit status is 0
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: log.info("signal %d: stopping", signum))
-        server.run()  # returns after SIGINT/SIGTERM, once the open requests finished (or the drain timed out)
+        server.run(sockets=[sock])  # returns after SIGINT/SIGTERM, once the open requests finished (or drained)
         loop.stop(drain=False, timeout_s=args.drain_timeout)
     finally:
+        sock.close()
         runner.close()
     print("offload: server stopped", file=sys.stderr)
     return 0

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from offload.errors import ConfigError
 from offload.model.chat import ChatTemplate
 from offload.runtime.engine import Engine, Kept, Request, Sampling
+from offload.runtime.requests import Context
 from offload.runtime.results import RunStats
 
 DEFAULT_CONTEXT = 4096  # tokens a conversation may reach when the KV pool is sized here (no tiers)
@@ -58,6 +59,8 @@ class Conversation:
         tokens = min(context or min(limit, DEFAULT_CONTEXT), limit)
         runner.ensure_kv(runner.target.blocks_for(tokens))  # a fixed pool (tiers) is used as it is
         self.engine = Engine(runner)
+        if context is not None and context < limit:  # every turn (history, message, reply) must fit it
+            self.engine.context = Context(context, "the conversation's context (chat --context)")
         self.messages: list[dict[str, str]] = []
         self.kept: Kept | None = None
         self.reset()

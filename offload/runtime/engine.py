@@ -41,6 +41,7 @@ from offload.errors import CapacityError, ConfigError
 from offload.plan.planner import pass_tokens
 from offload.runtime.executor import ForwardBatch
 from offload.runtime.requests import (
+    Context,
     DecodeRow,
     Kept,
     Output,
@@ -75,6 +76,7 @@ class Engine:
         assert self.executor.kv is not None, "size the KV pool first (Runner.ensure_kv)"
         self.kv = self.executor.kv
         self.budget = self.executor.prefill_chunk  # activations.prefill_chunk, `auto` resolved by the planner
+        self.context = Context(self.executor.cfg.max_position_embeddings)  # a conversation may set a smaller one
         self.stats = stats or RunStats()
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
@@ -92,7 +94,8 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
-        """CapacityError if the request's worst-case KV could never fit (reads only the pool's fixed size)."""
+        """ContextLengthError if prompt + max_new_tokens exceed the context, CapacityError if the request's
+        worst-case KV could never fit (reads only the pool's fixed size)."""
         self._refuse_never(len(req.context) + len(req.prompt), req.sampling, req.name)
 
     def submit(self, req: Request, continues: Kept | None = None) -> Request:
@@ -122,6 +125,7 @@ class Engine:
         return req
 
     def _refuse_never(self, prompt_len: int, s: Sampling, name: str) -> None:
+        self.context.check(prompt_len, s.max_new_tokens, name)
         need = blocks_needed(prompt_len, s, self.kv.block_size)
         if need > self.kv.logical.num_blocks:  # NEVER; reads only the pool's fixed size: safe from any thread
             raise CapacityError(

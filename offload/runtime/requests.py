@@ -4,8 +4,11 @@
     Output     one sample: its sequence in the KV cache, its tokens, why it finished
     Kept       a finished conversation's sequence left in the cache, to be continued
     Request    a prompt and its outputs, as the engine moves it from waiting to finished
+    Context    the longest sequence a request may reach (prompt + new tokens), and where that limit comes from
 
-Plain data plus `blocks_needed`, the worst-case KV reservation admission checks.
+Plain data plus `blocks_needed`, the worst-case KV reservation admission checks, and
+`Context.check`, the one context-length check every entry point (run, chat, the server, files,
+`Runner.generate`, conversations) passes before any forward pass.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload.errors import ContextLengthError
 from offload.model.tokenizer import StreamDecoder
 from offload.runtime.results import TokenCallback
 from offload.runtime.sampling import Sampling
@@ -112,3 +116,28 @@ class PrefillRow:
         sid = self.req.outputs[0].sid
         assert sid is not None
         return sid
+
+
+@dataclass(frozen=True)
+class Context:
+    """The most tokens one sequence may hold (prompt and every new token), and where the limit comes from."""
+
+    tokens: int
+    source: str = "the model's context (max_position_embeddings in config.json)"
+
+    def check(self, prompt_len: int, max_new_tokens: int, name: str = "the request",
+              knob: str = "max_new_tokens") -> None:
+        """ContextLengthError, naming both numbers and what to change, unless prompt + new tokens fit."""
+        total = prompt_len + max_new_tokens
+        if total <= self.tokens:
+            return
+        tokens = f"{prompt_len} prompt token" + ("" if prompt_len == 1 else "s")
+        if prompt_len >= self.tokens:
+            raise ContextLengthError(
+                f"{name} has {tokens}, which leaves no room for a new token in {self.source} of "
+                f"{self.tokens} tokens; shorten the prompt to fewer than {self.tokens} tokens",
+                prompt_len, max_new_tokens, self.tokens)
+        raise ContextLengthError(
+            f"{name} has {tokens} and {knob} asks for {max_new_tokens} more, {total} in all, but "
+            f"{self.source} is {self.tokens} tokens; lower {knob} to at most {self.tokens - prompt_len} or shorten "
+            "the prompt", prompt_len, max_new_tokens, self.tokens)

@@ -38,7 +38,7 @@ from offload.plan.speculative import reserve_draft, streaming_note, verify_cost,
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Engine
 from offload.runtime.executor import DTYPES, Executor, WeightSource, resolve_device, resolve_dtype
-from offload.runtime.requests import Output, Request, blocks_needed
+from offload.runtime.requests import Context, Output, Request, blocks_needed
 from offload.runtime.results import Completion, GenerationResult, RunStats, TokenCallback, TokenEvent
 from offload.runtime.sampling import Sampling, resolve_sampling
 from offload.runtime.speculative import Speculator, check_draft, draft_config, target_config
@@ -273,6 +273,8 @@ class Runner:
         encoded = [self.encode(p) for p in _prompt_list(prompts)]
         requests = [Request(p, s if s.seed is None else dataclasses.replace(s, seed=s.seed + i * s.n),
                             name=f"prompt {i}") for i, p in enumerate(encoded)]
+        for r in requests:  # before the KV pool is sized for them and before any pass
+            Context(self.cfg.max_position_embeddings).check(len(r.prompt), s.max_new_tokens, r.name)
         return requests, RunStats(prompt_tokens=sum(map(len, encoded)))
 
     def _run(self, requests: list[Request], stats: RunStats, events: deque[TokenEvent] | None

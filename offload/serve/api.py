@@ -9,8 +9,10 @@ touch tensors. Streaming answers are server-sent events, one chunk per token, en
 `data: [DONE]`. A client that goes away (a closed stream, or a dropped connection while a
 non-streamed answer is computed) has its jobs cancelled, which frees their KV blocks at the
 next step. Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
-400 for a bad request (or one whose KV could never fit), 404 for an unknown model, 429 with
-Retry-After when the queue is full, 503 while shutting down, 504 when a request timed out.
+400 for a bad request (a body that is not JSON, an unknown field, a bad value, or one whose KV
+could never fit), 404 for an unknown model or URL, 405 for a wrong method, 429 with Retry-After
+when the queue is full, 503 while shutting down, 504 when a request timed out. `created` is when
+the request arrived, in every chunk of a stream as in a whole answer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -25,8 +28,9 @@ import psutil
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from offload.errors import CapacityError
+from offload.errors import CapacityError, ContextLengthError
 from offload.runtime.sampling import Sampling
 from offload.serve.loop import Draining, EngineLoop, Event, Job, QueueFull
 from offload.serve.schema import BadRequest, ChatBody, Choice, CompletionBody, ServedModel, new_id, usage
@@ -117,21 +121,29 @@ def create_app(served: ServedModel, loop: EngineLoop) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        return error_response(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}",
-                              loc[0] if loc else None)
+        return error_response(400, *_validation_error(exc.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"Invalid URL ({where})", 405: f"Invalid method for URL ({where})"}.get(
+            exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     def start(prompts: list[list[int]], sampling: Sampling, stops: tuple[str, ...], name: str) -> Call:
         return Call(loop, prompts, sampling, stops, name)
 
     async def handle(request: Request, build: Callable[[], tuple[list[list[int]], Sampling, tuple[str, ...]]],
                      stream: bool, chat: bool, logprobs: bool, include_usage: bool) -> Any:
+        created = int(time.time())  # OpenAI's `created`: when the request came, in every chunk and answer
         try:
             prompts, sampling, stops = build()
             call = start(prompts, sampling, stops, "chat" if chat else "completion")
         except BadRequest as e:
             return error_response(e.status, str(e), e.param, e.code)
+        except ContextLengthError as e:  # the schema refuses these first; the engine's check is the same one
+            param = ("messages" if chat else "prompt") if e.prompt_too_long else "max_tokens"
+            return error_response(400, str(e), param, "context_length_exceeded")
         except CapacityError as e:
             return error_response(400, str(e), "max_tokens", "kv_capacity_exceeded")
         except QueueFull as e:
@@ -140,7 +152,7 @@ def create_app(served: ServedModel, loop: EngineLoop) -> FastAPI:
             return error_response(503, str(e), code="shutting_down")
         rid = new_id("chatcmpl" if chat else "cmpl")
         if stream:
-            return StreamingResponse(_sse(served, call, request, rid, chat, logprobs, include_usage),
+            return StreamingResponse(_sse(served, call, request, rid, created, chat, logprobs, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         errors = []
         async for _, ev in call.events(request):
@@ -152,7 +164,7 @@ def create_app(served: ServedModel, loop: EngineLoop) -> FastAPI:
         if failed is not None:
             return failed
         make = served.chat_response if chat else served.completion_response
-        return make(rid, call.choices, call.prompt_tokens, logprobs)
+        return make(rid, call.choices, call.prompt_tokens, logprobs, created)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -184,10 +196,25 @@ def create_app(served: ServedModel, loop: EngineLoop) -> FastAPI:
     return app
 
 
-async def _sse(served: ServedModel, call: Call, request: Request, rid: str, chat: bool, logprobs: bool,
-               include_usage: bool) -> AsyncIterator[str]:
+def _validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None, str | None]:
+    """(message, param, code) for a body FastAPI could not parse, as OpenAI words them."""
+    first = errors[0] if errors else {}
+    kind = first.get("type", "")
+    if kind == "json_invalid":  # loc is ("body", character offset): not a field
+        return ("We could not parse the JSON body of your request (" + first.get("ctx", {}).get("error", "invalid")
+                + f" at character {first.get('loc', ('', '?'))[-1]}); send a JSON object", None, None)
+    parts = [x for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(f"[{x}]" if isinstance(x, int) else str(x) for x in parts) or None
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", None, None
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'.", param, "missing_required_parameter"
+    return f"Invalid value for '{param or 'body'}': {first.get('msg', 'invalid request')}", param, "invalid_value"
+
+
+async def _sse(served: ServedModel, call: Call, request: Request, rid: str, created: int, chat: bool,
+               logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: one chunk per token (and one per finish), then usage if asked, then [DONE]."""
-    created = served.created
     head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": served.name}
 

@@ -138,7 +138,7 @@ def run_file(runner: Runner, input_path: Path, output_path: Path, defaults: File
     output_path.parent.mkdir(parents=True, exist_ok=True)
     t0, tokens = time.perf_counter(), 0
     bar = tqdm(total=len(todo), unit="req", disable=not progress, desc="offload run")
-    with output_path.open("a", encoding="utf-8") as out:
+    with bar, output_path.open("a", encoding="utf-8") as out:  # an interrupt ends the bar's line too
         def sink_for(row: dict[str, Any], n: int, prompt_len: int):
             choices = [{"index": k, "text": "", "token_ids": [], "finish_reason": None} for k in range(n)]
 
@@ -161,7 +161,6 @@ def run_file(runner: Runner, input_path: Path, output_path: Path, defaults: File
             loop.submit(Job(prompt, sampling, sink_for(r, sampling.n, len(prompt)), stops, f"request {r['id']!r}"))
         while loop.busy:
             loop.step()
-    bar.close()
     return FileReport(len(todo), len(rows) - len(todo), tokens, time.perf_counter() - t0)
 
 

@@ -7,7 +7,11 @@
 Defaults follow the checkpoint (generation_config.json: EOS ids, sampling) where the body is
 silent, as vLLM does; `max_tokens` defaults to 16 for completions (the OpenAI default) and to
 `default_max_tokens` for chat. A request the model cannot take (too long for its context, a
-knob out of range, a feature not built) is a `BadRequest` naming the field.
+knob out of range, a feature not built) is a `BadRequest` naming the field. As OpenAI does, a
+field the API does not know is refused ("Unrecognized request argument supplied"), and so is an
+unknown message role; OpenAI fields that change nothing here (`user`, `metadata`, ...) are
+accepted, and those that would change the answer but are not built (`tools`, `response_format`
+other than text, ...) are refused by name, never ignored.
 """
 
 from __future__ import annotations
@@ -21,15 +25,22 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from offload.errors import OffloadError
+from offload.errors import ContextLengthError, OffloadError
 from offload.model.chat import ChatTemplate, GenerationDefaults
 from offload.model.tokenizer import TextTokenizer
-from offload.runtime.requests import TokenLogprob
+from offload.runtime.requests import Context, TokenLogprob
 from offload.runtime.runner import Runner
 from offload.runtime.sampling import Sampling, SamplingError, resolve_sampling
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # samples per request
+#: the message roles OpenAI's chat API takes, in the order its error message lists them
+ROLES = ("system", "assistant", "user", "function", "tool", "developer")
+#: OpenAI fields that would change the answer but are not built here: refused when set to anything but
+#: the value that changes nothing (None, or the value given here)
+UNSUPPORTED = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
+               "response_format": {"type": "text"}, "modalities": ["text"], "audio": None, "prediction": None,
+               "reasoning_effort": None, "web_search_options": None, "suffix": ""}
 
 
 class BadRequest(OffloadError):
@@ -43,7 +54,7 @@ class StreamOptions(BaseModel):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send fields we do not use (user, metadata, ...)
+    model_config = ConfigDict(extra="forbid")  # as OpenAI: "Unrecognized request argument supplied: x"
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -57,6 +68,19 @@ class _Body(BaseModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+    # OpenAI fields that change nothing here: accepted, ignored
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    def check_supported(self) -> None:
+        """BadRequest naming the first OpenAI field set that this server does not build."""
+        for name, neutral in UNSUPPORTED.items():
+            value = getattr(self, name, None)
+            if value is not None and value != neutral:
+                raise BadRequest(f"{name} is not supported by this server; leave it out", name,
+                                 code="unsupported_parameter")
 
 
 class CompletionBody(_Body):
@@ -64,6 +88,7 @@ class CompletionBody(_Body):
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
+    suffix: str | None = None
 
 
 class ChatBody(_Body):
@@ -71,6 +96,17 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    parallel_tool_calls: bool | None = None  # changes nothing without tools
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    web_search_options: Any = None
 
 
 @dataclass
@@ -103,6 +139,7 @@ class ServedModel:
 
     # -- requests -----------------------------------------------------------------------------
     def check_model(self, body: _Body) -> None:
+        body.check_supported()
         if body.model != self.name:
             raise BadRequest(f"the model `{body.model}` does not exist; this server serves `{self.name}` "
                              "(GET /v1/models)", "model", 404, "model_not_found")
@@ -121,7 +158,7 @@ class ServedModel:
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
             raise BadRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
         prompts = [self._encode(x, "prompt") for x in p]
-        return prompts, self._sampling(body, max(map(len, prompts)), 16, body.logprobs), _stops(body.stop)
+        return prompts, self._sampling(body, max(map(len, prompts)), 16, body.logprobs, "prompt"), _stops(body.stop)
 
     def chat(self, body: ChatBody) -> tuple[list[int], Sampling, tuple[str, ...]]:
         self.check_model(body)
@@ -130,7 +167,7 @@ class ServedModel:
                              "chat_template); use /v1/completions with a prompt", "messages")
         if not body.messages:
             raise BadRequest("messages is empty; give at least one message", "messages")
-        messages = [_flatten(m, i) for i, m in enumerate(body.messages)]
+        messages = [_flatten(_check_role(m, i), i) for i, m in enumerate(body.messages)]
         try:
             text = self.template.render(messages, add_generation_prompt=True)
         except OffloadError as e:
@@ -141,7 +178,8 @@ class ServedModel:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
-        return ids, self._sampling(body, len(ids), self.default_max_tokens, logprobs, fit=True), _stops(body.stop)
+        return ids, self._sampling(body, len(ids), self.default_max_tokens, logprobs, "messages", fit=True), \
+            _stops(body.stop)
 
     def _encode(self, prompt: str | list[int], param: str, special: bool = True) -> list[int]:
         if isinstance(prompt, str) and self.tokenizer is None:
@@ -153,7 +191,7 @@ class ServedModel:
             raise BadRequest(str(e), param) from None
 
     def _sampling(self, body: _Body, prompt_len: int, default_max: int, logprobs: int | None,
-                  fit: bool = False) -> Sampling:
+                  prompt_param: str, fit: bool = False) -> Sampling:
         """The body's knobs over the checkpoint's defaults (`resolve_sampling`, as Python and the CLI do); `fit`:
         a reply whose length the body leaves out stops where the context ends."""
         checks = [(1 <= body.n <= MAX_N, "n", f"n must be between 1 and {MAX_N}"),
@@ -172,10 +210,11 @@ class ServedModel:
         if fit and body.max_tokens is None:
             sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens,
                                                                         max(self.context - prompt_len, 1)))
-        if prompt_len + sampling.max_new_tokens > self.context:
-            raise BadRequest(f"this model's maximum context length is {self.context} tokens; the prompt has "
-                             f"{prompt_len} and max_tokens asks for {sampling.max_new_tokens} more; shorten one of "
-                             "them", "max_tokens", code="context_length_exceeded")
+        try:
+            Context(self.context).check(prompt_len, sampling.max_new_tokens, "this request", knob="max_tokens")
+        except ContextLengthError as e:  # the same check as every other entry point; param: what to change
+            raise BadRequest(str(e), prompt_param if e.prompt_too_long else "max_tokens",
+                             code="context_length_exceeded") from None
         return sampling
 
     # -- responses ----------------------------------------------------------------------------
@@ -198,16 +237,20 @@ class ServedModel:
         return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(a, v) for a, v in lp.top]}
                             for t, lp in zip(ids, lps)]}
 
-    def completion_response(self, rid: str, choices: list[Choice], prompt_tokens: int,
-                            logprobs: bool) -> dict[str, Any]:
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.name,
+    def completion_response(self, rid: str, choices: list[Choice], prompt_tokens: int, logprobs: bool,
+                            created: int | None = None) -> dict[str, Any]:
+        """`created`: when the request arrived (OpenAI's meaning), else now."""
+        created = int(time.time()) if created is None else created
+        return {"id": rid, "object": "text_completion", "created": created, "model": self.name,
                 "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish,
                              "logprobs": self.completion_logprobs(c.logprobs, c.token_ids) if logprobs else None}
                             for c in choices],
                 "usage": usage(prompt_tokens, choices)}
 
-    def chat_response(self, rid: str, choices: list[Choice], prompt_tokens: int, logprobs: bool) -> dict[str, Any]:
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.name,
+    def chat_response(self, rid: str, choices: list[Choice], prompt_tokens: int, logprobs: bool,
+                      created: int | None = None) -> dict[str, Any]:
+        created = int(time.time()) if created is None else created
+        return {"id": rid, "object": "chat.completion", "created": created, "model": self.name,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "finish_reason": c.finish,
                              "logprobs": self.chat_logprobs(c.logprobs, c.token_ids) if logprobs else None}
@@ -229,6 +272,18 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     if len(stops) > 4 or not all(isinstance(s, str) for s in stops):
         raise BadRequest("stop must be a string or a list of up to 4 strings", "stop")
     return stops
+
+
+def _check_role(message: Mapping[str, Any], i: int) -> Mapping[str, Any]:
+    """OpenAI's answers to a message without a role, or with one it does not know."""
+    param = f"messages.[{i}].role"
+    if "role" not in message:
+        raise BadRequest(f"Missing required parameter: '{param}'.", param, code="missing_required_parameter")
+    if message["role"] not in ROLES:
+        listed = ", ".join(f"'{r}'" for r in ROLES[:-1]) + f", and '{ROLES[-1]}'"
+        raise BadRequest(f"Invalid value: {str(message['role'])[:64]!r}. Supported values are: {listed}.", param,
+                         code="invalid_value")
+    return message
 
 
 def _flatten(message: Mapping[str, Any], i: int) -> dict[str, Any]:

@@ -86,9 +86,9 @@ def convert(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, force: 
 
 def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capacity: int | None = None,
                page_cache: bool = False, verify: str = "always", auto_convert: bool = True,
-               direct_io: bool = False, fmt: WeightFormat = DENSE) -> Store:
-    """The store for this checkpoint, dtype and weight format: converted first if missing or interrupted,
-    checked if present.
+               direct_io: bool = False, fmt: WeightFormat = DENSE, progress: bool | None = None) -> Store:
+    """The store for this checkpoint, dtype and weight format: converted first if missing or interrupted
+    (`progress`: a bar on stderr; None: only when stderr is a terminal), checked if present.
 
     Safe with several processes on one store: one converts, the others wait for it (see `open_or_build`).
     """
@@ -98,7 +98,7 @@ def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capa
         if store_state(store_dir) is StoreState.PARTIAL:
             log.warning("%s holds an interrupted conversion; resuming it (or starting again if it was of "
                         "another checkpoint, dtype or format)", store_dir)
-        convert(ckpt, store_dir, dtype, capacity=capacity, fmt=fmt, lock=lock).close()
+        convert(ckpt, store_dir, dtype, capacity=capacity, fmt=fmt, lock=lock, progress=progress).close()
 
     store = open_or_build(store_dir, build if auto_convert else None, page_cache=page_cache, verify=verify,
                           capacity=capacity, direct_io=direct_io)

@@ -1,0 +1,144 @@
+"""What a command checks and does before it loads a model's weights.
+
+    config = load_config(args.config, args.model)     # --model: a directory here, next to the YAML, or a Hub id
+    cfg = model_config(config)                        # config.json alone
+    require_chat(config.model)                        # chat / run --chat: a template and a tokenizer, or refuse
+    check_new_tokens(cfg, args.max_new_tokens)        # a --max-new-tokens no prompt could fit beside
+    convert_first(config)                             # a missing store: planned, then converted with a bar
+    plan_for(config, cfg, dtype, device)              # the planner a run uses (`offload plan` shows its plan)
+
+Each check reads small files (config.json, the tokenizer files), so a mistake costs a second, not a
+conversion of the store or the minutes that filling the memory homes takes. The runner checks the
+same things again (the context through `offload.runtime.requests.Context`); this module only makes
+them early and says them in the command line's words. It prints to stderr only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload.config import OffloadConfig
+from offload.errors import ConfigError
+from offload.model import hub
+from offload.model.chat import ChatTemplate
+from offload.model.checkpoint import Checkpoint
+from offload.model.config import ModelConfig
+from offload.plan.planner import Planner, resolve_capacities
+from offload.plan.speculative import reserve_draft
+from offload.runtime.requests import Context
+from offload.runtime.runner import resolve_device, resolve_dtype
+from offload.runtime.speculative import draft_config, target_config
+from offload.weights.convert import open_store
+from offload.weights.groups import WeightFormat
+from storage.store import StoreState, store_state
+
+
+def load_config(config_path: str, model: str | None = None) -> OffloadConfig:
+    """The YAML with `--model` applied. A path on the command line is relative to the directory it was typed
+    in (else, as the YAML's own `model:`, to the YAML's directory); a value that is neither is a Hub id, and
+    an error about it names the paths that were tried. A Hub checkpoint's small files (config.json, the
+    tokenizer) are fetched now, for the checks before the weights load; the weights come when the runner
+    starts (`OffloadConfig.fetched`)."""
+    if model is None:
+        return OffloadConfig.load(config_path).fetched(weights=False)
+    here = Path(model).expanduser().resolve()
+    beside = (Path(config_path).resolve().parent / Path(model).expanduser()).resolve()
+    for path in (here, beside):
+        if path.is_dir():
+            return OffloadConfig.load(config_path, model=str(path)).fetched(weights=False)
+    tried = f"neither {here} nor {beside} is a directory" if beside != here else f"{here} is not a directory"
+    if not hub.is_hub_id(model):
+        raise ConfigError(f"--model {model!r}: {tried}; give a checkpoint directory (config.json, *.safetensors) "
+                          "or a Hub id like org/name")
+    try:
+        return OffloadConfig.load(config_path, model=model).fetched(weights=False)
+    except ConfigError as e:
+        if not str(e).startswith(f"model: {model}"):  # about another key of the YAML
+            raise
+        raise ConfigError(f"--model {model!r}: {tried}, so it was taken for a Hub id, and {e}; for a local "
+                          "checkpoint give its directory (relative to the current directory)") from None
+
+
+def model_config(config: OffloadConfig) -> ModelConfig:
+    """The model's shape from its config.json alone (a Hub model's is fetched without the weights)."""
+    path = config.model / "config.json"
+    try:
+        return ModelConfig.from_dict(json.loads(path.read_text()), str(path))
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist; point model: at a checkpoint directory with config.json") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def require_chat(model_dir: Path) -> ChatTemplate:
+    """The checkpoint's chat template; a checkpoint without one (or without tokenizer.json) is refused."""
+    template = ChatTemplate.from_checkpoint(model_dir)
+    if template is None:
+        raise ConfigError(f"{model_dir} has no chat template (tokenizer_config.json: chat_template, or "
+                          "chat_template.jinja), so it cannot chat; use `offload run --prompt TEXT` for plain "
+                          "completion")
+    if not (model_dir / "tokenizer.json").is_file():
+        raise ConfigError(f"{model_dir} has no tokenizer.json; a chat needs the model's tokenizer")
+    return template
+
+
+def check_new_tokens(cfg: ModelConfig, max_new_tokens: int | None) -> None:
+    """A --max-new-tokens that no prompt (of one token or more) fits beside in the context is refused now."""
+    if max_new_tokens is not None:
+        Context(cfg.max_position_embeddings).check(1, max_new_tokens, "even a one-token prompt",
+                                                   knob="--max-new-tokens")
+
+
+def parse_ids(text: str) -> list[int]:
+    """`--prompt-ids 1,450,4996` (commas, spaces or a JSON list) -> [1, 450, 4996]."""
+    parts = [p for p in re.split(r"[\s,\[\]]+", text) if p]
+    try:
+        ids = [int(p) for p in parts]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids {text!r}: give token ids as integers separated by commas, e.g. "
+                          "--prompt-ids 1,450,4996") from None
+    if not ids:
+        raise ConfigError("--prompt-ids is empty; give at least one token id, e.g. --prompt-ids 1,450,4996")
+    return ids
+
+
+def plan_for(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+             ) -> tuple[OffloadConfig, Planner, tuple[Any, ModelConfig] | None]:
+    """The planner a run of `config` uses (around a speculative draft's resident weights, when there is
+    one): (the target's config, its planner, (the draft's RunPlan, its ModelConfig) or None).
+
+    `planner.run_plan()` refuses what cannot fit as a Runner would, reading no weights."""
+    caps, draft = resolve_capacities(config.tiers, device), None
+    if config.speculative.enabled:  # the draft is placed first, resident; the target plans around it
+        config = target_config(config)
+        dconf = draft_config(config)
+        dcfg = ModelConfig.from_dict(json.loads((dconf.model / "config.json").read_text()), str(dconf.model))
+        draft = Planner(dconf, dcfg, dtype, device).run_plan(), dcfg
+        caps = reserve_draft(config, caps, draft[0].plan.used("gpu"), draft[0].kv_block_bytes)
+    return config, Planner(config, cfg, dtype, device, caps), draft
+
+
+def convert_first(config: OffloadConfig) -> None:
+    """The first run of a config with a disk tier converts the checkpoint into the store: here, with a
+    progress bar on stderr, once the plan is known to fit (a config the runner would refuse converts nothing).
+    A complete store is left alone; an interrupted conversion resumes; other processes wait (`open_store`)."""
+    disk = config.tiers.disk if config.tiers is not None else None
+    if disk is None or store_state(disk.path) is StoreState.COMPLETE:
+        return
+    if config.hub:  # the weights come now, as the runner would fetch them (resumed if interrupted)
+        config = config.replace(model=hub.fetch(config.hub))
+    ckpt = Checkpoint(config.model)
+    dtype, device = resolve_dtype(config.dtype, ckpt.config.torch_dtype), resolve_device(config.device)
+    plan_for(config, ckpt.config, dtype, device)[1].run_plan()  # CapacityError / ConfigError, as the runner's
+    print(f"offload: converting {ckpt.path} into the store {disk.path} (first run only; later runs reuse it)",
+          file=sys.stderr)
+    open_store(ckpt, disk.path, dtype, capacity=disk.capacity, page_cache=disk.page_cache, verify=disk.verify,
+               direct_io=disk.direct_io and not disk.page_cache, fmt=WeightFormat.from_config(config.weights,
+                                                                                          ckpt.config),
+               progress=True).close()
