@@ -86,16 +86,6 @@ class GroupLayout:
             s.name: buf[s.offset : s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape) for s in self.tensors
         }
 
-    def pack_into(self, buf: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy `tensors` (converted to the layout's dtypes) into `buf`; padding is zeroed."""
-        buf[: self.nbytes].zero_()
-        views = self.views(buf)
-        for spec in self.tensors:
-            src = tensors[spec.name]
-            if tuple(src.shape) != spec.shape:
-                raise ValueError(f"{spec.name}: shape {tuple(src.shape)} != layout {spec.shape}")
-            views[spec.name].copy_(src)
-
     def to_json(self) -> dict:
         return {
             "nbytes": self.nbytes,

@@ -19,7 +19,6 @@ stays for metadata, writing and a checked fallback read). Tiers know bytes and n
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -463,10 +462,3 @@ class DiskTier(Tier):
 def _aligned(dest: torch.Tensor, offset: int) -> bool:
     """Can `dest` be read at `offset` with O_DIRECT (address, offset and length all whole pages)?"""
     return dest.data_ptr() % PAGE == 0 and offset % PAGE == 0 and dest.numel() % PAGE == 0
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None

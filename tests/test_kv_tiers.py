@@ -189,8 +189,9 @@ def test_attention_mass_comes_from_attention(small, tmp_path):
 def test_int8_kv_error_and_bytes(model_factory, tmp_path):
     model = model_factory("llama", "small", dtype="bfloat16")
     # the KV cache in bf16 whatever this CPU computes fastest in (auto picks float32 where bf16 is slow)
-    cfg = lambda q: run_config(model, dtype="bfloat16", compute_dtype="bfloat16", **{k: v for k, v in tiered(model, tmp_path, quantization=q)
-                                                            .items() if k not in ("model", "dtype")})
+    cfg = lambda q: run_config(model, dtype="bfloat16", compute_dtype="bfloat16",
+                               **{k: v for k, v in tiered(model, tmp_path, quantization=q).items()
+                                  if k not in ("model", "dtype")})
     per_step = {}
     for q in ("none", "int8"):
         with Runner.from_config(cfg(q)) as r:

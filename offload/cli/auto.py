@@ -135,9 +135,9 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
         print(f"config: {yaml_path} (written for this machine; edit it freely)")
     config = OffloadConfig.load(yaml_path)
     if weights is not None and config.weights.quantization != weights:
-        raise ConfigError(f"--weights {weights}, but {yaml_path} (kept from the first start) says weights.quantization: "
-                          f"{config.weights.quantization}; pass another --disk for a {weights} setup, or delete "
-                          f"{root} to start over")
+        raise ConfigError(f"--weights {weights}, but {yaml_path} (kept from the first start) says "
+                          f"weights.quantization: {config.weights.quantization}; pass another --disk for a "
+                          f"{weights} setup, or delete {root} to start over")
     if config.hub:
         print(f"checkpoint: {config.hub} from the Hugging Face cache (downloading what is missing)")
         config = config.replace(model=hub.fetch(config.hub))

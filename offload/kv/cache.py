@@ -4,9 +4,9 @@ A block holds `block_size` tokens of K and V for *all* layers. A sequence's bloc
 lists *logical* block ids in token order; token t lives in block `table[t // block_size]`
 at offset `t % block_size`. Each logical block lives in exactly one tier slot at a time:
 
-    logical pool (storage.BlockPool)   ids and reference counts (prompt blocks shared by samples)
-    tier pools (storage.BlockPool)     free slots of the gpu / cpu / disk stores
-    stores (offload.kv_tiers)          the bytes, plane (layer) major
+    logical pool (storage.block_pool)  ids and reference counts (prompt blocks shared by samples)
+    tier pools (storage.block_pool)    free slots of the gpu / cpu / disk stores
+    stores (offload.kv.formats)        the bytes, plane (layer) major
 
 New tokens are always written on the device. When the device is short of slots, the
 eviction policy picks victims (never the newest block of a running sequence, never a block
@@ -21,7 +21,7 @@ Attention reads every block where it lives: for each layer, the blocks of each t
 gathered and put back in token order on the device, so the arithmetic is that of a cache
 that never left it (the tokens are identical bit for bit). With `cpu_attention`, cold
 groups are attended on the CPU without moving them, and the groups are merged exactly
-with log-sum-exp (`offload.model.merge_attention`). The per-block
+with log-sum-exp (`offload.model.functional.merge_attention`). The per-block
 share of attention (from the per-block log-sum-exp) feeds the `attention` eviction policy.
 
 Prompts admitted with a worst-case reservation of logical blocks (OK / LATER / NEVER) never

@@ -15,7 +15,7 @@ Cold blocks (host RAM, disk) take one of three formats, chosen by the config:
 
 Stores are plane-major slot arrays (`storage.slots`): one layer of many blocks is one gather,
 or a few long disk reads. This module converts between formats; it does not decide which
-block goes where (that is `offload.kv_cache` with an eviction policy).
+block goes where (that is `offload.kv.cache` with an eviction policy).
 """
 
 from __future__ import annotations
@@ -104,10 +104,6 @@ class TierStore:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
-
-    def plane_nbytes(self, n: int) -> int:
-        """Bytes one layer of n blocks takes in this store."""
-        return sum(n * a.slot_nbytes for a in self.arrays.values())
 
     def write_block(self, slot: int, parts: dict[str, torch.Tensor]) -> None:
         for name, arr in self.arrays.items():

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SCHEMES = ("none", "int8", "int4")
 #: Output rows per tile of the packed layout.
 TILE_ROWS = 64
 #: Group sizes torch's fused CPU kernel accepts.
