@@ -6,11 +6,12 @@
 Each line read from stdin is a user message; the reply streams to stdout, followed by a
 newline, and a one-line account of the turn goes to stderr (prompt tokens reused from the
 cache and computed, new tokens, why it ended). `/reset` starts over, `/exit` (or end of
-input) quits; Ctrl-C stops a reply, and an error (a conversation longer than the KV cache) ends
-only the turn. Sampling defaults come from the checkpoint's generation_config.json; flags
-override them. Every EOS id it names ends a reply, and so does any `--stop` text. With
-`kv_cache.eviction: idle`, stdin is read on a thread of its own and, while the user is away, the
-conversation's KV blocks untouched for `idle_seconds` leave the device (`PagedKVCache.expire_idle`).
+input) quits; Ctrl-C stops a reply (at the prompt, the chat), SIGTERM ends the chat, and an
+error (a conversation longer than the KV cache) ends only the turn. Sampling defaults come
+from the checkpoint's generation_config.json; flags override them. Every EOS id it names ends a
+reply, and so does any `--stop` text. With `kv_cache.eviction: idle`, stdin is read on a thread of
+its own and, while the user is away, the conversation's KV blocks untouched for `idle_seconds`
+leave the device (`PagedKVCache.expire_idle`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TextIO
 
 from offload.cli import auto
 from offload.cli.run import add_sampling_args, sampling_args
+from offload.cli.signals import Terminated
 from offload.config import OffloadConfig
 from offload.errors import ConfigError, OffloadError
 from offload.runtime.conversation import Conversation
@@ -104,6 +106,9 @@ def repl(conv: Conversation, inp: TextIO, out: TextIO, err: TextIO) -> int:
             out.write("\n")
             err.write(f"offload: error: {e} (/reset starts a new conversation)\n")
             continue
+        except Terminated:  # SIGTERM ends the chat (cli.main: exit status 143)
+            out.write("\n")
+            raise
         except KeyboardInterrupt:  # Ctrl-C stops this reply (it is not kept); end of input quits
             out.write("\n")
             err.write("(reply interrupted)\n")

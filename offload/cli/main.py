@@ -6,7 +6,8 @@
     calibrate  measure this machine (cli.plan)           trace      summarise / draw a trace (cli.trace)
 
 Library code logs through `logging`; the command modules alone print to the terminal. Every
-`OffloadError` becomes one line on stderr and exit status 2. This package may import every
+`OffloadError` becomes one line on stderr and exit status 2; Ctrl-C and SIGTERM, exit status 130 / 143
+and `offload: interrupted` / `offload: terminated` (`cli.signals`). This package may import every
 other part of `offload`; nothing imports it.
 """
 
@@ -16,8 +17,9 @@ import argparse
 import logging
 import signal
 import sys
+from typing import NoReturn
 
-from offload.cli import chat, convert, demo, plan, run, serve, trace
+from offload.cli import chat, convert, demo, plan, run, serve, signals, trace
 from offload.errors import OffloadError
 
 
@@ -31,32 +33,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit status (tests and embedders call this; the program is `program`)."""
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    previous = signal.signal(signal.SIGTERM, _terminate)  # SIGTERM stops like Ctrl-C: cleanly
+    previous = signals.on_sigterm()  # SIGTERM stops like Ctrl-C: cleanly
     try:
         return args.func(args)
     except OffloadError as e:
         print(f"offload: error: {e}", file=sys.stderr)
         return 2
-    except Terminated:
-        print("offload: terminated", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    except KeyboardInterrupt:
-        print("offload: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
+        status, word = signals.status_of(e)
+        print(f"offload: {word}", file=sys.stderr)
+        return status
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised like Ctrl-C so that the same clean-up runs (threads joined, nothing half-written)."""
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise Terminated()
+def program() -> NoReturn:
+    """The `offload` command (console script, `python -m offload`): `main`, then out of the process at once."""
+    signals.on_sigterm()
+    try:
+        status = main()
+    except KeyboardInterrupt as e:  # a second signal while the first one's clean-up ran
+        status = signals.status_of(e)[0]
+    signals.leave(status)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    program()
