@@ -1,5 +1,3 @@
-import sys
+from offload.cli.main import program
 
-from offload.cli.main import main
-
-sys.exit(main())
+program()

@@ -341,21 +341,6 @@ def _model_dir(value: str, base_dir: Path) -> Path:
     return path
 
 
-def describe_schema(cls: type = OffloadConfig, indent: str = "") -> list[str]:
-    """One line per key with its meaning (used by the README and `offload config --help`)."""
-    lines = []
-    for f in dataclasses.fields(cls):
-        if f.metadata.get("internal"):
-            continue
-        if "section" in f.metadata:
-            lines.append(f"{indent}{f.name}:")
-            lines += describe_schema(f.metadata["section"], indent + "  ")
-        else:
-            default = f.default if f.default is not dataclasses.MISSING else "(required)"
-            lines.append(f"{indent}{f.name}: {default}  # {f.metadata.get('doc', '')}")
-    return lines
-
-
 def cache_dir() -> Path:
     """Where Offload keeps what it makes for itself: the demo model, the saved calibration."""
     if os.environ.get("OFFLOAD_CACHE"):

@@ -25,8 +25,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-TRACKS = ("compute", "stall", "disk-read", "h2d", "d2h", "disk-write")
-
 
 @dataclass(slots=True)
 class Span:

@@ -1,6 +1,6 @@
 """The budgets issue 9 saw refused, at their real shapes: each now runs with `auto` and gives the resident tokens.
 
-    python scripts/autofit_examples.py [--work /tmp/offload-autofit] [--only NAME ...]
+    python -m scripts.autofit_examples [--work /tmp/offload-autofit] [--only NAME ...]
 
   medium    TinyLlama-1.1B shape (bf16), gpu 512 MiB + cpu 512 MiB + disk, prefetch depth 2
   small8    the 8-layer `small` model (float32), a gpu tier of 5 layers, prefetch depth 0..3
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from offload.plan.planner import Planner
 from offload.runtime.runner import DTYPES, Runner
 from offload.testing.make_model import SIZES, make_model, model_config
 from offload.weights.groups import model_layouts
+from scripts.machine import Result
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[1, 17, 99, 23, 5, 61, 7, 300, 41, 42, 43], [1, 8, 2], [1, 400, 33, 12, 19, 250]]
@@ -121,18 +121,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/offload-autofit")
     ap.add_argument("--only", nargs="*", default=None, help="run the examples whose name starts with these")
     ap.add_argument("--plans", action="store_true", help="only plan each example (no weights, seconds)")
-    ap.add_argument("--out", default=None, help="default: scripts/results/autofit-{examples,plans}.md")
+    ap.add_argument("--results", type=Path, default=ROOT / "scripts" / "results",
+                    help="where autofit-{examples,plans}.{md,json} go")
     args = ap.parse_args(argv)
+    header = Result()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    results = ROOT / "scripts" / "results"
     if args.plans:
+        plans = {name: plan_only(work, spec, overrides) for name, spec, overrides, _ in examples(work)}
         lines = ["# Issue 9's refused budgets, every knob `auto`: the plans (no weights read)", ""]
-        lines += [f"- {name}: {plan_only(work, spec, overrides)}" for name, spec, overrides, _ in examples(work)]
-        Path(args.out or results / "autofit-plans.md").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines))
+        lines += [f"- {name}: {plan}" for name, plan in plans.items()]
+        print(header.write(args.results, "autofit-plans", "\n".join(lines), plans).read_text())
         return 0
-    lines = ["# Issue 9's refused budgets, every knob `auto`", "", f"load average at start: {os.getloadavg()}", ""]
+    lines = ["# Issue 9's refused budgets, every knob `auto`", ""]
+    data = {}
     resident: dict[str, list[list[int]]] = {}
     ok = True
     for name, spec, overrides, prompts in examples(work):
@@ -147,11 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         got = run(ckpt, overrides, prompts)
         equal = got["tokens"] == resident[key]
         ok &= equal
+        data[name] = {k: v for k, v in got.items() if k != "plan"} | {"tokens_equal_resident": equal}
         lines += [f"## {name}: {'tokens equal to the all-resident run' if equal else 'TOKENS DIFFER'}", "",
                   f"prefill chunk {got['prefill_chunk']} ({got['passes']} prefill passes), KV blocks {got['kv_blocks']}"
                   f", KV moved {got['kv_moved']}, {got['s']:.1f} s", "", "```", got["plan"], "```", ""]
         print("\n".join(lines[-7:]), flush=True)
-    Path(args.out or results / "autofit-examples.md").write_text("\n".join(lines))
+    header.write(args.results, "autofit-examples", "\n".join(lines), data)
     return 0 if ok else 1
 
 

@@ -13,7 +13,13 @@ For each batch size, in fresh subprocesses (so peak RSS is each run's own):
               offloaded to disk, page cache evicted first: decode ms/step, peak RSS, tokens equal to ours?
 The disk's bandwidth is measured in the same run (cold, parallel preadv over the store's chunk files), so
 `disk_time = bytes read per step / bandwidth` and the ratio `step / max(compute, disk_time)` use this
-machine's numbers. Results go to OUT/bench.json and OUT/bench.md.
+machine's numbers. Results go to RESULTS/NAME.{md,json} (default OUT/bench), with the command line, the
+machine and the load (`scripts.machine.Result`).
+
+Accelerate runs the checkpoint's dense bf16 weights (it has no packed format): its row is the same-format
+peer of the `none` rows only. A packed row (`int8`, `int4`) is compared with it as "packed vs dense", which
+counts the format's fewer bytes (and, for int4, fitting in RAM) as well as the scheduler, and is also shown
+against Offload's own dense row of the same batch and depth.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from pathlib import Path
 from storage.units import blocks_for
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # `python scripts/bench.py` as well as `python -m scripts.bench`
+
+from scripts.machine import Result  # noqa: E402
 
 PROFILES = {
     # name: model size, budgets, prompt, new tokens, batches, depth, prefill chunk
@@ -377,12 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats of every run; medians reported")
     ap.add_argument("--sections", nargs="*", choices=("stream", "kv"), default=["stream", "kv"],
                     help="what to measure: weights streamed from disk, the KV cache beyond the device")
+    ap.add_argument("--results", type=Path, default=None, help="where NAME.md and NAME.json go (default: OUT)")
+    ap.add_argument("--name", default="bench", help="the results' file name (without .md / .json)")
     ap.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps(WORKERS[args.worker](json.loads(args.spec))))
         return 0
+    header = Result()
 
     prof = dict(PROFILES["quick" if args.quick else "full"])
     if args.batches:
@@ -462,28 +474,35 @@ def main(argv: list[str] | None = None) -> int:
     result = {"profile": "quick" if args.quick else "full", "settings": prof, "model": str(model),
               "budget_bytes": budget, "disk": disk, "rows": rows, "kv": kv_rows,
               "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
-    (out / "bench.json").write_text(json.dumps(result, indent=2))
-    (out / "bench.md").write_text(markdown(result))
-    print(markdown(result))
+    print(header.write(args.results or out, args.name, markdown(result), result).read_text())
     return 0
 
 
 def markdown(result: dict) -> str:
     s = result["settings"]
+    profile = ("the `--quick` profile (a small model and budgets, not the medium one)" if result["profile"] == "quick"
+               else "the full profile")
     lines = [
-        f"Model {Path(result['model']).name}, bf16, budgets gpu {s['gpu']} + cpu {s['cpu']} + disk, "
+        f"Model {Path(result['model']).name}, bf16, {profile}: budgets gpu {s['gpu']} + cpu {s['cpu']} + disk, "
         f"prompt {s['prompt']}, {s['new']} new tokens; the disk is measured cold right before and after each "
-        f"streamed run (first measurement {result['disk']['bytes_per_s'] / 1e9:.2f} GB/s).",
+        f"streamed run (first measurement {result['disk']['bytes_per_s'] / 1e9:.2f} GB/s). Accelerate runs the "
+        "dense bf16 weights: `x Accelerate` is a same-format comparison on `none` rows and a packed-vs-dense one "
+        "on `int8`/`int4` rows (the format's fewer bytes, and fitting in RAM, count as well as the scheduler); "
+        "`x Offload none` compares a packed row with Offload's own dense row of the same batch and depth.",
         "",
         "| weights | batch | depth | Offload ms/step | compute-only ms/step | disk GB/step | disk GB/s "
         "| disk-time ms/step "
         "| ratio to bound | ratio to disk busy "
-        "| stall ms/step | predicted ms/step | Offload peak RSS MiB | Accelerate ms/step | Accelerate peak RSS MiB "
-        "| speedup | tokens = Accelerate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| stall ms/step | predicted ms/step | Offload peak RSS MiB | x Offload none "
+        "| Accelerate (bf16) ms/step | Accelerate peak RSS MiB | x Accelerate | comparison | tokens = Accelerate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    dense = {(r["batch"], r["depth"]): r["offload_ms_per_step"] for r in result["rows"]
+             if r.get("weights", "none") == "none"}
     for r in result["rows"]:
         acc = "accelerate_ms_per_step" in r
+        packed = r.get("weights", "none") != "none"
+        same = dense.get((r["batch"], r["depth"]))
         lines.append(
             f"| {r.get('weights', 'none')} | {r['batch']} | {r['depth']} "
             f"| {r['offload_ms_per_step']:.0f} | {r['compute_only_ms_per_step']:.0f} | "
@@ -491,8 +510,10 @@ def markdown(result: dict) -> str:
             f"{r['ratio_to_bound']:.2f} | {r['ratio_to_disk_busy']:.2f} | "
             f"{r['offload_stall_ms_per_step']:.0f} | {r.get('predicted_ms_per_step', float('nan')):.0f} | "
             f"{mib(r['offload_peak_rss'])} | "
+            + (f"{same / r['offload_ms_per_step']:.2f}x | " if packed and same else "- | ")
             + (f"{r['accelerate_ms_per_step']:.0f} | {mib(r['accelerate_peak_rss'])} | "
-               f"{r['speedup_vs_accelerate']:.2f}x | {r['tokens_equal_accelerate']} |" if acc else "- | - | - | - |")
+               f"{r['speedup_vs_accelerate']:.2f}x | {'packed vs dense' if packed else 'same format'} | "
+               f"{r['tokens_equal_accelerate']} |" if acc else "- | - | - | - | - |")
         )
     if not result["rows"]:
         lines = []

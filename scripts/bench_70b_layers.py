@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from scripts.bench import evict, vm_hwm
-from scripts.machine import cpu_flags
+from scripts.machine import Result
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=28672,
@@ -157,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     config = {"model": str(ckpt), "device": "cpu", "dtype": "bfloat16", "calibration": str(cal),
               "tiers": {"gpu": {"capacity": args.gpu}, "cpu": {"capacity": 0}, "disk": {"path": str(store)}},
               "prefetch": {"depth": 1}}  # kv_cache and activations: auto
-    load_before = os.getloadavg()
+    header = Result()
     out = Path(args.out)
     if args.replan:  # keep the measured runs, redo the plans and the report
         old = json.loads((out / "bench-70b-layers.json").read_text())
-        ours, ref, load_before = old["offload"], old["transformers"], old["load_before"]
+        ours, ref = old["data"]["offload"], old["data"]["transformers"]
     else:
         ours = run_worker("offload", {"config": config})
         ref = run_worker("transformers", {"model": str(ckpt)})
@@ -171,23 +171,18 @@ def main(argv: list[str] | None = None) -> int:
         / len(layers) * 1000
     head = ours["per_group"]["head"]
     extrapolated = 80 * per_layer_ms + 1000 * max(head["read_s"], head["compute_s"])
-    result = {"layers": args.layers, "shape": SHAPE, "prompt": PROMPT, "new": NEW, "cpu": cpu_flags(),
-              "load_before": load_before, "load_after": os.getloadavg(), "offload": ours, "transformers": ref,
+    result = {"layers": args.layers, "shape": SHAPE, "prompt": PROMPT, "new": NEW, "offload": ours, "transformers": ref,
               "tokens_equal": ours["tokens"] == ref["tokens"], "per_layer_ms_measured": per_layer_ms,
               "extrapolated_80_layers_ms_per_token": extrapolated, "plan_80_layers_here": here,
               "plan_on_paper_rtx4090": paper}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench-70b-layers.json").write_text(json.dumps(result, indent=2))
-    text = markdown(result)
-    (out / "bench-70b-layers.md").write_text(text)
-    print(text)
+    print(header.write(out, "bench-70b-layers", markdown(result), result).read_text())
     return 0 if result["tokens_equal"] else 1
 
 
 def markdown(r: dict) -> str:
     o = r["offload"]
     lines = [f"# Llama-3-70B layer shapes, {r['layers']} layers, streamed from disk", "",
-             f"CPU: {r['cpu']}", f"load average before/after: {r['load_before']} / {r['load_after']}", "",
+             "",
              f"tokens: offload {o['tokens']}, transformers {r['transformers']['tokens']} -> "
              f"{'equal' if r['tokens_equal'] else 'DIFFERENT'}",
              f"auto-fit: prefill chunk {o['prefill_chunk']}, device KV blocks {o['kv_blocks']}, cold KV blocks "

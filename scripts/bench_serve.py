@@ -4,21 +4,20 @@
     python scripts/bench_serve.py --quick        # small model: a smoke run
 
 One Runner (homes filled once, one fixed KV pool sized for the largest batch) measures, in one run:
-  sweep    for batch 1, 8, 32, 64, 128: decode tokens/s (batch / decode-only step), next to
+  sweep    for batch 1, 8, 32, 64, 128: decode tokens/s (the tokens the decode steps sampled, counted,
+           over the time of those steps), next to
            batch x (1 / step at batch 1) (the ideal when the bytes moved per step bound it) and the
            compute bound (batch / the layers' compute time per step, from the same run's spans)
   server   `--server-batch` concurrent OpenAI clients (streaming, one thread each) against the
            same prompts run offline through `Runner.generate`: generated tokens / wall time, each
            from the first request to the last token
-Results go to scripts/results/bench-serve.{json,md} (or --results), with `uptime` and the CPU flags.
+Results go to scripts/results/bench-serve{,-quick}.{json,md} (or --results), with the command line, the
+machine and the load (`scripts.machine.Result`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ from offload.serve.background import BackgroundServer  # noqa: E402
 from offload.serve.loop import Limits  # noqa: E402
 from schedulers.timeline import busy_time  # noqa: E402
 from scripts.bench import ensure_model, ensure_store, evict, prompts  # noqa: E402
+from scripts.machine import Result  # noqa: E402
 from storage.units import blocks_for  # noqa: E402
 
 PROFILES = {
@@ -44,19 +44,6 @@ PROFILES = {
     "quick": dict(size="small", gpu="64MiB", cpu="32MiB", prompt=8, new=6, batches=[1, 4, 8], server_batch=4,
                   chunk=64, depth=1),
 }
-
-
-def machine() -> dict:
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    return {"cpus": os.cpu_count(), "uptime": uptime, "cpu_flags": flags, "python": sys.version.split()[0]}
 
 
 def in_thread(fn, *args):
@@ -81,7 +68,8 @@ def sweep_row(runner: Runner, batch: int, prof: dict) -> dict:
     compute = sum(s.duration for s in tl.on("compute") if s.step in steps) / max(len(steps), 1)
     disk = busy_time([s for s in tl.on("disk-read") if s.step in steps]) / max(len(steps), 1)
     ms = stats.decode_only_ms_per_step
-    return {"batch": batch, "decode_ms_per_step": ms, "tokens_per_s": 1000 * batch / ms if ms else 0.0,
+    return {"batch": batch, "decode_ms_per_step": ms, "decode_tokens": stats.decode_tokens,
+            "decode_s": stats.decode_s, "tokens_per_s": stats.decode_tokens_per_s,
             "compute_ms_per_step": 1000 * compute, "disk_busy_ms_per_step": 1000 * disk,
             "compute_bound_tokens_per_s": batch / compute if compute else 0.0, "decode_steps": len(steps),
             "prefill_s": stats.prefill_s, "wall_s": wall,
@@ -119,12 +107,14 @@ def server_vs_offline(runner: Runner, batch: int, prof: dict) -> dict:
 
 
 def markdown(result: dict) -> str:
-    p, m = result["settings"], result["machine"]
+    p = result["settings"]
     base = result["sweep"][0]
-    lines = [f"Model {Path(result['model']).name}, budgets gpu {p['gpu']} + cpu {p['cpu']} + disk, prefetch depth "
-             f"{p['depth']}, prompt {p['prompt']}, {p['new']} new tokens, prefill chunk {p['chunk']}, KV "
-             f"{result['kv_blocks']} device blocks (room for the largest batch); one Runner for every row.",
-             f"Machine: {m['cpus']} CPUs; `uptime` at the start: {result['uptime_start']}; at the end: {m['uptime']}.",
+    profile = "the `--quick` profile (a small model, not the medium one)" if result["profile"] == "quick" else \
+        "the full profile"
+    lines = [f"Model {Path(result['model']).name}, {profile}: budgets gpu {p['gpu']} + cpu {p['cpu']} + disk, "
+             f"prefetch depth {p['depth']}, prompt {p['prompt']}, {p['new']} new tokens, prefill chunk {p['chunk']}, "
+             f"KV {result['kv_blocks']} device blocks (room for the largest batch); one Runner for every row. "
+             "tokens/s: the tokens the decode steps sampled over their time.",
              "",
              "| batch | ms/step | tokens/s | batch x (1/step at batch 1) | x batch 1 | compute ms/step | compute bound "
              "tok/s | of compute bound | disk busy ms/step | binds first |",
@@ -142,7 +132,7 @@ def markdown(result: dict) -> str:
               "offline (`Runner.generate`), generated tokens / wall time including prefill:", "",
               "| batch | offline tok/s | server tok/s | server / offline |", "|---|---|---|---|",
               f"| {s['batch']} | {s['offline_tokens_per_s']:.2f} | {s['server_tokens_per_s']:.2f} | "
-              f"{s['ratio']:.2f} |", "", f"CPU flags: {m['cpu_flags']}"]
+              f"{s['ratio']:.2f} |"]
     return "\n".join(lines) + "\n"
 
 
@@ -159,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         prof["batches"] = args.batches
     if args.server_batch:
         prof["server_batch"] = args.server_batch
-    uptime_start = machine()["uptime"]
+    header = Result()
     out = args.out.resolve()
     model = ensure_model(out, prof["size"])
     store = out / "stores" / model.name
@@ -184,13 +174,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{server['offline_tokens_per_s']:.2f} (ratio {server['ratio']:.2f})", file=sys.stderr)
         plan = runner.plan.describe()
     result = {"profile": "quick" if args.quick else "full", "settings": prof, "model": str(model), "plan": plan,
-              "kv_blocks": blocks, "sweep": rows, "server": server, "uptime_start": uptime_start,
-              "machine": machine()}
-    args.results.mkdir(parents=True, exist_ok=True)
+              "kv_blocks": blocks, "sweep": rows, "server": server}
     name = "bench-serve-quick" if args.quick else "bench-serve"
-    (args.results / f"{name}.json").write_text(json.dumps(result, indent=2))
-    (args.results / f"{name}.md").write_text(markdown(result))
-    print(markdown(result))
+    print(header.write(args.results, name, markdown(result), result).read_text())
     return 0
 
 

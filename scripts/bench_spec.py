@@ -14,21 +14,19 @@ from the measured pass times, and from the cost model alone (calibration, plans 
 The drafts are the target itself packed (`speculative.draft: self-int4` and `self-int8`, issue 10's
 group-wise weights, resident in memory beside the streamed ring). The worst case is the medium model
 with random weights (flat distributions: drafts rarely agree). Results:
-scripts/results/bench-spec.{json,md}, with `uptime` load and CPU flags (the machine is shared).
+scripts/results/bench-spec.{json,md}, with the command, the machine and the load (the machine is shared).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from scripts.machine import cpu_flags, load
+from scripts.machine import Result, load
 from storage.units import blocks_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,9 +175,7 @@ def bench_target(name: str, target: Path, drafts: dict[str, Path], out: Path, ne
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Speculative decoding over streamed weights ({result['date']})", "",
-             f"Machine: {result['machine']}; load (1/5/15 min) at start {result['load_start']}, end "
-             f"{result['load_end']}. CPU flags: {result['cpu_flags']}.", "",
+    lines = ["# Speculative decoding over streamed weights", "",
              "| target | run | tok/s | x plain | drafts kept | alpha | tokens/pass | draft ms | verify ms "
              "| plain ms/pass "
              "| predicted x (measured times) | predicted x (cost model) | same tokens | load |",
@@ -217,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     from scripts.bench import ensure_model
     from scripts.trained_model import ensure_trained_model
 
+    header = Result()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": load(),
-              "cpu_flags": cpu_flags(), "machine": f"{os.cpu_count()} CPUs, {platform.machine()}", "rows": []}
+    result = {"rows": []}
     trained = ensure_trained_model(dtype="bfloat16")
     new = 16 if args.quick else args.new
     drafts = {"self-int4": "self-int4", "self-int8": "self-int8"}
@@ -231,13 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         medium = args.medium or ensure_model(out, "medium")
         result["rows"] += bench_target("medium (random)", medium, {"self-int4": "self-int4"}, out, 8, [4, "auto"],
                                        batch=1)
-    result["load_end"] = load()
-    args.results.mkdir(parents=True, exist_ok=True)
     for r in result["rows"]:
         r.pop("tokens", None)
-    (args.results / "bench-spec.json").write_text(json.dumps(result, indent=2))
-    (args.results / "bench-spec.md").write_text(markdown(result))
-    print(markdown(result))
+    print(header.write(args.results, "bench-spec", markdown(result), result).read_text())
     return 0
 
 

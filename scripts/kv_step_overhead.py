@@ -1,20 +1,18 @@
 """Benchmark: the Python work of a decode step's KV bookkeeping at long context (CPU, small model shape).
 
-    python scripts/kv_step_overhead.py [--context 32768] [--batch 8] [--steps 5] [--out scripts/results]
+    python -m scripts.kv_step_overhead [--contexts 2048 32768] [--batch 8] [--steps 5] [--out scripts/results]
 
 Builds the paged KV cache of `batch` sequences of `context` tokens each (no model math: the
 cache is filled by `prepare` alone), then times `prepare` for decode steps of one token per
 sequence: the host-side work that builds the step's block tables and index tensors (what the
-issue calls "ms of Python per step"). Run it under two checkouts (PYTHONPATH) to compare
-before/after in one session; it appends a row to OUT/kv-step-overhead.md with the load average.
+issue calls "ms of Python per step"). Writes OUT/kv-step-overhead.{md,json} (`scripts.machine.Result`:
+the command, the machine, the load); to compare two checkouts, run it under each (PYTHONPATH) with its
+own --out.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import torch
 from offload.kv.blocks import KVSettings
 from offload.kv.cache import PagedKVCache
 from offload.model.config import ModelConfig
+from scripts.machine import Result
 from storage.units import blocks_for
 
 SMALL = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12,
@@ -53,26 +52,22 @@ def measure(context: int, batch: int, steps: int, block: int, cold_fraction: flo
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--contexts", type=int, nargs="*", default=[2048, 32768])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--cold", type=float, default=0.5, help="fraction of the blocks in the cpu tier")
-    ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args()
-    row = measure(args.context, args.batch, args.steps, args.block, args.cold)
-    row |= {"label": args.label or "run", "load": os.getloadavg()[0], "cpus": os.cpu_count(),
-            "cpu": platform.processor() or platform.machine()}
-    print(json.dumps(row))
-    args.out.mkdir(parents=True, exist_ok=True)
-    md = args.out / "kv-step-overhead.md"
-    if not md.exists():
-        md.write_text("| code | context | batch | blocks | cold blocks | prepare ms/step (median) | min | "
-                      "load (1 min) |\n|---|---|---|---|---|---|---|---|\n")
-    with md.open("a") as f:
-        f.write(f"| {row['label']} | {row['context']} | {row['batch']} | {row['blocks']} | {row['cold_blocks']} | "
-                f"{row['prepare_ms_median']:.1f} | {row['prepare_ms_min']:.1f} | {row['load']:.1f} |\n")
+    header = Result()
+    rows = [measure(c, args.batch, args.steps, args.block, args.cold) for c in args.contexts]
+    lines = [f"`prepare` for a decode step of {args.batch} sequences (small model shape, block {args.block}, "
+             f"{args.cold:.0%} of the blocks in the cpu tier), median and min of {args.steps} steps.", "",
+             "| context | batch | blocks | cold blocks | prepare ms/step (median) | min | fill s |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['context']} | {r['batch']} | {r['blocks']} | {r['cold_blocks']} | {r['prepare_ms_median']:.1f} "
+              f"| {r['prepare_ms_min']:.1f} | {r['fill_s']:.1f} |" for r in rows]
+    print(header.write(args.out, "kv-step-overhead", "\n".join(lines), rows).read_text())
     return 0
 
 

@@ -1,6 +1,6 @@
 """Benchmark row: pinned host bytes against the cpu tier's capacity, one arena vs one pinned allocation per region.
 
-    python scripts/pinned_bytes.py [--config scripts/examples/llama3-70b-24gb.yaml] [--out scripts/results]
+    python -m scripts.pinned_bytes [--config scripts/examples/llama3-70b-24gb.yaml] [--out scripts/results]
 
 Plans the example (Llama-3-70B on a 24 GB GPU, on paper: no weights, no GPU) for several cpu
 capacities and reports, per plan: the cpu tier's capacity, the bytes its regions use, the
@@ -22,6 +22,7 @@ from offload.config import OffloadConfig, parse_size
 from offload.model.config import ModelConfig
 from offload.plan.placement import STAGE_SLOTS
 from offload.plan.planner import Planner
+from scripts.machine import Result
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,6 +37,7 @@ def main() -> int:
     ap.add_argument("--cpu", nargs="*", default=["8GiB", "24GiB", "56GiB"])
     ap.add_argument("--out", type=Path, default=ROOT / "scripts/results")
     args = ap.parse_args()
+    header = Result()
     base = OffloadConfig.load(args.config)
     model_dir = (args.config.parent / base.model) if not Path(base.model).is_absolute() else Path(base.model)
     cfg = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
@@ -59,10 +61,8 @@ def main() -> int:
     for cpu, cap, used, pinned, old, stage, old_stage, n in rows:
         lines.append(f"| {cpu} | {n} | {used / g:.2f} | {pinned / g:.2f} | {pinned / cap:.4f} | {old / g:.2f} | "
                      f"{stage / 2**20:.0f} ({old_stage / 2**20:.0f}) |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pinned-bytes.md").write_text(text)
+    keys = ("cpu", "capacity", "used", "pinned", "per_region_old", "stage_slot", "stage_slot_old", "homed_groups")
+    print(header.write(args.out, "pinned-bytes", "\n".join(lines), [dict(zip(keys, r)) for r in rows]).read_text())
     return 0
 
 

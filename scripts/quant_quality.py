@@ -1,6 +1,6 @@
 """What int8 / int4 weights cost in quality, on a small *trained* model (SmolLM2-135M-Instruct).
 
-    python scripts/quant_quality.py [--out scripts/results/quant_quality.md]
+    python -m scripts.quant_quality [--results scripts/results] [--name quant-quality]
 
 For each weight format (none, int8 g64, int4 g32 / g64 / g192; SmolLM2's hidden size 576 is not a
 multiple of 128, so g192 stands in for the coarse end), on CPU in float32 so that only the
@@ -12,7 +12,8 @@ quantization differs:
   - the max over layers of the relative error of a layer's output: each layer gets the *same* input (the
     dense model's), and the error is ||update_q - update|| / ||update|| with update = layer(x) - x (the
     residual stream itself would hide it).
-The model ties its LM head to the embeddings, so the head stays dense in every format.
+The model ties its LM head to the embeddings, so the head stays dense in every format. Writes
+RESULTS/NAME.md and NAME.json (`scripts.machine.Result`: the command, the machine, the load).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from offload.model.checkpoint import Checkpoint
 from offload.runtime.runner import Runner
 from offload.weights.groups import WeightFormat, fill_group, group_layout, weight_views
 from offload.weights.quant import Scratch
+from scripts.machine import Result
 from scripts.trained_model import ensure_trained_model
 from storage.units import blocks_for
 
@@ -90,11 +92,13 @@ def layer_errors(path: Path, ids: list[int], fmt: WeightFormat) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("scripts/results/quant_quality.md"))
+    ap.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--name", default="quant-quality", help="the results' file name (without .md / .json)")
     ap.add_argument("--new", type=int, default=NEW, help="greedy tokens per prompt")
     ap.add_argument("--formats", nargs="*", default=[f"{q}:{g}" for q, g in FORMATS],
                     help="QUANTIZATION:GROUP pairs; the first is the reference (none)")
     args = ap.parse_args(argv)
+    header = Result()
     formats = [(f.split(":")[0], int(f.split(":")[1])) for f in args.formats]
     path = ensure_trained_model(dtype="float32")
     rows, ref_logits, ref_tokens = [], None, None
@@ -130,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['weights']} | {r['group_size'] if r['weights'] != 'none' else '-'} | "
                      f"{r['perplexity']:.3f} | {100 * r['top1_agreement']:.1f}% | {100 * r['greedy_agreement']:.1f}% "
                      f"| {r['greedy_common_prefix']:.1f} / {args.new} | {r['max_layer_rel_error']:.4f} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2))
-    print("\n".join(lines))
+    if any(q == "int4" and g == 32 for q, g in formats):
+        lines += ["", "This checkpoint was itself dequantized from a Q4_1 GGUF (4-bit, blocks of 32, scale + minimum; "
+                  "`scripts/trained_model.py`), so int4 g32 lands back on its own grid and loses next to nothing "
+                  "here; on a model trained in bf16 it would not. The other rows show the cost of re-quantizing."]
+    print(header.write(args.results, args.name, "\n".join(lines), {"new_tokens": args.new, "rows": rows}).read_text())
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run a big model (a 70B on a single consumer GPU) in one command, then chat with it.
 #
-#   scripts/run_70b.sh MODEL_OR_PATH [--weights int4] [--disk DIR] [offload chat flags...]
+#   scripts/run_70b.sh MODEL_OR_PATH [--weights int8|int4] [--disk DIR] [offload chat flags...]
 #
 # MODEL_OR_PATH is a checkpoint directory or a Hugging Face Hub id (meta-llama/Llama-3.3-70B-Instruct;
 # gated models need HF_TOKEN). The first start detects the GPU, RAM and disk, writes DIR/offload.yaml

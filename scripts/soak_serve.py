@@ -8,7 +8,7 @@ chat, requests that run past the timeout (504), and requests whose KV could neve
 the script samples the process RSS and the loop's counters. Pass: after a warm-up (the first
 fifth of the steps), the RSS of the last quarter exceeds that of the first quarter by less than
 `--max-growth-mib`, and once the clients stop every KV block is free and no sequence is left.
-Results go to scripts/results/soak-serve.{json,md}.
+Results go to scripts/results/soak-serve.{json,md}, with the command, the machine and the load.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import json
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,6 +36,7 @@ from offload.serve.background import BackgroundServer  # noqa: E402
 from offload.serve.loop import Limits  # noqa: E402
 from offload.testing.make_model import make_model  # noqa: E402
 from schedulers.timeline import Timeline  # noqa: E402
+from scripts.machine import Result  # noqa: E402
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-growth-mib", type=float, default=16.0)
     ap.add_argument("--results", type=Path, default=ROOT / "scripts" / "results")
     args = ap.parse_args(argv)
-    uptime_start = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    header = Result()
     tmp = Path(tempfile.mkdtemp(prefix="offload-soak-"))
     try:
         model = make_model(tmp / "soak", family="llama", size="tiny")
@@ -125,21 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         and final["kv_sequences"] == 0 and final["kv_logical_free"] == final["kv_blocks"]
     result = {"steps": final["steps"], "clients": args.clients, "requests": counts, "rss_first_mib": first / 2**20,
               "rss_last_mib": last / 2**20, "growth_mib": growth, "final": final, "ok": ok,
-              "uptime_start": uptime_start,
-              "uptime_end": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
               "samples": samples}
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "soak-serve.json").write_text(json.dumps(result, indent=2))
     lines = [f"Soak: {final['steps']} engine steps, {args.clients} clients, {sum(counts.values())} requests "
              f"({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}).",
              f"RSS after warm-up: first quarter {first / 2**20:.1f} MiB, last quarter {last / 2**20:.1f} MiB "
              f"(growth {growth:+.1f} MiB; limit {args.max_growth_mib} MiB).",
              f"At the end: {final['kv_blocks_free']}/{final['kv_blocks']} device KV blocks free, "
              f"{final['kv_logical_free']} logical free, {final['kv_sequences']} sequences, "
-             f"{final['spans']} spans held; {'PASS' if ok else 'FAIL'}.",
-             f"`uptime`: {uptime_start} -> {result['uptime_end']}"]
-    (args.results / "soak-serve.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+             f"{final['spans']} spans held; {'PASS' if ok else 'FAIL'}."]
+    print(header.write(args.results, "soak-serve", "\n".join(lines), result).read_text())
     return 0 if ok else 1
 
 

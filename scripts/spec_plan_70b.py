@@ -1,6 +1,6 @@
 """Llama-3-70B with speculative decoding, on paper: the cost model's plan next to SpecExec's figures.
 
-    python -m scripts.spec_plan_70b            # writes scripts/results/spec-plan-70b.md
+    python -m scripts.spec_plan_70b            # writes scripts/results/spec-plan-70b.{md,json}
 
 The machine of scripts/examples/llama3-70b-24gb.yaml (RTX 4090 24 GB, 56 GiB RAM for Offload,
 7 GB/s NVMe; links and kernels from scripts/calibrations/rtx4090-pcie4-nvme.json). The draft is
@@ -28,6 +28,7 @@ from offload.plan.placement import GroupSpec
 from offload.plan.planner import Planner
 from offload.plan.predict import Workload, predict_decode
 from offload.plan.speculative import choose_tokens, verify_cost
+from scripts.machine import Result
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "scripts" / "examples" / "llama3-70b-24gb.yaml"
@@ -57,6 +58,7 @@ def scenario(config: OffloadConfig, cfg: ModelConfig, draft_cfg: ModelConfig, ca
 
 
 def main() -> int:
+    header = Result()
     config = OffloadConfig.load(EXAMPLE).replace(calibration=CALIBRATION)
     raw = json.loads((config.model / "config.json").read_text())
     cfg = ModelConfig.from_dict(raw, "llama3-70b")
@@ -68,13 +70,16 @@ def main() -> int:
     t_plain = predict_decode(target.placement(target.caps, depth), cfg, cal, "cuda", Workload(), 2).step_s
     gib = 2**30
     lines = [
-        "# Llama-3-70B with speculative decoding, on paper (`python -m scripts.spec_plan_70b`)", "",
+        "# Llama-3-70B with speculative decoding, on paper", "",
         "RTX 4090 24 GB (22 GiB for Offload), 56 GiB RAM, 7 GB/s NVMe (calibration "
         f"`{CALIBRATION.name}`), prefetch depth {depth}, batch 1. Plain bf16 target with the whole budget: "
         f"{1000 * t_plain:.0f} ms/token ({1 / t_plain:.3f} tokens/s).", "",
     ]
+    data = {"plain_ms_per_token": 1000 * t_plain, "drafts": {}}
     for name, dcfg in (("the target's own int4 copy (self-int4)", cfg), ("a Llama-3-8B-shaped int4 draft", small)):
         sc = scenario(config, cfg, dcfg, cal, depth)
+        data["drafts"][name] = {"draft_ms": 1000 * sc["t_draft"], "target_ms": 1000 * sc["t_target"],
+                                "draft_gpu_bytes": sc["draft_gpu"], "draft_cpu_bytes": sc["draft_cpu"], "rows": []}
         t_draft, t_target, cost = sc["t_draft"], sc["t_target"], sc["cost"]
         lines += [
             f"## Draft: {name}", "",
@@ -89,17 +94,16 @@ def main() -> int:
             tps = p.tokens_per_pass / p.step_s
             lines.append(f"| {alpha:.1f} | {p.tokens} | {p.tokens_per_pass:.2f} | {1000 * p.step_s:.0f} | "
                          f"{tps:.3f} | {tps * t_plain:.1f} |")
+            data["drafts"][name]["rows"].append({"acceptance": alpha, "tokens": p.tokens, "tokens_per_pass":
+                                                 p.tokens_per_pass, "ms_per_step": 1000 * p.step_s,
+                                                 "tokens_per_s": tps})
         lines.append("")
     lines += ["SpecExec (Svirschevski et al., NeurIPS 2024), 50B+ models offloaded to RAM on consumer GPUs: "
               "4-6 tokens/s with a 4-bit target, 2-3 tokens/s with a 16-bit target (a 7B-class draft and "
               "trees of thousands of tokens, the target in RAM). Above: a chain, and a bf16 target that does not "
               "fit in RAM (141 GB), so most of it streams from the NVMe drive every pass; the self-int4 draft "
               "(~40 GB) takes the RAM the target would have used."]
-    text = "\n".join(lines) + "\n"
-    out = ROOT / "scripts" / "results" / "spec-plan-70b.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(text)
+    print(header.write(ROOT / "scripts" / "results", "spec-plan-70b", "\n".join(lines), data).read_text())
     return 0
 
 

@@ -1,6 +1,6 @@
 """Benchmark: the CPU cost of streaming weights from disk, part by part (CPU-only machine).
 
-    python scripts/stream_cost.py [--gib 1] [--group-mib 88] [--out scripts/results]
+    python -m scripts.stream_cost [--gib 1] [--group-mib 88] [--out scripts/results]
 
 Writes `--gib` of random bytes as disk-tier regions the size of the medium model's layers
 (88 MiB), then reads them all into page-aligned slots (as the prefetcher does) in each mode,
@@ -12,13 +12,13 @@ the page cache dropped before every pass:
     direct           O_DIRECT, no checksum: what a streamed pass costs with direct_io and verify: once
 
 and times crc32c and fadvise alone. Reports wall seconds and CPU seconds (all threads) per GiB:
-CPU seconds are what streaming takes from the matmuls. Records the CPU flags and the load.
+CPU seconds are what streaming takes from the matmuls. Writes OUT/stream-cost.{md,json} with the command,
+the machine and the load (`scripts.machine.Result`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import tempfile
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.machine import cpu_flags
+from scripts.machine import Result
 from storage import io
 from storage.arena import aligned_empty
 from storage.disk import DiskTier
@@ -63,6 +63,7 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=None, help="where to write the test regions (a real disk)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args()
+    header = Result()
     size = args.group_mib * 2**20
     n = max(1, int(args.gib * 2**30 // size))
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
@@ -92,19 +93,14 @@ def main() -> int:
         os.close(fd)
         rows["fadvise alone (cached nothing)"] = {"cpu_s_per_gib": (cpu_seconds() - c0) / (n * size / 2**30),
                                                   "wall_s_per_gib": (time.perf_counter() - w0) / (n * size / 2**30)}
-    result = {"gib": n * size / 2**30, "group_mib": args.group_mib, "cpus": os.cpu_count(), "flags": cpu_flags(),
-              "load": os.getloadavg(), "modes": rows}
-    print(json.dumps(result, indent=1))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "stream-cost.json").write_text(json.dumps(result, indent=1))
+    result = {"gib": n * size / 2**30, "group_mib": args.group_mib, "modes": rows}
     lines = [f"Streaming's CPU cost per GiB read into page-aligned slots ({result['gib']:.2f} GiB in "
-             f"{args.group_mib} MiB regions, page cache dropped before each pass); {os.cpu_count()} CPUs, load "
-             f"{result['load'][0]:.1f}; CPU flags: {result['flags']}", "",
+             f"{args.group_mib} MiB regions, page cache dropped before each pass).", "",
              "| mode | wall s/GiB | CPU s/GiB | GB/s | O_DIRECT |", "|---|---|---|---|---|"]
     for name, r in rows.items():
         lines.append(f"| {name} | {r['wall_s_per_gib']:.3f} | {r['cpu_s_per_gib']:.3f} | "
                      f"{r.get('gb_per_s', float('nan')):.2f} | {r.get('o_direct', '-')} |")
-    (args.out / "stream-cost.md").write_text("\n".join(lines) + "\n")
+    print(header.write(args.out, "stream-cost", "\n".join(lines), result).read_text())
     return 0
 
 

@@ -7,9 +7,11 @@ included), so an import moved into a function to dodge a cycle still counts as a
 from __future__ import annotations
 
 import ast
+import configparser
 from pathlib import Path
 
 import pytest
+import setuptools
 
 from offload.runtime.executor import WeightSource
 
@@ -163,6 +165,23 @@ def test_the_product_never_imports_scripts():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "scripts" or n.startswith("scripts.") for n in names), m
+
+
+def test_only_the_three_packages_are_installed():
+    # `scripts` stays a folder of the checkout (`python -m scripts.x` from its root), never a top-level package
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    include = cfg["options.packages.find"]["include"].split()
+    found = setuptools.find_packages(str(ROOT), include=include)
+    assert {p.split(".")[0] for p in found} == {"offload", "schedulers", "storage"}
+    assert not any(k.startswith("scripts") for k in cfg["options.package_data"])
+
+
+def test_one_lint_configuration():
+    assert (ROOT / "ruff.toml").is_file() and not (ROOT / ".flake8").exists()
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert "flake8" not in cfg and "ruff check ." in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
 @pytest.mark.parametrize("package", sorted(p for p in MODULES if (ROOT / p.replace(".", "/")).is_dir()))

@@ -84,13 +84,42 @@ def test_second_start_reuses_config_store_and_calibration(setup, monkeypatch, ca
     assert second.out.startswith(expected + "\n") and "this machine" not in second.out  # the replies alone
 
 
-def test_weights_int4_is_refused_until_quantized_weights_exist(setup, capsys):
-    model, disk, _ = setup
-    if "weights" in {f.name for f in auto.dataclasses.fields(auto.OffloadConfig)}:
-        pytest.skip("this Offload has quantized weights")
+def start_packed(model, disk, fmt, monkeypatch, capsys, lines=("Hello there",)):
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    assert main(["chat", "--auto", str(model), "--disk", str(disk), "--weights", fmt, "--max-new-tokens", "4"]) == 0
+    return capsys.readouterr()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_auto_with_packed_weights_converts_plans_and_chats_packed_then_reuses_the_store(setup, monkeypatch,
+                                                                                         capsys, fmt):
+    model, disk, calls = setup
+    first = start_packed(model, disk, fmt, monkeypatch, capsys)
+    group = auto.packed(str(model), fmt).group_size  # the tiny model's 344-wide `down` is not a multiple of 64
+    assert group == 8
+    assert yaml.safe_load((disk / "offload.yaml").read_text())["weights"] == {"quantization": fmt, "group_size": group}
+    manifest = json.loads((disk / "store" / "manifest.json").read_text())
+    assert manifest["meta"]["weights"]["quantization"] == fmt  # converted packed, not in the checkpoint's dtype
+    assert any(s.startswith(fmt) for s in manifest["meta"]["weights"]["tensors"].values())
+    assert f"stored {fmt} g{group}" in first.out  # the plan counts packed bytes
+    assert calls["convert"] == 1
+
+    second = start_packed(model, disk, fmt, monkeypatch, capsys)
+    assert "is complete (no conversion)" in second.out and calls["convert"] == 1
+
+    # the reply is the packed model's: the same conversation on an all-in-memory run of the same format
+    config = run_config(model, dtype="auto", weights={"quantization": fmt, "group_size": group})
+    with Runner.from_config(config) as r:
+        expected = Conversation(r, Sampling(4, stop_token_ids=frozenset(r.generation.eos_token_ids))).say(
+            "Hello there").text
+    assert "\n" + expected + "\n" in first.out and "\n" + expected + "\n" in second.out
+
+
+def test_auto_weights_other_than_the_kept_yaml_are_refused(setup, monkeypatch, capsys):
+    model, disk, calls = setup
+    start(model, disk, monkeypatch, capsys)
     assert main(["chat", "--auto", str(model), "--disk", str(disk), "--weights", "int4"]) == 2
-    assert "weights: {quantization: int4}" in capsys.readouterr().err
-    assert not (disk / "offload.yaml").exists()  # refused before anything was written
+    assert "weights.quantization: none" in capsys.readouterr().err and calls["convert"] == 1
 
 
 def test_run_70b_script_shows_its_usage():

@@ -19,7 +19,10 @@ def test_quick_benchmark_reports_ratios_rss_and_the_peer(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((tmp_path / "bench.json").read_text())
+    written = json.loads((tmp_path / "bench.json").read_text())
+    assert written["command"].endswith("--quick --out " + str(tmp_path)) and written["machine"]["cpus"]
+    assert (tmp_path / "bench.md").read_text().startswith("Command: `python -m scripts.bench --quick")
+    result = written["data"]
     assert result["disk"]["bytes_per_s"] > 1e6
     for row in result["rows"]:
         assert row["tokens_equal_resident"]  # streaming never changes the tokens

@@ -7,11 +7,13 @@ import io
 import json
 import re
 import shutil
+import time
 
 import pytest
 import torch
 import yaml
 
+from offload.cli.chat import repl
 from offload.cli.main import main
 from offload.errors import CapacityError
 from offload.runtime.conversation import Conversation
@@ -181,6 +183,36 @@ def test_chat_repl_through_stdin(chat_dir, tmp_path, monkeypatch, capsys):
     assert out == "".join(t + "\n" for t in expected)
     cached = [int(n) for n in re.findall(r"\[turn \d: (\d+) prompt tokens from the cache", err)]
     assert len(cached) == 3 and cached[0] == 0 and 0 < cached[1] < cached[2]  # turns 2 and 3 reuse the KV
+
+
+def test_while_the_user_is_away_the_conversations_idle_kv_leaves_the_device(chat_dir, tmp_path):
+    cfg = run_config(chat_dir, tiers={"gpu": {"capacity": "256MiB"}, "cpu": {"capacity": "64MiB"}},
+                     kv_cache={"block_size": 4, "gpu_blocks": 64, "cpu_blocks": 64, "eviction": "idle",
+                               "idle_seconds": 0.2})
+    with Runner.from_config(cfg) as r:
+        alone = Conversation(r, greedy(r, 6))
+        expected = alone.say(TURNS[0]).text
+        alone.close()
+        conv = Conversation(r, greedy(r, 6))
+        seen = []
+
+        class SlowUser(io.StringIO):  # answers the second prompt only after a while, as a person would
+            def readline(self, *a):
+                if seen:
+                    while conv.kept is None:  # the reply is being written
+                        time.sleep(0.05)
+                    time.sleep(1.0)
+                    seen.append((r.kv.count("gpu"), r.kv.count("cpu")))
+                    return ""
+                seen.append(None)
+                return TURNS[0] + "\n"
+
+        out, err = io.StringIO(), io.StringIO()
+        assert repl(conv, SlowUser(), out, err) == 1
+        conv.close()
+    assert out.getvalue() == expected + "\n"
+    gpu, cpu = seen[1]
+    assert cpu > 0 and gpu == 1  # all but the newest, partly written block left the device while nobody spoke
 
 
 def test_run_chat_renders_the_prompt_as_one_user_message(chat_dir, tmp_path, capsys):

@@ -11,8 +11,11 @@ from offload.kv.cache import PagedKVCache
 from offload.kv.formats import dequantize_int8, quantize_int8
 from offload.model.config import ModelConfig
 from offload.model.functional import attend_group
+from offload.runtime.engine import Engine
 from offload.runtime.executor import ForwardBatch
+from offload.runtime.requests import Request
 from offload.runtime.runner import Runner
+from offload.runtime.sampling import Sampling
 from schedulers.eviction import Candidate, Idle, make_policy
 from storage.slots import DiskSlots, MemorySlots
 from tests.conftest import run_config
@@ -86,15 +89,47 @@ def test_attention_evicts_the_lowest_mass():
     assert make_policy("attention").choose(cands((1, 5.0, 0.2), (2, 1.0, 9.0), (3, 3.0, 0.1)), 2) == [3, 1]
 
 
-def test_idle_evicts_blocks_untouched_for_idle_seconds_first():
+def test_idle_expires_blocks_untouched_for_more_than_idle_seconds_and_lru_expires_none():
     now = [100.0]
     policy = Idle(30.0, clock=lambda: now[0])
-    rows = cands((1, 95.0, 0), (2, 60.0, 0), (3, 65.0, 0), (4, 99.0, 0))
-    assert policy.choose(rows, 2) == [2, 3]  # idle for 40 s and 35 s; 1 and 4 are not idle
-    assert policy.order(rows) == [2, 3, 1, 4]
-    now[0] = 92.0  # block 2 idle for 32 s: the only idle one goes first, however recent the others
-    rows = cands((1, 70.0, 0), (2, 60.0, 0), (3, 65.0, 0))
-    assert policy.order(rows)[0] == 2 and Idle(30.0, clock=lambda: 200.0).order(rows) == [2, 3, 1]
+    rows = cands((1, 95.0, 0), (2, 60.0, 0), (3, 65.0, 0), (4, 99.0, 0), (5, 70.0, 0))
+    assert policy.expired(rows) == [2, 3]  # idle for 40 s and 35 s, oldest first; 5 for exactly 30 s: not yet
+    assert make_policy("lru").expired(rows) == [] and make_policy("attention").expired(rows) == []
+    assert policy.choose(rows, 2) == [2, 3]  # room needed: least recently touched first
+    now[0] = 1000.0
+    assert policy.expired(rows) == [2, 3, 5, 1, 4]
+
+
+def test_idle_blocks_leave_the_device_with_room_to_spare_and_come_back_exact(tiny_llama, tmp_path):
+    """A conversation waits for its user: under `idle` its full blocks leave the device though nothing needs the
+    room (LRU keeps them), come back when the next turn attends over them, and the tokens are the all-device run's."""
+    def two_turns(eviction):
+        now = [0.0]
+        with Runner.from_config(tiered(tiny_llama, tmp_path / eviction, gpu_blocks=16, cpu_blocks=2,
+                                       eviction=eviction, idle_seconds=30)) as r:
+            r.kv.clock = r.kv.policy.clock = lambda: now[0]
+            engine = Engine(r)
+            first = engine.submit(Request(PROMPTS[0][:40], Sampling(8), keep=True))  # 48 tokens: 3 blocks
+            while engine.busy:
+                engine.step()
+                now[0] += 1.0
+            now[0] += 60.0  # the user reads the reply for a minute
+            left = r.kv.expire_idle()
+            where = {t: r.kv.count(t) for t in ("gpu", "cpu", "disk")}
+            history = PROMPTS[0][:40] + first.outputs[0].token_ids
+            second = engine.continue_(first.kept, history + [7, 8, 9], Sampling(8))
+            while engine.busy:
+                engine.step()
+            cold_after = r.kv.count_cold()
+        return first.outputs[0].token_ids, second.outputs[0].token_ids, left, where, cold_after
+
+    lru = two_turns("lru")
+    assert lru[2] == 0 and lru[3] == {"gpu": 3, "cpu": 0, "disk": 0}  # LRU: nothing needs the room, nothing moves
+    assert lru[4] == 0  # so its run is the all-device run
+    idle = two_turns("idle")
+    assert idle[2] == 2 and idle[3] == {"gpu": 1, "cpu": 2, "disk": 0}  # the two full blocks left; the newest stays
+    assert idle[4] == 0  # attended over again: back on the device
+    assert idle[:2] == lru[:2]
 
 
 CFG = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 16, "num_attention_heads": 2,
@@ -115,6 +150,27 @@ def test_the_newest_block_of_a_running_sequence_is_never_demoted(tmp_path):
     newest = {kv.seqs[a].blocks[-1], kv.seqs[b].blocks[-1]}
     assert all(kv.blocks[bid].tier == "gpu" for bid in newest)
     assert kv.blocks[kv.seqs[a].blocks[0]].tier == "cpu"  # a's full first block was the one to leave
+
+
+def test_a_step_demotes_the_blocks_of_a_sequence_idle_too_long_though_the_device_has_room():
+    clock = [0.0]
+    settings = KVSettings(block_size=4, gpu_blocks=8, cpu_blocks=8, eviction="idle", idle_seconds=30.0)
+    kv = PagedKVCache(CFG, 4, 8, torch.float32, "cpu", settings=settings, clock=lambda: clock[0])
+    a, b = kv.add_sequence(), kv.add_sequence()
+    kv.prepare([a], [9])  # a: two full blocks and a partial one
+    kv.prepare([b], [2])
+    clock[0] = 30.0
+    kv.prepare([b], [1])  # a untouched for exactly idle_seconds: not yet
+    assert kv.count("cpu") == 0
+    clock[0] = 31.0
+    kv.prepare([b], [1])  # b's step, a idle for 31 s: a's full blocks leave with 5 device blocks free
+    assert [kv.blocks[x].tier for x in kv.seqs[a].blocks] == ["cpu", "cpu", "gpu"]  # its newest is written next
+    assert kv.pool.num_free == 6 and kv.blocks[kv.seqs[b].blocks[0]].tier == "gpu"
+    clock[0] = 32.0
+    kv.prepare([b], [1])  # room on the device, but a is still idle: its blocks stay cold
+    assert kv.count("cpu") == 2
+    kv.prepare([a], [1])  # a attended over again: back on the device
+    assert [kv.blocks[x].tier for x in kv.seqs[a].blocks] == ["gpu"] * 3
 
 
 def test_attention_mass_comes_from_attention(small, tmp_path):

@@ -1,11 +1,12 @@
-"""`offload chat --auto MODEL_OR_PATH [--disk DIR] [--weights int4]`: from a model to a chat in one command.
+"""`offload chat --auto MODEL_OR_PATH [--disk DIR] [--weights int8|int4]`: from a model to a chat in one command.
 
 The first start looks at this machine (the GPU's free memory, the RAM, the disk and its free
 space), writes an editable YAML next to the store, converts the checkpoint into the store
 (with progress), calibrates the machine, prints the plan with its predicted seconds per
 token and what would help, then opens the chat. Every later start reuses all of it and says
 so: the YAML is read as the user left it, a complete store is not converted again, a saved
-calibration is not measured again. `scripts/run_70b.sh` is this command.
+calibration is not measured again. `scripts/run_70b.sh` is this command. With `--weights int8|int4`
+the YAML says `weights: {quantization: ...}`, and the store is converted, planned and read packed.
 
     DIR/offload.yaml        the run's configuration (written once, never overwritten)
     DIR/store/              the zarr store of the weights (the disk tier)
@@ -15,7 +16,7 @@ calibration is not measured again. `scripts/run_70b.sh` is this command.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -29,12 +30,14 @@ from offload.config import OffloadConfig, cache_dir, format_size
 from offload.errors import ConfigError
 from offload.model import hub
 from offload.model.checkpoint import Checkpoint
+from offload.model.config import ModelConfig
 from offload.plan.calibrate import calibrate
 from offload.runtime.runner import resolve_dtype
 from offload.weights.convert import convert
+from offload.weights.groups import WeightFormat
 from storage.store import StoreState, store_state
 
-WEIGHT_SCHEMES = ("int4",)
+WEIGHT_SCHEMES = ("int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class Machine:
                 f"{format_size(self.disk_free)} free")
 
 
-def config_yaml(model: str, m: Machine, weights: str | None) -> str:
+def config_yaml(model: str, m: Machine, weights: WeightFormat | None) -> str:
     """The editable configuration for this machine; `auto` wherever the planner fits it at each start."""
     if m.device == "cuda":
         memory = ("  gpu:  {capacity: auto}          # free GPU memory at start (x0.9): homes, ring, KV, workspace\n"
@@ -86,7 +89,8 @@ def config_yaml(model: str, m: Machine, weights: str | None) -> str:
         "dtype: auto                       # the checkpoint's own (bfloat16 for most)",
     ]
     if weights:
-        lines.append(f"weights: {{quantization: {weights}}}")
+        lines.append(f"weights: {{quantization: {weights.quantization}, group_size: {weights.group_size}}}   "
+                     "# matrices stored, streamed and planned packed")
     lines += [
         "tiers:",
         memory.rstrip("\n"),
@@ -103,15 +107,17 @@ def _name(model: str) -> str:
     return (hub.split_id(model)[0].replace("/", "--") if hub.is_hub_id(model) else Path(model).resolve().name)
 
 
+def packed(model: str, quantization: str) -> WeightFormat:
+    """The packed format for this model: the default group size (64), or the largest that divides every matrix."""
+    directory = hub.fetch(model, weights=False) if hub.is_hub_id(model) else Path(model)
+    cfg = ModelConfig.from_dict(json.loads((directory / "config.json").read_text()), str(directory / "config.json"))
+    return WeightFormat(quantization).fitted(cfg)
+
+
 def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig:
     """Write (first start) or read the YAML, convert and calibrate once; returns the run's configuration."""
-    if weights is not None:
-        if weights not in WEIGHT_SCHEMES:
-            raise ConfigError(f"--weights {weights!r} is not supported; use one of: {', '.join(WEIGHT_SCHEMES)}")
-        if "weights" not in {f.name for f in dataclasses.fields(OffloadConfig)}:
-            raise ConfigError("--weights int4 needs quantized weights (the `weights: {quantization: int4}` key), "
-                              "which this version of Offload does not have yet; drop --weights to run the "
-                              "checkpoint's own dtype")
+    if weights is not None and weights not in WEIGHT_SCHEMES:
+        raise ConfigError(f"--weights {weights!r} is not supported; use one of: {', '.join(WEIGHT_SCHEMES)}")
     if not hub.is_hub_id(model):
         path = Path(model).expanduser().resolve()
         if not path.is_dir():
@@ -125,9 +131,13 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
     if yaml_path.is_file():
         print(f"config: {yaml_path} (reused; edit it to change the run)")
     else:
-        yaml_path.write_text(config_yaml(model, machine, weights))
+        yaml_path.write_text(config_yaml(model, machine, None if weights is None else packed(model, weights)))
         print(f"config: {yaml_path} (written for this machine; edit it freely)")
     config = OffloadConfig.load(yaml_path)
+    if weights is not None and config.weights.quantization != weights:
+        raise ConfigError(f"--weights {weights}, but {yaml_path} (kept from the first start) says "
+                          f"weights.quantization: {config.weights.quantization}; pass another --disk for a "
+                          f"{weights} setup, or delete {root} to start over")
     if config.hub:
         print(f"checkpoint: {config.hub} from the Hugging Face cache (downloading what is missing)")
         config = config.replace(model=hub.fetch(config.hub))
@@ -142,7 +152,8 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
             again = " (an interrupted conversion is started again)" if state is StoreState.PARTIAL else ""
             print(f"store: converting {ckpt.path} into {store}, once{again}")
             t0 = time.perf_counter()
-            convert(ckpt, store, dtype, capacity=config.tiers.disk.capacity, progress=True).close()
+            fmt = WeightFormat.from_config(config.weights, ckpt.config)  # the YAML's, as the run will read it
+            convert(ckpt, store, dtype, capacity=config.tiers.disk.capacity, progress=True, fmt=fmt).close()
             print(f"store: converted in {time.perf_counter() - t0:.1f}s")
     cal_path = config.calibration or root / "calibration.json"
     if cal_path.is_file():
@@ -167,4 +178,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --auto: where the YAML, the store and the calibration live "
                         "(default: $OFFLOAD_CACHE/models/NAME)")
     p.add_argument("--weights", default=None, choices=WEIGHT_SCHEMES,
-                   help="with --auto: store the weights quantized (needs the weights.quantization key)")
+                   help="with --auto: store, stream and plan the weight matrices quantized (writes "
+                        "weights.quantization into the first start's YAML; later starts read the YAML)")

@@ -6,23 +6,30 @@
 Each line read from stdin is a user message; the reply streams to stdout, followed by a
 newline, and a one-line account of the turn goes to stderr (prompt tokens reused from the
 cache and computed, new tokens, why it ended). `/reset` starts over, `/exit` (or end of
-input) quits; Ctrl-C stops a reply, and an error (a conversation longer than the KV cache) ends
-only the turn. Sampling defaults come from the checkpoint's generation_config.json; flags
-override them. Every EOS id it names ends a reply, and so does any `--stop` text.
+input) quits; Ctrl-C stops a reply (at the prompt, the chat), SIGTERM ends the chat, and an
+error (a conversation longer than the KV cache) ends only the turn. Sampling defaults come
+from the checkpoint's generation_config.json; flags override them. Every EOS id it names ends a
+reply, and so does any `--stop` text. With `kv_cache.eviction: idle`, stdin is read on a thread of
+its own and, while the user is away, the conversation's KV blocks untouched for `idle_seconds`
+leave the device (`PagedKVCache.expire_idle`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import queue
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
 from offload.cli import auto
 from offload.cli.prepare import check_new_tokens, convert_first, load_config, model_config, require_chat
 from offload.cli.run import add_sampling_args, check_sampling_args, cli_sampling
+from offload.cli.signals import Terminated
 from offload.errors import ConfigError, OffloadError
 from offload.model import hub
 from offload.runtime.conversation import Conversation
@@ -46,15 +53,39 @@ def session_sampling(runner: Runner, args: argparse.Namespace) -> Sampling:
     return cli_sampling(runner.generation, args, fallback_max_new_tokens=512)
 
 
+def line_reader(inp: TextIO, timeout: float | None, wait: Callable[[], object]) -> Callable[[], str]:
+    """`inp.readline`; with a timeout, lines come from a reader thread and `wait` runs every timeout/2 seconds
+    while none comes (so the KV of a conversation waiting for its user can leave the device)."""
+    if timeout is None:
+        return inp.readline
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in iter(inp.readline, ""):
+            lines.put(line)
+        lines.put("")
+
+    threading.Thread(target=read, name="offload-chat-input", daemon=True).start()
+
+    def readline() -> str:
+        while True:
+            try:
+                return lines.get(timeout=min(max(timeout / 2, 0.05), 5.0))
+            except queue.Empty:
+                wait()
+    return readline
+
+
 def repl(conv: Conversation, inp: TextIO, out: TextIO, err: TextIO) -> int:
     """Read user lines until end of input or /exit; stream each reply. Returns the number of turns."""
     turns = 0
     interactive = inp.isatty()
+    readline = line_reader(inp, conv.engine.kv.policy.timeout, conv.engine.kv.expire_idle)
     while True:
         if interactive:
             out.write("> ")
             out.flush()
-        line = inp.readline()
+        line = readline()
         if not line:
             break
         text = line.rstrip("\n")
@@ -76,6 +107,9 @@ def repl(conv: Conversation, inp: TextIO, out: TextIO, err: TextIO) -> int:
             out.write("\n")
             err.write(f"offload: error: {e} (/reset starts a new conversation)\n")
             continue
+        except Terminated:  # SIGTERM ends the chat (cli.main: exit status 143)
+            out.write("\n")
+            raise
         except KeyboardInterrupt:  # Ctrl-C stops this reply (it is not kept); end of input quits
             out.write("\n")
             err.write("(reply interrupted)\n")

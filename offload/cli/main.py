@@ -6,7 +6,8 @@
     calibrate  measure this machine (cli.plan)           trace      summarise / draw a trace (cli.trace)
 
 Library code logs through `logging`; the command modules alone print to the terminal. Every
-`OffloadError` becomes one line on stderr and exit status 2; a reader that goes away
+`OffloadError` becomes one line on stderr and exit status 2; Ctrl-C and SIGTERM, exit status 130 / 143
+and `offload: interrupted` / `offload: terminated` (`cli.signals`); a reader that goes away
 (`offload run ... | head`) ends the command quietly with status 141, as SIGPIPE would. This
 package may import every other part of `offload`; nothing imports it.
 """
@@ -18,8 +19,9 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
-from offload.cli import chat, convert, demo, plan, run, serve, trace
+from offload.cli import chat, convert, demo, plan, run, serve, signals, trace
 from offload.errors import OffloadError
 
 
@@ -33,10 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit status (tests and embedders call this; the program is `program`)."""
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    previous = signal.signal(signal.SIGTERM, _terminate)  # SIGTERM stops like Ctrl-C: cleanly
+    previous = signals.on_sigterm()  # SIGTERM stops like Ctrl-C: cleanly
     try:
         status = args.func(args)
         sys.stdout.flush()  # a reader gone by now is met here, inside these handlers, not at the interpreter's exit
@@ -44,12 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     except OffloadError as e:
         print(f"offload: error: {e}", file=sys.stderr)
         return 2
-    except Terminated:
-        print("offload: terminated", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    except KeyboardInterrupt:
-        print("offload: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
+        status, word = signals.status_of(e)
+        print(f"offload: {word}", file=sys.stderr)
+        return status
     except BrokenPipeError:  # stdout's reader closed it (`| head`): nobody reads the rest; stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush of stdout cannot fail again
@@ -59,13 +60,15 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised like Ctrl-C so that the same clean-up runs (threads joined, nothing half-written)."""
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise Terminated()
+def program() -> NoReturn:
+    """The `offload` command (console script, `python -m offload`): `main`, then out of the process at once."""
+    signals.on_sigterm()
+    try:
+        status = main()
+    except KeyboardInterrupt as e:  # a second signal while the first one's clean-up ran
+        status = signals.status_of(e)[0]
+    signals.leave(status)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    program()

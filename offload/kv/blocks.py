@@ -2,6 +2,7 @@
 
     Block        where one logical block lives (tier, slot) and what eviction looks at
     Sequence     a block table in token order, plus blocks reserved for its future tokens
+    Recency      when each sequence was last attended over, handed to its blocks when eviction looks
     TierBlocks   the blocks of one tier that a step attends over, flattened over the batch
     StepKV       index tensors built once per step and shared by every layer
     KVSettings   the cache's settings with every `auto` resolved (by the planner)
@@ -32,6 +33,31 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)  # logical ids, in token order
     length: int = 0  # tokens whose K/V are (or are being) written
     reserved: list[int] = field(default_factory=list)  # logical ids held for its future blocks
+
+
+@dataclass
+class Recency:
+    """The last step that attended over each sequence, kept per sequence while steps run (a step does not walk
+    every block) and handed to the blocks' `last_touch` when eviction reads it (`sync`)."""
+
+    touched: dict[int, float] = field(default_factory=dict)  # sequence -> clock of its last step
+    dirty: set[int] = field(default_factory=set)  # sequences touched since their blocks last got their time
+
+    def touch(self, sids: list[int], now: float) -> None:
+        self.touched.update(dict.fromkeys(sids, now))
+        self.dirty.update(sids)
+
+    def sync(self, seqs: dict[int, Sequence], blocks: dict[int, Block], sids: list[int] | None = None) -> None:
+        for sid in list(self.dirty) if sids is None else sids:
+            self.dirty.discard(sid)
+            t = self.touched.get(sid)
+            for blk in [] if t is None else filter(None, map(blocks.get, seqs[sid].blocks)):
+                blk.last_touch = max(blk.last_touch, t)
+
+    def forget(self, sid: int, seqs: dict[int, Sequence], blocks: dict[int, Block]) -> None:
+        """A sequence is freed: blocks it shared outlive it and keep its last touch."""
+        self.sync(seqs, blocks, [sid])
+        self.touched.pop(sid, None)
 
 
 @dataclass(frozen=True)

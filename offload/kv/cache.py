@@ -4,8 +4,8 @@ A block holds `block_size` tokens of K and V for *all* layers. A sequence's bloc
 lists *logical* block ids in token order; token t lives in block `table[t // block_size]`
 at offset `t % block_size`. Each logical block lives in exactly one tier slot at a time:
 
-    logical pool (storage.BlockPool)   ids and reference counts (prompt blocks shared by samples)
-    tier pools (storage.BlockPool)     free slots of the gpu / cpu / disk stores
+    logical pool (storage.block_pool)  ids and reference counts (prompt blocks shared by samples)
+    tier pools (storage.block_pool)    free slots of the gpu / cpu / disk stores
     stores (offload.kv.formats)        the bytes, plane (layer) major
 
 New tokens are always written on the device. When the device is short of slots, the
@@ -13,12 +13,15 @@ eviction policy picks victims (never the newest block of a running sequence, nev
 written this step) and they move device -> host -> disk, converted to the cold format
 (full precision, int8 with per-block per-head scales, or the layer inputs for recompute).
 When the device has room again, the hottest cold blocks come back (transfer format only).
+A policy with a timeout (`idle`) also demotes the blocks untouched for `idle_seconds`, room
+needed or not, at every step and whenever `expire_idle` is called between steps; they stay
+cold until a step attends over them again.
 
 Attention reads every block where it lives: for each layer, the blocks of each tier are
 gathered and put back in token order on the device, so the arithmetic is that of a cache
 that never left it (the tokens are identical bit for bit). With `cpu_attention`, cold
 groups are attended on the CPU without moving them, and the groups are merged exactly
-with log-sum-exp (`offload.model.merge_attention`). The per-block share of attention (from
+with log-sum-exp (`offload.model.functional.merge_attention`). The per-block share of attention (from
 the per-block log-sum-exp) feeds the `attention` eviction policy. Cold blocks travel to the
 device through `offload.kv.fetch`, on the run's one transfer engine.
 
@@ -36,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from offload.kv.blocks import Block, KVSettings, Sequence, StepKV, tier_blocks
+from offload.kv.blocks import Block, KVSettings, Recency, Sequence, StepKV, tier_blocks
 from offload.kv.fetch import ColdFetcher, Fetched
 from offload.kv.formats import ColdFormat, TierStore, cold_kv, to_cold
 from offload.kv.view import LayerKV
@@ -74,7 +77,7 @@ class PagedKVCache:
         self.rope = rope
         self.policy = make_policy(s.eviction, s.idle_seconds, clock)
         L = cfg.num_layers
-        self.device_fmt = self.device_format(cfg, block_size, dtype, s.restore)
+        self.device_fmt = ColdFormat.for_device(cfg, block_size, dtype, s.restore)
         self.cold_fmt = ColdFormat.for_config(cfg, block_size, dtype, s.quantization, s.restore)
         counts = {"gpu": num_blocks, "cpu": s.cpu_blocks, "disk": s.disk_blocks}
         if counts["disk"] and disk_dir is None:
@@ -104,21 +107,13 @@ class PagedKVCache:
         # the same (tier, slot) per logical id as a tensor, kept in step with `blocks` (-1: not materialised),
         # so a step's block tables are tensor lookups, not a Python walk over every block
         self._where = torch.full((max(self.logical.num_blocks, 1), 2), -1, dtype=torch.long)  # [ids, (tier, slot)]
-        self._touched: dict[int, float] = {}  # sequence -> clock of the last step that attended over its blocks
-        self._dirty: set[int] = set()  # sequences touched since their blocks last got their time
+        self.recency = Recency()  # when each sequence was last attended over (eviction's `last_touch`)
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
 
     @staticmethod
-    def device_format(cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str) -> ColdFormat:
-        arrays = {"kv": ((2, block_size, cfg.num_kv_heads, cfg.head_dim), dtype)}
-        if restore == "recompute":
-            arrays["hidden"] = ((block_size, cfg.hidden_size), dtype)
-        return ColdFormat("device", arrays)
-
-    @staticmethod
     def block_nbytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str = "transfer") -> int:
-        return PagedKVCache.device_format(cfg, block_size, dtype, restore).block_nbytes(cfg.num_layers)  # all layers
+        return ColdFormat.for_device(cfg, block_size, dtype, restore).block_nbytes(cfg.num_layers)  # all layers
 
     @property
     def pool(self) -> BlockPool:
@@ -182,9 +177,7 @@ class PagedKVCache:
         seq.reserved = []
 
     def free_sequence(self, sid: int) -> None:
-        self._sync_touch([sid])  # shared blocks outlive the sequence: they keep its last touch
-        self._touched.pop(sid, None)
-        self._dirty.discard(sid)
+        self.recency.forget(sid, self.seqs, self.blocks)
         seq = self.seqs.pop(sid)
         self._release(self.logical.free(seq.blocks))
         self.logical.free(seq.reserved)
@@ -243,18 +236,15 @@ class PagedKVCache:
     def count_cold(self) -> int:
         return int((self._where[:, 0] > 0).sum())
 
-    def _sync_touch(self, sids: list[int] | None = None) -> None:
-        """Give blocks the last-touch time of the sequences that attended over them (kept per sequence while
-        steps run, so a step does not walk every block; eviction reads it per block)."""
-        for sid in list(self._dirty) if sids is None else sids:
-            self._dirty.discard(sid)
-            t = self._touched.get(sid)
-            if t is None:
-                continue
-            for bid in self.seqs[sid].blocks:
-                blk = self.blocks.get(bid)
-                if blk is not None and blk.last_touch < t:
-                    blk.last_touch = t
+    def _writing(self) -> set[int]:
+        """The newest block of each sequence while tokens are still appended to it: it stays on the device."""
+        return {seq.blocks[-1] for seq in self.seqs.values() if seq.length % self.block_size}
+
+    def _candidates(self, which: Callable[[int, Block], bool]) -> list[Candidate]:
+        """What the eviction policy sees of the blocks `which` selects (their last touch brought up to date)."""
+        self.recency.sync(self.seqs, self.blocks)
+        return [Candidate(bid, b.last_touch, b.mass) for bid, b in self.blocks.items() if which(bid, b)]
+
     # -- moving blocks ------------------------------------------------------------------------
     def _take_slot(self, tier: str, protected: set[int]) -> int:
         """A free slot in `tier`, demoting a victim further down first if the tier is full."""
@@ -272,10 +262,7 @@ class PagedKVCache:
                 f"the KV cache is full: every {tier} block is in use and there is no tier below it; raise "
                 "kv_cache.cpu_blocks or kv_cache.disk_blocks, or admit fewer tokens"
             )
-        self._sync_touch()
-        candidates = [Candidate(bid, b.last_touch, b.mass) for bid, b in self.blocks.items()
-                      if b.tier == tier and bid not in protected]
-        victims = self.policy.choose(candidates, n)
+        victims = self.policy.choose(self._candidates(lambda bid, b: b.tier == tier and bid not in protected), n)
         if len(victims) < n:
             raise CapacityError(f"the {tier} KV blocks are all in use by running sequences; raise "
                                 f"kv_cache.{tier}_blocks or lower the batch size")
@@ -302,24 +289,33 @@ class PagedKVCache:
         self._where[bid] = torch.tensor([TIERS.index(dst), slot])
 
     def _promote(self, room: int, protected: set[int]) -> None:
-        """Bring the hottest cold blocks back while the device has room (transfer formats only)."""
+        """Bring the hottest cold blocks back while the device has room (transfer formats only), unless expired."""
         if room <= 0 or self.cold_fmt.name == "hidden" or self.count_cold() == 0:
             return
-        self._sync_touch()
-        cold = [Candidate(bid, b.last_touch, b.mass) for bid, b in self.blocks.items() if b.tier != "gpu"]
-        for bid in reversed(self.policy.order(cold)):  # the last to evict is the first to bring back
-            if room <= 0:
-                return
+        cold = self._candidates(lambda bid, b: b.tier != "gpu")
+        expired = set(self.policy.expired(cold))
+        for bid in [b for b in reversed(self.policy.order(cold)) if b not in expired][:room]:  # last out, first in
             self._move(bid, "gpu", protected)
-            room -= 1
+
+    def expire_idle(self, protected: set[int] | None = None) -> int:
+        """Demote the device blocks the policy holds expired (`idle`) though nothing needs their room; how many left.
+        Each step does it; so does a caller that waits for work. Partly filled newest blocks stay (being written)."""
+        below = [t for t in TIERS[1:] if t in self.pools]
+        protected = self._writing() if protected is None else protected
+        gpu = self._candidates(lambda bid, b: b.tier == "gpu" and bid not in protected)
+        victims = self.policy.expired(gpu)[: sum(self.pools[t].num_free for t in below)]  # each takes a slot below
+        for bid in victims:
+            self._move(bid, below[0], protected)
+        return len(victims)
 
     # -- steps --------------------------------------------------------------------------------
     def prepare(self, sids: list[int], q_lens: list[int]) -> tuple[BatchLayout, StepKV]:
         """Make room and blocks for `q_lens[b]` new tokens of each sequence; index tensors for the step."""
         bs = self.block_size
         now = self.clock()
-        # the newest block of a running sequence stays on the device while tokens are still appended to it
-        protected = {seq.blocks[-1] for seq in self.seqs.values() if seq.blocks and seq.length % bs}
+        protected = self._writing()
+        self.recency.touch(sids, now)  # touched by this step: never expired by it
+        self.expire_idle(protected)
         copies, fresh = [], 0
         for sid, n in zip(sids, q_lens):
             seq = self.seqs[sid]
@@ -358,8 +354,6 @@ class PagedKVCache:
             slot_offsets.append(pos % bs)
             seq.length += n
             kv_lens.append(seq.length)
-            self._touched[sid] = now
-            self._dirty.add(sid)
         self._promote(gpu.num_free - len(sids), protected)
         layout = BatchLayout.build(q_lens, kv_lens, self.device)
         cols = max(len(self.seqs[s].blocks) for s in sids)

@@ -63,6 +63,14 @@ class ColdFormat:
             return cls("int8", {"kv8": (kv_shape, torch.int8), "scale": ((2, cfg.num_kv_heads), torch.float32)})
         return cls("kv", {"kv": (kv_shape, dtype)})
 
+    @classmethod
+    def for_device(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str) -> ColdFormat:
+        """The device tier's format: K/V in the compute dtype (and the layer inputs, to restore by recompute)."""
+        arrays = {"kv": ((2, block_size, cfg.num_kv_heads, cfg.head_dim), dtype)}
+        if restore == "recompute":
+            arrays["hidden"] = ((block_size, cfg.hidden_size), dtype)
+        return cls("device", arrays)
+
     def block_nbytes(self, planes: int) -> int:
         """Bytes of one block (every layer) in this format."""
         return sum(planes * math.prod(shape) * dt.itemsize for shape, dt in self.arrays.values())

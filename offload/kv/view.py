@@ -20,7 +20,7 @@ from offload.model.functional import BatchLayout
 
 
 class LayerKV:
-    """The KV cache as one layer of one step sees it (implements `offload.model.KVView`)."""
+    """The KV cache as one layer of one step sees it (implements `offload.model.functional.KVView`)."""
 
     def __init__(self, cache: Any, layer: int, layout: BatchLayout, step: StepKV,
                  cold: dict[str, dict[str, torch.Tensor]] | None) -> None:

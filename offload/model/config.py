@@ -73,10 +73,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def layer_params(self) -> int:
-        attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-        return attn + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
-
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
         """Every key is checked for type and range; whatever else is malformed is still one CheckpointError."""

@@ -138,10 +138,6 @@ class BatchLayout:
                    torch.cat(unpad).to(device), q_pos.to(device))
 
     @property
-    def num_tokens(self) -> int:
-        return sum(self.q_lens)
-
-    @property
     def uniform(self) -> bool:
         return len(set(self.q_lens)) == 1
 

@@ -65,7 +65,7 @@ def workspace_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, keys: int 
     """Activation memory of one prefill pass of `chunk` tokens attending over `keys` keys (an estimate, reserved).
 
     Flat activations (residual, norm output, fused qkv, gate/up, attention output) at the compute dtype;
-    the attention as `offload.model.attend_group` materialises it: float32 scores, their masked copy and
+    the attention as `offload.model.functional.attend_group` materialises it: float32 scores, their masked copy and
     the probabilities plus the probabilities in the compute dtype (each [heads, chunk, keys]), the boolean
     mask expanded over the query groups, and the keys' K/V gathered into token order (gathered, padded and
     split: three copies); and float32 logits for a batch of up to 64 last tokens.

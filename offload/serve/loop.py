@@ -179,11 +179,15 @@ class EngineLoop:
             torch.cuda.set_device(self.runner.device)
         while True:
             with self._lock:
-                while not self.busy and not self._stopped:
+                if not self.busy and not self._stopped:
                     self._lock.wait(0.5)
-                if not self.busy:
-                    return  # stopped, and nothing left to finish
-            self.step()
+                busy, stopped = self.busy, self._stopped
+            if busy:
+                self.step()
+            elif stopped:
+                return  # stopped, and nothing left to finish
+            else:  # waiting for work: KV untouched for kv_cache.idle_seconds (eviction: idle) leaves the device
+                self.engine.kv.expire_idle()
 
     @torch.inference_mode()
     def step(self) -> None:

@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 from offload.model import kernels
 
-SCHEMES = ("none", "int8", "int4")
 #: Output rows per tile of the packed layout.
 TILE_ROWS = 64
 #: Group sizes torch's fused CPU kernel accepts.
