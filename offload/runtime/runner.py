@@ -51,6 +51,7 @@ class WeightSource(Protocol):
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [N] (CPU) -> [N, H] on the device
     def acquire(self, group: str) -> dict[str, M.Weight]: ...
     def release(self, group: str) -> None: ...
+    def experts(self, layer: int) -> Any: ...  # a MoE layer's ExpertSource (offload.weights.experts)
     def abort_pass(self) -> None: ...  # a pass stopped half way: start the next one cleanly
     def close(self) -> None: ...
 
@@ -233,11 +234,15 @@ class Runner:
             tl = self.timeline
             for i, group in enumerate(self._layer_groups):
                 w = M.LayerWeights.from_views(self.weights.acquire(group))
+                experts = self.weights.experts(i) if w.moe is not None else None  # it releases the layer's group
                 view = kv.view(i, layout, step, self.weights.side_result(group) if cold else None)
                 with tl.range(f"offload/compute/{group}"):
                     x = M.decoder_layer(x, w, view, layout, cos_sin, self.cfg, self.cfg.sliding_windows[i],
-                                        rope_table)
-                self.weights.release(group)
+                                        rope_table, experts)
+                if experts is None:
+                    self.weights.release(group)
+                else:
+                    experts.finish()
             head_groups = None
             if keep is not None:
                 ends = torch.tensor(layout.q_lens).cumsum(0).tolist()
