@@ -235,28 +235,33 @@ _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\
 Spec = tuple[str, tuple[int, ...], str]
 
 
-def stack_experts(specs: list[Spec]) -> tuple[list[Spec], dict[str, list[tuple[str, tuple[int, ...]]]]]:
+def stack_experts(specs: list[Spec]) -> tuple[list[Spec], dict[str, list[Spec]]]:
     """Per-expert specs -> transformers' stacked tensors (kind "stack"): `mlp.experts.gate_up_proj` [E, 2I, H]
-    (each expert's gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, I], drawn from the
-    per-expert tensors' seeds, so both layouts hold the same values; Mixtral's `block_sparse_moe.` becomes
-    `mlp.` as transformers names it. Returns the specs and, per stacked name, its parts in order."""
+    (each expert's gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, I]; Mixtral's
+    `block_sparse_moe.` becomes `mlp.` as transformers names it. Every value is drawn from its per-expert
+    (Hub) name's seed, so both layouts hold the same weights. Returns the specs and, for each stacked or
+    renamed tensor, the Hub specs it is made of, in order."""
     out: list[Spec] = []
-    parts: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    parts: dict[str, list[Spec]] = {}
     experts: dict[str, set[str]] = {}
     for name, shape, kind in specs:
         m = _EXPERT.match(name)
         if m is None:
-            out.append((name.replace(".block_sparse_moe.", ".mlp."), shape, kind))
+            new = name.replace(".block_sparse_moe.", ".mlp.")
+            if new != name:
+                parts[new] = [(name, shape, kind)]
+            out.append((new, shape, "stack" if new != name else kind))
             continue
         layer, e, proj = m.groups()
         key = f"model.layers.{layer}.mlp.experts." + ("down_proj" if proj in ("down_proj", "w2") else "gate_up_proj")
         if key not in parts:
             parts[key], experts[key] = [], set()
             out.append((key, (), "stack"))
-        parts[key].append((name, shape))
+        parts[key].append((name, shape, kind))
         experts[key].add(e)
-    shapes = {k: (len(experts[k]), sum(s[0] for _, s in v) // len(experts[k]), v[0][1][1]) for k, v in parts.items()}
-    return [(n, shapes[n] if kind == "stack" else shape, kind) for n, shape, kind in out], parts
+    shapes = {k: (len(experts[k]), sum(s[0] for _, s, _ in v) // len(experts[k]), v[0][1][1])
+              for k, v in parts.items() if k in experts}
+    return [(n, shapes.get(n, shape), kind) for n, shape, kind in out], parts
 
 
 def init_tensor(name: str, shape: tuple[int, ...], kind: str, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -324,7 +329,7 @@ def make_model(out: str | os.PathLike, family: str = "llama", size: str = "tiny"
         tensors = {}
         for name, shape, kind in shard:
             if kind == "stack":
-                parts = [init_tensor(n, s, "linear", seed, torch_dtype) for n, s in stacks[name]]
+                parts = [init_tensor(n, s, k, seed, torch_dtype) for n, s, k in stacks[name]]
                 tensors[name] = torch.cat(parts).view(shape)
             else:
                 tensors[name] = init_tensor(name, shape, kind, seed, torch_dtype)

@@ -283,6 +283,7 @@ def check_tensors(ckpt: Checkpoint, fmt: WeightFormat) -> None:
         for layer in (i for i, sparse in enumerate(cfg.moe_layers) if sparse):
             for short, shape in stacked_sources(cfg, layer):
                 ckpt.entry(short, shape)
+    _check_routing(ckpt, stacked)
     for group in group_names(cfg):
         for tensor, sources in group_sources(cfg, group, stacked):
             if fmt.prequant is not None and fmt.packs(cfg, tensor):
@@ -295,6 +296,21 @@ def check_tensors(ckpt: Checkpoint, fmt: WeightFormat) -> None:
             else:
                 for short, shape in sources:
                     ckpt.entry(short, shape)
+
+
+def _check_routing(ckpt: Checkpoint, stacked: bool) -> None:
+    """A layer the config makes dense must not have a router in the checkpoint, nor a sparse one a dense MLP."""
+    cfg = ckpt.config
+    if not cfg.is_moe:
+        return
+    for i, sparse in enumerate(cfg.moe_layers):
+        mlp = _mlp_prefix(cfg, i, stacked)
+        found = ckpt.name(mlp + ("gate_proj.weight" if sparse else "gate.weight"))
+        if found in ckpt.entries:
+            kind, want = ("a dense MLP", "a mixture of experts") if sparse else ("a router", "dense")
+            raise CheckpointError(f"{ckpt.path}: tensor {found!r} is {kind} but config.json makes layer {i} {want} "
+                                  "(decoder_sparse_step / mlp_only_layers); the weights and config.json do not "
+                                  "belong together")
 
 
 def weight_views(cfg: ModelConfig, group: str, views: dict[str, torch.Tensor], scratch: quant.Scratch | None,
