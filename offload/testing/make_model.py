@@ -1,7 +1,7 @@
 """Write a seeded, randomly initialised Llama-family or mixture-of-experts checkpoint in the Hugging Face layout.
 
     python scripts/make_model.py --family llama --size tiny --out /tmp/tiny-llama
-    python scripts/make_model.py --family qwen3_moe --size medium --dtype bfloat16 --out /tmp/moe  # ~3.7 GB
+    python scripts/make_model.py --family qwen3_moe --size medium --dtype bfloat16 --out /tmp/moe  # ~4 GiB
     from offload.testing.make_model import make_model; make_model("/tmp/m", family="qwen2", size="small")
 
 The directory gets `config.json`, safetensors shards with `model.safetensors.index.json`
@@ -79,7 +79,7 @@ MOE_SIZES = {
              "qwen3_moe": MoeSize(8, 2, 64, dense=256), "olmoe": MoeSize(8, 2, 128)},
     "small": {"mixtral": MoeSize(8, 2, 1024), "qwen2_moe": MoeSize(16, 4, 256, shared=1024),
               "qwen3_moe": MoeSize(32, 4, 256), "olmoe": MoeSize(32, 4, 256)},
-    # 1.7-1.9B parameters, 3.4-3.8 GB in bf16: the MoE benchmark (Mixtral / Qwen3-30B-A3B shapes scaled down)
+    # 1.9-2.2B parameters, 3.5-4.1 GiB in bf16: the MoE benchmark (Mixtral / Qwen3-30B-A3B shapes scaled down)
     "medium": {"mixtral": MoeSize(8, 2, 1408), "qwen2_moe": MoeSize(60, 4, 192, shared=1408),
                "qwen3_moe": MoeSize(64, 8, 192), "olmoe": MoeSize(64, 8, 192)},
 }
