@@ -69,7 +69,7 @@ def test_prefill_logits_match_transformers(model_factory, family, kw):
 @pytest.mark.parametrize("family,kw", CASES[:4])
 def test_greedy_tokens_match_transformers_resident_and_streamed_from_disk(model_factory, tmp_path, family, kw):
     path = model_factory(family, **kw)
-    batch = prompts(Checkpoint(path).config.vocab_size, seed=1)
+    batch = prompts(Checkpoint(path).config.vocab_size, seed=1)[:2]  # 41 and 7 tokens: ragged, past the window
     refs = [hf_greedy(path, ids, NEW) for ids in batch]
     with Runner.from_config(run_config(path)) as r:
         assert [x.token_ids for x in r.generate(batch, max_new_tokens=NEW, stop_on_eos=False)] == refs
