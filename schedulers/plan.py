@@ -148,18 +148,20 @@ class Plan:
 
 
 def _compact(groups: list[str]) -> str:
-    """layer.0, layer.1, layer.2, layer.5 -> 'layer.0-2, layer.5'."""
-    out, run = [], []
+    """layer.0, layer.1, layer.2, layer.5 -> 'layer.0-2, layer.5' (and layer.3.expert.0-7 for numbered
+    groups inside a layer)."""
+    out, run, prefix = [], [], None
     for g in groups + [None]:  # type: ignore[list-item]
-        idx = int(g.split(".")[1]) if g and g.startswith("layer.") else None
-        if idx is not None and run and idx == run[-1] + 1:
+        head, _, tail = (g or "").rpartition(".")
+        idx = int(tail) if g and g.startswith("layer.") and tail.isdigit() else None
+        if idx is not None and run and head == prefix and idx == run[-1] + 1:
             run.append(idx)
             continue
         if run:
-            out.append(f"layer.{run[0]}" + (f"-{run[-1]}" if len(run) > 1 else ""))
+            out.append(f"{prefix}.{run[0]}" + (f"-{run[-1]}" if len(run) > 1 else ""))
             run = []
         if idx is not None:
-            run = [idx]
+            run, prefix = [idx], head
         elif g is not None:
             out.append(g)
     return ", ".join(out) if out else "-"

@@ -222,7 +222,7 @@ def plan_homes(config: dict) -> dict[str, str]:
     from offload.config import OffloadConfig
     from offload.model.checkpoint import Checkpoint
     from offload.plan.planner import Planner
-    from offload.runtime.runner import resolve_device, resolve_dtype
+    from offload.runtime.device import resolve_device, resolve_dtype
 
     cfg = OffloadConfig.load(config)
     ckpt = Checkpoint(cfg.model)

@@ -32,7 +32,7 @@ from offload.model import hub
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import calibrate
-from offload.runtime.runner import resolve_dtype
+from offload.runtime.device import resolve_dtype
 from offload.weights.convert import convert
 from offload.weights.groups import WeightFormat
 from storage.store import StoreState, store_state

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from offload.model import hub
 from offload.model.checkpoint import Checkpoint
-from offload.runtime.executor import resolve_dtype
+from offload.runtime.device import resolve_dtype
 from offload.weights.convert import convert
 from offload.weights.groups import LINEARS, WeightFormat
 from storage.units import fmt_bytes

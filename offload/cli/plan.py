@@ -32,7 +32,7 @@ from offload.plan.costmodel import explain, plan_bytes
 from offload.plan.planner import Planner
 from offload.plan.predict import Workload, predict_decode, predict_prefill_per_token, suggestions
 from offload.plan.speculative import choose_tokens, predict, streaming_note, verify_cost, without_draft
-from offload.runtime.executor import resolve_dtype
+from offload.runtime.device import resolve_dtype
 from storage.errors import CapacityError
 from storage.units import fmt_bytes
 

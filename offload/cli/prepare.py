@@ -31,8 +31,8 @@ from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.plan.planner import Planner, resolve_capacities
 from offload.plan.speculative import reserve_draft
+from offload.runtime.device import resolve_device, resolve_dtype
 from offload.runtime.requests import Context
-from offload.runtime.runner import resolve_device, resolve_dtype
 from offload.runtime.speculative import draft_config, target_config
 from offload.weights.convert import open_store
 from offload.weights.groups import WeightFormat

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,8 @@ class TensorEntry:
 #: Bytes per element of every dtype the safetensors format defines; any other name is refused.
 _ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
                 "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+#: `name[i]`: the i-th slab (along the first dimension) of a stacked tensor, e.g. one expert's weights.
+_SLAB = re.compile(r"^(.*)\[(\d+)\]$")
 #: The official reader's limit on a header; ours is checked before a byte of it is read.
 MAX_HEADER = 100 * 2**20
 MAX_DIMS = 8
@@ -182,7 +185,11 @@ class Checkpoint:
 
     # -- names --------------------------------------------------------------------------------
     def name(self, short: str) -> str:
-        """Full checkpoint name of a short one (`layers.3.mlp.up_proj.weight`, `norm.weight`, `lm_head.weight`)."""
+        """Full checkpoint name of a short one (`layers.3.mlp.up_proj.weight`, `norm.weight`, `lm_head.weight`;
+        `layers.0.mlp.experts.down_proj[5]`: the 6th slab of a stacked tensor)."""
+        slab = _SLAB.match(short)
+        if slab:
+            return f"{self.name(slab[1])}[{slab[2]}]"
         if short == "lm_head.weight":
             if "lm_head.weight" in self.entries:
                 return "lm_head.weight"
@@ -192,6 +199,9 @@ class Checkpoint:
 
     def entry(self, short: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> TensorEntry:
         """Where a tensor is, checked: present, of `shape`, float (or exactly `dtype` when one is asked for)."""
+        slab = _SLAB.match(short)
+        if slab:
+            return self._slab(slab[1], int(slab[2]), shape, dtype)
         full = self.name(short)
         e = self.entries.get(full)
         if e is None:
@@ -211,6 +221,16 @@ class Checkpoint:
                 "quantization_config (gptq or awq) in config.json"
             )
         return e
+
+    def _slab(self, short: str, i: int, shape: tuple[int, ...], dtype: torch.dtype | None) -> TensorEntry:
+        """Slab i of a stacked tensor [n, *shape]: contiguous in the file, so read like a tensor of its own."""
+        whole = self.entries.get(self.name(short))
+        n = whole.shape[0] if whole is not None and whole.shape[1:] == tuple(shape) else 0
+        if i >= n:  # refused with the stacked tensor's own shape, or as missing
+            self.entry(short, (i + 1, *shape), dtype)
+        e = self.entry(short, (n, *shape), dtype)
+        size = e.nbytes // n
+        return TensorEntry(e.file, e.dtype, tuple(shape), e.start + i * size, size)
 
     def read_into(self, short: str, dest: torch.Tensor) -> None:
         """Copy a tensor into `dest` (any dtype/device, same shape), reading its bytes once."""

@@ -3,7 +3,10 @@
 Supported families: Llama (2, 3, 3.1-3.3 with llama3 / linear rope scaling, tied or not), Mistral
 (sliding window, head_dim != hidden / heads), Qwen2 / Qwen2.5 (q/k/v bias, tied embeddings,
 per-layer sliding windows) and Qwen3 (per-head RMSNorm of q and k before RoPE, no bias,
-head_dim != hidden / heads). This module
+head_dim != hidden / heads); and the mixtures of experts Mixtral (sliding window, top-2 of 8), Qwen2-MoE
+(a shared expert behind a sigmoid gate; dense layers by `decoder_sparse_step` / `mlp_only_layers`),
+Qwen3-MoE (Qwen3 attention, `norm_topk_prob`) and OLMoE (q/k RMSNorm over the whole projection,
+`clip_qkv`). Router settings that only matter to training (aux loss, jitter) are ignored. This module
 reads one dict; it knows nothing about weights, files or tiers.
 """
 
@@ -20,14 +23,23 @@ SUPPORTED = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+#: Families whose MLPs are mixtures of experts, with transformers' defaults for keys a config.json leaves out.
+MOE_DEFAULTS = {"mixtral": {"experts": 8, "top_k": 2}, "qwen2_moe": {"experts": 60, "top_k": 4, "width": 1408},
+                "qwen3_moe": {"experts": 128, "top_k": 8, "width": 768}, "olmoe": {"experts": 64, "top_k": 8}}
+MOE_FAMILIES = tuple(MOE_DEFAULTS)
 ROPE_TYPES = ("default", "linear", "llama3")
 #: Bounds on a config.json's sizes: several times the largest public models, so that a corrupt or hostile
 #: config is refused here rather than by an allocation that cannot succeed.
 LIMITS = {
     "hidden_size": 2**17, "intermediate_size": 2**19, "num_hidden_layers": 2**12, "num_attention_heads": 2**12,
     "num_key_value_heads": 2**12, "head_dim": 2**12, "vocab_size": 2**23, "max_position_embeddings": 2**25,
-    "sliding_window": 2**25,
+    "sliding_window": 2**25, "num_experts": 2**12, "num_local_experts": 2**12, "num_experts_per_tok": 2**12,
+    "moe_intermediate_size": 2**19, "shared_expert_intermediate_size": 2**19, "decoder_sparse_step": 2**12,
 }
 
 
@@ -35,7 +47,7 @@ LIMITS = {
 class ModelConfig:
     """The shape of a Llama-family model, normalised from any of the supported config.json styles."""
 
-    family: str  # llama | mistral | qwen2 | qwen3
+    family: str  # llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe | qwen3_moe | olmoe
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -53,12 +65,23 @@ class ModelConfig:
     mlp_bias: bool
     sliding_windows: tuple[int | None, ...]  # per layer; None = full causal attention
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of every q and k head, before RoPE
+    qk_norm_whole: bool = False  # OLMoE: the q / k norm is over the whole projection ([Hq * D], [Hkv * D])
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] (after the norms)
+    # mixtures of experts (num_experts 0: a dense model)
+    num_experts: int = 0  # routed experts in each MoE layer
+    experts_per_token: int = 0  # top-k: experts each token is routed to
+    moe_intermediate_size: int = 0  # width of one routed expert's gated MLP
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert, scaled by sigmoid(h @ gate)
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum 1 (Mixtral always does)
+    moe_layers: tuple[bool, ...] = ()  # per layer: a mixture of experts (else the dense MLP); () when dense
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not self.moe_layers:
+            object.__setattr__(self, "moe_layers", (False,) * self.num_layers)
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
@@ -72,6 +95,19 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer; of a MoE model, the largest layer with all its experts."""
+        attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        if self.is_moe:
+            experts = self.num_experts * self.moe_intermediate_size + self.shared_expert_intermediate_size
+            mlp = 3 * self.hidden_size * experts + (self.num_experts + 1) * self.hidden_size
+        return attn + mlp + 2 * self.hidden_size
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
@@ -112,10 +148,12 @@ class ModelConfig:
         kv_heads = _size(cfg, "num_key_value_heads", where) if cfg.get("num_key_value_heads") else heads
         eps, theta = _positive(cfg, "rms_norm_eps", 1e-6, where), _positive(cfg, "rope_theta", 10000.0, where)
         rope_theta, scaling = _rope(cfg, where)
-        if model_type in ("llama", "qwen3"):
+        if model_type in ("llama", "qwen3", "qwen3_moe", "olmoe"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         elif model_type == "qwen2":
             qkv_bias, o_bias = True, False
+        elif model_type == "qwen2_moe":
+            qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
         else:
             qkv_bias = o_bias = False
         windows = _sliding_windows(cfg, model_type, layers, where)
@@ -125,6 +163,8 @@ class ModelConfig:
         if not all(_is_int(t) for t in eos_ids) or not (bos is None or _is_int(bos)):
             raise CheckpointError(f"{where}: bos_token_id / eos_token_id must be integers; fix config.json")
         del eps, theta  # checked above; _rope reads the same values
+        moe = _moe(cfg, model_type, layers, where) if model_type in MOE_FAMILIES else {}
+        clip = cfg.get("clip_qkv") if model_type == "olmoe" else None
         return cls(
             family=model_type,
             vocab_size=need("vocab_size"),
@@ -143,11 +183,14 @@ class ModelConfig:
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
             sliding_windows=windows,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm_whole=model_type == "olmoe",
+            clip_qkv=None if clip is None else _positive(cfg, "clip_qkv", 1.0, where),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             raw=dict(cfg),
+            **moe,
         )
 
 
@@ -196,13 +239,49 @@ def _rope(cfg: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None
     return theta, scaling
 
 
+def _moe(cfg: dict[str, Any], model_type: str, layers: int, where: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a MoE family's config (ModelConfig keyword arguments)."""
+    # absent keys take transformers' defaults for the family, as its loader does
+    d = MOE_DEFAULTS[model_type]
+    experts_key = "num_local_experts" if model_type == "mixtral" else "num_experts"
+    experts = _size(cfg, experts_key, where, d["experts"])
+    top_k = _size(cfg, "num_experts_per_tok", where, d["top_k"])
+    if top_k > experts:
+        raise CheckpointError(f"{where}: num_experts_per_tok ({top_k}) exceeds the {experts} experts "
+                              f"({experts_key}); the checkpoint's config is inconsistent")
+    if model_type in ("mixtral", "olmoe"):  # every layer sparse; the experts are intermediate_size wide
+        width, shared = _size(cfg, "intermediate_size", where), 0
+    else:
+        width = _size(cfg, "moe_intermediate_size", where, d["width"])
+        shared = _size(cfg, "shared_expert_intermediate_size", where, 5632) if model_type == "qwen2_moe" else 0
+    if model_type == "mixtral":  # Mixtral always renormalises its top-k probabilities
+        return {"num_experts": experts, "experts_per_token": top_k, "norm_topk_prob": True,
+                "moe_intermediate_size": width, "moe_layers": (True,) * layers}
+    sparse = (True,) * layers
+    if model_type in ("qwen2_moe", "qwen3_moe"):  # dense MLPs where mlp_only_layers or decoder_sparse_step say
+        step = _size(cfg, "decoder_sparse_step", where, 1)
+        dense = cfg.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(_is_int(i) and 0 <= i < layers for i in dense):
+            raise CheckpointError(f"{where}: mlp_only_layers must list layer indices from 0 to {layers - 1}; "
+                                  "fix config.json")
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    norm = cfg.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise CheckpointError(f"{where}: norm_topk_prob is {str(norm)[:40]}, expected true or false; fix config.json")
+    return {"num_experts": experts, "experts_per_token": top_k, "norm_topk_prob": norm,
+            "moe_intermediate_size": width, "shared_expert_intermediate_size": shared, "moe_layers": sparse}
+
+
 def _sliding_windows(cfg: dict[str, Any], model_type: str, layers: int, where: str) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
-    if model_type == "llama" or window is None:
+    # olmoe has no window; qwen2_moe writes sliding_window 0 when use_sliding_window is off
+    if model_type in ("llama", "olmoe") or not window:
         return (None,) * layers
     window = _size(cfg, "sliding_window", where)
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return (window,) * layers
+    if model_type == "qwen3_moe":  # one mask for every layer when use_sliding_window
+        return ((window,) if cfg.get("use_sliding_window", False) else (None,)) * layers
     # qwen2, qwen3: explicit layer_types (transformers >= 4.53) or use_sliding_window + max_window_layers
     types = cfg.get("layer_types")
     if types:
@@ -212,4 +291,6 @@ def _sliding_windows(cfg: dict[str, Any], model_type: str, layers: int, where: s
     if not cfg.get("use_sliding_window", False):
         return (None,) * layers
     first = int(cfg.get("max_window_layers", layers))
+    if model_type == "qwen2_moe":  # its config's default layer_types: every other layer, below max_window_layers
+        return tuple(window if (i + 1) % 2 and i < first else None for i in range(layers))
     return tuple(window if i >= first else None for i in range(layers))

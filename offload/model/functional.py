@@ -9,7 +9,6 @@ sequence using the step's `BatchLayout`. This module knows nothing about tiers o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -17,8 +16,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from offload.model import kernels
+from offload.model import kernels, moe
 from offload.model.config import ModelConfig
+from offload.model.rope import Rope, apply_rope, rope_inv_freq  # noqa: F401 (the model math's names)
 from offload.model.sdpa import sdpa_with_lse
 
 
@@ -79,18 +79,19 @@ class LayerWeights:
     o: Weight  # [H, Hq * D]
     o_bias: torch.Tensor | None  # [H]
     post_norm: torch.Tensor  # [H]
-    gate_up: Weight  # [2 I, H]
+    gate_up: Weight | None  # [2 I, H] (None in a mixture-of-experts layer)
     gate_up_bias: torch.Tensor | None  # [2 I]
-    down: Weight  # [H, I]
+    down: Weight | None  # [H, I]
     down_bias: torch.Tensor | None  # [H]
-    q_norm: torch.Tensor | None = None  # [D] (Qwen3: per-head RMSNorm of q before RoPE)
-    k_norm: torch.Tensor | None = None  # [D]
+    q_norm: torch.Tensor | None = None  # [D] (Qwen3: per-head RMSNorm of q before RoPE); OLMoE: [Hq * D]
+    k_norm: torch.Tensor | None = None  # [D]; OLMoE: [Hkv * D]
+    moe: moe.MoEWeights | None = None  # router (+ shared expert) of a mixture-of-experts layer
 
     @classmethod
     def from_views(cls, v: dict[str, torch.Tensor]) -> LayerWeights:
         return cls(v["input_norm"], v["qkv"], v.get("qkv_bias"), v["o"], v.get("o_bias"), v["post_norm"],
-                   v["gate_up"], v.get("gate_up_bias"), v["down"], v.get("down_bias"), v.get("q_norm"),
-                   v.get("k_norm"))
+                   v.get("gate_up"), v.get("gate_up_bias"), v.get("down"), v.get("down_bias"), v.get("q_norm"),
+                   v.get("k_norm"), moe.MoEWeights.from_views(v))
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,56 +189,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
-class Rope:
-    """cos/sin tables by absolute position, computed as Hugging Face does (float32, then cast)."""
-
-    def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
-        self.inv_freq = rope_inv_freq(cfg).to(device)
-        self.dtype = dtype
-        self.device = device
-        self._cos = self._sin = torch.empty(0, cfg.head_dim, device=device, dtype=dtype)
-
-    def _grow(self, n: int) -> None:
-        n = max(n, 2 * self._cos.shape[0], 256)
-        pos = torch.arange(n, device=self.device, dtype=torch.float32)
-        freqs = pos[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N] -> cos, sin [N, D]"""
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self._cos.shape[0]:
-            self._grow(need)
-        return self._cos[positions], self._sin[positions]
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = cfg.rope_scaling
-    if s is None:
-        return inv_freq
-    if s["rope_type"] == "linear":
-        return inv_freq / s["factor"]
-    # llama3 (Llama 3.1): low frequencies divided by `factor`, high ones kept, smooth in between
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_ctx = s["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, D]; cos/sin [N, D]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def norm_heads(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Flat rows [N, heads * D] RMS-normed over each run of weight.numel() values: a head, or the whole row."""
+    return rms_norm(t.unflatten(-1, (-1, weight.shape[0])), weight, eps).flatten(-2)
 
 
 def attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
@@ -327,19 +281,22 @@ def restore_kv(h: torch.Tensor, positions: torch.Tensor, w: LayerWeights, rope: 
     else:  # a packed matrix is multiplied whole
         kv = linear(h, w.qkv, w.qkv_bias)[:, q_size:]
     k, v = kv.split([cfg.kv_size, cfg.kv_size], dim=-1)
-    k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
     if w.k_norm is not None:
-        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        k = norm_heads(k, w.k_norm, cfg.rms_norm_eps)
+    if cfg.clip_qkv is not None:
+        k, v = k.clamp(-cfg.clip_qkv, cfg.clip_qkv), v.clamp(-cfg.clip_qkv, cfg.clip_qkv)
+    k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
     cos, sin = rope(positions)
     return apply_rope(k, cos, sin), v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
 
 
 def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLayout,
                   rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig, window: int | None,
-                  rope_table: Rope | None = None) -> torch.Tensor:
+                  rope_table: Rope | None = None, experts: moe.ExpertSource | None = None) -> torch.Tensor:
     """One decoder layer on flat tokens x [N, H]; writes this step's K/V into `kv`.
 
-    `rope_table` is needed only when the KV cache rebuilds cold blocks from their layer inputs.
+    `rope_table` is needed only when the KV cache rebuilds cold blocks from their layer inputs;
+    `experts` only in a mixture-of-experts layer (`w.moe`): its routed experts' weights.
     """
     N = x.shape[0]
     Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -347,9 +304,11 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     groups = layout.row_groups
     qkv = linear(h, w.qkv, w.qkv_bias, groups)  # [N, (Hq + 2 Hkv) * D]
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-    q, k = q.view(N, Hq, D), k.view(N, Hkv, D)
-    if w.q_norm is not None:  # Qwen3: each head normalised over D before RoPE
-        q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+    if w.q_norm is not None:  # before RoPE; Qwen3: each head over D, OLMoE: the whole projection
+        q, k = norm_heads(q, w.q_norm, cfg.rms_norm_eps), norm_heads(k, w.k_norm, cfg.rms_norm_eps)
+    if cfg.clip_qkv is not None:
+        q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+    q, k = q.reshape(N, Hq, D), k.reshape(N, Hkv, D)
     cos, sin = rope
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
@@ -360,6 +319,8 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     a = attention(q, kv, layout, window, D**-0.5, restore)
     x = x + linear(a, w.o, w.o_bias, groups)
     h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
+    if w.moe is not None:
+        return x + moe.moe_mlp(h, w.moe, experts, cfg.experts_per_token, cfg.norm_topk_prob)
     gate, up = linear(h, w.gate_up, w.gate_up_bias, groups).chunk(2, dim=-1)
     return x + linear(F.silu(gate) * up, w.down, w.down_bias, groups)
 

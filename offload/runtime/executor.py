@@ -11,14 +11,13 @@ Who calls it: the engine loop (one pass per step over every running sequence), s
 `prefill_logits`. It knows the checkpoint's shape, the device and dtypes, the plan, the weight source, the
 KV pool, RoPE, prefill chunking and the timeline; not text, sampling, requests or admission (the engine's).
 
-What a pass is made of, for executors that extend it (a subclass, or a strategy calling these):
+What a pass is made of (a subclass, or a strategy calling these, may extend it):
 
     begin_pass(batch) -> LayerPass   the rows' layout, the KV step and RoPE every layer shares
-    layer(i, x, p) -> x              one decoder layer: acquire its group, compute, release. An MoE
-                                     executor overrides it: attention, then the router's experts,
-                                     each a group acquired from the weight source mid-layer
-    layers, has_head                 the slice of layers a pass runs: a pipeline stage is given hidden
-                                     states (`forward(batch, hidden=x)`) and, without the head, returns them
+    layer(i, x, p) -> x              one decoder layer: acquire its group, compute, release (a MoE layer's
+                                     routed experts come from the weight source's `experts(i)`)
+    layers, has_head                 the layers a pass runs: a pipeline stage takes hidden states
+                                     (`forward(batch, hidden=x)`) and, without the head, returns them
     head_logits(x, p)                the rows the batch keeps -> logits
 
 The model math is `offload.model.functional` (pure); where the weights come from is the weight source's
@@ -39,13 +38,13 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import torch
 
 from offload.config import OffloadConfig
-from offload.errors import ConfigError
 from offload.kv.blocks import StepKV
 from offload.kv.cache import PagedKVCache
 from offload.kv.view import LayerKV
 from offload.model import functional as M
 from offload.model.checkpoint import Checkpoint
 from offload.plan.planner import Planner, pass_tokens, resolve_capacities
+from offload.runtime.device import DTYPES, resolve_device, resolve_dtype  # noqa: F401 (re-exported)
 from offload.weights.groups import WeightFormat, check_tensors
 from offload.weights.tiered import TieredWeights
 from schedulers.plan import Capacities
@@ -55,9 +54,6 @@ from schedulers.transfer import TransferEngine
 from storage.units import blocks_for
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 @runtime_checkable
 class WeightSource(Protocol):
@@ -71,6 +67,7 @@ class WeightSource(Protocol):
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [N] (CPU) -> [N, H] on the device, compute dtype
     def acquire(self, group: str) -> dict[str, M.Weight]: ...  # the group's tensors (packed matrices as PackedWeight)
     def release(self, group: str) -> None: ...  # its slot may be reused
+    def experts(self, layer: int) -> Any: ...  # a MoE layer's ExpertSource (offload.weights.experts)
     def abort_pass(self) -> None: ...  # a pass stopped half way: start the next one cleanly
     # KV memory inside the tier budgets the plan reserved: 1-D uint8, the device pool ("gpu") or cold host ("cpu")
     def allocate_kv(self, nbytes: int, tier: str = "gpu") -> torch.Tensor: ...
@@ -79,24 +76,6 @@ class WeightSource(Protocol):
     def submit_side(self, jobs: Mapping[str, Callable[[], tuple[Any, int]]]) -> None: ...
     def side_result(self, group: str) -> Any: ...
     def close(self) -> None: ...
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device: {name!r} was asked for but CUDA is not available here; use device: cpu")
-        if (dev.index or 0) >= torch.cuda.device_count():
-            raise ConfigError(f"device: {name!r} does not exist; this machine has {torch.cuda.device_count()} GPUs")
-    return dev
-
-
-def resolve_dtype(name: str, checkpoint_dtype: str | None) -> torch.dtype:
-    if name == "auto":
-        return DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
-    return DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -326,10 +305,15 @@ class Executor:
         """Decoder layer i on x [N, H] -> [N, H], its group acquired for the computation and released after."""
         group = self.layer_groups[i]
         w = M.LayerWeights.from_views(self.weights.acquire(group))
+        experts = self.weights.experts(i) if w.moe is not None else None  # it releases the layer's group
         view = self.kv_view(i, p)
         with self.timeline.range(f"offload/compute/{group}"):
-            x = M.decoder_layer(x, w, view, p.layout, p.cos_sin, self.cfg, self.cfg.sliding_windows[i], p.rope_table)
-        self.weights.release(group)
+            x = M.decoder_layer(x, w, view, p.layout, p.cos_sin, self.cfg, self.cfg.sliding_windows[i], p.rope_table,
+                                experts)
+        if experts is None:
+            self.weights.release(group)
+        else:
+            experts.finish()
         return x
 
     def kv_view(self, i: int, p: LayerPass) -> LayerKV:

@@ -28,7 +28,10 @@ log = logging.getLogger(__name__)
 
 def weights_meta(ckpt: Checkpoint, fmt: WeightFormat) -> dict:
     """The format and, per group tensor, its scheme (`dense` or e.g. `int4-g64-asym-rtn`)."""
-    tensors = {t: fmt.scheme(ckpt.config, t) for g in ("layer.0", "head") for t, _ in group_sources(ckpt.config, g)}
+    cfg = ckpt.config
+    moe = [f"layer.{i}" for i, sparse in enumerate(cfg.moe_layers) if sparse][:1]  # and its first expert
+    groups = ["layer.0", *moe, *(f"{g}.expert.0" for g in moe), "head"]
+    tensors = {t: fmt.scheme(cfg, t) for g in groups for t, _ in group_sources(cfg, g)}
     return fmt.to_json() | {"tensors": tensors}
 
 

@@ -2,6 +2,12 @@
 
 A model is cut into groups that move as units: `embed` (token embeddings, absent when they
 are tied to the LM head), `layer.0` ... `layer.{L-1}`, and `head` (final norm + LM head).
+In a mixture of experts each routed expert of each MoE layer is a group of its own,
+`layer.{i}.expert.{e}` (its `gate_up` and `down`), right after its layer in pass order; the
+layer's group keeps attention, norms, the `router` and Qwen2-MoE's shared expert. Experts are
+read from the Hub's per-expert tensors (`experts.{e}.gate_proj` ..., Mixtral's `w1/w3/w2`) or,
+when a checkpoint stores them stacked (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
+[E, H, I], transformers' in-memory layout), from expert e's slab of those.
 Inside a layer, q/k/v are fused into one `qkv` matrix and gate/up into one `gate_up`, so a
 decoder layer is two fewer kernel launches and every tensor is one contiguous row range
 that can be read straight from the checkpoint. Storage gets only the resulting
@@ -30,8 +36,9 @@ from storage.layout import DTYPES, GroupLayout, dtype_name
 Sources = list[tuple[str, tuple[int, ...]]]
 
 
-#: Tensors that are matrices multiplied by activations: the ones a quantized format packs.
-LINEARS = ("qkv", "o", "gate_up", "down", "lm_head")
+#: Tensors that are matrices multiplied by activations: the ones a quantized format packs (the MoE router is
+#: not: it is small, and routing decisions flip with its rounding).
+LINEARS = ("qkv", "o", "gate_up", "down", "lm_head", "shared_gate_up", "shared_down")
 
 
 @dataclass(frozen=True)
@@ -91,14 +98,19 @@ class WeightFormat:
                 raise ConfigError(
                     f"weights.group_size: {self.group_size} does not divide the input dimension {k} of {tensor!r}; "
                     f"choose an even group size that divides {k} (e.g. {', '.join(map(str, fits))}) or add "
-                    f"{tensor} to weights.keep"
+                    f"{tensor.split()[-1]} to weights.keep"
                 )
 
     def inputs(self, cfg: ModelConfig) -> dict[str, int]:
-        """The input dimension of every matrix this format packs."""
-        dims = {"qkv": cfg.hidden_size, "o": cfg.q_size, "gate_up": cfg.hidden_size,
-                "down": cfg.intermediate_size, "lm_head": cfg.hidden_size}
-        return {t: k for t, k in dims.items() if self.packs(cfg, t)}
+        """The input dimension of every matrix this format packs (a routed expert's as `expert down`)."""
+        dims = {"qkv": cfg.hidden_size, "o": cfg.q_size, "lm_head": cfg.hidden_size}
+        if not all(cfg.moe_layers):
+            dims |= {"gate_up": cfg.hidden_size, "down": cfg.intermediate_size}
+        if cfg.is_moe:
+            dims |= {"expert gate_up": cfg.hidden_size, "expert down": cfg.moe_intermediate_size}
+        if cfg.shared_expert_intermediate_size:
+            dims |= {"shared_gate_up": cfg.hidden_size, "shared_down": cfg.shared_expert_intermediate_size}
+        return {t: k for t, k in dims.items() if self.packs(cfg, t.split()[-1])}
 
     def fitted(self, cfg: ModelConfig) -> WeightFormat:
         """This format with the largest group size (up to its own) that divides every packed input dimension."""
@@ -112,10 +124,46 @@ DENSE = WeightFormat()
 GROUP_SIZES = (256, 128, 64, 32, 16, 8, 4, 2)
 
 
+def expert_groups(cfg: ModelConfig, layer: int) -> list[str]:
+    """The groups of layer `layer`'s routed experts, by expert id (none in a dense layer)."""
+    return [f"layer.{layer}.expert.{e}" for e in range(cfg.num_experts)] if cfg.moe_layers[layer] else []
+
+
 def group_names(cfg: ModelConfig) -> list[str]:
-    """Groups in the order a forward pass uses them."""
+    """Groups in the order a forward pass uses them (a MoE layer's experts right after the layer)."""
     embed = [] if cfg.tie_word_embeddings else ["embed"]
-    return embed + [f"layer.{i}" for i in range(cfg.num_layers)] + ["head"]
+    layers = [g for i in range(cfg.num_layers) for g in (f"layer.{i}", *expert_groups(cfg, i))]
+    return embed + layers + ["head"]
+
+
+def stacked_experts(ckpt: Checkpoint) -> bool:
+    """Does the checkpoint store each layer's experts stacked (`experts.gate_up_proj`) rather than one by one?"""
+    sparse = [i for i, moe in enumerate(ckpt.config.moe_layers) if moe]
+    return bool(sparse) and ckpt.name(f"layers.{sparse[0]}.mlp.experts.gate_up_proj") in ckpt.entries
+
+
+def _mlp_prefix(cfg: ModelConfig, layer: int, stacked: bool) -> str:
+    """Mixtral's Hub checkpoints say `block_sparse_moe.`; transformers' own names (and stacked experts) `mlp.`."""
+    return f"layers.{layer}." + ("block_sparse_moe." if cfg.family == "mixtral" and not stacked else "mlp.")
+
+
+def expert_sources(cfg: ModelConfig, layer: int, e: int, stacked: bool = False) -> list[tuple[str, Sources]]:
+    """Routed expert e of a layer: its gated MLP, per-expert tensors or expert e's slab of the stacked ones."""
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    if stacked:  # transformers' names: `mlp.` for every family
+        p = f"layers.{layer}.mlp.experts."
+        return [("gate_up", [(f"{p}gate_up_proj[{e}]", (2 * I, H))]), ("down", [(f"{p}down_proj[{e}]", (H, I))])]
+    p = f"{_mlp_prefix(cfg, layer, stacked)}experts.{e}."
+    gate, up, down = ("w1", "w3", "w2") if cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    return [("gate_up", [(f"{p}{gate}.weight", (I, H)), (f"{p}{up}.weight", (I, H))]),
+            ("down", [(f"{p}{down}.weight", (H, I))])]
+
+
+def stacked_sources(cfg: ModelConfig, layer: int) -> Sources:
+    """The stacked expert tensors of a MoE layer, whole: (name, shape)."""
+    H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    p = f"layers.{layer}.mlp.experts."
+    return [(p + "gate_up_proj", (E, 2 * I, H)), (p + "down_proj", (E, H, I))]
 
 
 def embedding_source(cfg: ModelConfig) -> tuple[str, str]:
@@ -123,8 +171,9 @@ def embedding_source(cfg: ModelConfig) -> tuple[str, str]:
     return ("head", "lm_head") if cfg.tie_word_embeddings else ("embed", "embed_tokens")
 
 
-def group_sources(cfg: ModelConfig, group: str) -> list[tuple[str, Sources]]:
-    """[(tensor name in the group, [(checkpoint tensor, shape), ...])] for one group."""
+def group_sources(cfg: ModelConfig, group: str, stacked: bool = False) -> list[tuple[str, Sources]]:
+    """[(tensor name in the group, [(checkpoint tensor, shape), ...])] for one group; `stacked`: where the
+    checkpoint keeps its experts stacked (`stacked_experts`)."""
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.q_size, cfg.kv_size
     if group == "embed":
@@ -134,16 +183,20 @@ def group_sources(cfg: ModelConfig, group: str) -> list[tuple[str, Sources]]:
         return [("norm", [("norm.weight", (H,))]), ("lm_head", [(head, (V, H))])]
     if not group.startswith("layer."):
         raise KeyError(group)
-    p = f"layers.{int(group.split('.')[1])}."
-    attn, mlp = p + "self_attn.", p + "mlp."
+    parts = group.split(".")
+    layer = int(parts[1])
+    if len(parts) == 4:  # layer.{i}.expert.{e}
+        return expert_sources(cfg, layer, int(parts[3]), stacked)
+    p = f"layers.{layer}."
+    attn, mlp = p + "self_attn.", _mlp_prefix(cfg, layer, stacked)
     out: list[tuple[str, Sources]] = [
         ("input_norm", [(p + "input_layernorm.weight", (H,))]),
         ("qkv", [(attn + "q_proj.weight", (q, H)), (attn + "k_proj.weight", (kv, H)),
                  (attn + "v_proj.weight", (kv, H))]),
     ]
-    if cfg.qk_norm:
-        out += [("q_norm", [(attn + "q_norm.weight", (cfg.head_dim,))]),
-                ("k_norm", [(attn + "k_norm.weight", (cfg.head_dim,))])]
+    if cfg.qk_norm:  # per head; OLMoE: over the whole projection
+        qn, kn = (q, kv) if cfg.qk_norm_whole else (cfg.head_dim, cfg.head_dim)
+        out += [("q_norm", [(attn + "q_norm.weight", (qn,))]), ("k_norm", [(attn + "k_norm.weight", (kn,))])]
     if cfg.qkv_bias:
         out.append(("qkv_bias", [(attn + "q_proj.bias", (q,)), (attn + "k_proj.bias", (kv,)),
                                  (attn + "v_proj.bias", (kv,))]))
@@ -151,6 +204,15 @@ def group_sources(cfg: ModelConfig, group: str) -> list[tuple[str, Sources]]:
     if cfg.o_bias:
         out.append(("o_bias", [(attn + "o_proj.bias", (H,))]))
     out.append(("post_norm", [(p + "post_attention_layernorm.weight", (H,))]))
+    if cfg.moe_layers[layer]:
+        out.append(("router", [(mlp + "gate.weight", (cfg.num_experts, H))]))
+        S = cfg.shared_expert_intermediate_size
+        if S:
+            se = mlp + "shared_expert."
+            out += [("shared_gate_up", [(se + "gate_proj.weight", (S, H)), (se + "up_proj.weight", (S, H))]),
+                    ("shared_down", [(se + "down_proj.weight", (H, S))]),
+                    ("shared_gate", [(mlp + "shared_expert_gate.weight", (1, H))])]
+        return out
     out.append(("gate_up", [(mlp + "gate_proj.weight", (I, H)), (mlp + "up_proj.weight", (I, H))]))
     if cfg.mlp_bias:
         out.append(("gate_up_bias", [(mlp + "gate_proj.bias", (I,)), (mlp + "up_proj.bias", (I,))]))
@@ -196,7 +258,7 @@ def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor, fmt: We
     """Read a group's tensors from the checkpoint into `buf` (1-D uint8, CPU), converting dtype or packing."""
     buf[: layout.nbytes].zero_()
     views = layout.views(buf)
-    for tensor, sources in group_sources(ckpt.config, layout.name):
+    for tensor, sources in group_sources(ckpt.config, layout.name, stacked_experts(ckpt)):
         if fmt.prequant is not None and fmt.packs(ckpt.config, tensor):  # the checkpoint's bytes, as they are
             for part, name, _, _ in prequant_sources(sources, fmt.prequant):
                 ckpt.read_into(name, views[f"{tensor}.{part}"])
@@ -216,8 +278,14 @@ def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor, fmt: We
 def check_tensors(ckpt: Checkpoint, fmt: WeightFormat) -> None:
     """Every tensor a conversion will read exists with its shape and dtype: checked before anything is written."""
     cfg = ckpt.config
+    stacked = stacked_experts(ckpt)
+    if stacked:  # the whole stacks first: an expert count that disagrees is named on the stacked tensor
+        for layer in (i for i, sparse in enumerate(cfg.moe_layers) if sparse):
+            for short, shape in stacked_sources(cfg, layer):
+                ckpt.entry(short, shape)
+    _check_routing(ckpt, stacked)
     for group in group_names(cfg):
-        for tensor, sources in group_sources(cfg, group):
+        for tensor, sources in group_sources(cfg, group, stacked):
             if fmt.prequant is not None and fmt.packs(cfg, tensor):
                 for short, (n, k) in sources:
                     fmt.prequant.check_shape(f"{ckpt.path}: {ckpt.name(short)}", n, k)
@@ -228,6 +296,21 @@ def check_tensors(ckpt: Checkpoint, fmt: WeightFormat) -> None:
             else:
                 for short, shape in sources:
                     ckpt.entry(short, shape)
+
+
+def _check_routing(ckpt: Checkpoint, stacked: bool) -> None:
+    """A layer the config makes dense must not have a router in the checkpoint, nor a sparse one a dense MLP."""
+    cfg = ckpt.config
+    if not cfg.is_moe:
+        return
+    for i, sparse in enumerate(cfg.moe_layers):
+        mlp = _mlp_prefix(cfg, i, stacked)
+        found = ckpt.name(mlp + ("gate_proj.weight" if sparse else "gate.weight"))
+        if found in ckpt.entries:
+            kind, want = ("a dense MLP", "a mixture of experts") if sparse else ("a router", "dense")
+            raise CheckpointError(f"{ckpt.path}: tensor {found!r} is {kind} but config.json makes layer {i} {want} "
+                                  "(decoder_sparse_step / mlp_only_layers); the weights and config.json do not "
+                                  "belong together")
 
 
 def weight_views(cfg: ModelConfig, group: str, views: dict[str, torch.Tensor], scratch: quant.Scratch | None,

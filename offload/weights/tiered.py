@@ -19,9 +19,11 @@ from offload.config import OffloadConfig
 from offload.model import kernels
 from offload.model.checkpoint import Checkpoint
 from offload.weights.convert import open_store
+from offload.weights.experts import PlanOrderExperts
 from offload.weights.groups import (
     WeightFormat,
     embedding_source,
+    expert_groups,
     fill_group,
     model_layouts,
     weight_views,
@@ -162,6 +164,11 @@ class TieredWeights:
 
     def release(self, group: str) -> None:
         self.prefetcher.release(group)
+
+    def experts(self, layer: int) -> PlanOrderExperts:
+        """Layer `layer`'s routed experts for this pass (its group acquired); the source releases that group."""
+        return PlanOrderExperts(self, f"layer.{layer}", expert_groups(self.cfg, layer),
+                                lambda g: not self.plan.is_resident(g))
 
     def abort_pass(self) -> None:
         self.prefetcher.reset()
