@@ -101,18 +101,18 @@ def test_auto_with_packed_weights_converts_plans_and_chats_packed_then_reuses_th
     manifest = json.loads((disk / "store" / "manifest.json").read_text())
     assert manifest["meta"]["weights"]["quantization"] == fmt  # converted packed, not in the checkpoint's dtype
     assert any(s.startswith(fmt) for s in manifest["meta"]["weights"]["tensors"].values())
-    assert f"stored {fmt} g{group}" in first.out  # the plan counts packed bytes
+    assert f"stored {fmt} g{group}" in first.err  # the plan counts packed bytes (the setup account: stderr)
     assert calls["convert"] == 1
 
     second = start_packed(model, disk, fmt, monkeypatch, capsys)
-    assert "is complete (no conversion)" in second.out and calls["convert"] == 1
+    assert "is complete (no conversion)" in second.err and calls["convert"] == 1
 
     # the reply is the packed model's: the same conversation on an all-in-memory run of the same format
     config = run_config(model, dtype="auto", weights={"quantization": fmt, "group_size": group})
     with Runner.from_config(config) as r:
         expected = Conversation(r, Sampling(4, stop_token_ids=frozenset(r.generation.eos_token_ids))).say(
             "Hello there").text
-    assert "\n" + expected + "\n" in first.out and "\n" + expected + "\n" in second.out
+    assert first.out == expected + "\n" and second.out == expected + "\n"  # stdout holds the reply alone
 
 
 def test_auto_weights_other_than_the_kept_yaml_are_refused(setup, monkeypatch, capsys):

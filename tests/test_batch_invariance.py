@@ -89,10 +89,10 @@ def test_a_request_joining_a_running_batch_gets_its_tokens_alone(wide):
     with Runner.from_config(base) as r:
         alone = [r.generate([p], max_new_tokens=NEW, stop_on_eos=False)[0].token_ids for p in batch[:2]]
         engine = Engine(r)
-        first = engine.submit(Request(batch[0], Sampling(max_new_tokens=NEW)))
+        first = engine.submit(Request(batch[0], Sampling(max_new_tokens=NEW, stop_token_ids=frozenset())))
         for _ in range(5):
             engine.step()
-        later = engine.submit(Request(batch[1], Sampling(max_new_tokens=NEW)))
+        later = engine.submit(Request(batch[1], Sampling(max_new_tokens=NEW, stop_token_ids=frozenset())))
         while engine.busy:
             engine.step()
     assert [first.outputs[0].token_ids, later.outputs[0].token_ids] == alone
