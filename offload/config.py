@@ -13,6 +13,7 @@ kv_cache: {block_size: 16}
 prefetch: {depth: 2}
 activations: {prefill_chunk: auto}
 weights: {quantization: int4, group_size: 64, keep: [lm_head]}
+experts: {cache: auto, policy: lfu, prefetch: true, compute: auto}
 ```
 
 Sizes are bytes as `int` everywhere inside; strings like "20GiB" exist only here. Every
@@ -183,6 +184,20 @@ class WeightsConfig:
                                  "matrices kept in the compute dtype", ("lm_head",))
 
 
+@dataclass(frozen=True)
+class ExpertsConfig:
+    cache: int | None = _opt(_int_or_auto(0), "device slots of the expert cache that routed experts homed off the "
+                             "device load into on demand (mixtures of experts); auto = what the device tier leaves "
+                             "after the ring and KV; 0 = none (experts stream through the ring in pass order)")
+    policy: str = _opt(_choice("lfu", "lru"), "which cached expert leaves first: lfu (decayed frequency, the recent "
+                       "uses protected) or lru", "lfu")
+    prefetch: bool = _opt(_bool, "load the next MoE layer's experts ahead, predicted by its router applied to the "
+                          "current hidden state", True)
+    compute: str = _opt(_choice("auto", "device", "host"), "where experts homed in host RAM are computed on CUDA: "
+                        "moved to the device (device), computed on the host with their input moved (host), or "
+                        "whichever the cost model predicts faster (auto); a CPU device reads them in place", "auto")
+
+
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "auto")
 
 
@@ -209,6 +224,7 @@ class OffloadConfig:
     timeline: TimelineConfig = field(default_factory=TimelineConfig, metadata={"section": TimelineConfig})
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig,
                                            metadata={"section": SpeculativeConfig})
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig, metadata={"section": ExpertsConfig})
     calibration: Path | None = _opt(_str, "calibration file from `offload calibrate` (default: the saved one, if any)")
     #: where a YAML file was loaded from (relative paths are resolved against its directory)
     source: Path | None = field(default=None, compare=False, metadata={"internal": True})

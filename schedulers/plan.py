@@ -47,6 +47,15 @@ class Plan:
     host_reserve: int = 0  # host bytes kept for other uses (cold KV blocks and their staging)
     disk_reserve: int = 0  # disk bytes kept for other uses (the KV slot file)
     kv_stage_bytes: int = 0  # of host_reserve: pinned buffers cold KV blocks cross to a CUDA device through
+    # mixtures of experts: routed experts homed off the device load on demand into the expert cache
+    # (`schedulers.expert_cache`, `cache_slots` device slots) instead of streaming through the ring, and those
+    # in `host_compute` are computed on the host where they lie (their input moves, not their bytes)
+    on_demand: frozenset[str] = frozenset()
+    cache_slots: int = 0
+    cache_slot_bytes: int = 0
+    host_compute: frozenset[str] = frozenset()
+    routed_share: float = 1.0  # of the on-demand / host-computed experts, the share a pass routes (expected)
+    hit_rate: float = 0.0  # of routed on-demand experts, the share the cache is assumed to hold already
 
     def capacity(self, tier: str) -> int | None:
         """A tier's capacity under this plan (the host's includes what the device lent it)."""
@@ -61,7 +70,7 @@ class Plan:
     def route(self, group: str) -> tuple[str, ...]:
         """The tiers a group's bytes pass through on their way to compute, home first."""
         home = self.homes[group]
-        if home == "gpu" or (home == "cpu" and not self.copy_to_device):
+        if home == "gpu" or (home == "cpu" and (not self.copy_to_device or group in self.host_compute)):
             return (home,)
         if home == "cpu":
             return ("cpu", "gpu")
@@ -73,8 +82,9 @@ class Plan:
 
     @property
     def streamed(self) -> list[str]:
-        """Groups that flow through the ring, in pass order."""
-        return [g for g in self.order if g not in self.rows_only and not self.is_resident(g)]
+        """Groups that flow through the ring, in pass order (not the experts loaded on demand)."""
+        return [g for g in self.order if g not in self.rows_only and g not in self.on_demand
+                and not self.is_resident(g)]
 
     # -- accounting ---------------------------------------------------------------------------
     def used(self, tier: str) -> int:
@@ -95,12 +105,15 @@ class Plan:
         return homes + self.stage_slots * round_up(self.stage_slot_bytes, PAGE) + round_up(self.host_reserve, PAGE)
 
     def bytes_per_step(self) -> dict[str, int]:
-        """Bytes each link moves per forward pass (rows-only reads are a few rows and not counted)."""
+        """Bytes each link moves per forward pass (rows-only reads are a few rows and not counted; experts loaded on
+        demand count their expected share: routed and not cached)."""
         links = {"disk->cpu": 0, "disk->gpu": 0, "cpu->gpu": 0}
-        for g in self.streamed:
+        miss = self.routed_share * (1.0 - self.hit_rate)
+        for g in self.streamed + sorted(self.on_demand, key=self.order.index):
             r = self.route(g)
+            n = self.sizes[g] if g not in self.on_demand else int(self.sizes[g] * miss)
             for a, b in zip(r, r[1:]):
-                links[f"{a}->{b}"] += self.sizes[g]
+                links[f"{a}->{b}"] += n
         return {k: v for k, v in links.items() if v}
 
     def describe(self) -> str:
@@ -126,6 +139,13 @@ class Plan:
             lines.append(f"  cpu reserves: {', '.join(host)}")
         if self.disk_reserve:
             lines.append(f"  disk reserves: KV slot file {fmt_bytes(self.disk_reserve)}")
+        if self.on_demand or self.host_compute:
+            lines.append(f"  experts: {len(self.on_demand)} loaded on demand into an expert cache of "
+                         f"{self.cache_slots} slots x {fmt_bytes(self.cache_slot_bytes)} "
+                         f"(assumed hit rate {100 * self.hit_rate:.0f}%, "
+                         f"{100 * self.routed_share:.0f}% routed per pass)"
+                         + (f"; {len(self.host_compute)} computed on the host where they lie"
+                            if self.host_compute else ""))
         if self.copy_to_device and self.used("cpu"):
             lines.append(f"  pinned host memory: {fmt_bytes(self.pinned_bytes())} (one page-locked arena for the cpu "
                          "tier)")
@@ -144,6 +164,10 @@ class Plan:
             "stage_slot_bytes": self.stage_slot_bytes, "reserved_gpu": dict(self.reserved_gpu),
             "used": {t: self.used(t) for t in TIERS}, "bytes_per_step": self.bytes_per_step(), "lent": self.lent,
             "pinned_bytes": self.pinned_bytes(),
+            **({"experts": {"on_demand": len(self.on_demand), "cache_slots": self.cache_slots,
+                            "cache_slot_bytes": self.cache_slot_bytes, "host_compute": len(self.host_compute),
+                            "routed_share": self.routed_share, "hit_rate": self.hit_rate}}
+               if self.on_demand or self.host_compute else {}),
         }
 
 

@@ -134,7 +134,8 @@ class Prefetcher:
     def submit_side(self, jobs: dict[str, Callable[[], tuple[Any, int]]]) -> None:
         """Jobs for the coming pass, keyed by group, run in pass order by the one side thread (`schedulers.side`),
         at most `depth + 1` groups ahead of compute; each returns (result, bytes moved) and records its own span."""
-        computed = [g for g in self.plan.order if g not in self.plan.rows_only]  # every one is acquired, released
+        computed = [g for g in self.plan.order if g not in self.plan.rows_only  # every one is acquired, released
+                    and g not in self.plan.on_demand]  # (on-demand experts go through the expert cache)
         self.side.submit(jobs, {g: i for i, g in enumerate(computed)})
 
     def side_result(self, group: str) -> Any:

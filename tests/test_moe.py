@@ -140,6 +140,9 @@ class Source:
     def __init__(self, experts: list[moe.ExpertWeights]) -> None:
         self.experts, self.asked = experts, []
 
+    def ahead(self, h):
+        pass
+
     def routed(self, ids):
         self.asked.append(list(ids))
         for e in reversed(ids):  # any order is allowed

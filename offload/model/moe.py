@@ -35,10 +35,11 @@ class ExpertWeights:
 
     gate_up: Weight  # [2 I, H]: gate rows, then up rows
     down: Weight  # [H, I]
+    device: torch.device | None = None  # where they lie when not on the compute device (computed there: rows move)
 
     @classmethod
-    def from_views(cls, v: dict[str, Weight]) -> ExpertWeights:
-        return cls(v["gate_up"], v["down"])
+    def from_views(cls, v: dict[str, Weight], device: torch.device | None = None) -> ExpertWeights:
+        return cls(v["gate_up"], v["down"], device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +62,14 @@ class MoEWeights:
 class ExpertSource(Protocol):
     """Where a MoE layer gets its routed experts' weights, one layer at a time.
 
-    `routed` is called once per MoE layer per pass, after the layer's own weights (router, shared
-    expert, attention) have been read for the last time: a source that streams groups in order may
-    release the layer's group then. It yields (expert id, weights) for every id in `experts` exactly
-    once, in any order; the weights may be read until the next item is asked for.
+    `ahead(h)` comes first, with the layer's normed hidden rows h [N, H] (a source may predict the next
+    layer's experts from them). `routed` is called once per MoE layer per pass, after the layer's own
+    weights (router, shared expert, attention) have been read for the last time: a source that streams
+    groups in order may release the layer's group then. It yields (expert id, weights) for every id in
+    `experts` exactly once, in any order; the weights may be read until the next item is asked for.
     """
 
+    def ahead(self, h: torch.Tensor) -> None: ...
     def routed(self, experts: list[int]) -> Iterable[tuple[int, ExpertWeights]]: ...
 
 
@@ -129,10 +132,14 @@ def moe_mlp(h: torch.Tensor, w: MoEWeights, experts: ExpertSource, top_k: int, n
         shared = torch.sigmoid(F.linear(h, w.shared_gate)) * gated_mlp(h, w.shared_gate_up, w.shared_down)
     out = torch.zeros_like(h)
     where = routing.slices()
+    experts.ahead(h)
     for e, ew in experts.routed(routing.experts):
         s = where.pop(e)
         rows = routing.rows[s]
-        y = gated_mlp(h[rows], ew.gate_up, ew.down)  # one product per expert, over all its rows
+        if ew.device is not None and ew.device != h.device:  # computed where its weights lie: its rows move
+            y = gated_mlp(h[rows].to(ew.device), ew.gate_up, ew.down).to(h.device)
+        else:
+            y = gated_mlp(h[rows], ew.gate_up, ew.down)  # one product per expert, over all its rows
         out.index_add_(0, rows, (y * routing.weights[s, None]).to(out.dtype))
     if where:
         raise RuntimeError(f"the expert source did not hand over routed experts {sorted(where)}")

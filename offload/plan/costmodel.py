@@ -41,8 +41,13 @@ class Prediction:
                 "exposed_s": self.exposed_s, "bottleneck": self.bottleneck}
 
 
-def simulate(plan: Plan, compute_s: dict[str, float], bandwidth: dict[str, float], passes: int = 8) -> Prediction:
-    """Replay `passes` forward passes of the plan's pipeline; report the mean of the second half (steady state)."""
+def simulate(plan: Plan, compute_s: dict[str, float], bandwidth: dict[str, float], passes: int = 8,
+             share: float | None = None) -> Prediction:
+    """Replay `passes` forward passes of the plan's pipeline; report the mean of the second half (steady state).
+
+    Experts loaded on demand (`plan.on_demand`) are not prefetched in this model: compute waits for the expected
+    bytes of each one (`share` of them routed, default `plan.routed_share`, times the cache's miss rate)."""
+    miss = (plan.routed_share if share is None else share) * (1.0 - plan.hit_rate)
     order = list(plan.order)
     streamed = plan.streamed
     n, ring = len(streamed), max(plan.ring_slots, 1)
@@ -96,6 +101,21 @@ def simulate(plan: Plan, compute_s: dict[str, float], bandwidth: dict[str, float
         pass_start[p] = clock
         for g in order:
             if g in plan.rows_only:
+                continue
+            if g in plan.on_demand:
+                size, route = plan.sizes[g] * miss, plan.route(g)
+                t = 0.0
+                if route[0] == "disk":
+                    link_busy[DISK].append((clock, clock + size / bandwidth[DISK]))
+                    t += size / bandwidth[DISK]
+                if route[-1] == "gpu" and plan.copy_to_device:
+                    link_busy[H2D].append((clock + t, clock + t + size / bandwidth[H2D]))
+                    t += size / bandwidth[H2D]
+                if p >= passes // 2:
+                    exposed[g] = exposed.get(g, 0.0) + t
+                exposed_total[p] += t
+                clock += t + compute_s.get(g, 0.0)
+                compute_total[p] += compute_s.get(g, 0.0)
                 continue
             if not plan.is_resident(g):
                 # the loader can issue every load whose ring slot is (or will be) released by now

@@ -18,6 +18,13 @@ executes it. Rules, in order:
 5. Groups read by rows only (token embeddings) take the slowest tier there is: a step
    reads a few rows of them, never the whole group.
 
+6. Mixtures of experts (an expert cache, unless `cache_slots` is 0): routed experts never take a ring
+   slot or a device home (bar the all-fits case); the ring is sized for the other groups, those are
+   homed first, and what the device tier leaves after the ring, the KV blocks and those homes becomes
+   the expert cache (at least `MIN_CACHE_SLOTS` slots of the largest expert; `cache_slots` when given),
+   into which experts homed off the device load on demand. On a CPU device a cache is kept only when
+   some experts end up on disk (host RAM is device memory: the rest are read in place).
+
 A plan that cannot fit raises CapacityError naming the minimum capacities that would. This
 module knows group names, sizes and tiers; it knows nothing about models (the planner,
 `offload.plan.planner`, turns a model and a config into its inputs).
@@ -38,6 +45,8 @@ STAGE_SLOTS = 2
 STAGE_PIECE = 64 * 2**20
 #: The smallest staging slot worth having (smaller pieces spend more time per copy than moving bytes).
 MIN_STAGE = 2**20
+#: The fewest expert cache slots a plan with on-demand experts keeps (one being computed, one loading).
+MIN_CACHE_SLOTS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +54,7 @@ class GroupSpec:
     name: str
     nbytes: int
     rows_only: bool = False  # read a few rows at a time (embeddings); never streamed whole
+    expert: bool = False  # a routed expert: loaded on demand into the expert cache when it is not on the device
 
 
 def _spread(candidates: list[str], k: int) -> list[str]:
@@ -66,16 +76,25 @@ def _fill(candidates: list[str], sizes: dict[str, int], budget: int) -> list[str
     return chosen
 
 
-def min_device_bytes(groups: Sequence[GroupSpec], depth: int, fixed: int = 0) -> int:
+def min_device_bytes(groups: Sequence[GroupSpec], depth: int, fixed: int = 0, cache_slots: int | None = None) -> int:
     """The smallest device tier a plan at this depth fits in beside `fixed` reserved bytes (KV, workspace).
 
     Everything homed on the device, or `depth + 1` ring slots of one group size with every larger
-    group homed: the same test `make_plan` applies.
+    group homed (and the least expert cache): the same test `make_plan` applies.
     """
-    stream = [g.nbytes for g in groups if not g.rows_only]
+    cache = _least_cache(groups, cache_slots)
+    stream = [g.nbytes for g in groups if not g.rows_only and not (cache and g.expert)]
     total = sum(g.nbytes for g in groups)
-    ring = [(depth + 1) * slot + sum(n for n in stream if n > slot) for slot in set(stream)]
+    ring = [(depth + 1) * slot + sum(n for n in stream if n > slot) + cache for slot in set(stream)]
     return fixed + min([total, *ring])
+
+
+def _least_cache(groups: Sequence[GroupSpec], cache_slots: int | None) -> int:
+    """Device bytes the smallest expert cache takes (0: no experts, or `cache_slots` 0)."""
+    experts = [g.nbytes for g in groups if g.expert]
+    if not experts or cache_slots == 0:
+        return 0
+    return (cache_slots or MIN_CACHE_SLOTS) * max(experts)
 
 
 def _stage_bytes(slot: int, cpu_cap: int, cpu: int, host_reserve: int) -> int:
@@ -94,25 +113,36 @@ def _stage_bytes(slot: int, cpu_cap: int, cpu: int, host_reserve: int) -> int:
 
 def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_bytes: int = 0,
               workspace_bytes: int = 0, copy_to_device: bool = True, host_reserve: int = 0,
-              disk_reserve: int = 0) -> Plan:
-    """`host_reserve` / `disk_reserve`: bytes the host and disk tiers keep for other uses (cold KV blocks)."""
+              disk_reserve: int = 0, cache_slots: int | None = None) -> Plan:
+    """`host_reserve` / `disk_reserve`: bytes the host and disk tiers keep for other uses (cold KV blocks).
+    `cache_slots`: expert cache slots (None: what the device tier leaves; 0: no cache, experts stream)."""
     order = tuple(g.name for g in groups)
     sizes = {g.name: g.nbytes for g in groups}
     rows = frozenset(g.name for g in groups if g.rows_only)
+    least_cache = _least_cache(groups, cache_slots)
+    experts = [g.name for g in groups if g.expert] if least_cache else []
+    eslot = max((sizes[g] for g in experts), default=0)
     stream = [g.name for g in groups if not g.rows_only]
+    dense = [g for g in stream if g not in experts]  # what the ring and device homes are chosen among
     total = sum(sizes.values())
     ring_slots = depth + 1
     fixed = kv_bytes + workspace_bytes
     gpu_cap = caps.gpu
 
-    def plan(homes: dict[str, str], slot: int, stage: int, lent: int = 0) -> Plan:
+    def plan(homes: dict[str, str], slot: int, stage: int, lent: int = 0, cache: int = 0) -> Plan:
         reserved = {"kv": kv_bytes, "workspace": workspace_bytes}
         p = Plan(order, sizes, homes, depth, 0, 0, 0, 0, copy_to_device, caps, reserved, rows)
+        on_demand = frozenset(g for g in experts if not p.is_resident(g)) if cache else frozenset()
+        p = Plan(order, sizes, homes, depth, 0, 0, 0, 0, copy_to_device, caps, reserved, rows, on_demand=on_demand)
         n_ring = ring_slots if p.streamed else 0
         n_stage = STAGE_SLOTS if copy_to_device and any(p.route(g)[0] == "disk" for g in p.streamed) else 0
         reserved["ring"] = n_ring * slot
+        if on_demand:
+            reserved["expert cache"] = cache * eslot
         return Plan(order, sizes, homes, depth, n_ring, slot if n_ring else 0, n_stage, stage if n_stage else 0,
-                    copy_to_device, caps, reserved, rows, lent, host_reserve, disk_reserve)
+                    copy_to_device, caps, reserved, rows, lent, host_reserve, disk_reserve,
+                    on_demand=on_demand, cache_slots=cache if on_demand else 0,
+                    cache_slot_bytes=eslot if on_demand else 0)
 
     # everything on the device?
     if gpu_cap is None or total + fixed <= gpu_cap:
@@ -120,22 +150,22 @@ def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_byte
 
     # otherwise choose the ring slot size that leaves the most bytes homed on the device
     best: tuple[int, int, list[str]] | None = None  # (homed bytes, slot size, homed groups)
-    for slot in sorted({sizes[g] for g in stream}, reverse=True):
-        must = [g for g in stream if sizes[g] > slot]
-        budget = gpu_cap - fixed - ring_slots * slot - sum(sizes[g] for g in must)
+    for slot in sorted({sizes[g] for g in dense}, reverse=True):
+        must = [g for g in dense if sizes[g] > slot]
+        budget = gpu_cap - fixed - ring_slots * slot - sum(sizes[g] for g in must) - least_cache
         if budget < 0:
             continue
-        homed = must + _fill([g for g in stream if sizes[g] <= slot], sizes, budget)
+        homed = must + _fill([g for g in dense if sizes[g] <= slot], sizes, budget)
         score = sum(sizes[g] for g in homed)
         if best is None or score > best[0]:
             best = (score, slot, homed)
-    largest = max((sizes[g] for g in stream), default=0)
+    largest = max((sizes[g] for g in dense), default=0)
     if best is None:
-        lower = [d for d in range(depth) if min_device_bytes(groups, d, fixed) <= gpu_cap]
+        lower = [d for d in range(depth) if min_device_bytes(groups, d, fixed, cache_slots) <= gpu_cap]
         raise CapacityError(
             f"the gpu tier ({fmt_bytes(gpu_cap)}) cannot hold the KV blocks and workspace ({fmt_bytes(fixed)}) plus "
-            f"{ring_slots} ring slots; raise tiers.gpu.capacity to at least "
-            f"{fmt_bytes(min_device_bytes(groups, depth, fixed))}"
+            f"{ring_slots} ring slots{' and the expert cache' if least_cache else ''}; raise tiers.gpu.capacity to "
+            f"at least {fmt_bytes(min_device_bytes(groups, depth, fixed, cache_slots))}"
             + (f" or lower prefetch.depth to {max(lower)}" if lower else "")
         )
     _, slot, on_gpu = best
@@ -143,6 +173,19 @@ def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_byte
     # On a CPU compute device the two memory tiers are the same RAM: what the device tier leaves unused is
     # lent to the host tier, so the budget is not lost to packing whole groups into two separate bins.
     gpu_left = gpu_cap - fixed - ring_slots * slot - sum(sizes[g] for g in on_gpu)
+    cache = 0
+    if experts:
+        cache = min(cache_slots or max(gpu_left // eslot, MIN_CACHE_SLOTS), len(experts))
+        if cache_slots is None and cache == len(experts):  # every expert fits: home them (no cache)
+            homes.update(dict.fromkeys(experts, "gpu"))
+            gpu_left -= sum(sizes[g] for g in experts)
+            cache = 0
+        elif not copy_to_device and cache_slots is None and caps.cpu is not None and sum(
+                sizes[g] for g in stream if g not in homes) <= caps.cpu + gpu_left - host_reserve:
+            cache = 0  # a CPU device whose RAM holds every expert reads them in place: lend the room instead
+        elif not copy_to_device and caps.cpu is None:
+            cache = 0
+        gpu_left -= cache * eslot
     lent = 0 if copy_to_device else gpu_left
 
     # the host: rows-only groups first when there is no disk to take them, then the streamable rest;
@@ -172,7 +215,7 @@ def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_byte
     homes.update(dict.fromkeys(rest, "cpu"))
     for g in rows:  # rows-only groups go to the slowest tier there is
         homes.setdefault(g, "disk")
-    result = plan(homes, slot, stage, lent)
+    result = plan(homes, slot, stage, lent, cache)
     if caps.has_disk and caps.disk is not None and total + disk_reserve > caps.disk:
         raise CapacityError(
             f"the store{' and the KV slot file' if disk_reserve else ''} need{'' if disk_reserve else 's'} "

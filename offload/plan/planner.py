@@ -26,6 +26,7 @@ from offload.kv.fetch import host_bytes, stage_blocks
 from offload.kv.formats import ColdFormat
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import Calibration, compute_dtype, compute_sizes, load_calibration
+from offload.plan.experts import plan_experts
 from offload.plan.placement import GroupSpec, make_plan, min_device_bytes
 from offload.plan.predict import Workload, predict_decode
 from offload.weights.groups import WeightFormat, model_layouts
@@ -137,8 +138,9 @@ class Planner:
         self._set_compute(self.upcast)
         self.caps = caps or resolve_capacities(config.tiers, device)
         self.fmt.check(cfg)
-        self.groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"))
+        self.groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"), expert=".expert." in name)
                        for name, layout in model_layouts(cfg, dtype, self.fmt).items()]
+        self.cal = load_calibration(config.calibration)
         #: bytes the math reads per group at the compute rate (packed ones scaled by their calibrated speed)
         self.compute_sizes = compute_sizes(cfg, dtype, self.fmt, load_calibration(config.calibration), device.type)
         self.chunks = self._chunk_choices()
@@ -181,9 +183,10 @@ class Planner:
 
     def _make(self, caps: Capacities, depth: int, chunk: int, kv_blocks: int) -> Plan:
         ws = self._workspace(chunk)
-        return make_plan(self.groups, caps, depth, kv_bytes=kv_blocks * self.block_bytes, workspace_bytes=ws,
+        plan = make_plan(self.groups, caps, depth, kv_bytes=kv_blocks * self.block_bytes, workspace_bytes=ws,
                          copy_to_device=self.device.type == "cuda", host_reserve=self.kv_cpu_bytes,
-                         disk_reserve=self.kv_disk_bytes)
+                         disk_reserve=self.kv_disk_bytes, cache_slots=self.config.experts.cache)
+        return plan_experts(plan, self.cfg, self.cal, self.config.experts.compute, self.compute_sizes)
 
     def _workspace(self, chunk: int) -> int:
         """A pass's activations at the compute dtype, and with weights upcast after the transfer, the largest
@@ -198,7 +201,8 @@ class Planner:
         for chunk in self.chunks:
             for kv_blocks in self._kv_choices(chunk):
                 fixed = kv_blocks * self.block_bytes + self._workspace(chunk)
-                if caps.gpu is None or min_device_bytes(self.groups, depth, fixed) <= caps.gpu:
+                if caps.gpu is None or min_device_bytes(self.groups, depth, fixed,
+                                                        self.config.experts.cache) <= caps.gpu:
                     return Fit(self._make(caps, depth, chunk, kv_blocks), chunk, kv_blocks)  # host errors raise here
         raise self.refusal(caps, depth)
 
@@ -215,7 +219,7 @@ class Planner:
             fixed = kv * self.block_bytes * dtype.itemsize // self.dtype.itemsize + (
                 self._workspace(chunk) if dtype == self.dtype
                 else workspace_bytes(self.cfg, chunk, dtype, ATTENTION_KEYS_PER_CHUNK * chunk))
-            return min_device_bytes(groups, depth, fixed)
+            return min_device_bytes(groups, depth, fixed, self.config.experts.cache)
 
         helps = [f"tiers.gpu.capacity: {config_size(need())}"]
         if any(need(depth=d) <= gpu for d in range(depth)):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import Calibration
 from offload.plan.costmodel import Prediction, plan_bytes, simulate
+from offload.plan.experts import HOST_ROUND_TRIP_S, routed_share
 from schedulers.plan import Capacities, Plan
 from storage.errors import CapacityError
 from storage.units import MiB, ceil_div, fmt_bytes
@@ -34,11 +35,16 @@ def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type:
     int8/int4 weights move fewer bytes but multiply at the dense rate); default the plan's sizes.
     """
     thr = cal.weight_bytes_per_s(device_type, tokens)
+    share = routed_share(cfg, tokens)  # an expert computes only when routed; on the host when the plan says so
+    host_thr = cal.weight_bytes_per_s("cpu", tokens)
     kv_bytes = batch * context * 2 * cfg.kv_size * dtype_bytes  # one layer's K and V, read by attention
     out = {}
     for g, size in plan.sizes.items():
         size = (sizes or {}).get(g, size)
-        if g.startswith("layer."):
+        if ".expert." in g:
+            out[g] = share * (size / (host_thr if g in plan.host_compute else thr)
+                              + (HOST_ROUND_TRIP_S if g in plan.host_compute else 0.0))
+        elif g.startswith("layer."):
             out[g] = size / thr + kv_bytes / cal.links.get("device memory", cal.links["memcpy"])
         elif g == "head":  # only each sequence's last token goes through the LM head
             out[g] = size / cal.weight_bytes_per_s(device_type, min(tokens, batch))
@@ -48,14 +54,14 @@ def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type:
 def predict_decode(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, work: Workload,
                    dtype_bytes: int, sizes: dict[str, int] | None = None) -> Prediction:
     comp = compute_seconds(plan, cfg, cal, device_type, work.batch, work.context, work.batch, dtype_bytes, sizes)
-    return simulate(plan, comp, cal.links)
+    return simulate(plan, comp, cal.links, share=routed_share(cfg, work.batch))
 
 
 def predict_prefill_per_token(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, work: Workload,
                               dtype_bytes: int, sizes: dict[str, int] | None = None) -> float:
     tokens = work.prefill_chunk
     comp = compute_seconds(plan, cfg, cal, device_type, tokens, tokens, 1, dtype_bytes, sizes)
-    return simulate(plan, comp, cal.links).step_s / tokens
+    return simulate(plan, comp, cal.links, share=routed_share(cfg, tokens)).step_s / tokens
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ class WeightSource(Protocol):
     def acquire(self, group: str) -> dict[str, M.Weight]: ...  # the group's tensors (packed matrices as PackedWeight)
     def release(self, group: str) -> None: ...  # its slot may be reused
     def experts(self, layer: int) -> Any: ...  # a MoE layer's ExpertSource (offload.weights.experts)
+    def expert_stats(self) -> dict[str, Any]: ...  # the expert cache's hits, misses, prediction accuracy
     def abort_pass(self) -> None: ...  # a pass stopped half way: start the next one cleanly
     # KV memory inside the tier budgets the plan reserved: 1-D uint8, the device pool ("gpu") or cold host ("cpu")
     def allocate_kv(self, nbytes: int, tier: str = "gpu") -> torch.Tensor: ...

@@ -19,7 +19,7 @@ from offload.config import OffloadConfig
 from offload.model import kernels
 from offload.model.checkpoint import Checkpoint
 from offload.weights.convert import open_store
-from offload.weights.experts import PlanOrderExperts
+from offload.weights.experts import CachedExperts, PlanOrderExperts, Predictor
 from offload.weights.groups import (
     WeightFormat,
     embedding_source,
@@ -29,6 +29,8 @@ from offload.weights.groups import (
     weight_views,
 )
 from offload.weights.quant import Scratch
+from schedulers.expert_cache import ExpertCache
+from schedulers.expert_policy import make_policy
 from schedulers.plan import Plan
 from schedulers.prefetch import Prefetcher
 from schedulers.timeline import Timeline
@@ -70,6 +72,9 @@ class TieredWeights:
         self.tiers["cpu"] = HostTier(self.plan.capacity("cpu"), pinned=pinned,
                                      arena_bytes=self.plan.pinned_bytes() if pinned else None)
         self.prefetcher: Prefetcher | None = None
+        self.cache: ExpertCache | None = None  # routed experts loaded on demand (a mixture of experts)
+        self.predictor = Predictor(ckpt.config.moe_layers, ckpt.config.experts_per_token,
+                                   config.experts.prefetch and bool(self.plan.on_demand))
         try:
             if tiers_cfg is not None and tiers_cfg.disk is not None:
                 d = tiers_cfg.disk
@@ -85,6 +90,10 @@ class TieredWeights:
             ring = self._slots("gpu", "ring", self.plan.ring_slots, self.plan.ring_slot_bytes)
             stage = self._slots("cpu", "stage", self.plan.stage_slots, self.plan.stage_slot_bytes)
             self.prefetcher = Prefetcher(self.plan, self.tiers, self.engine, timeline, ring, stage, self.traffic)
+            if self.plan.on_demand:
+                slots = self._slots("gpu", "expert-cache", self.plan.cache_slots, self.plan.cache_slot_bytes)
+                self.cache = ExpertCache(self.plan, self.tiers, self.engine, timeline, slots,
+                                         make_policy(config.experts.policy, self.plan.cache_slots), self.traffic)
         except BaseException:
             self.close()
             raise
@@ -155,7 +164,14 @@ class TieredWeights:
 
     def acquire(self, group: str) -> dict:
         """The group's tensors as views into its slot; packed matrices as `PackedLinear`s."""
-        views = self.layouts[group].views(self.prefetcher.acquire(group))
+        views = self.views(group, self.prefetcher.acquire(group))
+        if "router" in views and self.predictor.enabled:  # kept for predicting this layer's experts
+            self.predictor.keep_router(int(group.split(".")[1]), views["router"])
+        return views
+
+    def views(self, group: str, buf: torch.Tensor) -> dict:
+        """A group's tensors over its bytes `buf` (1-D uint8) at the compute dtype; packed ones as `PackedLinear`s."""
+        views = self.layouts[group].views(buf)
         if self.compute_dtype != self.dtype:  # upcast after the transfer (dense weights only: see compute_dtype),
             # except the matrices a CPU kernel widens as it multiplies (no float32 copy of them per pass)
             return {name: t if kernels.widens(t, self.compute_dtype) else t.to(self.compute_dtype)
@@ -165,13 +181,23 @@ class TieredWeights:
     def release(self, group: str) -> None:
         self.prefetcher.release(group)
 
-    def experts(self, layer: int) -> PlanOrderExperts:
+    def experts(self, layer: int) -> PlanOrderExperts | CachedExperts:
         """Layer `layer`'s routed experts for this pass (its group acquired); the source releases that group."""
+        if self.plan.on_demand or self.plan.host_compute:
+            return CachedExperts(self, layer, f"layer.{layer}", expert_groups(self.cfg, layer))
         return PlanOrderExperts(self, f"layer.{layer}", expert_groups(self.cfg, layer),
                                 lambda g: not self.plan.is_resident(g))
 
+    def expert_stats(self) -> dict:
+        """The expert cache's counts so far: hits, prefetched, misses, hit rates per layer, the prediction's
+        recall and precision (empty without a cache)."""
+        return self.cache.stats.to_dict() if self.cache is not None else {}
+
     def abort_pass(self) -> None:
         self.prefetcher.reset()
+        if self.cache is not None:
+            self.cache.reset()
+        self.predictor.pending.clear()
 
     def submit_side(self, jobs) -> None:
         self.prefetcher.submit_side(jobs)
@@ -180,6 +206,9 @@ class TieredWeights:
         return self.prefetcher.side_result(group)
 
     def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None
