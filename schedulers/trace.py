@@ -134,6 +134,7 @@ class Summary:
     stall_by_group: dict[str, dict[str, float]]
     overlap: float  # fraction of transfer busy time hidden under compute
     split_s: dict[str, float] = field(default_factory=dict)  # compute / exposed transfer / other, whole run
+    experts: dict[str, Any] = field(default_factory=dict)  # the expert cache's counts (`expert_counts`)
 
     def per_step(self) -> dict[str, float]:
         n = max(self.steps, 1)
@@ -223,7 +224,37 @@ def summarize(spans: list[Span], steps: range | None = None,
     compute_s = busy_time(compute)
     overlap = overlap_time(transfers, compute) / busy_time(transfers) if transfers else 1.0
     split = {"compute": compute_s, "exposed transfer": stall, "other": max(wall - compute_s - stall, 0.0)}
-    return Summary(len(per_step), wall, compute_s, links, stall, by_cause, by_group, overlap, split)
+    return Summary(len(per_step), wall, compute_s, links, stall, by_cause, by_group, overlap, split,
+                   expert_counts(by_track.get("experts", [])))
+
+
+def expert_counts(spans: list[Span]) -> dict[str, Any]:
+    """The expert cache's spans (one per MoE layer per pass: hits, prefetched, misses, predicted, correct) ->
+    totals, hit rates per layer, and the next-layer prediction's precision ({} without an expert cache)."""
+    if not spans:
+        return {}
+    keys = ("hits", "prefetched", "misses", "predicted", "correct")
+    per: dict[str, dict[str, int]] = {}
+    for s in spans:
+        c = per.setdefault(s.name, dict.fromkeys(keys, 0))
+        for k in keys:
+            c[k] += int(s.args.get(k, 0))
+    tot = {k: sum(c[k] for c in per.values()) for k in keys}
+    routed = tot["hits"] + tot["prefetched"] + tot["misses"]
+
+    def rate(c: dict[str, int]) -> float:
+        n = c["hits"] + c["prefetched"] + c["misses"]
+        return round((c["hits"] + c["prefetched"]) / n, 4) if n else 0.0
+
+    return {**tot, "routed": routed, "hit_rate": rate(tot),
+            "cached_hit_rate": round(tot["hits"] / routed, 4) if routed else 0.0,
+            "prediction_precision": round(tot["correct"] / tot["predicted"], 4) if tot["predicted"] else None,
+            "per_layer_hit_rate": {g: rate(c) for g, c in sorted(per.items(), key=lambda kv: _layer_key(kv[0]))}}
+
+
+def _layer_key(name: str) -> tuple[int, str]:
+    head, _, tail = name.partition(".")
+    return (int(tail), name) if tail.isdigit() else (1 << 30, name)
 
 
 def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -263,6 +294,14 @@ def format_summary(s: Summary, top: int = 5) -> str:
                  + ("" if not s.stall_by_cause else " (" + ", ".join(
                      f"{cause} {1000 * t / n:.1f}" for cause, t in sorted(s.stall_by_cause.items(),
                                                                          key=lambda kv: -kv[1])) + ")"))
+    if s.experts:
+        e = s.experts
+        layers = ", ".join(f"{g.removeprefix('layer.')} {100 * r:.0f}%" for g, r in e["per_layer_hit_rate"].items())
+        lines.append(f"  expert cache: {e['routed']} routed, hit rate {100 * e['hit_rate']:.0f}% (cached "
+                     f"{100 * e['cached_hit_rate']:.0f}%, prefetched {e['prefetched']}, on demand {e['misses']})"
+                     + ("" if e["prediction_precision"] is None else
+                        f"; next-layer prediction precision {100 * e['prediction_precision']:.0f}%")
+                     + f"; per layer: {layers}")
     worst = sorted(s.stall_by_group.items(), key=lambda kv: -sum(kv[1].values()))[:top]
     for group, causes in worst:
         lines.append(f"    {group:<10} stalls {1000 * sum(causes.values()) / n:.1f} ms/step: " + ", ".join(

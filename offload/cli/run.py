@@ -217,6 +217,13 @@ def generate_and_print(runner: Runner, inputs: Inputs, args: argparse.Namespace,
             f"{tier} {fmt_bytes(n / passes, 'MiB')}" for tier, n in sorted(served.items())) + "\n")
         if summary is not None:
             err.write("decode timeline: " + format_summary(summary) + "\n")
+    if stats.experts:
+        e = stats.experts
+        recall = e["prediction_recall"]
+        err.write(f"expert cache: {e['routed']} routed experts, {100 * e['hit_rate_with_prefetch']:.0f}% on the "
+                  f"device when asked for (cached {100 * e['hit_rate']:.0f}%, prefetched {e['prefetched']}, loaded "
+                  f"on demand {e['misses']}; the plan assumed {100 * runner.plan.hit_rate:.0f}%)"
+                  + ("" if recall is None else f"; next-layer prediction recall {100 * recall:.0f}%") + "\n")
     err.write(  # the last line: the speed summary
         f"[{stats.prompt_tokens} prompt tokens in {stats.prefill_s:.2f}s ({stats.prefill_tokens_per_s:.1f} tok/s) | "
         f"{stats.generated_tokens} new tokens, {stats.decode_ms_per_step:.1f} ms/step, "

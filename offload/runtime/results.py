@@ -26,6 +26,9 @@ class RunStats:
     accepted_tokens: int = 0  # ... and kept
     #: (timeline step, "prefill" | "decode" | "mixed", milliseconds) of every forward pass, in order
     passes: list[tuple[int, str, float]] = field(default_factory=list)
+    #: a mixture of experts with an expert cache: its counts after the call (`TieredWeights.expert_stats`: hits,
+    #: prefetched, misses, hit rates per layer, the next-layer prediction's recall and precision)
+    experts: dict[str, Any] = field(default_factory=dict)
 
     @property
     def decode_only_steps(self) -> list[int]:
@@ -69,6 +72,7 @@ class RunStats:
             **({"draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
                 "acceptance": round(self.acceptance, 4),
                 "tokens_per_decode_pass": round(self.tokens_per_decode_pass, 3)} if self.draft_tokens else {}),
+            **({"experts": self.experts} if self.experts else {}),
         }
 
 

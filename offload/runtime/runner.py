@@ -303,6 +303,7 @@ class Runner:
             engine.abort_all()
             raise
         stats.generated_tokens = sum(len(o.token_ids) for r in requests for o in r.outputs)
+        stats.experts = self.target.weights.expert_stats()
         self.last_stats = stats
 
 
