@@ -96,6 +96,7 @@ class ExpertCache:
         self._host: torch.Tensor | None = None  # CUDA: disk reads land here before the copy
         self._layer = LayerCounts()
         self._t0 = 0.0
+        self.trace: list[str] | None = None  # set to a list to record every routed use, in order (benchmarks)
 
     # -- compute side -------------------------------------------------------------------------
     def request(self, groups: list[str]) -> None:
@@ -117,6 +118,8 @@ class ExpertCache:
                         self._layer.hits += 1
                     e.readers += 1  # pinned until `done`
                 self.policy.touch(g)
+            if self.trace is not None:
+                self.trace += groups
             for g in missing:
                 if self._claim(g, prefetched=False) is None:
                     break

@@ -29,6 +29,7 @@ from offload.errors import ConfigError
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import calibrate, default_path, load_calibration
 from offload.plan.costmodel import explain, plan_bytes
+from offload.plan.experts import expert_choice
 from offload.plan.planner import Planner
 from offload.plan.predict import Workload, predict_decode, predict_prefill_per_token, suggestions
 from offload.plan.speculative import choose_tokens, predict, streaming_note, verify_cost, without_draft
@@ -118,11 +119,13 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     helps = suggestions(planner.placement, planner.caps, rp.plan.depth, cfg, cal, device.type, work, dtype.itemsize,
                         pred, sizes)
     schemes = compare_schemes(config, cfg, dtype, device, cal, work)
+    experts = expert_lines(rp.plan, cfg, cal, sizes, batch, device.type)
     if as_json:
         print(json.dumps({"device": str(device), "kv_blocks": rp.kv_blocks, "calibration": cal.source,
                           "compute_dtype": str(rp.compute_dtype).removeprefix("torch."),
                           "prediction": pred.to_dict() | {"prefill_s_per_token": per_token},
-                          "suggestions": [s.__dict__ for s in helps], "weights": schemes, **rp.plan.to_dict()},
+                          "suggestions": [s.__dict__ for s in helps], "weights": schemes,
+                          **({"expert_compute": experts} if experts else {}), **rp.plan.to_dict()},
                          indent=2))
         return
     params = sum(planner.compute_sizes.values()) / dtype.itemsize
@@ -151,6 +154,8 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     for line in explain(rp.plan, pred, cal.links):
         print(f"  {line}")
     print(f"  prefill: {1000 * per_token:.2f} ms per prompt token (passes of {work.prefill_chunk} tokens)")
+    for line in (experts or {}).get("lines", []):
+        print(f"  {line}")
     print("by weight format (same tiers; bytes per group, bytes per token by link, predicted step):")
     for row in schemes:
         if "refused" in row:
@@ -173,6 +178,31 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
         for s in helps[:4]:
             print(f"  {s.change}: {1000 * s.step_s:.0f} ms/step, {s.tokens_per_s:.2f} tokens/s "
                   f"({s.tokens_per_s / (work.batch / pred.step_s):.1f}x)")
+
+
+def expert_lines(plan, cfg: ModelConfig, cal, sizes: dict[str, int], batch: int, device_type: str) -> dict:
+    """Where routed experts are computed, per home tier, with each path's predicted time per routed expert."""
+    if not cfg.is_moe:
+        return {}
+    homes = {t: sum(1 for g in plan.order if ".expert." in g and plan.homes[g] == t) for t in ("gpu", "cpu", "disk")}
+    lines = [f"experts: {cfg.num_experts} per MoE layer, top {cfg.experts_per_token}; homed gpu {homes['gpu']}, "
+             f"cpu {homes['cpu']}, disk {homes['disk']}"]
+    out: dict = {"homes": homes}
+    if device_type != "cuda":
+        lines.append("  a CPU device computes every expert where it lies (host RAM is its memory); disk-homed ones "
+                     "load on demand into the expert cache")
+        return out | {"lines": lines, "cpu": "host"}
+    choice = expert_choice(plan, cfg, cal, sizes, tokens=batch)
+    if choice is not None:
+        where = "on the host, input moved" if plan.host_compute else "moved to the device"
+        lines.append(f"  cpu-homed: {where} (per routed expert at batch {batch}: moved to the device "
+                     f"{1000 * choice.device_s:.2f} ms at the assumed hit rate, computed on the host "
+                     f"{1000 * choice.host_s:.2f} ms)")
+        out["cpu"] = {"choice": "host" if plan.host_compute else "device", "device_s": choice.device_s,
+                      "host_s": choice.host_s}
+    if homes["disk"]:
+        lines.append("  disk-homed: read and moved to the device on demand, through the expert cache")
+    return out | {"lines": lines}
 
 
 def _print_speculative(config, draft, rp, cfg, cal, device, dtype, t_plain: float) -> None:

@@ -55,7 +55,7 @@ def expert_choice(plan: Plan, cfg: ModelConfig, cal: Calibration, compute_sizes:
         return None
     g = host[0]
     size, csize = plan.sizes[g], compute_sizes.get(g, plan.sizes[g])
-    hit = plan.hit_rate if hit_rate is None else hit_rate
+    hit = _hit(plan, plan.on_demand | plan.host_compute) if hit_rate is None else hit_rate
     device = (1 - hit) * size / cal.links[H2D] + csize / cal.weight_bytes_per_s("cuda", tokens)
     rows = 2 * tokens * cfg.hidden_size * 4  # float32 rows there and back, at most
     host_s = csize / cal.weight_bytes_per_s("cpu", tokens) + rows / cal.links[H2D] + HOST_ROUND_TRIP_S
@@ -74,12 +74,13 @@ def plan_experts(plan: Plan, cfg: ModelConfig, cal: Calibration, compute: str,
         if choice is not None and (compute == "host" or choice.host):
             host = frozenset(g for g in plan.on_demand if plan.homes[g] == "cpu")
             on_demand = plan.on_demand - host
+            slots = min(plan.cache_slots, len(on_demand))  # the cache keeps the disk-homed ones only
             reserved = dict(plan.reserved_gpu)
-            if not on_demand:
-                reserved.pop("expert cache", None)
+            reserved.pop("expert cache", None)
+            if slots:
+                reserved["expert cache"] = slots * plan.cache_slot_bytes
             plan = dataclasses.replace(plan, on_demand=on_demand, host_compute=host, reserved_gpu=reserved,
-                                       cache_slots=plan.cache_slots if on_demand else 0,
-                                       cache_slot_bytes=plan.cache_slot_bytes if on_demand else 0)
+                                       cache_slots=slots, cache_slot_bytes=plan.cache_slot_bytes if slots else 0)
     return dataclasses.replace(plan, routed_share=share, hit_rate=_hit(plan, plan.on_demand))
 
 

@@ -1,0 +1,188 @@
+"""Benchmark: a mixture of experts streamed from disk, its expert cache, next-layer prediction and peers.
+
+    python -m scripts.bench_moe                # qwen3_moe "medium" (64 experts, top 8; ~4 GiB bf16), b1 and b8
+    python -m scripts.bench_moe --quick        # qwen3_moe "small" (32 experts, top 4; ~0.2 GiB): a smoke run
+
+For each batch size, in fresh subprocesses (page cache evicted first, peak RSS each run's own):
+  resident      every weight in RAM: the compute-only step and the reference tokens
+  lfu+prefetch  layers resident, experts homed on disk, the expert cache (policy lfu) with next-layer prediction
+  lru           the same cache with policy lru and no prediction
+  ring          experts.cache 0: every expert of every layer streams through the ring each pass (issue 19.2's path)
+  accelerate    transformers + Accelerate device_map auto with Offload's RAM budget, the rest on disk (--accelerate)
+  llama.cpp     the checkpoint converted to GGUF, llama-bench (--llama-cpp; builds llama.cpp, ~20 min)
+Per Offload run: decode ms/step, disk bytes per decode step against the routed-expert bound (the bytes of the
+experts the step routed, plus the streamed layers), the cache's hit rate (cached and with prefetch), the
+prediction's recall and precision, tokens equal to the resident run; and the run's routing trace replayed
+through LRU and LFU caches of the same size (the policy comparison on a trace recorded from this model: its
+routers are random, so the trace is close to uniform; see tests/test_moe_cache.py for skewed ones).
+`--memory-max` runs each worker under `systemd-run --scope -p MemoryMax=` when that is available (a memory
+cgroup smaller than the model); otherwise the budgets are Offload's tiers only, and the result says so.
+Results: scripts/results/NAME.{md,json} (`scripts.machine.Result`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts.bench import evict, prompts, vm_hwm  # noqa: E402
+from scripts.bench import run_worker as bench_worker  # noqa: E402
+from scripts.machine import Result  # noqa: E402
+
+PROFILES = {
+    "full": dict(size="medium", prompt=32, new=16, batches=[1, 8], gpu="1GiB", chunk=32),
+    "quick": dict(size="small", prompt=12, new=6, batches=[1, 8], gpu="96MiB", chunk=16),
+}
+VARIANTS = {"lfu+prefetch": {"policy": "lfu", "prefetch": True}, "lru": {"policy": "lru", "prefetch": False},
+            "ring": {"cache": 0}}
+
+
+def worker(spec: dict) -> dict:
+    from offload.config import OffloadConfig
+    from offload.runtime.runner import Runner
+    from schedulers.expert_policy import hit_rate, make_policy
+
+    base = vm_hwm()
+    cfg = spec["config"]
+    if cfg.get("tiers", {}).get("disk"):
+        evict([Path(cfg["tiers"]["disk"]["path"])])
+    with Runner(OffloadConfig.load(cfg)) as r:
+        cache = r.target.weights.cache
+        if cache is not None:
+            cache.trace = []
+        batch = prompts(spec["batch"], spec["prompt"], r.cfg.vocab_size)
+        t0 = time.perf_counter()
+        res = r.generate(batch, max_new_tokens=spec["new"], stop_on_eos=False)
+        wall = time.perf_counter() - t0
+        stats = res[0].stats
+        steps = set(stats.decode_only_steps)
+        n = max(len(steps), 1)
+        plan = r.plan
+        routed = [s for s in r.timeline.on("experts") if s.step in steps]
+        expert = max((plan.sizes[g] for g in plan.order if ".expert." in g), default=0)
+        routed_bytes = expert * sum(s.args["hits"] + s.args["prefetched"] + s.args["misses"] for s in routed) / n
+        out = {"ms_per_step": stats.decode_only_ms_per_step, "wall_s": wall, "prefill_s": stats.prefill_s,
+               "disk_bytes_per_step": r.timeline.bytes_on("disk-read", steps) / n,
+               "streamed_layer_bytes_per_step": sum(plan.sizes[g] for g in plan.streamed if ".expert." not in g),
+               "routed_expert_bytes_per_step": routed_bytes, "experts": stats.experts,
+               "tokens": [x.token_ids for x in res], "plan": plan.to_dict(), "cache_slots": plan.cache_slots}
+        if cache is not None and cache.trace:
+            slots = plan.cache_slots
+            out["policy_on_recorded_trace"] = {
+                p: round(hit_rate(cache.trace, slots, make_policy(p, slots), warmup=len(cache.trace) // 4), 4)
+                for p in ("lru", "lfu")} | {"uses": len(cache.trace), "slots": slots}
+    out["peak_rss"], out["base_rss"] = vm_hwm(), base
+    return out
+
+
+def run_worker(spec: dict, memory_max: str | None, timeout: int = 7200) -> dict:
+    cmd = [sys.executable, str(Path(__file__)), "--worker", "--spec", json.dumps(spec)]
+    if memory_max and shutil.which("systemd-run"):
+        cmd = ["systemd-run", "--user", "--scope", "-q", "-p", f"MemoryMax={memory_max}"] + cmd
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def ensure_model(out: Path, size: str) -> Path:
+    from offload.testing.make_model import make_model
+
+    path = out / "models" / f"{size}-qwen3_moe-bf16"
+    if not (path / "config.json").is_file():
+        tmp = path.with_name(path.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        make_model(tmp, family="qwen3_moe", size=size, dtype="bfloat16", seed=0)
+        tmp.rename(path)
+    return path
+
+
+def llama_cpp(model: Path, out: Path, batch: int) -> dict:
+    """llama-bench on the GGUF conversion (q4_0 and bf16), through ../shared/peers/llama_cpp.sh."""
+    script = ROOT.parent / "shared" / "peers" / "llama_cpp.sh"
+    gguf = out / "gguf" / model.name
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["bash", str(script), "gguf", str(model), str(gguf)], check=True)
+    rows = {}
+    for fmt in ("bf16", "q4_0"):
+        p = subprocess.run(["bash", str(script), "bench", f"{gguf}-{fmt}.gguf"], capture_output=True, text=True,
+                           check=True)
+        rows[fmt] = p.stdout[-2000:]
+    return {"batch": batch, "llama_bench": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the small model, few tokens (a smoke run)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench-out", help="models and stores go here")
+    ap.add_argument("--accelerate", action="store_true", help="also run the Accelerate peer")
+    ap.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp on the GGUF conversion")
+    ap.add_argument("--memory-max", default=None, help="a memory cgroup limit for every worker (systemd-run)")
+    ap.add_argument("--name", default=None, help="the results' name (default moe-bench or moe-bench-quick)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.spec))))
+        return 0
+    result = Result()
+    prof = PROFILES["quick" if args.quick else "full"]
+    model = ensure_model(args.out, prof["size"])
+    store = args.out / "stores" / model.name
+    common = {"model": str(model), "device": "cpu", "dtype": "bfloat16", "compute_dtype": "bfloat16",
+              "kv_cache": {"gpu_blocks": 64}, "activations": {"prefill_chunk": prof["chunk"]},
+              "prefetch": {"depth": 2}}
+    tiers = {"gpu": {"capacity": prof["gpu"]}, "cpu": {"capacity": 0}, "disk": {"path": str(store)}}
+    cgroup = bool(args.memory_max and shutil.which("systemd-run"))
+    rows = []
+    for batch in prof["batches"]:
+        spec = {"batch": batch, "prompt": prof["prompt"], "new": prof["new"]}
+        resident = run_worker(spec | {"config": common}, None)
+        rows.append({"batch": batch, "run": "resident", **resident})
+        for name, experts in VARIANTS.items():
+            r = run_worker(spec | {"config": common | {"tiers": tiers, "experts": experts}}, args.memory_max)
+            r["same_tokens"] = r["tokens"] == resident["tokens"]
+            rows.append({"batch": batch, "run": name, **r})
+        if args.accelerate:
+            acc = bench_worker("accelerate", spec | {"model": str(model), "offload_folder": str(args.out / "acc"),
+                                                     "max_memory": prof["gpu"]})
+            rows.append({"batch": batch, "run": "accelerate", **acc})
+        if args.llama_cpp:
+            rows.append({"batch": batch, "run": "llama.cpp", **llama_cpp(model, args.out, batch)})
+    md = [f"Model: qwen3_moe `{prof['size']}` (make_model, random weights, bf16), device tier {prof['gpu']}, no host "
+          f"tier, experts on disk; {prof['prompt']}-token prompts, {prof['new']} new tokens. Memory cgroup: "
+          + (f"MemoryMax={args.memory_max}" if cgroup else "none (budgets are Offload's tiers only)")
+          + (". A --quick run: the smoke test, not the benchmark." if args.quick else "."), "",
+          "| batch | run | ms/step | disk read / step | routed bound / step | hit rate (cached / with prefetch) "
+          "| prediction recall / precision | LRU / LFU on the recorded trace | same tokens |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        e = r.get("experts") or {}
+        mib = 2**20
+        bound = (r.get("routed_expert_bytes_per_step", 0) + r.get("streamed_layer_bytes_per_step", 0)) / mib
+        pol = r.get("policy_on_recorded_trace")
+        md.append(f"| {r['batch']} | {r['run']} | {r.get('ms_per_step', 0):.1f} | "
+                  f"{r.get('disk_bytes_per_step', 0) / mib:.1f} MiB | {bound:.1f} MiB | "
+                  + (f"{100 * e['hit_rate']:.0f}% / {100 * e['hit_rate_with_prefetch']:.0f}%" if e else "-") + " | "
+                  + (f"{100 * e['prediction_recall']:.0f}% / {100 * e['prediction_precision']:.0f}%"
+                     if e.get("prediction_recall") is not None else "-") + " | "
+                  + (f"{100 * pol['lru']:.0f}% / {100 * pol['lfu']:.0f}% ({pol['slots']} slots)" if pol else "-")
+                  + f" | {r.get('same_tokens', '-')} |")
+    for r in rows:
+        r.pop("step_ms", None)
+    name = args.name or ("moe-bench-quick" if args.quick else "moe-bench")
+    path = result.write(ROOT / "scripts" / "results", name, "\n".join(md), rows)
+    print(path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
