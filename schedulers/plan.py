@@ -127,10 +127,10 @@ class Plan:
             cap_text = "unlimited" if cap is None else fmt_bytes(cap)
             lines.append(f"  {tier:<4} {fmt_bytes(self.used(tier)):>11} of {cap_text:>11}"
                          f"  homes {len(groups):>3} groups: {_compact(groups)}")
-        extras = [f"{k} {fmt_bytes(v)}" for k, v in self.reserved_gpu.items() if v]
+        ring = f" ({self.ring_slots} ring slots x {fmt_bytes(self.ring_slot_bytes)})" if self.ring_slots else ""
+        extras = [f"{k} {fmt_bytes(v)}" + (ring if k == "ring" else "") for k, v in self.reserved_gpu.items() if v]
         if extras:
-            ring = f" ({self.ring_slots} ring slots x {fmt_bytes(self.ring_slot_bytes)})" if self.ring_slots else ""
-            lines.append(f"  gpu reserves: {', '.join(extras)}{ring}")
+            lines.append(f"  gpu reserves: {', '.join(extras)}")
         host = ([f"staging {self.stage_slots} x {fmt_bytes(self.stage_slot_bytes)}"] if self.stage_slots else []) + (
             [f"cold KV blocks {fmt_bytes(self.host_reserve - self.kv_stage_bytes)}"]
             if self.host_reserve - self.kv_stage_bytes else []) + (
