@@ -3,6 +3,7 @@
 ```yaml
 model: path/to/checkpoint-dir      # a Hugging Face style directory (relative to the YAML file),
                                     # or a Hub id: meta-llama/Llama-3.1-70B-Instruct[@revision]
+model_impl: auto                    # native | transformers | auto (native when Offload knows the family)
 device: cpu                         # cpu | cuda | cuda:N; default: cuda if available else cpu
 dtype: bfloat16                     # float32 | float16 | bfloat16 | auto (the checkpoint's)
 tiers:
@@ -207,6 +208,10 @@ class OffloadConfig:
 
     model: Path = field(metadata={"parse": _str, "doc": "checkpoint directory (Hugging Face layout) or a Hub id "
                                                         "(org/name[@revision], fetched into the Hugging Face cache)"})
+    model_impl: str = _opt(_choice("auto", "native", "transformers"),
+                           "whose math runs the model: native (Offload's own, for the families it knows), "
+                           "transformers (any causal LM, built by transformers with its weights streamed through "
+                           "the tiers; needs the hf extra), auto = native when the family is supported", "auto")
     device: str = _opt(_device, "compute device: cpu, cuda, cuda:N or auto", "auto")
     dtype: str = _opt(_choice(*DTYPE_NAMES), "storage and transfer dtype of the weights (and compute dtype)",
                       "bfloat16")

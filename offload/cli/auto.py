@@ -141,7 +141,7 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
     if config.hub:
         print(f"checkpoint: {config.hub} from the Hugging Face cache (downloading what is missing)")
         config = config.replace(model=hub.fetch(config.hub))
-    ckpt = Checkpoint(config.model)
+    ckpt = Checkpoint(config.model, config.model_impl)
     dtype = resolve_dtype(config.dtype, ckpt.config.torch_dtype)
     if config.tiers is not None and config.tiers.disk is not None:
         store = config.tiers.disk.path

@@ -26,7 +26,9 @@ from offload.config import (
     parse_size,
 )
 from offload.errors import ConfigError
+from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
+from offload.model.generic import resolve_impl
 from offload.plan.calibrate import calibrate, default_path, load_calibration
 from offload.plan.costmodel import explain, plan_bytes
 from offload.plan.experts import expert_choice
@@ -74,9 +76,16 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[OffloadConfig, ModelConfig]:
     if not model_json.is_file():
         raise ConfigError(f"{model_json} does not exist; the plan needs the model's config.json")
     try:
-        cfg = ModelConfig.from_dict(json.loads(model_json.read_text()), str(model_json))
+        raw = json.loads(model_json.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{model_json}: not valid JSON ({e})") from None
+    if isinstance(raw, dict) and resolve_impl(config.model_impl, raw) == "transformers":
+        if not any(model_json.parent.glob("*.safetensors")):  # its groups are its tensors: the headers tell
+            raise ConfigError(f"{model_json.parent}: a model transformers runs is planned from its safetensors "
+                              "headers, and there are none here; download the checkpoint first")
+        cfg = Checkpoint(model_json.parent, "transformers").config
+    else:
+        cfg = ModelConfig.from_dict(raw, str(model_json))
     overrides: dict[str, Any] = {}
     if args.device:
         overrides["device"] = args.device
@@ -121,7 +130,8 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     schemes = compare_schemes(config, cfg, dtype, device, cal, work)
     experts = expert_lines(rp.plan, cfg, cal, sizes, batch, device.type)
     if as_json:
-        print(json.dumps({"device": str(device), "kv_blocks": rp.kv_blocks, "calibration": cal.source,
+        print(json.dumps({"device": str(device), "model_impl": cfg.impl, "kv_blocks": rp.kv_blocks,
+                          "calibration": cal.source,
                           "compute_dtype": str(rp.compute_dtype).removeprefix("torch."),
                           "prediction": pred.to_dict() | {"prefill_s_per_token": per_token},
                           "suggestions": [s.__dict__ for s in helps], "weights": schemes,
@@ -134,7 +144,9 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     stored = "" if w.quantization == "none" else (
         f", stored {w.quantization} g{w.group_size}{' keeping ' + ', '.join(w.keep) if w.keep else ''}: "
         f"{format_size(sum(g.nbytes for g in planner.groups))}")
-    print(f"device {device}, {cfg.family} model, {cfg.num_layers} layers, {count} parameters "
+    impl = "Offload's own math" if cfg.impl == "native" else "run by transformers, KV in its DynamicCache"
+    print(f"device {device}, {cfg.family} model ({impl}; model_impl: {config.model_impl}), "
+          f"{cfg.num_layers} layers, {count} parameters "
           f"({format_size(sum(planner.compute_sizes.values()))} in {str(dtype).removeprefix('torch.')}{stored})")
     if rp.compute_dtype != dtype:
         print(f"  compute in {str(rp.compute_dtype).removeprefix('torch.')} (compute_dtype: {config.compute_dtype}): "

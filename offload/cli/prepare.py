@@ -29,6 +29,7 @@ from offload.model import hub
 from offload.model.chat import ChatTemplate
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
+from offload.model.generic import generic_config, resolve_impl
 from offload.plan.planner import Planner, resolve_capacities
 from offload.plan.speculative import reserve_draft
 from offload.runtime.device import resolve_device, resolve_dtype
@@ -69,7 +70,10 @@ def model_config(config: OffloadConfig) -> ModelConfig:
     """The model's shape from its config.json alone (a Hub model's is fetched without the weights)."""
     path = config.model / "config.json"
     try:
-        return ModelConfig.from_dict(json.loads(path.read_text()), str(path))
+        raw = json.loads(path.read_text())
+        if isinstance(raw, dict) and resolve_impl(config.model_impl, raw) == "transformers":
+            return generic_config(raw, None, str(path))  # its sizes: the tensors are not read here
+        return ModelConfig.from_dict(raw, str(path))
     except FileNotFoundError:
         raise ConfigError(f"{path} does not exist; point model: at a checkpoint directory with config.json") from None
     except json.JSONDecodeError as e:
@@ -133,7 +137,7 @@ def convert_first(config: OffloadConfig) -> None:
         return
     if config.hub:  # the weights come now, as the runner would fetch them (resumed if interrupted)
         config = config.replace(model=hub.fetch(config.hub))
-    ckpt = Checkpoint(config.model)
+    ckpt = Checkpoint(config.model, config.model_impl)
     dtype, device = resolve_dtype(config.dtype, ckpt.config.torch_dtype), resolve_device(config.device)
     plan_for(config, ckpt.config, dtype, device)[1].run_plan()  # CapacityError / ConfigError, as the runner's
     print(f"offload: converting {ckpt.path} into the store {disk.path} (first run only; later runs reuse it)",

@@ -23,6 +23,7 @@ import torch
 
 from offload.errors import CheckpointError
 from offload.model.config import ModelConfig
+from offload.model.generic import generic_config, generic_tensors, resolve_impl
 from storage.io import preadv_into
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,8 @@ def _entry(path: Path, name: str, info: object, base: int, size: int) -> TensorE
 class Checkpoint:
     """A Hugging Face checkpoint directory: its `ModelConfig` and where every tensor's bytes are."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, impl: str = "auto") -> None:
+        """`impl`: the run's `model_impl`; a model transformers runs gets a config of `offload.model.generic`."""
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint directory {str(self.path)!r} does not exist")
@@ -140,7 +142,9 @@ class Checkpoint:
             raise CheckpointError(f"{cfg_path}: not valid JSON ({e}); fix or re-download it") from None
         if not isinstance(raw, dict):
             raise CheckpointError(f"{cfg_path}: expected a JSON object of model settings; fix or re-download it")
-        self.config = ModelConfig.from_dict(raw, str(cfg_path))
+        native = resolve_impl(impl, raw) == "native"
+        if native:  # its config is checked before any shard is opened
+            self.config = ModelConfig.from_dict(raw, str(cfg_path))
         self.files = self._find_files()
         self.entries: dict[str, TensorEntry] = {}
         self._headers: dict[Path, bytes] = {}
@@ -148,7 +152,12 @@ class Checkpoint:
             entries, raw_header = read_safetensors_header(f)
             self.entries.update(entries)
             self._headers[f] = raw_header
-        self._prefix = self._detect_prefix()
+        if native:
+            self._prefix = self._detect_prefix()
+        else:  # names stay whole: they are the parameters' names in transformers' module tree
+            tensors = generic_tensors({n: e.shape for n, e in self.entries.items()}, str(self.path))
+            self.config = generic_config(raw, tensors, str(cfg_path))
+            self._prefix = ""
 
     def _find_files(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"

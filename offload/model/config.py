@@ -78,6 +78,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    impl: str = "native"  # native: Offload's math; transformers: transformers runs it (offload.model.generic)
+    tensors: Any = field(default=None, repr=False)  # transformers: its GenericTensors (which tensors are a group)
 
     def __post_init__(self) -> None:
         if not self.moe_layers:

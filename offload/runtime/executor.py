@@ -174,13 +174,15 @@ class Executor:
     passes less when a speculative draft already took its share of the device. The config's `model` must
     be a local directory (`OffloadConfig.fetched()` brings a Hub checkpoint first)."""
 
+    kv_class: type[PagedKVCache] = PagedKVCache  # the KV pool a subclass keeps (offload.hf: DynamicCaches beside it)
+
     def __init__(self, config: OffloadConfig, timeline: Timeline | None = None,
                  capacities: Capacities | None = None, layers: range | None = None) -> None:
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
         self.config = config
         self.device = resolve_device(config.device)
-        self.checkpoint = Checkpoint(config.model)
+        self.checkpoint = Checkpoint(config.model, config.model_impl)
         self.cfg = self.checkpoint.config
         # every tensor config.json and the weight format imply, from the headers: before planning or allocating
         check_tensors(self.checkpoint, WeightFormat.from_config(config.weights, self.cfg))
@@ -261,7 +263,7 @@ class Executor:
                  host_memory: torch.Tensor | None = None) -> PagedKVCache:
         s = self.kv_settings
         disk = self.config.tiers.disk if self.config.tiers else None
-        return PagedKVCache(self.cfg, s.block_size, gpu_blocks, self.compute_dtype, self.device, memory=memory,
+        return self.kv_class(self.cfg, s.block_size, gpu_blocks, self.compute_dtype, self.device, memory=memory,
                             settings=s,
                             disk_dir=disk.path / "kv-scratch" if disk is not None and s.disk_blocks else None,
                             pin_memory=self.device.type == "cuda", timeline=self.timeline, rope=self.rope,

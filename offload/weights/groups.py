@@ -29,6 +29,7 @@ from offload.config import WeightsConfig
 from offload.errors import CheckpointError, ConfigError
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
+from offload.model.generic import LM_HEAD, GenericTensors
 from offload.weights import gptq, quant
 from storage.layout import DTYPES, GroupLayout, dtype_name
 
@@ -168,12 +169,30 @@ def stacked_sources(cfg: ModelConfig, layer: int) -> Sources:
 
 def embedding_source(cfg: ModelConfig) -> tuple[str, str]:
     """(group, tensor) whose rows are the token embeddings."""
+    if cfg.impl == "transformers":
+        return ("head", LM_HEAD) if cfg.tie_word_embeddings else ("embed", cfg.tensors.embed[0])
     return ("head", "lm_head") if cfg.tie_word_embeddings else ("embed", "embed_tokens")
+
+
+def generic_sources(tensors: GenericTensors, group: str) -> list[tuple[str, Sources]]:
+    """A model transformers runs: each tensor keeps its checkpoint name, unfused (`offload.model.generic`)."""
+    if group == "embed":
+        named = [tensors.embed]
+    elif group == "head":  # the final norm(s), then the LM head (the embeddings when tied)
+        named = [*tensors.head]
+        return [(n, [(n, s)]) for n, s in named] + [(LM_HEAD, [tensors.lm_head or tensors.embed])]
+    elif group.startswith("layer.") and group.count(".") == 1:
+        named = list(tensors.layers[int(group.split(".")[1])])
+    else:
+        raise KeyError(group)
+    return [(n, [(n, s)]) for n, s in named]
 
 
 def group_sources(cfg: ModelConfig, group: str, stacked: bool = False) -> list[tuple[str, Sources]]:
     """[(tensor name in the group, [(checkpoint tensor, shape), ...])] for one group; `stacked`: where the
     checkpoint keeps its experts stacked (`stacked_experts`)."""
+    if cfg.impl == "transformers":
+        return generic_sources(cfg.tensors, group)
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.q_size, cfg.kv_size
     if group == "embed":

@@ -1,0 +1,205 @@
+"""A transformers model on the meta device whose weights come, block by block, from a weight source.
+
+    model = TieredModel(checkpoint_dir, cfg, weights, device, compute_dtype)
+    logits, cache = model.run(ids, cache, every=False)     # ids [n] (CPU) -> logits [1 or n, V] float32
+
+transformers builds the module tree from config.json under accelerate's `init_empty_weights` (parameters
+on `meta`, buffers such as RoPE tables real). accelerate hooks (`ModelHook`, `add_hook_to_module`) then
+attach the weights where they run:
+
+- the token embeddings: the rows of the pass's distinct tokens, read by `weights.embed` (from wherever the
+  table lives, by rows), bound as a small table while the ids are renumbered into it; the module's own
+  forward (scaling, as Gemma's does) runs on it;
+- each decoder block `layer.i`: acquired from the weight source before the block runs (the prefetcher has
+  streamed it into the ring, or it is resident), its tensors bound to the block's parameters as views (no
+  copy unless the compute dtype differs), handed back after it;
+- the head (final norm, LM head): acquired before the first of its modules runs, released after the LM head.
+
+After each module runs its parameters are put back on `meta`, so nothing holds a slot the prefetcher
+reuses. The KV cache is transformers' own (a `DynamicCache` per sequence, made by the model). Knows
+transformers' module tree and the group names of `offload.model.generic`; not tiers, requests or sampling.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import init_empty_weights
+from accelerate.hooks import ModelHook, add_hook_to_module
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from offload.errors import CheckpointError
+from offload.model.config import ModelConfig
+from offload.model.generic import LM_HEAD, block_module
+from offload.weights.groups import group_sources
+
+#: A parameter to bind: (module, attribute, the group's tensor name)
+Binding = tuple[nn.Module, str, str]
+
+
+class Bound:
+    """A group's tensors bound to their modules for one forward, and the meta parameters put back after."""
+
+    def __init__(self, weights: Any, group: str, bindings: list[Binding], dtype: torch.dtype) -> None:
+        self.weights, self.group, self.bindings, self.dtype = weights, group, bindings, dtype
+        self.meta = [(m, leaf, _slot(m, leaf)[leaf]) for m, leaf, _ in bindings]
+        self.held = False
+
+    def bind(self) -> None:
+        views = self.weights.acquire(self.group)
+        self.held = True
+        for m, leaf, name in self.bindings:
+            t = views[name]
+            _slot(m, leaf)[leaf] = t if t.dtype == self.dtype else t.to(self.dtype)
+
+    def unbind(self, release: bool = True) -> None:
+        for m, leaf, meta in self.meta:
+            _slot(m, leaf)[leaf] = meta
+        if self.held and release:
+            self.weights.release(self.group)
+        self.held = False
+
+
+def _slot(m: nn.Module, leaf: str) -> dict:
+    """The dict holding a module's tensor `leaf`: its parameters, or its buffers (a persistent buffer)."""
+    return m._buffers if leaf in m._buffers else m._parameters
+
+
+class GroupHook(ModelHook):
+    """Bind a group before the module runs and release it after (a decoder block)."""
+
+    def __init__(self, bound: Bound) -> None:
+        self.bound = bound
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        self.bound.bind()
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        self.bound.unbind()
+        return output
+
+
+class HeadHook(ModelHook):
+    """The head's modules (final norm, LM head): bound before the first of them runs, released after `last`."""
+
+    def __init__(self, bound: Bound, last: bool) -> None:
+        self.bound, self.last = bound, last
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        if not self.bound.held:
+            self.bound.bind()
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        if self.last:
+            self.bound.unbind()
+        return output
+
+
+class EmbedHook(ModelHook):
+    """The token embeddings: the rows of the pass's distinct ids as a small table, the ids renumbered into it."""
+
+    def __init__(self, weights: Any, dtype: torch.dtype) -> None:
+        self.weights, self.dtype = weights, dtype
+
+    def pre_forward(self, module: nn.Module, ids: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        unique, inverse = torch.unique(ids.cpu(), return_inverse=True)
+        table = self.weights.embed(unique)  # [U, H] on the device
+        self.meta, self.padding = module._parameters["weight"], getattr(module, "padding_idx", None)
+        module._parameters["weight"] = table.to(self.dtype)
+        if self.padding is not None:  # only for training; F.embedding checks it against the table's rows
+            module.padding_idx = None
+        return (inverse.to(table.device), *args), kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        module._parameters["weight"] = self.meta
+        if self.padding is not None:
+            module.padding_idx = self.padding
+        return output
+
+
+class TieredModel:
+    """transformers' model of a checkpoint, its weights bound from `weights` (a WeightSource) as it runs."""
+
+    def __init__(self, path: Path, cfg: ModelConfig, weights: Any, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        hf_config = AutoConfig.from_pretrained(path)
+        try:
+            with init_empty_weights():
+                self.model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        except ValueError as e:  # transformers knows no causal LM for this config
+            raise CheckpointError(f"{path}: transformers cannot build a causal LM from its config.json "
+                                  f"({str(e).splitlines()[0][:160]}); Offload runs causal LMs transformers "
+                                  "knows") from None
+        self.model.eval()
+        # transformers >= 5.2x names the cache `cache` (`past_key_values` before)
+        self.cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        for m in self.model.modules():  # RoPE tables and other buffers are real: they go to the device
+            for k, b in m._buffers.items():
+                if b is not None and b.device.type != "meta":
+                    m._buffers[k] = b.to(device)
+        self.bounds: list[Bound] = []
+        covered = self._attach(cfg, weights)
+        params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        missing = sorted(params - covered)
+        if missing:
+            raise CheckpointError(f"{path}: the model's parameter {missing[0]!r} (of {len(missing)}) has no tensor in "
+                                  "the checkpoint; its tensor names are not the ones transformers gives this model")
+
+    def _attach(self, cfg: ModelConfig, weights: Any) -> set[str]:
+        """Hook every group onto its modules; returns the parameter names bound."""
+        root, covered = self.model, set()
+
+        def bindings(group: str) -> list[Binding]:
+            out = []
+            for name, _ in group_sources(cfg, group):
+                path, _, leaf = name.rpartition(".")
+                try:
+                    module = root.get_submodule(path)
+                except AttributeError:
+                    raise CheckpointError(f"checkpoint tensor {name!r} names no module of transformers' "
+                                          f"{type(root).__name__}; the checkpoint and config.json do not belong "
+                                          "together") from None
+                out.append((module, leaf, name))
+                covered.add(name)
+            return out
+
+        for i in range(cfg.num_layers):
+            group = f"layer.{i}"
+            b = bindings(group)
+            block = root.get_submodule(block_module(b[0][2]))
+            self.bounds.append(Bound(weights, group, b, self.dtype))
+            add_hook_to_module(block, GroupHook(self.bounds[-1]))
+        head = Bound(weights, "head", bindings("head"), self.dtype)
+        self.bounds.append(head)
+        out_embed = root.get_output_embeddings()
+        owners = {id(m): m for m, _, name in head.bindings if name != LM_HEAD}
+        for m in owners.values():
+            add_hook_to_module(m, HeadHook(head, last=False))
+        add_hook_to_module(out_embed, HeadHook(head, last=True))
+        embed = root.get_input_embeddings()
+        add_hook_to_module(embed, EmbedHook(weights, self.dtype))
+        covered.add(cfg.tensors.embed[0])
+        return covered
+
+    def run(self, ids: torch.Tensor, cache: Any, every: bool) -> tuple[torch.Tensor, Any]:
+        """One sequence's new tokens ids [n] through the model with its cache (None: a new one): logits
+        [n, V] (`every`) or [1, V] float32, and the cache holding them."""
+        try:
+            out = self.model(input_ids=ids[None].to(self.device), use_cache=True, logits_to_keep=0 if every else 1,
+                             **{self.cache_arg: cache})
+        except BaseException:
+            self.abort()
+            raise
+        return out.logits[0].float(), out[self.cache_arg]
+
+    def abort(self) -> None:
+        """A forward stopped half way: every module back on meta (the weight source resets its own pass)."""
+        for b in self.bounds:
+            b.unbind(release=False)
