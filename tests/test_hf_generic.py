@@ -1,0 +1,127 @@
+"""Any transformers causal LM through the tiers (model_impl: transformers): greedy tokens equal transformers'
+own on tiny Gemma 2, Gemma 3 (text), Phi-3 and StableLM checkpoints, resident and streamed from the disk
+tier; a native family forced through the generic path gives the native path's tokens; what the path cannot
+do is refused in one sentence."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload import Runner
+from offload.cli.main import main
+from offload.errors import CheckpointError, ConfigError
+from offload.model.checkpoint import Checkpoint
+from tests.conftest import run_config
+
+transformers = pytest.importorskip("transformers")
+
+SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+#: (config class, model class, extra config keys): sliding windows of 8 so that a 20-token context uses them
+FAMILIES = {
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=8)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, sliding_window=8)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(partial_rotary_factor=0.5)),
+}
+PROMPTS = [[5, 17, 33, 2, 9, 100, 41, 7, 8, 12, 13], [3, 4, 200]]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory) -> dict[str, tuple[Path, list[list[int]]]]:
+    """Each family's tiny random checkpoint (safetensors, via save_pretrained) and transformers' greedy tokens."""
+    out = {}
+    for family, (config_cls, model_cls, extra) in FAMILIES.items():
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**SIZES, **extra)).eval()
+        path = tmp_path_factory.mktemp(family)
+        model.save_pretrained(path)
+        with torch.no_grad():
+            ref = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False
+                                  )[0, len(p):].tolist() for p in PROMPTS]
+        out[family] = (path, ref)
+    return out
+
+
+def greedy(raw: dict) -> list[list[int]]:
+    with Runner(raw) as r:
+        assert r.cfg.impl == "transformers"
+        return [x.outputs[0].token_ids for x in r.generate(PROMPTS, max_new_tokens=NEW, temperature=0,
+                                                              stop_on_eos=False)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_equal_transformers_resident(hf_models, family):
+    path, ref = hf_models[family]
+    assert greedy(run_config(path)) == ref  # model_impl auto: not a native family, so transformers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_equal_transformers_streamed_from_disk(hf_models, family, tmp_path):
+    path, ref = hf_models[family]
+    raw = run_config(path, tiers={"gpu": {"capacity": "420KiB"}, "cpu": {"capacity": "160KiB"},
+                                  "disk": {"path": str(tmp_path / "store")}}, prefetch={"depth": 1},
+                     activations={"prefill_chunk": 4})
+    with Runner(raw) as r:
+        assert "disk" in r.plan.homes.values() and r.plan.streamed  # some blocks really come from the store
+        got = [x.outputs[0].token_ids for x in r.generate(PROMPTS, max_new_tokens=NEW, temperature=0,
+                                                          stop_on_eos=False)]
+    assert got == ref
+
+
+def test_a_native_family_forced_through_transformers_gives_the_native_tokens(tiny_llama):
+    with Runner(run_config(tiny_llama)) as r:
+        assert r.cfg.impl == "native"
+        native = [x.outputs[0].token_ids for x in r.generate(PROMPTS, max_new_tokens=NEW, temperature=0,
+                                                             stop_on_eos=False)]
+    assert greedy(run_config(tiny_llama, model_impl="transformers")) == native
+
+
+def test_samples_fork_the_prompts_cache_and_prompt_chunks_continue_it(hf_models):
+    path, ref = hf_models["gemma2"]
+    with Runner(run_config(path, activations={"prefill_chunk": 3})) as r:
+        [res] = r.generate([PROMPTS[0]], max_new_tokens=NEW, temperature=0, stop_on_eos=False, num_samples=2)
+        assert [o.token_ids for o in res.outputs] == [ref[0], ref[0]]
+        logits = r.prefill_logits([PROMPTS[0]])  # every position's logits, as transformers gives them
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([PROMPTS[0]])).logits
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_groups_are_the_checkpoints_blocks_named_as_transformers_names_them(hf_models):
+    cfg = Checkpoint(hf_models["phi3"][0]).config
+    assert (cfg.impl, cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == ("transformers", 3, 64, 256)
+    names = [n for n, _ in cfg.tensors.layers[1]]
+    assert "model.layers.1.self_attn.qkv_proj.weight" in names and all(n.startswith("model.layers.1.") for n in names)
+    with pytest.raises(CheckpointError, match=r"model_type 'phi3'.* is not supported"):
+        Checkpoint(hf_models["phi3"][0], "native")
+
+
+def test_what_the_transformers_path_cannot_do_is_refused_in_one_sentence(hf_models):
+    path, _ = hf_models["gemma2"]
+    with pytest.raises(ConfigError, match=r"weights.quantization: int8 .* model_impl transformers"):
+        Runner(run_config(path, weights={"quantization": "int8"}))
+    with pytest.raises(ConfigError, match=r"speculative: .* needs Offload's own math"):
+        Runner(run_config(path, speculative={"draft": "self-int8"}))
+
+
+def test_without_transformers_the_error_names_the_extra(hf_models, monkeypatch):
+    for name in [m for m in sys.modules if m == "transformers" or m.startswith(("transformers.", "offload.hf"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails as if not installed
+    with pytest.raises(ConfigError, match=r"needs transformers, which is not installed; pip install 'offload\[hf\]'"):
+        Runner(run_config(hf_models["gemma3"][0]))
+
+
+def test_plan_shows_which_implementation_runs_the_model(hf_models, tiny_llama, capsys):
+    assert main(["plan", "--model", str(hf_models["gemma3"][0]), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "gemma3_text model (run by transformers, KV in its DynamicCache; model_impl: auto)" in out
+    assert main(["plan", "--model", str(tiny_llama), "--device", "cpu"]) == 0
+    assert "llama model (Offload's own math; model_impl: auto)" in capsys.readouterr().out
