@@ -148,7 +148,8 @@ def _break(tmp_path: Path, src: Path, how: str) -> Path:
 
 
 @pytest.mark.parametrize("how,match", [
-    ("unsupported_arch", r"'gpt_neox'.*not supported; Offload runs LlamaForCausalLM, MistralForCausalLM, Qwen2"),
+    # not a native family: transformers builds GPT-NeoX, whose modules the Llama tensors do not name
+    ("unsupported_arch", r"tensor 'model.layers.0.input_layernorm.weight' names no module of transformers' GPTNeoX"),
     ("pickle_only", r"only pickle weights \(pytorch_model.bin\).*never unpickles.*safetensors"),
     ("no_config", r"no config.json"),
     ("bad_json_config", r"config.json: not valid JSON"),
@@ -168,6 +169,13 @@ def test_each_bad_checkpoint_raises_one_clear_sentence(tmp_path, tiny_llama, how
     with pytest.raises(CheckpointError, match=match) as info:
         Runner.from_config(run_config(path))
     assert "\n" not in str(info.value)
+
+
+def test_an_unsupported_family_forced_native_is_refused_naming_the_families(tmp_path, tiny_llama):
+    path = _break(tmp_path, tiny_llama, "unsupported_arch")
+    with pytest.raises(CheckpointError, match=r"'gpt_neox'.*not supported natively; Offload runs LlamaForCausalLM, "
+                       r"MistralForCausalLM, Qwen2.*\(model_impl: auto or transformers\)"):
+        Runner.from_config(run_config(path, model_impl="native"))
 
 
 def test_fingerprint_tells_seeds_apart(model_factory, tmp_path, tiny_llama):

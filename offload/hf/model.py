@@ -46,27 +46,32 @@ class Bound:
 
     def __init__(self, weights: Any, group: str, bindings: list[Binding], dtype: torch.dtype) -> None:
         self.weights, self.group, self.bindings, self.dtype = weights, group, bindings, dtype
-        self.meta = [(m, leaf, _slot(m, leaf)[leaf]) for m, leaf, _ in bindings]
+        # (module, leaf, its meta tensor, a parameter? else a persistent buffer)
+        self.meta = [(m, leaf, getattr(m, leaf), leaf in dict(m.named_parameters(recurse=False)))
+                     for m, leaf, _ in bindings]
         self.held = False
 
     def bind(self) -> None:
         views = self.weights.acquire(self.group)
         self.held = True
-        for m, leaf, name in self.bindings:
+        for (m, leaf, name), (_, _, _, param) in zip(self.bindings, self.meta):
             t = views[name]
-            _slot(m, leaf)[leaf] = t if t.dtype == self.dtype else t.to(self.dtype)
+            put(m, leaf, t if t.dtype == self.dtype else t.to(self.dtype), param)
 
     def unbind(self, release: bool = True) -> None:
-        for m, leaf, meta in self.meta:
-            _slot(m, leaf)[leaf] = meta
+        for m, leaf, meta, param in self.meta:
+            put(m, leaf, meta, param)
         if self.held and release:
             self.weights.release(self.group)
         self.held = False
 
 
-def _slot(m: nn.Module, leaf: str) -> dict:
-    """The dict holding a module's tensor `leaf`: its parameters, or its buffers (a persistent buffer)."""
-    return m._buffers if leaf in m._buffers else m._parameters
+def put(m: nn.Module, leaf: str, t: torch.Tensor, param: bool) -> None:
+    """Make `t` the module's tensor `leaf` (a parameter, or a persistent buffer), without a copy."""
+    if param:
+        m._parameters[leaf] = t  # a plain tensor where the Parameter was: modules read it as `self.weight`
+    else:
+        setattr(m, leaf, t)
 
 
 class GroupHook(ModelHook):
@@ -141,9 +146,9 @@ class TieredModel:
         # transformers >= 5.2x names the cache `cache` (`past_key_values` before)
         self.cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         for m in self.model.modules():  # RoPE tables and other buffers are real: they go to the device
-            for k, b in m._buffers.items():
-                if b is not None and b.device.type != "meta":
-                    m._buffers[k] = b.to(device)
+            for k, b in list(m.named_buffers(recurse=False)):
+                if b.device.type != "meta":
+                    setattr(m, k, b.to(device))
         self.bounds: list[Bound] = []
         covered = self._attach(cfg, weights)
         params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}

@@ -128,8 +128,9 @@ class ModelConfig:
             by_arch = [t for t, a in SUPPORTED.items() if a in archs]
             if not by_arch:
                 raise CheckpointError(
-                    f"{where}: model_type {model_type!r} (architectures {archs}) is not supported; "
-                    f"Offload runs {', '.join(SUPPORTED.values())} checkpoints"
+                    f"{where}: model_type {model_type!r} (architectures {archs}) is not supported natively; "
+                    f"Offload runs {', '.join(SUPPORTED.values())} checkpoints with its own math, and other "
+                    "causal LMs with transformers (model_impl: auto or transformers)"
                 )
             model_type = by_arch[0]
         act = cfg.get("hidden_act", "silu")
