@@ -5,6 +5,8 @@ do is refused in one sentence."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -15,12 +17,17 @@ from offload import Runner
 from offload.cli.main import main
 from offload.errors import CheckpointError, ConfigError
 from offload.model.checkpoint import Checkpoint
+from offload.runtime.conversation import Conversation
+from offload.testing.make_model import train_tokenizer
 from tests.conftest import run_config
+from tests.test_chat import TURNS, hf_conversation
+from tests.test_chat import greedy as chat_greedy
+from tests.test_chat_template import CHATML
 
 transformers = pytest.importorskip("transformers")
 
 SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256)
+             num_key_value_heads=2, max_position_embeddings=1024)
 #: (config class, model class, extra config keys): sliding windows of 8 so that a 20-token context uses them
 FAMILIES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=8)),
@@ -125,3 +132,26 @@ def test_plan_shows_which_implementation_runs_the_model(hf_models, tiny_llama, c
     assert "gemma3_text model (run by transformers, KV in its DynamicCache; model_impl: auto)" in out
     assert main(["plan", "--model", str(tiny_llama), "--device", "cpu"]) == 0
     assert "llama model (Offload's own math; model_impl: auto)" in capsys.readouterr().out
+
+
+def test_a_conversation_keeps_its_dynamic_cache_between_turns_and_equals_transformers(hf_models, tmp_path):
+    d = tmp_path / "chat"
+    shutil.copytree(hf_models["gemma2"][0], d)  # sliding windows of 8: the kept cache records past them
+    train_tokenizer(SIZES["vocab_size"]).save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+        "eos_token": "</s>", "unk_token": "<unk>"}))
+    with Runner(run_config(d, kv_cache={"block_size": 4})) as r:
+        ref = hf_conversation(d, TURNS, NEW, r.generation.eos_token_ids)
+        conv = Conversation(r, chat_greedy(r))
+        crops = 0
+        for i, (text, (ids, tokens, _)) in enumerate(zip(TURNS, ref)):
+            reply = conv.say(text)
+            assert reply.token_ids == tokens, f"turn {i}"
+            if i:  # the history came from the kept cache, cut back to what it shares with the new prompt
+                history = ref[i - 1][0] + ref[i - 1][1][:-1]
+                shared = next((j for j, (a, b) in enumerate(zip(history, ids)) if a != b), len(history))
+                assert reply.cached == shared >= len(ref[i - 1][0])
+                crops += shared < len(history)
+        assert crops  # some turn forgot the end of the kept cache (past the sliding window)
+        conv.close()

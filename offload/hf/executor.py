@@ -57,11 +57,8 @@ class HFSequences(PagedKVCache):
         if cache is not None and cache.get_seq_length() > kept:
             if kept == 0:
                 self.caches[sid] = None
-            elif not cache.is_croppable:  # e.g. a sliding-window layer that already dropped its oldest keys
-                raise ConfigError(f"model_impl transformers: this model's cache cannot forget its last tokens "
-                                  f"(from {kept} on); start a new conversation instead of continuing this one")
-            else:
-                cache.crop(kept)
+            else:  # a negative count: the tokens to forget, in every transformers version
+                cache.crop(kept - cache.get_seq_length())
         return kept
 
 

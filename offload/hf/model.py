@@ -30,7 +30,7 @@ import torch
 from accelerate import init_empty_weights
 from accelerate.hooks import ModelHook, add_hook_to_module
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from offload.errors import CheckpointError
 from offload.model.config import ModelConfig
@@ -193,9 +193,18 @@ class TieredModel:
         covered.add(cfg.tensors.embed[0])
         return covered
 
+    def new_cache(self) -> DynamicCache:
+        """A sequence's cache. Sliding-window layers record the keys past their window (as assisted generation
+        has them do), so that a conversation can forget its last tokens (`crop`) and still attend correctly."""
+        cache = DynamicCache(config=self.model.config)
+        if hasattr(cache, "activate_past_recording"):
+            cache.activate_past_recording()
+        return cache
+
     def run(self, ids: torch.Tensor, cache: Any, every: bool) -> tuple[torch.Tensor, Any]:
         """One sequence's new tokens ids [n] through the model with its cache (None: a new one): logits
         [n, V] (`every`) or [1, V] float32, and the cache holding them."""
+        cache = self.new_cache() if cache is None else cache
         try:
             out = self.model(input_ids=ids[None].to(self.device), use_cache=True, logits_to_keep=0 if every else 1,
                              **{self.cache_arg: cache})
