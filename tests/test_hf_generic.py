@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ from offload.cli.main import main
 from offload.errors import CheckpointError, ConfigError
 from offload.model.checkpoint import Checkpoint
 from offload.runtime.conversation import Conversation
+from offload.serve.background import BackgroundServer
+from offload.serve.files import FileDefaults, run_file
+from offload.serve.loop import Limits
 from offload.testing.make_model import train_tokenizer
 from tests.conftest import run_config
 from tests.test_chat import TURNS, hf_conversation
@@ -25,6 +29,7 @@ from tests.test_chat import greedy as chat_greedy
 from tests.test_chat_template import CHATML
 
 transformers = pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
 
 SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024)
@@ -134,13 +139,21 @@ def test_plan_shows_which_implementation_runs_the_model(hf_models, tiny_llama, c
     assert "llama model (Offload's own math; model_impl: auto)" in capsys.readouterr().out
 
 
-def test_a_conversation_keeps_its_dynamic_cache_between_turns_and_equals_transformers(hf_models, tmp_path):
-    d = tmp_path / "chat"
-    shutil.copytree(hf_models["gemma2"][0], d)  # sliding windows of 8: the kept cache records past them
+@pytest.fixture(scope="module")
+def gemma_chat(hf_models, tmp_path_factory) -> Path:
+    """The tiny Gemma 2 with a tokenizer and a chat template (sliding windows of 8: the kept cache records past
+    them)."""
+    d = tmp_path_factory.mktemp("chat") / "gemma2"
+    shutil.copytree(hf_models["gemma2"][0], d)
     train_tokenizer(SIZES["vocab_size"]).save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
         "eos_token": "</s>", "unk_token": "<unk>"}))
+    return d
+
+
+def test_a_conversation_keeps_its_dynamic_cache_between_turns_and_equals_transformers(gemma_chat):
+    d = gemma_chat
     with Runner(run_config(d, kv_cache={"block_size": 4})) as r:
         ref = hf_conversation(d, TURNS, NEW, r.generation.eos_token_ids)
         conv = Conversation(r, chat_greedy(r))
@@ -155,3 +168,22 @@ def test_a_conversation_keeps_its_dynamic_cache_between_turns_and_equals_transfo
                 crops += shared < len(history)
         assert crops  # some turn forgot the end of the kept cache (past the sliding window)
         conv.close()
+
+
+def test_the_server_and_the_throughput_mode_run_the_transformers_path(gemma_chat, tmp_path):
+    prompts = ["Once upon a time", "The kettle is on"]
+    with Runner(run_config(gemma_chat)) as runner:
+        alone = [runner.generate(p, max_new_tokens=6, temperature=0)[0].outputs[0] for p in prompts]
+        inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        inp.write_text("".join(json.dumps({"id": str(i), "prompt": p, "max_tokens": 6}) + "\n"
+                               for i, p in enumerate(prompts)))
+        assert run_file(runner, inp, out, FileDefaults(), max_batch=2, progress=False).done == 2
+        got = {r["id"]: r["choices"][0]["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+        assert [got["0"], got["1"]] == [a.token_ids for a in alone]
+        runner.fix_kv_pool(64)
+        with BackgroundServer(runner, Limits(max_batch=4, max_queue=8, timeout_s=60), name="g") as srv:
+            client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=60)
+            with ThreadPoolExecutor(2) as pool:  # two requests at once: one engine step runs both
+                texts = list(pool.map(lambda p: client.completions.create(
+                    model="g", prompt=p, max_tokens=6, temperature=0).choices[0].text, prompts))
+    assert texts == [a.text for a in alone]
