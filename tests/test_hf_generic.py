@@ -81,6 +81,7 @@ def test_greedy_tokens_equal_transformers_streamed_from_disk(hf_models, family, 
                      activations={"prefill_chunk": 4})
     with Runner(raw) as r:
         assert "disk" in r.plan.homes.values() and r.plan.streamed  # some blocks really come from the store
+        assert r.kv.logical.num_blocks > 0 and "kv" not in r.weights.tiers["gpu"]  # its region: DynamicCaches'
         got = [x.outputs[0].token_ids for x in r.generate(PROMPTS, max_new_tokens=NEW, temperature=0,
                                                           stop_on_eos=False)]
     assert got == ref

@@ -8,7 +8,8 @@ Everything the native executor plans is planned the same way (placement, ring, p
 disk: `TieredWeights` over the groups of `offload.model.generic`), and the engine admits, prefills in chunks,
 forks samples and keeps conversations as it does natively: the paged KV cache still counts every sequence's
 blocks and lengths (`HFSequences`), while the keys and values live in transformers' `DynamicCache`, one per
-sequence, on the device. What does not apply on this path: the KV cache's cold tiers (host/disk blocks,
+sequence, on the device, in the KV region the plan reserved (the bookkeeping's blocks hold nothing). What does
+not apply on this path: the KV cache's cold tiers (host/disk blocks,
 int8 cold blocks: kv_cache.cpu_blocks/disk_blocks are taken as 0), speculative decoding (verification needs
 Offload's batched tree attention), pipeline stages, int8/int4 weights and GPTQ/AWQ checkpoints (their packed
 matrices need Offload's kernels). A pass runs its sequences one at a time (a ragged batch of DynamicCaches
@@ -28,6 +29,7 @@ from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.hf.model import TieredModel
 from offload.kv.cache import PagedKVCache
+from offload.model.config import ModelConfig
 from offload.runtime.executor import Executor, ForwardBatch
 from schedulers.plan import Capacities
 from schedulers.timeline import Timeline
@@ -35,10 +37,16 @@ from schedulers.timeline import Timeline
 
 class HFSequences(PagedKVCache):
     """The paged cache's bookkeeping (admission, lengths, forks, truncation) with each sequence's keys and
-    values in a transformers cache (`caches[sid]`: None until its first pass), kept in step with it."""
+    values in a transformers cache (`caches[sid]`: None until its first pass), kept in step with it. Its
+    blocks hold nothing (one layer of one 1-wide head: a few bytes each), so the device KV region the plan
+    reserved is left to the DynamicCaches, which fill about as much."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    holds_kv = False
+
+    def __init__(self, cfg: ModelConfig, *args: Any, **kwargs: Any) -> None:
+        blank = dataclasses.replace(cfg, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, moe_layers=(False,),
+                                    sliding_windows=(None,))
+        super().__init__(blank, *args, **{**kwargs, "memory": None})
         self.caches: dict[int, Any] = {}
 
     def fork(self, sid: int, reserve_tokens: int) -> int:

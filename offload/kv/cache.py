@@ -58,6 +58,10 @@ from storage.units import blocks_for
 
 
 class PagedKVCache:
+    #: do the blocks hold the keys and values (so their device bytes come from the plan's KV region)? A
+    #: subclass that keeps only the bookkeeping, its KV elsewhere, says no (offload.hf.executor.HFSequences)
+    holds_kv = True
+
     def __init__(self, cfg: ModelConfig, block_size: int, num_blocks: int, dtype: torch.dtype,
                  device: torch.device | str, memory: torch.Tensor | None = None,
                  settings: KVSettings | None = None, disk_dir: Path | None = None, pin_memory: bool = False,

@@ -205,7 +205,7 @@ class Executor:
         if self._kv_fixed:  # tiers (or kv_cache.gpu_blocks): one pool inside the device tier's budget
             try:
                 nbytes = run_plan.kv_blocks * run_plan.kv_block_bytes
-                memory = self.weights.allocate_kv(nbytes) if config.tiers else None
+                memory = self.weights.allocate_kv(nbytes) if config.tiers and self.kv_class.holds_kv else None
                 host = run_plan.plan.host_reserve  # the cold host blocks, in the cpu tier's (pinned) arena
                 host_memory = self.weights.allocate_kv(host, "cpu") if config.tiers and host else None
                 self._res.kv = self._make_kv(run_plan.kv_blocks, memory, host_memory)
