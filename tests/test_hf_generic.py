@@ -16,7 +16,7 @@ import torch
 
 from offload import Runner
 from offload.cli.main import main
-from offload.errors import CheckpointError, ConfigError
+from offload.errors import CheckpointError, ConfigError, StoreError
 from offload.model.checkpoint import Checkpoint
 from offload.runtime.conversation import Conversation
 from offload.serve.background import BackgroundServer
@@ -188,3 +188,16 @@ def test_the_server_and_the_throughput_mode_run_the_transformers_path(gemma_chat
                 texts = list(pool.map(lambda p: client.completions.create(
                     model="g", prompt=p, max_tokens=6, temperature=0).choices[0].text, prompts))
     assert texts == [a.text for a in alone]
+
+
+def test_a_store_converted_for_the_native_path_is_refused_by_the_transformers_path_naming_the_fix(tiny_llama,
+                                                                                                   tmp_path):
+    store = tmp_path / "store"
+    assert main(["convert", str(tiny_llama), str(store), "--dtype", "float32"]) == 0  # native layouts (auto)
+    raw = run_config(tiny_llama, model_impl="transformers", tiers={"disk": {"path": str(store)}})
+    with pytest.raises(StoreError, match=r"model_impl transformers .* --model-impl transformers --force"):
+        Runner(raw)
+    assert main(["convert", str(tiny_llama), str(store), "--dtype", "float32", "--model-impl", "transformers",
+                 "--force"]) == 0
+    with Runner(raw) as r:
+        assert r.cfg.impl == "transformers" and r.generate([1, 5, 9], max_new_tokens=2)[0].outputs[0].token_ids

@@ -28,12 +28,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("--group-size", type=int, default=64, help="input columns per scale/zero (weights.group_size)")
     conv.add_argument("--keep", nargs="*", choices=LINEARS, default=["lm_head"],
                       help="matrices kept in the compute dtype (weights.keep)")
+    conv.add_argument("--model-impl", choices=("auto", "native", "transformers"), default="auto",
+                      help="the run's model_impl: its groups are laid out for it (must match the run's)")
     conv.add_argument("--force", action="store_true", help="replace a complete store")
     conv.set_defaults(func=cmd_convert)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    ckpt = Checkpoint(hub.fetch(args.checkpoint) if hub.is_hub_id(args.checkpoint) else Path(args.checkpoint))
+    ckpt = Checkpoint(hub.fetch(args.checkpoint) if hub.is_hub_id(args.checkpoint) else Path(args.checkpoint),
+                      args.model_impl)
     dtype = resolve_dtype(args.dtype, ckpt.config.torch_dtype)
     fmt = WeightFormat(args.weights, args.group_size, tuple(args.keep))
     store = convert(ckpt, args.store, dtype, force=args.force, progress=True, fmt=fmt)

@@ -128,5 +128,7 @@ def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capa
     expected = model_layouts(ckpt.config, dtype, fmt)
     if {n: g.layout for n, g in store.groups.items()} != expected:
         store.close()
-        raise StoreError(f"{store_dir}: its group layouts differ from this Offload's; convert again with --force")
+        raise StoreError(f"{store_dir}: its group layouts differ from this run's (another Offload version, or "
+                         f"model_impl {ckpt.config.impl} where it was converted for the other); convert again with "
+                         f"`offload convert ... --model-impl {ckpt.config.impl} --force`")
     return store
