@@ -1,8 +1,9 @@
 """Planning from the command line: `offload plan` (what lives where, predicted speed, what would help)
 and `offload calibrate` (measure this machine's links and kernels, saved for the planner).
 
-`plan` reads a config and a model's `config.json` only: no weights, no GPU memory, so it
-plans for machines you do not have (with an example calibration file).
+`plan` reads a config and a model's `config.json` only (and, for a model transformers runs, its safetensors
+headers: its groups are its tensors): no weights, no GPU memory, so it plans for machines you do not have
+(with an example calibration file).
 """
 
 from __future__ import annotations
