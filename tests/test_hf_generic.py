@@ -116,10 +116,32 @@ def test_the_groups_are_the_checkpoints_blocks_named_as_transformers_names_them(
         Checkpoint(hf_models["phi3"][0], "native")
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_packed_blocks_stream_and_give_every_placement_the_same_tokens_near_the_float_logits(hf_models, scheme,
+                                                                                             tmp_path):
+    path, _ = hf_models["phi3"]
+    weights = {"quantization": scheme, "group_size": 32}
+    with Runner(run_config(path, weights=weights)) as r:
+        resident = [x.outputs[0].token_ids for x in r.generate(PROMPTS, max_new_tokens=NEW, temperature=0,
+                                                               stop_on_eos=False)]
+        logits = r.prefill_logits([PROMPTS[0]])
+        layer = r.plan.sizes["layer.0"]
+    with Runner(run_config(path)) as dense:
+        assert layer < dense.plan.sizes["layer.0"] / (1.8 if scheme == "int8" else 3)  # the blocks stream packed
+        want = dense.prefill_logits([PROMPTS[0]])
+    raw = run_config(path, weights=weights, tiers={"gpu": {"capacity": "200KiB"}, "cpu": {"capacity": "60KiB"},
+                                                   "disk": {"path": str(tmp_path / "store")}},
+                     prefetch={"depth": 1}, activations={"prefill_chunk": 4})
+    with Runner(raw) as r:
+        assert "disk" in r.plan.homes.values()
+        assert [x.outputs[0].token_ids for x in r.generate(PROMPTS, max_new_tokens=NEW, temperature=0,
+                                                           stop_on_eos=False)] == resident
+    err = ((logits - want).norm() / want.norm()).item()
+    assert err < (0.02 if scheme == "int8" else 0.2), err
+
+
 def test_what_the_transformers_path_cannot_do_is_refused_in_one_sentence(hf_models):
     path, _ = hf_models["gemma2"]
-    with pytest.raises(ConfigError, match=r"weights.quantization: int8 .* model_impl transformers"):
-        Runner(run_config(path, weights={"quantization": "int8"}))
     with pytest.raises(ConfigError, match=r"speculative: .* needs Offload's own math"):
         Runner(run_config(path, speculative={"draft": "self-int8"}))
 

@@ -11,9 +11,11 @@ blocks and lengths (`HFSequences`), while the keys and values live in transforme
 sequence, on the device, in the KV region the plan reserved (the bookkeeping's blocks hold nothing). What does
 not apply on this path: the KV cache's cold tiers (host/disk blocks,
 int8 cold blocks: kv_cache.cpu_blocks/disk_blocks are taken as 0), speculative decoding (verification needs
-Offload's batched tree attention), pipeline stages, int8/int4 weights and GPTQ/AWQ checkpoints (their packed
-matrices need Offload's kernels). A pass runs its sequences one at a time (a ragged batch of DynamicCaches
-has no common shape), so with streamed weights a step of B sequences reads the streamed layers B times.
+Offload's batched tree attention), pipeline stages and GPTQ/AWQ checkpoints (their packed matrices need
+Offload's native layouts). int8/int4 weights (`weights.quantization`) pack the blocks' matrices: they stream
+packed and are dequantized module by module as they run. A pass runs its sequences one at a time (a ragged
+batch of DynamicCaches has no common shape), so with streamed weights a step of B sequences reads the streamed
+layers B times.
 """
 
 from __future__ import annotations
@@ -110,9 +112,6 @@ class HFExecutor(Executor):
 
 def refuse_unsupported(config: OffloadConfig, layers: range | None) -> None:
     """What the transformers path cannot do, refused before anything loads, each in one sentence."""
-    if config.weights.quantization != "none":
-        raise ConfigError(f"weights.quantization: {config.weights.quantization} packs matrices for Offload's own "
-                          "kernels; with model_impl transformers use weights: {quantization: none}")
     try:
         raw = json.loads((config.model / "config.json").read_text())
     except (OSError, ValueError):

@@ -12,7 +12,8 @@ attach the weights where they run:
   forward (scaling, as Gemma's does) runs on it;
 - each decoder block `layer.i`: acquired from the weight source before the block runs (the prefetcher has
   streamed it into the ring, or it is resident), its tensors bound to the block's parameters as views (no
-  copy unless the compute dtype differs), handed back after it;
+  copy unless the compute dtype differs), handed back after it; an int8/int4 matrix is dequantized by a
+  hook on its own module right before that module runs (one scratch buffer: one dense matrix at a time);
 - the head (final norm, LM head): acquired before the first of its modules runs, released after the LM head.
 
 After each module runs its parameters are put back on `meta`, so nothing holds a slot the prefetcher
@@ -50,17 +51,23 @@ class Bound:
         self.meta = [(m, leaf, getattr(m, leaf), leaf in dict(m.named_parameters(recurse=False)))
                      for m, leaf, _ in bindings]
         self.held = False
+        self.lazy: dict[str, DenseOnUse] = {}  # packed matrices: dequantized by their module's own hook
 
     def bind(self) -> None:
         views = self.weights.acquire(self.group)
         self.held = True
         for (m, leaf, name), (_, _, _, param) in zip(self.bindings, self.meta):
             t = views[name]
-            put(m, leaf, t if t.dtype == self.dtype else t.to(self.dtype), param)
+            if name in self.lazy:
+                self.lazy[name].packed = t
+            else:
+                put(m, leaf, t if t.dtype == self.dtype else t.to(self.dtype), param)
 
     def unbind(self, release: bool = True) -> None:
         for m, leaf, meta, param in self.meta:
             put(m, leaf, meta, param)
+        for hook in self.lazy.values():
+            hook.packed = None
         if self.held and release:
             self.weights.release(self.group)
         self.held = False
@@ -72,6 +79,28 @@ def put(m: nn.Module, leaf: str, t: torch.Tensor, param: bool) -> None:
         m._parameters[leaf] = t  # a plain tensor where the Parameter was: modules read it as `self.weight`
     else:
         setattr(m, leaf, t)
+
+
+class DenseOnUse(ModelHook):
+    """An int8/int4 matrix's module (e.g. a Linear): dequantized right before it runs, into the weight source's
+    one scratch buffer (a module's product consumes it before the next module's dequantizes), put back after."""
+
+    def __init__(self, leaf: str, param: bool, dtype: torch.dtype) -> None:
+        self.leaf, self.param, self.dtype = leaf, param, dtype
+        self.packed: Any = None  # a quant.PackedLinear while its group is bound
+        self.meta: torch.Tensor | None = None
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        if self.packed is not None:
+            self.meta = getattr(module, self.leaf)
+            put(module, self.leaf, self.packed.dense().to(self.dtype), self.param)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        if self.meta is not None:
+            put(module, self.leaf, self.meta, self.param)
+            self.meta = None
+        return output
 
 
 class GroupHook(ModelHook):
@@ -179,8 +208,13 @@ class TieredModel:
             group = f"layer.{i}"
             b = bindings(group)
             block = root.get_submodule(block_module(b[0][2]))
-            self.bounds.append(Bound(weights, group, b, self.dtype))
-            add_hook_to_module(block, GroupHook(self.bounds[-1]))
+            bound = Bound(weights, group, b, self.dtype)
+            for (m, leaf, name), (_, _, _, param) in zip(b, bound.meta):
+                if weights.fmt.packs(cfg, name):
+                    bound.lazy[name] = DenseOnUse(leaf, param, self.dtype)
+                    add_hook_to_module(m, bound.lazy[name])
+            self.bounds.append(bound)
+            add_hook_to_module(block, GroupHook(bound))
         head = Bound(weights, "head", bindings("head"), self.dtype)
         self.bounds.append(head)
         out_embed = root.get_output_embeddings()

@@ -13,6 +13,7 @@ knows nothing of transformers, tiers or files.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +44,11 @@ class GenericTensors:
     @property
     def tied(self) -> bool:
         return self.lm_head is None
+
+    @functools.cached_property
+    def matrices(self) -> dict[str, int]:
+        """The blocks' matrices (2-D `.weight` tensors) an int8/int4 format packs: name -> input dimension."""
+        return {n: s[1] for layer in self.layers for n, s in layer if len(s) == 2 and n.endswith(".weight")}
 
 
 def block_module(name: str) -> str:

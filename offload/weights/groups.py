@@ -58,6 +58,8 @@ class WeightFormat:
 
     def packs(self, cfg: ModelConfig, tensor: str) -> bool:
         """Is this group tensor stored packed? A tied LM head doubles as the embedding table: never."""
+        if cfg.impl == "transformers":  # the blocks' matrices, by their checkpoint names (keep: not theirs)
+            return self.quantization in ("int8", "int4") and tensor in cfg.tensors.matrices
         if self.prequant is not None:  # GPTQ/AWQ checkpoints quantize the decoder layers' linears
             return tensor in LINEARS and tensor != "lm_head"
         if self.quantization == "none" or tensor not in LINEARS or tensor in self.keep:
@@ -104,6 +106,8 @@ class WeightFormat:
 
     def inputs(self, cfg: ModelConfig) -> dict[str, int]:
         """The input dimension of every matrix this format packs (a routed expert's as `expert down`)."""
+        if cfg.impl == "transformers":
+            return {t: k for t, k in cfg.tensors.matrices.items() if self.packs(cfg, t)}
         dims = {"qkv": cfg.hidden_size, "o": cfg.q_size, "lm_head": cfg.hidden_size}
         if not all(cfg.moe_layers):
             dims |= {"gate_up": cfg.hidden_size, "down": cfg.intermediate_size}
