@@ -73,9 +73,9 @@ def defaults_fit(raw, depth) -> bool:
     return min_device_bytes(p.groups, depth, fixed) <= p.caps.gpu
 
 
-def plan_for(raw):
+def plan_for(raw, concurrency: int = 1):
     cfg = OffloadConfig.load(raw)
-    return Planner(cfg, Checkpoint(cfg.model).config, DTYPES[cfg.dtype], torch.device("cpu"))
+    return Planner(cfg, Checkpoint(cfg.model).config, DTYPES[cfg.dtype], torch.device("cpu"), concurrency=concurrency)
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2, 3])
@@ -157,7 +157,7 @@ def test_explicit_settings_are_kept_as_given(tiny8, tmp_path):
 def test_cold_kv_tiers_default_to_what_the_tiers_leave_free(tiny8, tmp_path):
     raw = run_config(tiny8, tiers={"gpu": {"capacity": "64MiB"}, "cpu": {"capacity": "2MiB"},
                                    "disk": {"path": str(tmp_path / "store")}})
-    planner = plan_for(raw)
+    planner = plan_for(raw, concurrency=8)  # a server's workload: more KV than the device holds is useful
     rp = planner.run_plan()
     free = rp.plan.capacity("cpu") - (rp.plan.used("cpu") - rp.plan.host_reserve)
     assert 0 < rp.kv.cpu_blocks <= AUTO_HOST_KV_TOKENS // 16

@@ -119,7 +119,7 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
         raise ConfigError("tiers.gpu.capacity: auto needs the GPU itself; give a size (e.g. --gpu 24GiB) to plan "
                           "on paper")
     dtype = resolve_dtype(config.dtype, cfg.torch_dtype)
-    config, planner, draft = plan_for(config, cfg, dtype, device)
+    config, planner, draft = plan_for(config, cfg, dtype, device, batch)  # the workload `serve --max-batch N` plans
     rp = planner.run_plan()
     cal = load_calibration(config.calibration)
     work = Workload(batch=batch, context=context, prefill_chunk=rp.prefill_chunk)
@@ -157,6 +157,12 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
         f"{rp.kv_blocks} blocks x {config.kv_cache.block_size} tokens "
         f"({fmt_bytes(rp.kv_blocks * rp.kv_block_bytes, 'MiB')})")
     print(f"  KV cache on the device: {kv}")
+    if rp.batch is not None:
+        cold = rp.kv.cpu_blocks + rp.kv.disk_blocks
+        rows = f"{rp.batch} sequences decode" if rp.batch > 1 else "1 sequence decodes"
+        print(f"  batch: up to {rows} together (each keeps its newest KV block on the device, prefill passes of "
+              f"{rp.prefill_chunk} tokens)" + (f"; {cold} more blocks in the host/disk KV tiers" if cold else "")
+              + (f"; planned for --batch {batch}" if batch > 1 else ""))
     if rp.depth_note:
         print(f"  {rp.depth_note}")
     src = ("conservative defaults (no calibration file: run `offload calibrate`)" if cal.source == "defaults"
@@ -278,7 +284,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--disk-path", default=None, metavar="DIR", help="tiers.disk.path")
     plan.add_argument("--weights", default=None, choices=("none", "int8", "int4"),
                       help="weights.quantization (the plan also compares all three)")
-    plan.add_argument("--batch", type=int, default=1, help="sequences decoded together, for the prediction")
+    plan.add_argument("--batch", type=int, default=1,
+                      help="sequences decoded together: the KV pool is planned for them (as serve --max-batch N and "
+                           "run --input --batch N do) and the prediction assumes them")
     plan.add_argument("--context", type=int, default=128, help="tokens of context, for the prediction")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=cmd_plan)

@@ -112,8 +112,8 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
-def plan_for(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
-             ) -> tuple[OffloadConfig, Planner, tuple[Any, ModelConfig] | None]:
+def plan_for(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+             concurrency: int = 1) -> tuple[OffloadConfig, Planner, tuple[Any, ModelConfig] | None]:
     """The planner a run of `config` uses (around a speculative draft's resident weights, when there is
     one): (the target's config, its planner, (the draft's RunPlan, its ModelConfig) or None).
 
@@ -125,7 +125,7 @@ def plan_for(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device
         dcfg = ModelConfig.from_dict(json.loads((dconf.model / "config.json").read_text()), str(dconf.model))
         draft = Planner(dconf, dcfg, dtype, device).run_plan(), dcfg
         caps = reserve_draft(config, caps, draft[0].plan.used("gpu"), draft[0].kv_block_bytes)
-    return config, Planner(config, cfg, dtype, device, caps), draft
+    return config, Planner(config, cfg, dtype, device, caps, concurrency), draft
 
 
 def convert_first(config: OffloadConfig) -> None:

@@ -296,7 +296,7 @@ def run_jsonl(args: argparse.Namespace) -> int:
     convert_first(config)
     defaults = FileDefaults(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
     inp, outp = Path(args.input), Path(args.output)
-    with Runner(config, timeline=Timeline(enabled=not args.no_spans)) as runner:
+    with Runner(config, timeline=Timeline(enabled=not args.no_spans), concurrency=args.batch) as runner:
         try:
             report = run_file(runner, inp, outp, defaults, args.batch)
         except KeyboardInterrupt:  # the results written so far stay; a rerun resumes after them
@@ -308,5 +308,6 @@ def run_jsonl(args: argparse.Namespace) -> int:
         if args.trace:
             write_trace(args.trace, runner.timeline, {})
     print(f"[{report.done} requests done, {report.skipped} already in {args.output} | {report.tokens} new tokens "
-          f"in {report.seconds:.1f}s, {report.tokens_per_s:.2f} tok/s]", file=sys.stderr)
+          f"in {report.seconds:.1f}s, {report.tokens_per_s:.2f} tok/s | the KV cache holds {report.batch} sequences "
+          f"decoding together (--batch {args.batch}); at most {report.most_rows} ran in one pass]", file=sys.stderr)
     return 0

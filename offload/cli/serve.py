@@ -104,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         convert_first(config)
-        runner = Runner(config)
+        runner = Runner(config, concurrency=args.max_batch)  # an automatic KV pool sized for a batch
     except BaseException:
         sock.close()
         raise
@@ -116,8 +116,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = uvicorn.Server(uvicorn.Config(create_app(served, loop), host=args.host, port=args.port,
                                                log_level="info", timeout_graceful_shutdown=args.drain_timeout))
         port = sock.getsockname()[1]  # --port 0: the one the system chose
-        print(f"offload: serving {served.name} on http://{args.host}:{port}/v1 "
-              f"(KV {runner.kv.pool.num_blocks} device blocks, batch up to {args.max_batch})", file=sys.stderr)
+        batch = min(loop.engine.batch, args.max_batch)
+        print(f"offload: serving {served.name} on http://{args.host}:{port}/v1 (KV {runner.kv.pool.num_blocks} "
+              f"device blocks: up to {batch} sequences decode together"
+              + (f", fewer than --max-batch {args.max_batch}" if batch < args.max_batch else "") + ")", file=sys.stderr)
         # uvicorn re-raises the signal it stopped for once it has drained; these handlers take it so the
         # engine loop and the runner still close in order and the exit status is 0
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -80,6 +81,19 @@ def workspace_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, keys: int 
     return chunk * per_token * dtype.itemsize + scores + mask + gathered + logits
 
 
+def pass_blocks(chunk: int, block_size: int) -> int:
+    """Device KV blocks one prefill pass of `chunk` tokens may write: its blocks when it starts inside a partial
+    block (every running sequence pins its newest block besides)."""
+    return blocks_for(chunk, block_size) + 1
+
+
+def batch_rows(kv_blocks: int, chunk: int, block_size: int, row_blocks: int = 1) -> int:
+    """Sequences a device pool of `kv_blocks` keeps decoding together beside a prefill pass of `chunk` tokens:
+    each running sequence pins `row_blocks` device blocks (its newest), the pass the rest (the engine's admission
+    rule, `offload.runtime.engine`). At least one: a lone sequence always runs."""
+    return max(1, (kv_blocks - pass_blocks(chunk, block_size)) // row_blocks)
+
+
 def pass_tokens(chunk: int, context: int) -> int:
     """Prompt tokens a pass may take for a sequence with `context` tokens already cached.
 
@@ -114,6 +128,12 @@ class RunPlan:
     prefill_chunk: int  # activations.prefill_chunk resolved
     depth_note: str = ""  # how an automatic depth was chosen
     compute_dtype: torch.dtype = torch.float32  # compute_dtype resolved: the math and the KV cache
+    concurrency: int = 1  # sequences the command wants decoded together (the workload the plan was made for)
+
+    @property
+    def batch(self) -> int | None:
+        """Sequences the device pool keeps decoding together (None: the pool is sized per request)."""
+        return batch_rows(self.kv_blocks, self.prefill_chunk, self.kv.block_size) if self.kv_blocks else None
 
 
 class Planner:
@@ -123,11 +143,19 @@ class Planner:
     `AUTO_CHUNKS[-1]` tokens and its blocks plus one) until the ring fits beside them; explicit
     values are kept as given. A plan that cannot fit even at the minimum is refused with every
     knob that would make it fit and the value it would need (`refusal`).
+
+    `concurrency` is the workload the command implies: the sequences it wants decoded together (1 for
+    `run` with a prompt and the Python API; `serve --max-batch` and the throughput mode's `--batch`). Above
+    one, an automatic device KV pool first keeps that many sequences running (each pins its newest block on
+    the device, the rest of its KV goes to the host/disk KV tiers), halving it down to two, and the prefill
+    chunk shrinks for it; only then the single-sequence order (the largest chunk first) applies. What the
+    device has left goes to KV blocks, up to what the workload can use: `concurrency` full contexts.
     """
 
     def __init__(self, config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 caps: Capacities | None = None) -> None:
+                 caps: Capacities | None = None, concurrency: int = 1) -> None:
         self.config, self.cfg, self.dtype, self.device = config, cfg, dtype, device
+        self.concurrency = max(1, concurrency)
         kv_cfg = config.kv_cache
         self.bs = kv_cfg.block_size
         self.kv = resolve_kv(config, cfg, device)
@@ -178,8 +206,27 @@ class Planner:
             return [blocks]
         if self.config.tiers is None:
             return [0]
-        least = blocks_for(chunk, self.bs) + 1  # a chunk's blocks plus the newest block of the sequence
+        least = pass_blocks(chunk, self.bs)  # a chunk's blocks plus the newest block of the sequence
         return sorted({max(blocks_for(AUTO_KV_TOKENS, self.bs), least), least}, reverse=True)
+
+    def _choices(self) -> Iterator[tuple[int, int]]:
+        """(prefill chunk, device KV blocks) to try, best first: with a concurrent workload and an automatic
+        pool, `concurrency` running sequences (halved down to two) beside the largest chunk that fits them;
+        then the largest chunk with the blocks `_kv_choices` gives."""
+        if self.concurrency > 1 and self.config.kv_cache.gpu_blocks is None and self.config.tiers is not None:
+            rows = self.concurrency
+            while rows > 1:
+                for chunk in self.chunks:
+                    yield chunk, max(pass_blocks(chunk, self.bs) + rows, self._kv_choices(chunk)[-1])
+                rows //= 2
+        for chunk in self.chunks:
+            for kv_blocks in self._kv_choices(chunk):
+                yield chunk, kv_blocks
+
+    def kv_bound(self, chunk: int) -> int:
+        """The most device KV blocks the workload can use: `concurrency` sequences of the model's whole context,
+        beside a prefill pass."""
+        return pass_blocks(chunk, self.bs) + self.concurrency * blocks_for(self.cfg.max_position_embeddings, self.bs)
 
     def _make(self, caps: Capacities, depth: int, chunk: int, kv_blocks: int) -> Plan:
         ws = self._workspace(chunk)
@@ -198,12 +245,11 @@ class Planner:
 
     def fit(self, caps: Capacities, depth: int) -> Fit:
         """The largest prefill chunk and device KV pool (among the allowed ones) a plan at this depth fits beside."""
-        for chunk in self.chunks:
-            for kv_blocks in self._kv_choices(chunk):
-                fixed = kv_blocks * self.block_bytes + self._workspace(chunk)
-                if caps.gpu is None or min_device_bytes(self.groups, depth, fixed,
-                                                        self.config.experts.cache) <= caps.gpu:
-                    return Fit(self._make(caps, depth, chunk, kv_blocks), chunk, kv_blocks)  # host errors raise here
+        for chunk, kv_blocks in self._choices():
+            fixed = kv_blocks * self.block_bytes + self._workspace(chunk)
+            if caps.gpu is None or min_device_bytes(self.groups, depth, fixed,
+                                                    self.config.experts.cache) <= caps.gpu:
+                return Fit(self._make(caps, depth, chunk, kv_blocks), chunk, kv_blocks)  # host errors raise here
         raise self.refusal(caps, depth)
 
     def refusal(self, caps: Capacities, depth: int) -> CapacityError:
@@ -282,17 +328,25 @@ class Planner:
                         "CPU); set compute_dtype to choose", str(self.dtype).removeprefix("torch."))
         plan, kv_blocks = fit.plan, fit.kv_blocks
         if self.config.kv_cache.gpu_blocks is None and self.config.tiers is not None and self.caps.gpu is not None:
-            kv_blocks += max(plan.capacity("gpu") - plan.used("gpu"), 0) // self.block_bytes  # what is left free
-        cpu_blocks, disk_blocks, piece = self._cold_blocks(plan)
+            free = max(plan.capacity("gpu") - plan.used("gpu"), 0)  # what is left free, up to what the workload uses
+            if self.device.type == "cpu":  # the device tier is this machine's RAM: never more than it has
+                free = min(free, max(ram_available() - plan.used("gpu") - plan.used("cpu"), 0))
+            kv_blocks = max(kv_blocks, min(kv_blocks + free // self.block_bytes, self.kv_bound(fit.prefill_chunk)))
+            plan = dataclasses.replace(plan, reserved_gpu={**plan.reserved_gpu, "kv": kv_blocks * self.block_bytes})
+        cpu_blocks, disk_blocks, piece = self._cold_blocks(plan, max(self.kv_bound(fit.prefill_chunk) - kv_blocks, 0))
         host, stage = host_bytes(self.cold_fmt, self.cfg.num_layers, cpu_blocks, piece)
         plan = dataclasses.replace(plan, host_reserve=host, kv_stage_bytes=stage,
                                    disk_reserve=disk_blocks * self.cold_block_bytes)
         kv = dataclasses.replace(self.kv, cpu_blocks=cpu_blocks, disk_blocks=disk_blocks, stage_blocks=piece)
-        return RunPlan(plan, self.caps, kv_blocks, self.block_bytes, kv, fit.prefill_chunk, note, self.compute)
+        if self.device.type == "cpu":
+            check_ram(plan)
+        return RunPlan(plan, self.caps, kv_blocks, self.block_bytes, kv, fit.prefill_chunk, note, self.compute,
+                       self.concurrency)
 
-    def _cold_blocks(self, plan: Plan) -> tuple[int, int, int]:
+    def _cold_blocks(self, plan: Plan, useful: int) -> tuple[int, int, int]:
         """(kv_cache.cpu_blocks, disk_blocks, blocks per KV staging buffer), `auto` resolved: what the tier leaves
-        free, within a bound. On CUDA (without cpu_attention) cold blocks cross to the device through two pinned
+        free, within a bound and within the `useful` blocks the workload could still fill beside the device pool
+        (the host tier first). On CUDA (without cpu_attention) cold blocks cross to the device through two pinned
         staging buffers in the cpu tier (`offload.kv.fetch`), taken before auto host blocks: each of up to
         `STAGE_PIECE` bytes of blocks, shrunk to what the tier can hold, down to one block; where not even
         that fits, automatic cold tiers are none, explicit ones refused."""
@@ -311,13 +365,14 @@ class Planner:
                 lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
             return lo
 
+        cpu_bound = kv_cfg.cpu_blocks if kv_cfg.cpu_blocks is not None else (
+            0 if tiers is None else min(blocks_for(AUTO_HOST_KV_TOKENS, self.bs), useful))
         disk = kv_cfg.disk_blocks
-        if disk is None:
-            cap, bound = plan.capacity("disk"), blocks_for(AUTO_DISK_KV_TOKENS, self.bs)
+        if disk is None:  # what the host tier may not take of the useful blocks
+            cap = plan.capacity("disk")
+            bound = max(min(blocks_for(AUTO_DISK_KV_TOKENS, self.bs), useful - cpu_bound), 0)
             disk = 0 if tiers is None or tiers.disk is None else (
                 bound if cap is None else min(bound, max(cap - plan.used("disk"), 0) // self.cold_block_bytes))
-        cpu_bound = kv_cfg.cpu_blocks if kv_cfg.cpu_blocks is not None else (
-            0 if tiers is None else blocks_for(AUTO_HOST_KV_TOKENS, self.bs))
         piece = 0
         if self.device.type == "cuda" and not self.kv.cpu_attention and cpu_bound + disk:
             piece = most(stage_blocks(self.cold_fmt, cpu_bound + disk), lambda p: fits(kv_cfg.cpu_blocks or 0, p))
@@ -335,6 +390,22 @@ class Planner:
                 f"cross to the device in ({fmt_bytes(host)}, of which staging {fmt_bytes(stage)}) beside the weights; "
                 "raise tiers.cpu.capacity or lower kv_cache.cpu_blocks / disk_blocks")
         return cpu, disk, piece
+
+
+def ram_available() -> int:
+    """Bytes of RAM this machine has free now (what a CPU device's gpu and cpu tiers share)."""
+    return int(psutil.virtual_memory().available)
+
+
+def check_ram(plan: Plan) -> None:
+    """On a CPU device the gpu and cpu tiers are one RAM: a plan that uses more of it than the machine has free
+    is refused before anything is allocated (the placement itself only knows the configured capacities)."""
+    need, free = plan.used("gpu") + plan.used("cpu"), ram_available()
+    if need > free:
+        raise CapacityError(
+            f"this plan needs {fmt_bytes(need)} of RAM (on a CPU device the gpu and cpu tiers are both this machine's "
+            f"RAM: {fmt_bytes(plan.used('gpu'))} + {fmt_bytes(plan.used('cpu'))}) but {fmt_bytes(free)} is free; "
+            "lower tiers.gpu.capacity / tiers.cpu.capacity or kv_cache.gpu_blocks / cpu_blocks, or add tiers.disk")
 
 
 def resolve_kv(config: OffloadConfig, cfg: ModelConfig, device: torch.device) -> KVSettings:

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from offload.errors import CapacityError, ConfigError
-from offload.plan.planner import pass_tokens
+from offload.plan.planner import batch_rows, pass_blocks, pass_tokens
 from offload.runtime.executor import ForwardBatch
 from offload.runtime.requests import (
     Context,
@@ -57,7 +57,6 @@ from offload.runtime.speculative import TREE_WIDTH
 from offload.runtime.stops import StopMatcher
 from offload.runtime.verify import Verification, row_blocks, tree_room
 from storage.block_pool import Admission
-from storage.units import blocks_for
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +86,15 @@ class Engine:
         self._kept: dict[int, None] = {}
         bs = self.kv.block_size
         # device blocks one prefill pass may write: every running sequence pins its newest block besides
-        self._pass_blocks = blocks_for(self.budget, bs) + 1
+        self._pass_blocks = pass_blocks(self.budget, bs)
         # device blocks each running sequence may hold in a pass: its newest, plus a speculative chain's
         chain = self.speculator.most_tokens + 1 if self.speculator is not None else 0
         self._row_blocks = row_blocks(chain, bs)
+
+    @property
+    def batch(self) -> int:
+        """Sequences the device KV pool keeps decoding together (the admission rule of `_reserve`)."""
+        return batch_rows(self.kv.pool.num_blocks, self.budget, self.kv.block_size, self._row_blocks)
 
     # -- requests -----------------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
@@ -314,6 +318,7 @@ class Engine:
             self.stats.prefill_s += dt
         if prefill_rows:
             self.stats.prefill_passes += 1
+        self.stats.most_rows = max(self.stats.most_rows, decode_rows + prefill_rows)
         kind = "mixed" if decode_rows and prefill_rows else "decode" if decode_rows else "prefill"
         self.stats.passes.append((step_id, kind, 1000 * dt))
 

@@ -171,13 +171,14 @@ class Executor:
     """Everything it starts is released by `close()`, else when it is garbage-collected, else at exit.
 
     `capacities` (bytes per tier) default to what the config's tiers resolve to on this machine; the runner
-    passes less when a speculative draft already took its share of the device. The config's `model` must
+    passes less when a speculative draft already took its share of the device. `concurrency`: the sequences
+    the caller means to decode together (the planner sizes an automatic KV pool for them). The config's `model` must
     be a local directory (`OffloadConfig.fetched()` brings a Hub checkpoint first)."""
 
     kv_class: type[PagedKVCache] = PagedKVCache  # the KV pool a subclass keeps (offload.hf: DynamicCaches beside it)
 
     def __init__(self, config: OffloadConfig, timeline: Timeline | None = None,
-                 capacities: Capacities | None = None, layers: range | None = None) -> None:
+                 capacities: Capacities | None = None, layers: range | None = None, concurrency: int = 1) -> None:
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
         self.config = config
@@ -192,7 +193,8 @@ class Executor:
         self.layers = range(self.cfg.num_layers) if layers is None else layers  # the slice a pass runs
         self.layer_groups = tuple(f"layer.{i}" for i in range(self.cfg.num_layers))
         caps = capacities if capacities is not None else resolve_capacities(config.tiers, self.device)
-        run_plan = Planner(config, self.cfg, self.dtype, self.device, caps).run_plan()
+        run_plan = Planner(config, self.cfg, self.dtype, self.device, caps, concurrency).run_plan()
+        self.batch = run_plan.batch  # sequences the device KV pool keeps decoding together (None: sized per request)
         self.kv_settings = run_plan.kv
         self.compute_dtype = run_plan.compute_dtype  # the math and the KV cache
         self.rope = M.Rope(self.cfg, self.device, self.compute_dtype)

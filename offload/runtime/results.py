@@ -24,6 +24,7 @@ class RunStats:
     step_ms: list[float] = field(default_factory=list)
     draft_tokens: int = 0  # speculative decoding: draft tokens the target checked
     accepted_tokens: int = 0  # ... and kept
+    most_rows: int = 0  # the most sequences one pass computed (decoding outputs and prompts being prefilled)
     #: (timeline step, "prefill" | "decode" | "mixed", milliseconds) of every forward pass, in order
     passes: list[tuple[int, str, float]] = field(default_factory=list)
     #: a mixture of experts with an expert cache: its counts after the call (`TieredWeights.expert_stats`: hits,

@@ -82,10 +82,12 @@ class Runner:
     interpreter exit, so a script that never calls `close()` still exits cleanly.
 
     `timeline`: a `Timeline` records the run's spans (the runner makes one otherwise); a mapping is the
-    YAML's `timeline:` section (keep_steps)."""
+    YAML's `timeline:` section (keep_steps). `concurrency`: the sequences you mean to decode together (a server's
+    batch); an automatic KV pool (`kv_cache.gpu_blocks: auto` with tiers) keeps that many running on the device,
+    trading prefill chunk for KV blocks (`offload.plan.planner.Planner`); `batch` says what it holds."""
 
     def __init__(self, config: OffloadConfig | str | Path | Mapping[str, Any] | None = None, *,
-                 timeline: Timeline | Mapping[str, Any] | None = None, **keys: Any) -> None:
+                 timeline: Timeline | Mapping[str, Any] | None = None, concurrency: int = 1, **keys: Any) -> None:
         if timeline is not None and not isinstance(timeline, Timeline):
             keys["timeline"], timeline = timeline, None
         config = load_config(config, keys).fetched()  # a Hub checkpoint comes now (resumed if interrupted)
@@ -103,7 +105,8 @@ class Runner:
                 executors.append(self.draft)
                 check_draft(config.model, Checkpoint(config.model).config, self.tokenizer, self.draft)
                 caps = reserve_draft(config, caps, self.draft.plan.used("gpu"), self.draft.kv_block_bytes)
-            self.target = executor_class(config)(config, timeline, caps)  # model_impl: native or transformers
+            # model_impl: native or transformers
+            self.target = executor_class(config)(config, timeline, caps, concurrency=concurrency)
             executors.append(self.target)
         except BaseException:
             self.close()
@@ -150,6 +153,7 @@ class Runner:
     kv_settings = _target("kv_settings")
     kv_block_bytes = _target("kv_block_bytes")
     prefill_chunk = _target("prefill_chunk")
+    batch = _target("batch")  # sequences the planned device KV pool keeps decoding together (None: per request)
     rope = _target("rope")
     traffic = _target("traffic")
     timeline = _target("timeline")

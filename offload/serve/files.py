@@ -50,6 +50,8 @@ class FileReport:
     skipped: int  # already in the output file
     tokens: int  # generated in this run
     seconds: float
+    batch: int = 0  # sequences the KV pool keeps decoding together (min of it and max_batch)
+    most_rows: int = 0  # the most sequences one pass computed
 
     @property
     def tokens_per_s(self) -> float:
@@ -161,7 +163,8 @@ def run_file(runner: Runner, input_path: Path, output_path: Path, defaults: File
             loop.submit(Job(prompt, sampling, sink_for(r, sampling.n, len(prompt)), stops, f"request {r['id']!r}"))
         while loop.busy:
             loop.step()
-    return FileReport(len(todo), len(rows) - len(todo), tokens, time.perf_counter() - t0)
+    return FileReport(len(todo), len(rows) - len(todo), tokens, time.perf_counter() - t0,
+                      min(loop.engine.batch, max_batch), loop.engine.stats.most_rows)
 
 
 def _write(out: TextIO, row: dict[str, Any]) -> None:
