@@ -125,7 +125,8 @@ class Plan:
             groups = [g for g in self.order if self.homes[g] == tier]
             cap = self.capacity(tier)
             cap_text = "unlimited" if cap is None else fmt_bytes(cap)
-            lines.append(f"  {tier:<4} {fmt_bytes(self.used(tier)):>11} of {cap_text:>11}"
+            name = tier if self.copy_to_device or tier == "disk" else f"{tier} (RAM)"  # a CPU device: one RAM
+            lines.append(f"  {name:<9} {fmt_bytes(self.used(tier)):>11} of {cap_text:>11}"
                          f"  homes {len(groups):>3} groups: {_compact(groups)}")
         ring = f" ({self.ring_slots} ring slots x {fmt_bytes(self.ring_slot_bytes)})" if self.ring_slots else ""
         extras = [f"{k} {fmt_bytes(v)}" + (ring if k == "ring" else "") for k, v in self.reserved_gpu.items() if v]
@@ -149,9 +150,11 @@ class Plan:
         if self.copy_to_device and self.used("cpu"):
             lines.append(f"  pinned host memory: {fmt_bytes(self.pinned_bytes())} (one page-locked arena for the cpu "
                          "tier)")
-        if self.lent:
-            lines.append(f"  the gpu tier lends its unused {fmt_bytes(self.lent)} to the cpu tier (on a CPU device "
-                         "they are the same RAM)")
+        if not self.copy_to_device:
+            lines.append(f"  on a CPU device the gpu and cpu tiers are both this machine's RAM: "
+                         f"{fmt_bytes(self.used('gpu') + self.used('cpu'))} of it in all"
+                         + (f" (the gpu tier lends its unused {fmt_bytes(self.lent)} to the cpu tier)" if self.lent
+                            else ""))
         moved = self.bytes_per_step()
         lines.append("  per forward pass: " + (", ".join(f"{k} {fmt_bytes(v)}" for k, v in moved.items())
                                                if moved else "nothing moves (all resident)"))

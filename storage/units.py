@@ -40,7 +40,7 @@ def fmt_bytes(n: float, unit: str | None = None, digits: int = 2) -> str:
 
 
 def config_size(n: int) -> str:
-    """Bytes as a YAML size, rounded up: whole KiB below 64 MiB, whole MiB up to 10 GiB, then 0.01 GiB."""
+    """Bytes as a YAML size a person reads, rounded up: 0.1 MiB below 64 MiB, whole MiB up to 10 GiB, then 0.01 GiB."""
     if n > 10 * GiB:
         return f"{math.ceil(n / GiB * 100) / 100:.2f}GiB"
-    return f"{ceil_div(n, MiB)}MiB" if n >= 64 * MiB else f"{ceil_div(n, KiB)}KiB"
+    return f"{ceil_div(n, MiB)}MiB" if n >= 64 * MiB else f"{ceil_div(n * 10, MiB) / 10:.1f}MiB"

@@ -73,9 +73,9 @@ def defaults_fit(raw, depth) -> bool:
     return min_device_bytes(p.groups, depth, fixed) <= p.caps.gpu
 
 
-def plan_for(raw, concurrency: int = 1):
+def plan_for(raw, concurrency: int = 1, device: str = "cpu"):
     cfg = OffloadConfig.load(raw)
-    return Planner(cfg, Checkpoint(cfg.model).config, DTYPES[cfg.dtype], torch.device("cpu"), concurrency=concurrency)
+    return Planner(cfg, Checkpoint(cfg.model).config, DTYPES[cfg.dtype], torch.device(device), concurrency=concurrency)
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2, 3])
@@ -94,8 +94,8 @@ def test_a_ring_that_fills_the_gpu_tier_is_refused_naming_the_depth_that_fits(ti
     layer, _ = sizes(tiny8)
     raw = run_config(tiny8, tiers={"gpu": {"capacity": 5 * layer}, "cpu": {"capacity": 4 * layer},
                                    "disk": {"path": str(tmp_path / "store")}}, prefetch={"depth": 4})
-    with pytest.raises(CapacityError) as e:
-        plan_for(raw).run_plan()
+    with pytest.raises(CapacityError) as e:  # planned for CUDA: on a CPU device the cpu tier's layers need no ring
+        plan_for(raw, device="cuda").run_plan()
     msg = str(e.value)
     assert "prefetch.depth: 3" in msg and "tiers.gpu.capacity: " in msg
     assert "lower prefetch.depth" not in msg  # no advice without a value
@@ -192,8 +192,8 @@ def test_a_budget_that_cannot_fit_names_every_knob_with_a_value_that_fits(tiny8,
     gpu = 3 * layer + 2**20  # the ring of depth 2 plus 1 MiB: not enough for 8 blocks and a 32-token workspace
     raw = run_config(tiny8, tiers={"gpu": {"capacity": gpu}, "cpu": {"capacity": "64MiB"}},
                      prefetch={"depth": 2}, kv_cache={"gpu_blocks": 8}, activations={"prefill_chunk": 32})
-    with pytest.raises(CapacityError) as e:
-        plan_for(raw).run_plan()
+    with pytest.raises(CapacityError) as e:  # planned for CUDA: on a CPU device RAM holds the model in place
+        plan_for(raw, device="cuda").run_plan()
     msg = str(e.value)
     knobs = dict(re.findall(r"(tiers\.gpu\.capacity|prefetch\.depth|kv_cache\.gpu_blocks|activations\.prefill_chunk"
                             r"|dtype): ([^;\s]+)", msg))
@@ -208,4 +208,4 @@ def test_a_budget_that_cannot_fit_names_every_knob_with_a_value_that_fits(tiny8,
         elif key != "tiers.gpu.capacity":
             section, name = key.split(".")
             fixed[section][name] = int(value)
-        plan_for(fixed).run_plan()
+        plan_for(fixed, device="cuda").run_plan()

@@ -34,7 +34,7 @@ def planner(raw: dict, concurrency: int = 1) -> Planner:
 def tight_gpu(model: Path, store: Path) -> dict:
     """A device tier that holds the model, the largest automatic prefill chunk and its pass blocks and one block
     more: what a one-sequence plan fills (a prefill chunk given the room, batching off)."""
-    raw = run_config(model, compute_dtype="float32", tiers={"gpu": {"capacity": "1GiB"}, "cpu": {"capacity": "64MiB"},
+    raw = run_config(model, compute_dtype="float32", tiers={"gpu": {"capacity": "1GiB"}, "cpu": {"capacity": 0},
                                                             "disk": {"path": str(store)}})
     p = planner(raw)
     chunk = AUTO_CHUNKS[0]
@@ -70,12 +70,14 @@ def test_the_throughput_mode_runs_a_batch_where_the_one_sequence_plan_would_not(
 
 def test_plan_batch_plans_the_servers_workload_and_says_what_batch_it_holds(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(SMOL))
-    common = ("plan", "--model-config", str(tmp_path / "config.json"), "--device", "cpu", "--gpu", "128MiB",
+    common = ("plan", "--model-config", str(tmp_path / "config.json"), "--device", "cpu", "--gpu", "64MiB",
               "--cpu", "64MiB", "--disk-path", str(tmp_path / "store"))
     one, many = offload(*common), offload(*common, "--batch", "8")
     assert one.returncode == 0 and many.returncode == 0, one.stderr + many.stderr
     held = [int(re.search(r"batch: up to (\d+) sequences? decodes? together", p.stdout).group(1)) for p in (one, many)]
     assert held[0] < 8 <= held[1]
+    cold = int(re.search(r"; (\d+) more blocks in the host/disk KV tiers", one.stdout).group(1))
+    assert cold >= 512 - 9  # one sequence's whole context (8192 tokens) fits the three KV tiers
 
 
 def test_auto_kv_on_a_cpu_device_is_bounded_by_the_context_and_the_plan_lines_agree(tiny_llama, tmp_path):
@@ -89,7 +91,7 @@ def test_auto_kv_on_a_cpu_device_is_bounded_by_the_context_and_the_plan_lines_ag
     served = planner(raw, concurrency=4).run_plan()
     assert context_blocks < served.kv_blocks <= 4 * context_blocks + pass_blocks(served.prefill_chunk, p.bs)
     out = offload("plan", "--config", str(write_yaml(tmp_path / "c.yaml", raw))).stdout
-    gpu_used = float(re.search(r"gpu\s+([\d.]+) MiB of", out).group(1))
+    gpu_used = float(re.search(r"gpu \(RAM\)\s+([\d.]+) MiB of", out).group(1))
     kv_mib = float(re.search(r"KV cache on the device: \d+ blocks x 16 tokens \(([\d.]+) MiB\)", out).group(1))
     assert kv_mib <= gpu_used < 1024  # one line's KV is inside the other's total
 
@@ -97,6 +99,6 @@ def test_auto_kv_on_a_cpu_device_is_bounded_by_the_context_and_the_plan_lines_ag
 def test_a_cpu_plan_needing_more_ram_than_the_machine_has_is_refused(tiny_llama, monkeypatch):
     raw = run_config(tiny_llama, tiers={"gpu": {"capacity": "64GiB"}, "cpu": {"capacity": "1GiB"}},
                      kv_cache={"gpu_blocks": 200_000})
-    monkeypatch.setattr("offload.plan.planner.ram_available", lambda: 4 << 30)
+    monkeypatch.setattr("offload.plan.memory.ram_available", lambda: 4 << 30)
     with pytest.raises(CapacityError, match=r"needs [\d.]+ GiB of RAM .*both this machine's RAM.* 4.00 GiB is free"):
         planner(raw).run_plan()

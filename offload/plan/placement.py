@@ -32,6 +32,7 @@ module knows group names, sizes and tiers; it knows nothing about models (the pl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,15 +77,25 @@ def _fill(candidates: list[str], sizes: dict[str, int], budget: int) -> list[str
     return chosen
 
 
-def min_device_bytes(groups: Sequence[GroupSpec], depth: int, fixed: int = 0, cache_slots: int | None = None) -> int:
+def min_device_bytes(groups: Sequence[GroupSpec], depth: int, fixed: int = 0, cache_slots: int | None = None,
+                     in_place: bool = False, host: int | None = None, has_disk: bool = True) -> int:
     """The smallest device tier a plan at this depth fits in beside `fixed` reserved bytes (KV, workspace).
 
     Everything homed on the device, or `depth + 1` ring slots of one group size with every larger
-    group homed (and the least expert cache): the same test `make_plan` applies.
+    group homed (and the least expert cache): the same test `make_plan` applies. `in_place` (a CPU
+    device): the host tier holds up to `host` bytes of groups (None: unlimited) where compute reads them
+    in place: those need no device bytes and, when every group fits in RAM, no ring either; only what
+    streams from disk passes through the ring (`make_plan`'s fallback on a CPU device).
     """
     cache = _least_cache(groups, cache_slots)
     stream = [g.nbytes for g in groups if not g.rows_only and not (cache and g.expert)]
     total = sum(g.nbytes for g in groups)
+    if in_place:
+        room = math.inf if host is None else host
+        resident = sum(g.nbytes for g in groups if not g.rows_only) if has_disk else total  # rows-only: to disk
+        options = [max(resident - room, 0)] + ([(depth + 1) * slot + max(sum(n for n in stream if n > slot) - room, 0)
+                                                for slot in set(stream)] if has_disk else [])
+        return fixed + int(min(options))
     ring = [(depth + 1) * slot + sum(n for n in stream if n > slot) + cache for slot in set(stream)]
     return fixed + min([total, *ring])
 
@@ -115,7 +126,22 @@ def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_byte
               workspace_bytes: int = 0, copy_to_device: bool = True, host_reserve: int = 0,
               disk_reserve: int = 0, cache_slots: int | None = None) -> Plan:
     """`host_reserve` / `disk_reserve`: bytes the host and disk tiers keep for other uses (cold KV blocks).
-    `cache_slots`: expert cache slots (None: what the device tier leaves; 0: no cache, experts stream)."""
+    `cache_slots`: expert cache slots (None: what the device tier leaves; 0: no cache, experts stream).
+
+    On a CPU device a plan that cannot fit the usual way keeps groups in either RAM tier in place
+    (`_in_place_plan`): only what streams from disk passes through the ring."""
+    try:
+        return _usual_plan(groups, caps, depth, kv_bytes, workspace_bytes, copy_to_device, host_reserve,
+                           disk_reserve, cache_slots)
+    except CapacityError:
+        if copy_to_device or caps.gpu is None:
+            raise
+        return _in_place_plan(groups, caps, depth, kv_bytes, workspace_bytes, host_reserve, disk_reserve)
+
+
+def _usual_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_bytes: int, workspace_bytes: int,
+                copy_to_device: bool, host_reserve: int, disk_reserve: int, cache_slots: int | None) -> Plan:
+    """Rules 1 to 6."""
     order = tuple(g.name for g in groups)
     sizes = {g.name: g.nbytes for g in groups}
     rows = frozenset(g.name for g in groups if g.rows_only)
@@ -136,6 +162,7 @@ def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_byte
         p = Plan(order, sizes, homes, depth, 0, 0, 0, 0, copy_to_device, caps, reserved, rows, on_demand=on_demand)
         n_ring = ring_slots if p.streamed else 0
         n_stage = STAGE_SLOTS if copy_to_device and any(p.route(g)[0] == "disk" for g in p.streamed) else 0
+        slot = min(slot, max((sizes[g] for g in p.streamed), default=0))  # sized by what streams, nothing larger
         reserved["ring"] = n_ring * slot
         if on_demand:
             reserved["expert cache"] = cache * eslot
@@ -216,6 +243,72 @@ def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_byte
     for g in rows:  # rows-only groups go to the slowest tier there is
         homes.setdefault(g, "disk")
     result = plan(homes, slot, stage, lent, cache)
+    if caps.has_disk and caps.disk is not None and total + disk_reserve > caps.disk:
+        raise CapacityError(
+            f"the store{' and the KV slot file' if disk_reserve else ''} need{'' if disk_reserve else 's'} "
+            f"{fmt_bytes(total + disk_reserve)} but "
+            f"tiers.disk.capacity is {fmt_bytes(caps.disk)}; raise it to at least {fmt_bytes(total + disk_reserve)}"
+        )
+    return result
+
+
+def _in_place_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_bytes: int, workspace_bytes: int,
+                   host_reserve: int, disk_reserve: int) -> Plan:
+    """A CPU compute device: the gpu and cpu tiers are the same RAM and compute reads both in place, so only
+    disk-homed groups stream, and the ring is sized by them alone (no ring when RAM holds every group). Among
+    the ring sizes (none first), the one that keeps the most bytes in RAM; the device tier takes the largest
+    of those, the host tier the rest (the device's unused bytes are lent to it)."""
+    order = tuple(g.name for g in groups)
+    fixed = kv_bytes + workspace_bytes
+    sizes = {g.name: g.nbytes for g in groups}
+    rows = [g.name for g in groups if g.rows_only]
+    stream = [g.name for g in groups if not g.rows_only]
+    gpu_cap = caps.gpu
+    assert gpu_cap is not None
+    host = math.inf if caps.cpu is None else caps.cpu - host_reserve
+    if host < 0:
+        raise CapacityError(f"the cpu tier ({fmt_bytes(caps.cpu)}) cannot hold the cold KV blocks "
+                            f"({fmt_bytes(host_reserve)}); raise tiers.cpu.capacity or lower kv_cache.cpu_blocks")
+    in_ram = stream if caps.has_disk else stream + rows  # without a disk every group lives in RAM
+    best: tuple[int, int, list[str]] | None = None  # (bytes in RAM, slot size, groups in RAM)
+    for slot in [0] + (sorted({sizes[g] for g in stream}, reverse=True) if caps.has_disk else []):
+        device = gpu_cap - fixed - (depth + 1) * slot
+        room = device + host
+        must = [g for g in in_ram if sizes[g] > slot]  # what cannot pass through the ring stays in RAM
+        if device < 0 or sum(sizes[g] for g in must) > room:
+            continue
+        homed = must + _fill([g for g in in_ram if sizes[g] <= slot], sizes, int(min(room, 2**62)) - sum(
+            sizes[g] for g in must))
+        score = sum(sizes[g] for g in homed)
+        if slot == 0 and len(homed) < len(in_ram):
+            continue  # without a ring every group must be in RAM
+        if best is None or score > best[0]:
+            best = (score, slot, homed)
+    if best is None:
+        need = min_device_bytes(groups, depth, fixed, 0, True, None if caps.cpu is None else int(host), caps.has_disk)
+        if not caps.has_disk:
+            raise CapacityError(
+                f"the model ({fmt_bytes(sum(sizes.values()))}) does not fit in gpu {fmt_bytes(gpu_cap)} + cpu "
+                f"{fmt_bytes(caps.cpu)} of RAM (the same memory on a CPU device) and there is no disk tier; add "
+                f"tiers.disk (a directory for the store) or raise tiers.gpu.capacity to at least {fmt_bytes(need)}")
+        raise CapacityError(
+            f"the gpu tier ({fmt_bytes(gpu_cap)}) cannot hold the KV blocks and workspace ({fmt_bytes(fixed)}) plus "
+            f"{depth + 1} ring slots; raise tiers.gpu.capacity to at least {fmt_bytes(need)}")
+    _, slot, homed = best
+    device = gpu_cap - fixed - (depth + 1) * slot
+    on_gpu = _fill(homed, sizes, device)
+    homes = dict.fromkeys(on_gpu, "gpu")
+    homes.update({g: "cpu" for g in homed if g not in homes})
+    for g in order:  # what RAM does not hold streams from disk; rows-only groups take the slowest tier
+        homes.setdefault(g, "disk")
+    lent = device - sum(sizes[g] for g in on_gpu)
+    p = Plan(order, sizes, homes, depth, 0, 0, 0, 0, False, caps, {}, frozenset(rows))
+    slot = max((sizes[g] for g in p.streamed), default=0)
+    n_ring = depth + 1 if p.streamed else 0
+    reserved = {"kv": kv_bytes, "workspace": workspace_bytes, "ring": n_ring * slot}
+    result = Plan(order, sizes, homes, depth, n_ring, slot, 0, 0, False, caps, reserved, frozenset(rows),
+                  lent, host_reserve, disk_reserve)
+    total = sum(sizes.values())
     if caps.has_disk and caps.disk is not None and total + disk_reserve > caps.disk:
         raise CapacityError(
             f"the store{' and the KV slot file' if disk_reserve else ''} need{'' if disk_reserve else 's'} "

@@ -16,18 +16,20 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import psutil
 import torch
 
-from offload.config import OffloadConfig, TiersConfig
+from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.kv.blocks import KVSettings
 from offload.kv.cache import PagedKVCache
 from offload.kv.fetch import host_bytes, stage_blocks
 from offload.kv.formats import ColdFormat
 from offload.model.config import ModelConfig
+from offload.plan import memory
 from offload.plan.calibrate import Calibration, compute_dtype, compute_sizes, load_calibration
 from offload.plan.experts import plan_experts
+from offload.plan.memory import resolve_capacities as resolve_capacities
+from offload.plan.memory import resolve_kv
 from offload.plan.placement import GroupSpec, make_plan, min_device_bytes
 from offload.plan.predict import Workload, predict_decode
 from offload.weights.groups import WeightFormat, model_layouts
@@ -46,21 +48,6 @@ ATTENTION_KEYS_PER_CHUNK = 4
 #: bounds of automatic cold KV tiers (kv_cache.cpu_blocks / disk_blocks: auto), in tokens.
 AUTO_HOST_KV_TOKENS = 16384
 AUTO_DISK_KV_TOKENS = 65536
-
-
-def resolve_capacities(tiers: TiersConfig | None, device: torch.device) -> Capacities:
-    """Bytes per tier; `auto` becomes what this machine has free (unlimited device memory on a CPU run)."""
-    if tiers is None:
-        return Capacities(gpu=None, cpu=None, disk=None, has_disk=False)
-    gpu = tiers.gpu.capacity
-    if gpu is None and device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        gpu = int(free * 0.9)
-    cpu = tiers.cpu.capacity
-    if cpu is None:
-        cpu = int(psutil.virtual_memory().available * 0.8)
-    disk = tiers.disk
-    return Capacities(gpu=gpu, cpu=cpu, disk=None if disk is None else disk.capacity, has_disk=disk is not None)
 
 
 def workspace_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, keys: int = 0) -> int:
@@ -243,12 +230,20 @@ class Planner:
             ws += max(self.compute_sizes.values()) * self.compute.itemsize // self.dtype.itemsize
         return ws
 
+    def _min_device(self, groups: list[GroupSpec], caps: Capacities, depth: int, fixed: int) -> int:
+        """The smallest device tier for these groups (on a CPU device the host tier's groups are read in place)."""
+        cache = self.config.experts.cache
+        if self.device.type == "cuda":
+            return min_device_bytes(groups, depth, fixed, cache)
+        host = None if caps.cpu is None else max(caps.cpu - self.kv_cpu_bytes, 0)
+        return min(min_device_bytes(groups, depth, fixed, cache),  # the usual plan, else RAM in place
+                   min_device_bytes(groups, depth, fixed, cache, True, host, caps.has_disk))
+
     def fit(self, caps: Capacities, depth: int) -> Fit:
         """The largest prefill chunk and device KV pool (among the allowed ones) a plan at this depth fits beside."""
         for chunk, kv_blocks in self._choices():
             fixed = kv_blocks * self.block_bytes + self._workspace(chunk)
-            if caps.gpu is None or min_device_bytes(self.groups, depth, fixed,
-                                                    self.config.experts.cache) <= caps.gpu:
+            if caps.gpu is None or self._min_device(self.groups, caps, depth, fixed) <= caps.gpu:
                 return Fit(self._make(caps, depth, chunk, kv_blocks), chunk, kv_blocks)  # host errors raise here
         raise self.refusal(caps, depth)
 
@@ -265,9 +260,12 @@ class Planner:
             fixed = kv * self.block_bytes * dtype.itemsize // self.dtype.itemsize + (
                 self._workspace(chunk) if dtype == self.dtype
                 else workspace_bytes(self.cfg, chunk, dtype, ATTENTION_KEYS_PER_CHUNK * chunk))
-            return min_device_bytes(groups, depth, fixed, self.config.experts.cache)
+            return self._min_device(groups, caps, depth, fixed)
 
         helps = [f"tiers.gpu.capacity: {config_size(need())}"]
+        if self.device.type == "cpu" and not caps.has_disk:  # RAM must hold every group: a store lifts that
+            helps.insert(0, "tiers.disk: {path: DIR} (there is no disk tier; add tiers.disk and what RAM cannot "
+                            "hold streams from a store there)")
         if any(need(depth=d) <= gpu for d in range(depth)):
             helps.append(f"prefetch.depth: {max(d for d in range(depth) if need(depth=d) <= gpu)}")
         least = blocks_for(chunk, bs) + 1
@@ -282,9 +280,9 @@ class Planner:
             helps.append("dtype: bfloat16")
         kv = self._kv_choices(chunk)[-1]
         return CapacityError(
-            f"the gpu tier ({config_size(gpu)}) cannot hold the smallest plan at prefetch depth {depth} "
-            f"({depth + 1} ring slots, a prefill chunk of {chunk} tokens and {kv} device KV blocks need "
-            f"{config_size(need())}); any one of these fits: " + "; ".join(helps))
+            f"the gpu tier ({fmt_bytes(gpu)}{' of RAM' if self.device.type == 'cpu' else ''}) cannot hold the "
+            f"smallest plan at prefetch depth {depth} ({depth + 1} ring slots, a prefill chunk of {chunk} tokens and "
+            f"{kv} device KV blocks need {fmt_bytes(need())}); any one of these fits: " + "; ".join(helps))
 
     def placement(self, caps: Capacities, depth: int) -> Plan:
         """Homes, ring and staging for these capacities and depth (CapacityError if they cannot fit)."""
@@ -330,7 +328,7 @@ class Planner:
         if self.config.kv_cache.gpu_blocks is None and self.config.tiers is not None and self.caps.gpu is not None:
             free = max(plan.capacity("gpu") - plan.used("gpu"), 0)  # what is left free, up to what the workload uses
             if self.device.type == "cpu":  # the device tier is this machine's RAM: never more than it has
-                free = min(free, max(ram_available() - plan.used("gpu") - plan.used("cpu"), 0))
+                free = min(free, max(memory.ram_available() - plan.used("gpu") - plan.used("cpu"), 0))
             kv_blocks = max(kv_blocks, min(kv_blocks + free // self.block_bytes, self.kv_bound(fit.prefill_chunk)))
             plan = dataclasses.replace(plan, reserved_gpu={**plan.reserved_gpu, "kv": kv_blocks * self.block_bytes})
         cpu_blocks, disk_blocks, piece = self._cold_blocks(plan, max(self.kv_bound(fit.prefill_chunk) - kv_blocks, 0))
@@ -339,7 +337,7 @@ class Planner:
                                    disk_reserve=disk_blocks * self.cold_block_bytes)
         kv = dataclasses.replace(self.kv, cpu_blocks=cpu_blocks, disk_blocks=disk_blocks, stage_blocks=piece)
         if self.device.type == "cpu":
-            check_ram(plan)
+            memory.check_ram(plan)
         return RunPlan(plan, self.caps, kv_blocks, self.block_bytes, kv, fit.prefill_chunk, note, self.compute,
                        self.concurrency)
 
@@ -368,9 +366,9 @@ class Planner:
         cpu_bound = kv_cfg.cpu_blocks if kv_cfg.cpu_blocks is not None else (
             0 if tiers is None else min(blocks_for(AUTO_HOST_KV_TOKENS, self.bs), useful))
         disk = kv_cfg.disk_blocks
-        if disk is None:  # what the host tier may not take of the useful blocks
+        if disk is None:  # trimmed below to what the host tier leaves of the useful blocks
             cap = plan.capacity("disk")
-            bound = max(min(blocks_for(AUTO_DISK_KV_TOKENS, self.bs), useful - cpu_bound), 0)
+            bound = min(blocks_for(AUTO_DISK_KV_TOKENS, self.bs), useful)
             disk = 0 if tiers is None or tiers.disk is None else (
                 bound if cap is None else min(bound, max(cap - plan.used("disk"), 0) // self.cold_block_bytes))
         piece = 0
@@ -381,6 +379,8 @@ class Planner:
         cpu = kv_cfg.cpu_blocks
         if cpu is None:
             cpu = most(cpu_bound, lambda n: fits(n, piece))
+        if kv_cfg.disk_blocks is None:
+            disk = min(disk, max(useful - cpu, 0))
         piece = piece if cpu + disk else 0
         if (cpu + disk and self.device.type == "cuda" and not self.kv.cpu_attention and piece == 0) or not fits(
                 cpu, piece):
@@ -390,47 +390,3 @@ class Planner:
                 f"cross to the device in ({fmt_bytes(host)}, of which staging {fmt_bytes(stage)}) beside the weights; "
                 "raise tiers.cpu.capacity or lower kv_cache.cpu_blocks / disk_blocks")
         return cpu, disk, piece
-
-
-def ram_available() -> int:
-    """Bytes of RAM this machine has free now (what a CPU device's gpu and cpu tiers share)."""
-    return int(psutil.virtual_memory().available)
-
-
-def check_ram(plan: Plan) -> None:
-    """On a CPU device the gpu and cpu tiers are one RAM: a plan that uses more of it than the machine has free
-    is refused before anything is allocated (the placement itself only knows the configured capacities)."""
-    need, free = plan.used("gpu") + plan.used("cpu"), ram_available()
-    if need > free:
-        raise CapacityError(
-            f"this plan needs {fmt_bytes(need)} of RAM (on a CPU device the gpu and cpu tiers are both this machine's "
-            f"RAM: {fmt_bytes(plan.used('gpu'))} + {fmt_bytes(plan.used('cpu'))}) but {fmt_bytes(free)} is free; "
-            "lower tiers.gpu.capacity / tiers.cpu.capacity or kv_cache.gpu_blocks / cpu_blocks, or add tiers.disk")
-
-
-def resolve_kv(config: OffloadConfig, cfg: ModelConfig, device: torch.device) -> KVSettings:
-    """The KV cache's settings with every `auto` resolved and impossible combinations refused."""
-    kv = config.kv_cache
-    restore = config.activations.kv_restore
-    if restore == "auto":  # keep whichever is fewer bytes: the layer inputs, or K and V
-        restore = "recompute" if cfg.hidden_size < 2 * cfg.kv_size else "transfer"
-    if restore == "recompute" and kv.quantization == "int8":
-        raise ConfigError("kv_cache.quantization: int8 applies to K/V; with activations.kv_restore: recompute the "
-                          "cold blocks hold layer inputs instead. Choose one of the two")
-    if (kv.cpu_blocks or kv.disk_blocks) and config.tiers is None:
-        raise ConfigError("kv_cache.cpu_blocks / disk_blocks need a `tiers:` section (their memory is counted "
-                          "in tiers.cpu.capacity, their file lives under tiers.disk.path)")
-    if kv.disk_blocks and config.tiers.disk is None:
-        raise ConfigError("kv_cache.disk_blocks needs tiers.disk (a directory for the KV slot file)")
-    cpu_attention = kv.cpu_attention
-    if cpu_attention is None:  # FlexGen's choice: read host blocks where they are when RAM beats the link
-        if device.type == "cuda":
-            links = load_calibration(config.calibration).links
-            cpu_attention = links["memcpy"] > links["host->device"]
-        else:
-            cpu_attention = False  # on a CPU device host blocks are attended in place anyway
-    disk = config.tiers.disk if config.tiers else None
-    return KVSettings(block_size=kv.block_size, gpu_blocks=kv.gpu_blocks or 0, cpu_blocks=kv.cpu_blocks or 0,
-                      disk_blocks=kv.disk_blocks or 0, eviction=kv.eviction, idle_seconds=kv.idle_seconds,
-                      quantization=kv.quantization, restore=restore, cpu_attention=cpu_attention,
-                      direct_io=bool(disk and disk.direct_io and not disk.page_cache))

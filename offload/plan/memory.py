@@ -1,0 +1,77 @@
+"""What memory a run may use on this machine: tier capacities with `auto` resolved, the RAM a CPU device shares
+between its gpu and cpu tiers, and the KV cache's settings with `auto` resolved. Reads the machine (psutil,
+torch.cuda), never a model's weights.
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from offload.config import OffloadConfig, TiersConfig
+from offload.errors import ConfigError
+from offload.kv.blocks import KVSettings
+from offload.model.config import ModelConfig
+from offload.plan.calibrate import load_calibration
+from schedulers.plan import Capacities, Plan
+from storage.errors import CapacityError
+from storage.units import fmt_bytes
+
+
+def resolve_capacities(tiers: TiersConfig | None, device: torch.device) -> Capacities:
+    """Bytes per tier; `auto` becomes what this machine has free (unlimited device memory on a CPU run)."""
+    if tiers is None:
+        return Capacities(gpu=None, cpu=None, disk=None, has_disk=False)
+    gpu = tiers.gpu.capacity
+    if gpu is None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        gpu = int(free * 0.9)
+    cpu = tiers.cpu.capacity
+    if cpu is None:
+        cpu = int(psutil.virtual_memory().available * 0.8)
+    disk = tiers.disk
+    return Capacities(gpu=gpu, cpu=cpu, disk=None if disk is None else disk.capacity, has_disk=disk is not None)
+
+
+def ram_available() -> int:
+    """Bytes of RAM this machine has free now (what a CPU device's gpu and cpu tiers share)."""
+    return int(psutil.virtual_memory().available)
+
+
+def check_ram(plan: Plan) -> None:
+    """On a CPU device the gpu and cpu tiers are one RAM: a plan that uses more of it than the machine has free
+    is refused before anything is allocated (the placement itself only knows the configured capacities)."""
+    need, free = plan.used("gpu") + plan.used("cpu"), ram_available()
+    if need > free:
+        raise CapacityError(
+            f"this plan needs {fmt_bytes(need)} of RAM (on a CPU device the gpu and cpu tiers are both this machine's "
+            f"RAM: {fmt_bytes(plan.used('gpu'))} + {fmt_bytes(plan.used('cpu'))}) but {fmt_bytes(free)} is free; "
+            "lower tiers.gpu.capacity / tiers.cpu.capacity or kv_cache.gpu_blocks / cpu_blocks, or add tiers.disk")
+
+
+def resolve_kv(config: OffloadConfig, cfg: ModelConfig, device: torch.device) -> KVSettings:
+    """The KV cache's settings with every `auto` resolved and impossible combinations refused."""
+    kv = config.kv_cache
+    restore = config.activations.kv_restore
+    if restore == "auto":  # keep whichever is fewer bytes: the layer inputs, or K and V
+        restore = "recompute" if cfg.hidden_size < 2 * cfg.kv_size else "transfer"
+    if restore == "recompute" and kv.quantization == "int8":
+        raise ConfigError("kv_cache.quantization: int8 applies to K/V; with activations.kv_restore: recompute the "
+                          "cold blocks hold layer inputs instead. Choose one of the two")
+    if (kv.cpu_blocks or kv.disk_blocks) and config.tiers is None:
+        raise ConfigError("kv_cache.cpu_blocks / disk_blocks need a `tiers:` section (their memory is counted "
+                          "in tiers.cpu.capacity, their file lives under tiers.disk.path)")
+    if kv.disk_blocks and config.tiers.disk is None:
+        raise ConfigError("kv_cache.disk_blocks needs tiers.disk (a directory for the KV slot file)")
+    cpu_attention = kv.cpu_attention
+    if cpu_attention is None:  # FlexGen's choice: read host blocks where they are when RAM beats the link
+        if device.type == "cuda":
+            links = load_calibration(config.calibration).links
+            cpu_attention = links["memcpy"] > links["host->device"]
+        else:
+            cpu_attention = False  # on a CPU device host blocks are attended in place anyway
+    disk = config.tiers.disk if config.tiers else None
+    return KVSettings(block_size=kv.block_size, gpu_blocks=kv.gpu_blocks or 0, cpu_blocks=kv.cpu_blocks or 0,
+                      disk_blocks=kv.disk_blocks or 0, eviction=kv.eviction, idle_seconds=kv.idle_seconds,
+                      quantization=kv.quantization, restore=restore, cpu_attention=cpu_attention,
+                      direct_io=bool(disk and disk.direct_io and not disk.page_cache))
