@@ -27,6 +27,7 @@ class Capacities:
     cpu: int | None
     disk: int | None  # None with has_disk: unlimited
     has_disk: bool = False
+    kv_blocks: int | None = None  # the most KV blocks in all tiers (a speculative draft mirrors each one); None: any
 
 
 @dataclass(frozen=True)

@@ -232,6 +232,12 @@ def _print_speculative(config, draft, rp, cfg, cal, device, dtype, t_plain: floa
     print(f"speculative decoding (draft {config.speculative.draft}, resident, "
           f"{format_size(drp.plan.used('gpu'))} on the device): {1000 * t_draft:.0f} ms per draft pass, "
           f"a verify pass of 9 tokens x{cost(8):.2f} of a plain one")
+    limit, bs = rp.caps.kv_blocks, config.kv_cache.block_size
+    if limit is not None:
+        cold = rp.kv.cpu_blocks + rp.kv.disk_blocks
+        print(f"  the draft's own KV pool mirrors the target's: {limit} blocks ({limit * bs} tokens, "
+              f"{fmt_bytes(limit * drp.kv_block_bytes, 'MiB')}); the target keeps {rp.kv_blocks} on the device"
+              + (f" and {cold} in its host/disk KV tiers" if cold else " (no cold KV tiers)"))
     fixed = config.speculative.tokens
     for alpha in (0.5, 0.7, 0.9):
         p = (predict(alpha, fixed, t_draft, lambda k: t_plain * cost(k), t_plain) if fixed

@@ -34,7 +34,7 @@ from offload.plan.planner import Planner, resolve_capacities
 from offload.plan.speculative import reserve_draft
 from offload.runtime.device import resolve_device, resolve_dtype
 from offload.runtime.requests import Context
-from offload.runtime.speculative import draft_config, target_config
+from offload.runtime.speculative import draft_config
 from offload.weights.convert import open_store
 from offload.weights.groups import WeightFormat
 from storage.store import StoreState, store_state
@@ -120,7 +120,6 @@ def plan_for(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device
     `planner.run_plan()` refuses what cannot fit as a Runner would, reading no weights."""
     caps, draft = resolve_capacities(config.tiers, device), None
     if config.speculative.enabled:  # the draft is placed first, resident; the target plans around it
-        config = target_config(config)
         dconf = draft_config(config)
         dcfg = ModelConfig.from_dict(json.loads((dconf.model / "config.json").read_text()), str(dconf.model))
         draft = Planner(dconf, dcfg, dtype, device).run_plan(), dcfg

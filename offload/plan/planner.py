@@ -329,9 +329,14 @@ class Planner:
             free = max(plan.capacity("gpu") - plan.used("gpu"), 0)  # what is left free, up to what the workload uses
             if self.device.type == "cpu":  # the device tier is this machine's RAM: never more than it has
                 free = min(free, max(memory.ram_available() - plan.used("gpu") - plan.used("cpu"), 0))
-            kv_blocks = max(kv_blocks, min(kv_blocks + free // self.block_bytes, self.kv_bound(fit.prefill_chunk)))
+            most = self.kv_bound(fit.prefill_chunk)
+            if self.caps.kv_blocks is not None:  # a speculative draft keeps one block for every block of the target
+                most = min(most, self.caps.kv_blocks)
+            kv_blocks = max(kv_blocks, min(kv_blocks + free // self.block_bytes, most))
             plan = dataclasses.replace(plan, reserved_gpu={**plan.reserved_gpu, "kv": kv_blocks * self.block_bytes})
-        cpu_blocks, disk_blocks, piece = self._cold_blocks(plan, max(self.kv_bound(fit.prefill_chunk) - kv_blocks, 0))
+        useful = self.kv_bound(fit.prefill_chunk) if self.caps.kv_blocks is None else min(
+            self.kv_bound(fit.prefill_chunk), self.caps.kv_blocks)  # beside a draft: what its pool mirrors
+        cpu_blocks, disk_blocks, piece = self._cold_blocks(plan, max(useful - kv_blocks, 0))
         host, stage = host_bytes(self.cold_fmt, self.cfg.num_layers, cpu_blocks, piece)
         plan = dataclasses.replace(plan, host_reserve=host, kv_stage_bytes=stage,
                                    disk_reserve=disk_blocks * self.cold_block_bytes)

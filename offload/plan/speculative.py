@@ -101,17 +101,29 @@ def reserve_draft(config: OffloadConfig, caps: Capacities, draft_gpu_bytes: int,
 
     `draft_gpu_bytes`: the draft plan's device bytes (weights, workspace); its KV pool holds one block for
     every block of the target's (device, host and disk), so whatever the target admits fits the draft."""
+    blocks = mirror_blocks(config)
     if caps.gpu is None:
-        return caps
+        return dataclasses.replace(caps, kv_blocks=blocks)
     kv = config.kv_cache
-    # auto cold tiers are resolved to none when speculating (the runner does so): the draft's device pool
-    # mirrors every block the target can hold
-    blocks = (kv.gpu_blocks or blocks_for(AUTO_KV_TOKENS, kv.block_size)) + (kv.cpu_blocks or 0) + (kv.disk_blocks or 0)
+    least = (kv.gpu_blocks or blocks_for(AUTO_KV_TOKENS, kv.block_size)) + (kv.cpu_blocks or 0) + (kv.disk_blocks or 0)
+    if draft_gpu_bytes + blocks * draft_block_bytes >= caps.gpu:  # no room to mirror automatic cold tiers: none
+        blocks = least
     need = draft_gpu_bytes + blocks * draft_block_bytes
     if need >= caps.gpu:
         raise CapacityError(f"speculative.draft: the draft needs {fmt_bytes(need, 'MiB')} resident on the device but "
                             f"tiers.gpu.capacity is {fmt_bytes(caps.gpu, 'MiB')}; raise it or choose a smaller draft")
-    return dataclasses.replace(caps, gpu=caps.gpu - need)
+    return dataclasses.replace(caps, gpu=caps.gpu - need, kv_blocks=blocks)
+
+
+def mirror_blocks(config: OffloadConfig) -> int:
+    """KV blocks the draft's own pool holds: one for every block the target may hold in all tiers. With explicit
+    device and host counts, their sum (an automatic disk tier then gets none); otherwise at least
+    `AUTO_KV_TOKENS` tokens, within which the target's device pool and automatic cold KV tiers are planned
+    (`Capacities.kv_blocks`), so the cold tiers still hold what the device pool cannot."""
+    kv = config.kv_cache
+    explicit = (kv.gpu_blocks or 0) + (kv.cpu_blocks or 0) + (kv.disk_blocks or 0)
+    auto = kv.gpu_blocks is None or (config.tiers is not None and kv.cpu_blocks is None)
+    return max(explicit, blocks_for(AUTO_KV_TOKENS, kv.block_size)) if auto else explicit
 
 
 def without_draft(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):

@@ -42,7 +42,7 @@ from offload.runtime.impls import executor_class
 from offload.runtime.requests import Context, Output, Request, blocks_needed
 from offload.runtime.results import Completion, GenerationResult, RunStats, TokenCallback, TokenEvent
 from offload.runtime.sampling import Sampling, resolve_sampling
-from offload.runtime.speculative import Speculator, check_draft, draft_config, target_config
+from offload.runtime.speculative import Speculator, check_draft, draft_config
 from offload.runtime.verify import row_blocks, tree_blocks
 from schedulers.timeline import Timeline
 
@@ -100,7 +100,6 @@ class Runner:
         caps = resolve_capacities(config.tiers, resolve_device(config.device))
         try:
             if config.speculative.enabled:  # the draft is placed first; the target plans around it
-                config = target_config(config)
                 self.draft = Executor(draft_config(config), Timeline(enabled=False))
                 executors.append(self.draft)
                 check_draft(config.model, Checkpoint(config.model).config, self.tokenizer, self.draft)

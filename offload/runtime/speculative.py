@@ -61,14 +61,6 @@ PROBE_EVERY = 16
 TREE_WIDTH = 3
 
 
-def target_config(config: OffloadConfig) -> OffloadConfig:
-    """The target's config when speculating: automatic cold KV tiers off (the draft's device KV mirrors every
-    block the target can hold, so cold tiers sized to what the host and disk leave would make it huge)."""
-    kv = config.kv_cache
-    return config.replace(kv_cache=dataclasses.replace(kv, cpu_blocks=kv.cpu_blocks or 0,
-                                                       disk_blocks=kv.disk_blocks or 0))
-
-
 def draft_config(config: OffloadConfig) -> OffloadConfig:
     """The draft's run: its checkpoint, the target's device and dtype, every weight resident (no tiers).
 
