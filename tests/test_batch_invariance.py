@@ -7,6 +7,8 @@ some greedy completions of a model whose logits have near ties."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -96,3 +98,23 @@ def test_a_request_joining_a_running_batch_gets_its_tokens_alone(wide):
         while engine.busy:
             engine.step()
     assert [first.outputs[0].token_ids, later.outputs[0].token_ids] == alone
+
+
+def test_the_throughput_mode_gives_each_request_its_tokens_alone_at_any_batch(wide, tmp_path):
+    """The CLI path: `offload run --input` at --batch 5 and at --batch 1 (one request at a time), bf16, greedy."""
+    from tests.test_cli_flows import offload, write_yaml  # the subprocess helper (tests may import inside)
+
+    config = write_yaml(tmp_path / "c.yaml", run_config(wide, dtype="bfloat16", compute_dtype="bfloat16",
+                                                        kv_cache={"block_size": 4}))
+    requests = tmp_path / "in.jsonl"
+    requests.write_text("".join(json.dumps({"id": str(i), "prompt": p, "max_tokens": NEW}) + "\n"
+                                for i, p in enumerate(prompts(512))))
+    got = []
+    for batch in ("5", "1"):
+        out = tmp_path / f"out{batch}.jsonl"
+        proc = offload("run", "--config", str(config), "--input", str(requests), "--output", str(out),
+                       "--batch", batch, "--temperature", "0")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        got.append({r["id"]: r["choices"][0]["token_ids"] for r in rows})
+    assert len(got[0]) == len(LENS) and got[0] == got[1]
