@@ -213,8 +213,8 @@ class OffloadConfig:
                            "transformers (any causal LM, built by transformers with its weights streamed through "
                            "the tiers; needs the hf extra), auto = native when the family is supported", "auto")
     device: str = _opt(_device, "compute device: cpu, cuda, cuda:N or auto", "auto")
-    dtype: str = _opt(_choice(*DTYPE_NAMES), "storage and transfer dtype of the weights (and compute dtype)",
-                      "bfloat16")
+    dtype: str = _opt(_choice(*DTYPE_NAMES), "storage and transfer dtype of the weights (and compute dtype); "
+                      "auto = the checkpoint's own, as `offload convert` stores by default", "auto")
     compute_dtype: str = _opt(_choice("auto", "float32", "float16", "bfloat16"),
                               "dtype of the math and the KV cache: auto = float32 on a CPU that multiplies "
                               "float32 1.5x faster than dtype (weights upcast after the transfer, every placement "

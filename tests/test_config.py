@@ -52,7 +52,7 @@ activations: {{prefill_chunk: 128}}
 
 def test_defaults_from_a_minimal_dict(tiny_llama):
     cfg = OffloadConfig.load({"model": str(tiny_llama)})
-    assert cfg.device == "auto" and cfg.dtype == "bfloat16" and cfg.tiers is None
+    assert cfg.device == "auto" and cfg.dtype == "auto" and cfg.tiers is None
     assert cfg.kv_cache.block_size == 16 and cfg.prefetch.depth == 2 and cfg.activations.prefill_chunk is None
     assert cfg.kv_cache.gpu_blocks is cfg.kv_cache.cpu_blocks is cfg.kv_cache.disk_blocks is None  # auto: fit
     assert cfg.to_dict()["model"] == str(tiny_llama.resolve())

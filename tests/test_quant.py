@@ -153,7 +153,8 @@ def test_manifest_records_the_scheme_and_another_scheme_is_refused(model, tmp_pa
     assert meta["quantization"] == "int8" and meta["tensors"]["qkv"] == "int8-g64-asym-rtn"
     assert meta["tensors"]["lm_head"] == "dense" and meta["tensors"]["input_norm"] == "dense"
     cfg = run_config(model, tiers={"disk": {"path": str(tmp_path / "s")}}, weights={"quantization": "int4"})
-    with pytest.raises(StoreError, match=r"holds weights stored as .*int8.* --weights int4 --force"):
+    with pytest.raises(StoreError, match=r"holds weights stored as .*int8.* --weights int4 --group-size \d+ "
+                                         r"--keep.* --force"):
         Runner.from_config(cfg)
 
 

@@ -9,6 +9,7 @@ tensor), so a store is never used for another model or another scheme.
 from __future__ import annotations
 
 import logging
+import shlex
 from pathlib import Path
 
 import torch
@@ -106,29 +107,40 @@ def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capa
     store = open_or_build(store_dir, build if auto_convert else None, page_cache=page_cache, verify=verify,
                           capacity=capacity, direct_io=direct_io)
     meta = store.meta
+    again = convert_command(ckpt.path, store_dir, dtype, fmt, ckpt.config.impl)  # what this run reads, as typed
     if meta.get("checkpoint_fingerprint") != ckpt.fingerprint():
         store.close()
         raise StoreError(
             f"{store_dir} was converted from a different checkpoint ({meta.get('checkpoint')}); run "
-            f"`offload convert {ckpt.path} {store_dir} --force` or point tiers.disk.path elsewhere"
+            f"`{again}` or point tiers.disk.path elsewhere"
         )
     if meta.get("dtype") != dtype_name(dtype):
         store.close()
         raise StoreError(
             f"{store_dir} holds {meta.get('dtype')} weights but the run asks for {dtype_name(dtype)}; set dtype: "
-            f"{meta.get('dtype')} or convert again with `offload convert ... --dtype {dtype_name(dtype)} --force`"
+            f"{meta.get('dtype')} or convert again with `{again}`"
         )
     have = {k: v for k, v in meta.get("weights", {}).items() if k != "tensors"}
     if have != fmt.to_json():
         store.close()
         raise StoreError(
             f"{store_dir} holds weights stored as {have} but the run asks for {fmt.to_json()}; set `weights:` to "
-            f"match, or convert again with `offload convert ... --weights {fmt.quantization} --force`"
+            f"match, or convert again with `{again}`"
         )
     expected = model_layouts(ckpt.config, dtype, fmt)
     if {n: g.layout for n, g in store.groups.items()} != expected:
         store.close()
         raise StoreError(f"{store_dir}: its group layouts differ from this run's (another Offload version, or "
                          f"model_impl {ckpt.config.impl} where it was converted for the other); convert again with "
-                         f"`offload convert ... --model-impl {ckpt.config.impl} --force`")
+                         f"`{again}`")
     return store
+
+
+def convert_command(checkpoint: Path, store_dir: Path, dtype: torch.dtype, fmt: WeightFormat,
+                    impl: str = "native") -> str:
+    """The `offload convert` command that writes the store a run of this dtype, weight format and model_impl reads."""
+    cmd = f"offload convert {shlex.quote(str(checkpoint))} {shlex.quote(str(store_dir))} --dtype {dtype_name(dtype)}"
+    if fmt.prequant is None:  # a GPTQ/AWQ checkpoint's format is its own
+        cmd += f" --weights {fmt.quantization} --group-size {fmt.group_size} --keep" + "".join(
+            f" {k}" for k in sorted(fmt.keep))
+    return cmd + f" --model-impl {impl} --force"
