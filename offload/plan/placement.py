@@ -133,8 +133,8 @@ def make_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_byte
     try:
         return _usual_plan(groups, caps, depth, kv_bytes, workspace_bytes, copy_to_device, host_reserve,
                            disk_reserve, cache_slots)
-    except CapacityError:
-        if copy_to_device or caps.gpu is None:
+    except CapacityError:  # (routed experts keep the usual plan: their cache is planned there)
+        if copy_to_device or caps.gpu is None or any(g.expert for g in groups) or caps.cpu == 0:
             raise
         return _in_place_plan(groups, caps, depth, kv_bytes, workspace_bytes, host_reserve, disk_reserve)
 

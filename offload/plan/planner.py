@@ -236,6 +236,8 @@ class Planner:
         if self.device.type == "cuda":
             return min_device_bytes(groups, depth, fixed, cache)
         host = None if caps.cpu is None else max(caps.cpu - self.kv_cpu_bytes, 0)
+        if host == 0 or any(g.expert for g in groups):  # no RAM beside the device tier; experts: their cache
+            return min_device_bytes(groups, depth, fixed, cache)
         return min(min_device_bytes(groups, depth, fixed, cache),  # the usual plan, else RAM in place
                    min_device_bytes(groups, depth, fixed, cache, True, host, caps.has_disk))
 
