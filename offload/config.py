@@ -116,6 +116,11 @@ class KVCacheConfig:
                              "none")
     cpu_attention: bool | None = _opt(_bool_or_auto, "attend host blocks on the CPU instead of moving them "
                                       "(auto: when the host's memory is faster than the link to the device)")
+    prefix_cache: str = _opt(_choice("on", "off", "persist"), "full KV blocks found by their tokens and shared by "
+                             "later requests with the same prompt prefix; persist: also kept on disk under "
+                             "tiers.disk.path for later processes", "on")
+    prefix_disk_blocks: int = _opt(_int(1, 2**31), "with prefix_cache: persist, the most blocks kept on disk "
+                                   "(least recently used deleted first)", 4096)
 
 
 @dataclass(frozen=True)

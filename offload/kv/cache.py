@@ -42,6 +42,7 @@ import torch
 from offload.kv.blocks import Block, KVSettings, Recency, Sequence, StepKV, tier_blocks
 from offload.kv.fetch import ColdFetcher, Fetched
 from offload.kv.formats import ColdFormat, TierStore, cold_kv, to_cold
+from offload.kv.prefix import PrefixBlocks, PrefixCache
 from offload.kv.view import LayerKV
 from offload.model import functional as M
 from offload.model.config import ModelConfig
@@ -57,7 +58,7 @@ from storage.tiers import TIERS
 from storage.units import blocks_for
 
 
-class PagedKVCache:
+class PagedKVCache(PrefixBlocks):
     #: do the blocks hold the keys and values (so their device bytes come from the plan's KV region)? A
     #: subclass that keeps only the bookkeeping, its KV elsewhere, says no (offload.hf.executor.HFSequences)
     holds_kv = True
@@ -67,9 +68,12 @@ class PagedKVCache:
                  settings: KVSettings | None = None, disk_dir: Path | None = None, pin_memory: bool = False,
                  timeline: Timeline | None = None, clock: Callable[[], float] = time.monotonic,
                  rope: M.Rope | None = None, page_cache: bool = False, traffic: Traffic | None = None,
-                 host_memory: torch.Tensor | None = None, engine: TransferEngine | None = None) -> None:
+                 host_memory: torch.Tensor | None = None, engine: TransferEngine | None = None,
+                 identity: str = "", prefix_dir: Path | None = None) -> None:
         """`memory` / `host_memory`: uint8 regions (of the device tier / the pinned cpu tier) for the device blocks
-        and the cold host bytes (`fetch.host_bytes`). `engine`: the run's transfer engine (the weights')."""
+        and the cold host bytes (`fetch.host_bytes`). `engine`: the run's transfer engine (the weights').
+        `identity`: what the K/V depend on besides the tokens (model, weights, dtype), for the prefix cache's
+        keys; `prefix_dir`: where `prefix_cache: persist` keeps its blocks (the store's disk tier)."""
         # the arguments are the truth about block size and device blocks; settings bring the rest
         s = dataclasses.replace(settings or KVSettings(), block_size=block_size, gpu_blocks=num_blocks)
         self.settings = s
@@ -114,6 +118,7 @@ class PagedKVCache:
         self.recency = Recency()  # when each sequence was last attended over (eviction's `last_touch`)
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
+        self.prefix = PrefixCache.build(self, f"{identity}|{dtype}|block {block_size}|restore {s.restore}", prefix_dir)
 
     @staticmethod
     def block_nbytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str = "transfer") -> int:
@@ -140,7 +145,7 @@ class PagedKVCache:
     # -- sequences ----------------------------------------------------------------------------
     def admit(self, tokens: int) -> Admission:
         """Could a sequence of `tokens` total tokens get its blocks (now / once others finish / never)?"""
-        return self.logical.can_allocate(self.blocks_for(tokens))
+        return self.can_allocate(self.blocks_for(tokens))
 
     def add_sequence(self, reserve_tokens: int = 0) -> int:
         """A new sequence, with logical blocks for `reserve_tokens` reserved up front (worst case)."""
@@ -169,7 +174,7 @@ class PagedKVCache:
         need = total - len(seq.blocks) - len(seq.reserved)
         if need <= 0:
             return Admission.OK
-        status = self.logical.can_allocate(need)
+        status = self.can_allocate(need)
         if status is Admission.OK:
             seq.reserved += self.logical.allocate(need)
         return status
@@ -296,7 +301,7 @@ class PagedKVCache:
         """Bring the hottest cold blocks back while the device has room (transfer formats only), unless expired."""
         if room <= 0 or self.cold_fmt.name == "hidden" or self.count_cold() == 0:
             return
-        cold = self._candidates(lambda bid, b: b.tier != "gpu")
+        cold = self._candidates(lambda bid, b: b.tier != "gpu" and not self.idle_cached(bid))  # cold till a hit
         expired = set(self.policy.expired(cold))
         for bid in [b for b in reversed(self.policy.order(cold)) if b not in expired][:room]:  # last out, first in
             self._move(bid, "gpu", protected)

@@ -33,6 +33,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -268,7 +269,16 @@ class Executor:
                             disk_dir=disk.path / "kv-scratch" if disk is not None and s.disk_blocks else None,
                             pin_memory=self.device.type == "cuda", timeline=self.timeline, rope=self.rope,
                             traffic=self.traffic, host_memory=host_memory, engine=self.weights.engine,
-                            page_cache=bool(disk and disk.page_cache))
+                            page_cache=bool(disk and disk.page_cache), identity=self.kv_identity,
+                            prefix_dir=disk.path / "prefix-cache" if disk is not None else None)
+
+    @functools.cached_property
+    def kv_identity(self) -> str:
+        """What this executor's K/V depend on besides the tokens: the checkpoint (its path, config and weight
+        files' sizes and times), the weight format and the compute dtype (the prefix cache's key root)."""
+        model = Path(self.config.model).resolve()
+        files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model.glob("*.safetensors"))
+        return f"{model}|{self.cfg}|{files}|{self.config.weights}|{self.compute_dtype}"
 
     # -- the forward pass -----------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,210 @@
+"""The automatic prefix cache: full KV blocks found by their content, shared copy-on-write across requests.
+
+    key(block i) = blake2b(key(block i-1) + tokens of block i),   key(block -1) = blake2b(identity)
+
+A full block's key names its tokens and every token before it, under the model / dtype / KV-format
+identity, so two sequences with the same first `k * block_size` tokens have the same first `k` keys and
+their K/V are the same bits (the forward pass is row-invariant). The index holds one logical reference
+to each block it names; a request's sequence attaches the longest chain of cached blocks (incref, the
+sequence's own reserved ids for them given back) and prefills only the rest, at least one token. A
+cached block is full, so nobody writes into it again: a sequence that diverges inside it or past it
+writes its own blocks (`PagedKVCache.truncate` and copy-on-write treat it as shared).
+
+An unreferenced cached block (the index's reference only) is an ordinary block to the tiers: eviction
+moves it device -> host -> disk in its cold format (int8 blocks stay int8 when reused), and a hit attends
+over it where it lives (or promotes it, as the cache promotes any block a running sequence holds). It
+leaves the index, least recently used first (deepest first on ties), only when a reservation needs its
+logical id. With `persist`, `offload.kv.persist` keeps the blocks on disk across processes.
+
+This module knows tokens, keys and logical ids; where a block's bytes live is `offload.kv.cache`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from offload.kv.blocks import Block
+from offload.kv.persist import PersistedBlocks
+from storage.block_pool import Admission
+
+if TYPE_CHECKING:
+    from offload.kv.cache import PagedKVCache
+
+MODES = ("on", "off", "persist")
+
+
+def chain_keys(root: bytes, tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """The keys of the full blocks of `tokens`, each chained on the one before it (16 bytes each)."""
+    keys, prev = [], root
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens[start : start + block_size]))
+        prev = h.digest()
+        keys.append(prev)
+    return keys
+
+
+@dataclass
+class PrefixStats:
+    hits: int = 0  # requests that attached at least one cached block
+    misses: int = 0  # requests that attached none
+    cached_tokens: int = 0  # prompt tokens attached instead of prefilled
+    evicted: int = 0  # blocks that left the index to make room
+    loaded: int = 0  # blocks read back from the persisted store
+
+
+class PrefixCache:
+    """The index of one KV pool's content-addressed blocks (`identity`: model, dtype, KV format, block size)."""
+
+    def __init__(self, kv: PagedKVCache, identity: str, persisted: PersistedBlocks | None = None) -> None:
+        self.kv, self.identity = kv, identity
+        self.root = hashlib.blake2b(identity.encode(), digest_size=16).digest()
+        self.index: dict[bytes, int] = {}  # key -> logical id
+        self.keys: dict[int, bytes] = {}  # logical id -> key
+        self.depth: dict[int, int] = {}  # logical id -> its index in the chain
+        self.persisted = persisted
+        self.stats = PrefixStats()
+
+    @classmethod
+    def build(cls, kv: PagedKVCache, identity: str, persist_dir: Path | None) -> PrefixCache | None:
+        """The pool's prefix cache as `kv.settings.prefix_cache` asks (None: off; persist: under `persist_dir`)."""
+        s = kv.settings
+        if s.prefix_cache == "off" or not kv.holds_kv:  # a pool whose K/V live elsewhere has no blocks to share
+            return None
+        persisted = (PersistedBlocks(persist_dir, identity, s.persist_blocks)
+                     if s.prefix_cache == "persist" and persist_dir is not None else None)
+        return cls(kv, identity, persisted)
+
+    def holds(self, bid: int) -> bool:
+        return bid in self.keys
+
+    @property
+    def blocks(self) -> int:
+        return len(self.keys)
+
+    def attach(self, sid: int, tokens: Sequence[int]) -> int:
+        """Give the empty sequence `sid` the cached blocks of the longest prefix of `tokens` that leaves at least
+        one token to compute; returns the tokens attached (a multiple of the block size).
+
+        Each attached block replaces one of the ids the sequence reserved (given back for an indexed block; a
+        block read back from the persisted store takes the reserved id itself), so its worst case still holds."""
+        kv = self.kv
+        seq = kv.seqs[sid]
+        assert seq.length == 0 and not seq.blocks, "a prefix attaches to an empty sequence"
+        for depth, key in enumerate(chain_keys(self.root, tokens[: max(len(tokens) - 1, 0)], kv.block_size)):
+            bid = self.index.get(key)
+            if bid is not None:
+                kv.logical.incref([bid])  # the sequence's reference
+                if seq.reserved:
+                    kv.unref([seq.reserved.pop()])
+            elif self.persisted is not None and seq.reserved and self._load(key, depth, seq.reserved[-1]):
+                bid = seq.reserved.pop()  # its reference is now the sequence's; `_load` added the index's
+            else:
+                break
+            seq.blocks.append(bid)
+        seq.length = cached = len(seq.blocks) * kv.block_size
+        self.stats.hits += bool(cached)
+        self.stats.misses += not cached
+        self.stats.cached_tokens += cached
+        kv.timeline.count("prefix-cache", hits=self.stats.hits, misses=self.stats.misses, blocks=self.blocks)
+        return cached
+
+    def register(self, sid: int, tokens: Sequence[int]) -> int:
+        """Index the full blocks of `sid`, whose K/V hold `tokens` (every one of them written); returns how
+        many blocks were new. A key already naming another block keeps it (the same bits, computed twice)."""
+        kv = self.kv
+        blocks = kv.seqs[sid].blocks
+        new = 0
+        for depth, key in enumerate(chain_keys(self.root, tokens[: kv.length(sid)], kv.block_size)):
+            bid = blocks[depth]
+            if key in self.index or bid in self.keys:
+                continue
+            kv.logical.incref([bid])
+            self.index[key], self.keys[bid], self.depth[bid] = bid, key, depth
+            new += 1
+            if self.persisted is not None:
+                self.persisted.save(key, kv.device_block(bid))
+        return new
+
+    def make_room(self, n: int, tier: str | None = None) -> None:
+        """Drop unreferenced cached blocks, least recently used first, until `n` logical ids are free (and `n`
+        slots of `tier`, when given)."""
+        kv = self.kv
+
+        def short() -> bool:
+            return kv.logical.num_free < n or (tier is not None and kv.pools[tier].num_free < n)
+
+        if not short():
+            return
+        kv.recency.sync(kv.seqs, kv.blocks)
+        idle = [bid for bid in self.keys if kv.logical.refcount(bid) == 1
+                and (tier is None or kv.logical.num_free < n or kv.blocks[bid].tier == tier)]
+        idle.sort(key=lambda bid: (kv.blocks[bid].last_touch, -self.depth[bid]))
+        for bid in idle:
+            if not short():
+                break
+            self.forget(bid)
+            self.stats.evicted += 1
+
+    def forget(self, bid: int) -> None:
+        """The index's reference to `bid` goes (the block goes with it unless a sequence holds it)."""
+        key = self.keys.pop(bid)
+        del self.index[key], self.depth[bid]
+        self.kv.unref([bid])
+
+    def clear(self) -> None:
+        for bid in list(self.keys):
+            self.forget(bid)
+
+    def _load(self, key: bytes, depth: int, bid: int) -> bool:
+        """Read a persisted block into the reserved id `bid` (a device block) and index it; False when it is
+        absent or damaged."""
+        assert self.persisted is not None
+        parts = self.persisted.load(key, self.kv.device_fmt, self.kv.cfg.num_layers)
+        if parts is None:
+            return False
+        self.kv.materialise(bid, parts)
+        self.kv.logical.incref([bid])  # the index's reference
+        self.index[key], self.keys[bid], self.depth[bid] = bid, key, depth
+        self.stats.loaded += 1
+        return True
+
+
+class PrefixBlocks:
+    """What `PagedKVCache` offers its prefix cache: room made from idle cached blocks, references dropped, a block
+    materialised from bytes, a device block's bytes (a mixin: these run on the cache's own state)."""
+
+    prefix: PrefixCache | None
+
+    def can_allocate(self: PagedKVCache, n: int) -> Admission:  # type: ignore[misc]
+        """Could `n` logical blocks be allocated now (cached blocks nobody uses make room), later, never?"""
+        if self.prefix is not None and n <= self.logical.num_blocks:
+            self.prefix.make_room(n)
+        return self.logical.can_allocate(n)
+
+    def unref(self: PagedKVCache, ids: list[int]) -> None:  # type: ignore[misc]
+        """Drop one reference to each logical block; those nobody references give their slots back."""
+        self._release(self.logical.free(ids))
+
+    def idle_cached(self: PagedKVCache, bid: int) -> bool:  # type: ignore[misc]
+        """Only the prefix cache holds `bid` (no sequence attends over it)."""
+        return self.prefix is not None and self.prefix.holds(bid) and self.logical.refcount(bid) == 1
+
+    def materialise(self: PagedKVCache, bid: int, parts: dict[str, torch.Tensor]) -> None:  # type: ignore[misc]
+        """Put the bytes of the allocated, empty logical block `bid` ({array: [layers, *shape]}, device format)
+        in a device slot (demoting another block if the device is full)."""
+        slot = self._take_slot("gpu", self._writing())
+        self.stores["gpu"].write_block(slot, parts)
+        self.blocks[bid] = Block("gpu", slot, self.clock())
+        self._where[bid] = torch.tensor([0, slot])
+
+    def device_block(self: PagedKVCache, bid: int) -> dict[str, torch.Tensor] | None:  # type: ignore[misc]
+        """A device block's bytes ({array: [layers, *shape]}); None for a cold one (its format may be lossy)."""
+        b = self.blocks.get(bid)
+        return None if b is None or b.tier != "gpu" else self.stores["gpu"].read_block(b.slot)
