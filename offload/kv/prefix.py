@@ -25,16 +25,13 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from offload.kv.blocks import Block
 from offload.kv.persist import PersistedBlocks
 from storage.block_pool import Admission
-
-if TYPE_CHECKING:
-    from offload.kv.cache import PagedKVCache
 
 MODES = ("on", "off", "persist")
 
@@ -62,7 +59,7 @@ class PrefixStats:
 class PrefixCache:
     """The index of one KV pool's content-addressed blocks (`identity`: model, dtype, KV format, block size)."""
 
-    def __init__(self, kv: PagedKVCache, identity: str, persisted: PersistedBlocks | None = None) -> None:
+    def __init__(self, kv: Any, identity: str, persisted: PersistedBlocks | None = None) -> None:
         self.kv, self.identity = kv, identity
         self.root = hashlib.blake2b(identity.encode(), digest_size=16).digest()
         self.index: dict[bytes, int] = {}  # key -> logical id
@@ -72,7 +69,7 @@ class PrefixCache:
         self.stats = PrefixStats()
 
     @classmethod
-    def build(cls, kv: PagedKVCache, identity: str, persist_dir: Path | None) -> PrefixCache | None:
+    def build(cls, kv: Any, identity: str, persist_dir: Path | None) -> PrefixCache | None:
         """The pool's prefix cache as `kv.settings.prefix_cache` asks (None: off; persist: under `persist_dir`)."""
         s = kv.settings
         if s.prefix_cache == "off" or not kv.holds_kv:  # a pool whose K/V live elsewhere has no blocks to share
@@ -180,23 +177,23 @@ class PrefixBlocks:
     """What `PagedKVCache` offers its prefix cache: room made from idle cached blocks, references dropped, a block
     materialised from bytes, a device block's bytes (a mixin: these run on the cache's own state)."""
 
-    prefix: PrefixCache | None
+    prefix: PrefixCache | None  # the rest (logical, pools, stores, blocks, ...) is PagedKVCache's
 
-    def can_allocate(self: PagedKVCache, n: int) -> Admission:  # type: ignore[misc]
+    def can_allocate(self, n: int) -> Admission:
         """Could `n` logical blocks be allocated now (cached blocks nobody uses make room), later, never?"""
         if self.prefix is not None and n <= self.logical.num_blocks:
             self.prefix.make_room(n)
         return self.logical.can_allocate(n)
 
-    def unref(self: PagedKVCache, ids: list[int]) -> None:  # type: ignore[misc]
+    def unref(self, ids: list[int]) -> None:
         """Drop one reference to each logical block; those nobody references give their slots back."""
         self._release(self.logical.free(ids))
 
-    def idle_cached(self: PagedKVCache, bid: int) -> bool:  # type: ignore[misc]
+    def idle_cached(self, bid: int) -> bool:
         """Only the prefix cache holds `bid` (no sequence attends over it)."""
         return self.prefix is not None and self.prefix.holds(bid) and self.logical.refcount(bid) == 1
 
-    def materialise(self: PagedKVCache, bid: int, parts: dict[str, torch.Tensor]) -> None:  # type: ignore[misc]
+    def materialise(self, bid: int, parts: dict[str, torch.Tensor]) -> None:
         """Put the bytes of the allocated, empty logical block `bid` ({array: [layers, *shape]}, device format)
         in a device slot (demoting another block if the device is full)."""
         slot = self._take_slot("gpu", self._writing())
@@ -204,7 +201,7 @@ class PrefixBlocks:
         self.blocks[bid] = Block("gpu", slot, self.clock())
         self._where[bid] = torch.tensor([0, slot])
 
-    def device_block(self: PagedKVCache, bid: int) -> dict[str, torch.Tensor] | None:  # type: ignore[misc]
+    def device_block(self, bid: int) -> dict[str, torch.Tensor] | None:
         """A device block's bytes ({array: [layers, *shape]}); None for a cold one (its format may be lossy)."""
         b = self.blocks.get(bid)
         return None if b is None or b.tier != "gpu" else self.stores["gpu"].read_block(b.slot)
