@@ -193,6 +193,13 @@ class PrefixBlocks:
         """Only the prefix cache holds `bid` (no sequence attends over it)."""
         return self.prefix is not None and self.prefix.holds(bid) and self.logical.refcount(bid) == 1
 
+    def idle_count(self, tier: str | None = None) -> int:
+        """Blocks only the prefix cache holds (in `tier`): free for the taking when a reservation needs them."""
+        if self.prefix is None:
+            return 0
+        return sum(1 for bid in self.prefix.keys if self.logical.refcount(bid) == 1
+                   and (tier is None or self.blocks[bid].tier == tier))
+
     def materialise(self, bid: int, parts: dict[str, torch.Tensor]) -> None:
         """Put the bytes of the allocated, empty logical block `bid` ({array: [layers, *shape]}, device format)
         in a device slot (demoting another block if the device is full)."""

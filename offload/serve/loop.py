@@ -139,8 +139,10 @@ class EngineLoop:
         kv = self.engine.kv
         return {"steps": self.steps, "queued": len(self._pending) + len(self.engine.waiting),
                 "running": sum(len(r.outputs) for r in self.engine.prefilling + self.engine.decoding),
-                "kv_blocks": kv.pool.num_blocks, "kv_blocks_free": kv.pool.num_free,
-                "kv_logical_free": kv.logical.num_free, "kv_sequences": len(kv.seqs)}
+                # free: unused, or held only by the prefix cache (taken back when a request needs them)
+                "kv_blocks": kv.pool.num_blocks, "kv_blocks_free": kv.pool.num_free + kv.idle_count("gpu"),
+                "kv_logical_free": kv.logical.num_free + kv.idle_count(), "kv_sequences": len(kv.seqs),
+                "kv_prefix_blocks": kv.prefix.blocks if kv.prefix is not None else 0}
 
     @property
     def busy(self) -> bool:
