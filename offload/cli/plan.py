@@ -33,7 +33,7 @@ from offload.model.generic import resolve_impl
 from offload.plan.calibrate import calibrate, default_path, load_calibration
 from offload.plan.costmodel import explain, plan_bytes
 from offload.plan.experts import expert_choice
-from offload.plan.planner import Planner
+from offload.plan.planner import Planner, RunPlan
 from offload.plan.predict import Workload, predict_decode, predict_prefill_per_token, suggestions
 from offload.plan.speculative import choose_tokens, predict, streaming_note, verify_cost, without_draft
 from offload.runtime.device import resolve_dtype
@@ -109,6 +109,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def prefix_capacity(rp: RunPlan) -> dict[str, object]:
+    """What the prefix cache may hold: idle full blocks in every KV tier (taken back when a request needs them),
+    and with `persist` the blocks kept on disk for later processes."""
+    kv = rp.kv
+    out: dict[str, object] = {"mode": kv.prefix_cache}
+    if kv.prefix_cache != "off":
+        out["blocks"] = {"gpu": rp.kv_blocks, "cpu": kv.cpu_blocks, "disk": kv.disk_blocks}
+    if kv.prefix_cache == "persist":
+        out["persisted_blocks"] = kv.persist_blocks
+        out["persisted_bytes"] = kv.persist_blocks * rp.kv_block_bytes
+    return out
+
+
+def prefix_line(rp: RunPlan, block_size: int) -> str:
+    cap = prefix_capacity(rp)
+    if cap["mode"] == "off":
+        return "prefix cache: off"
+    blocks = cap["blocks"]
+    tiers = ", ".join(f"{t} {n}" for t, n in blocks.items() if n) or "sized per request"
+    line = (f"prefix cache: {cap['mode']}, idle full blocks of {block_size} tokens kept in the KV tiers "
+            f"({tiers} blocks) until a request needs their room")
+    if cap["mode"] == "persist":
+        line += (f"; up to {cap['persisted_blocks']} blocks ({fmt_bytes(cap['persisted_bytes'], 'MiB')}) on disk "
+                 "for later processes")
+    return line
+
+
 def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: int = 128,
               as_json: bool = False) -> None:
     """Print where each group lives, the KV cache, the predicted speed and what would help most."""
@@ -132,6 +159,7 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     experts = expert_lines(rp.plan, cfg, cal, sizes, batch, device.type)
     if as_json:
         print(json.dumps({"device": str(device), "model_impl": cfg.impl, "kv_blocks": rp.kv_blocks,
+                          "prefix_cache": prefix_capacity(rp),
                           "calibration": cal.source,
                           "compute_dtype": str(rp.compute_dtype).removeprefix("torch."),
                           "prediction": pred.to_dict() | {"prefill_s_per_token": per_token},
@@ -157,6 +185,7 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
         f"{rp.kv_blocks} blocks x {config.kv_cache.block_size} tokens "
         f"({fmt_bytes(rp.kv_blocks * rp.kv_block_bytes, 'MiB')})")
     print(f"  KV cache on the device: {kv}")
+    print(f"  {prefix_line(rp, config.kv_cache.block_size)}")
     if rp.depth_note:
         print(f"  {rp.depth_note}")
     src = ("conservative defaults (no calibration file: run `offload calibrate`)" if cal.source == "defaults"
