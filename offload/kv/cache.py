@@ -4,7 +4,7 @@ A block holds `block_size` tokens of K and V for *all* layers. A sequence's bloc
 lists *logical* block ids in token order; token t lives in block `table[t // block_size]`
 at offset `t % block_size`. Each logical block lives in exactly one tier slot at a time:
 
-    logical pool (storage.block_pool)  ids and reference counts (prompt blocks shared by samples)
+    logical pool (storage.block_pool)  ids and reference counts (shared by samples, the prefix cache)
     tier pools (storage.block_pool)    free slots of the gpu / cpu / disk stores
     stores (offload.kv.formats)        the bytes, plane (layer) major
 
@@ -25,9 +25,9 @@ with log-sum-exp (`offload.model.functional.merge_attention`). The per-block sha
 the per-block log-sum-exp) feeds the `attention` eviction policy. Cold blocks travel to the
 device through `offload.kv.fetch`, on the run's one transfer engine.
 
-Prompts admitted with a worst-case reservation of logical blocks (OK / LATER / NEVER) never
-run out half way. This module knows sequences, blocks and token positions; the math is in
-`offload.model`, the bytes in `storage`.
+Prompts admitted with a worst-case reservation of logical blocks (OK / LATER / NEVER) never run out
+half way; full blocks found by their tokens (`offload.kv.prefix`) hold an id until a reservation or the
+last tier needs it. This module knows sequences, blocks and token positions; the math is in `offload.model`.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ class PagedKVCache(PrefixBlocks):
                  identity: str = "", prefix_dir: Path | None = None) -> None:
         """`memory` / `host_memory`: uint8 regions (of the device tier / the pinned cpu tier) for the device blocks
         and the cold host bytes (`fetch.host_bytes`). `engine`: the run's transfer engine (the weights').
-        `identity`: what the K/V depend on besides the tokens (model, weights, dtype), for the prefix cache's
-        keys; `prefix_dir`: where `prefix_cache: persist` keeps its blocks (the store's disk tier)."""
+        `identity`: what the K/V depend on besides the tokens (the prefix cache's keys); `prefix_dir`: where
+        `prefix_cache: persist` keeps its blocks."""
         # the arguments are the truth about block size and device blocks; settings bring the rest
         s = dataclasses.replace(settings or KVSettings(), block_size=block_size, gpu_blocks=num_blocks)
         self.settings = s
@@ -151,7 +151,7 @@ class PagedKVCache(PrefixBlocks):
         """A new sequence, with logical blocks for `reserve_tokens` reserved up front (worst case)."""
         sid = self._next_id
         self._next_id += 1
-        self.seqs[sid] = Sequence(reserved=self.logical.allocate(self.blocks_for(reserve_tokens)))
+        self.seqs[sid] = Sequence(reserved=self.take_logical(self.blocks_for(reserve_tokens)))
         return sid
 
     def fork(self, sid: int, reserve_tokens: int) -> int:
@@ -162,7 +162,7 @@ class PagedKVCache(PrefixBlocks):
         child_id = self._next_id
         self._next_id += 1
         self.logical.incref(parent.blocks)
-        self.seqs[child_id] = Sequence(list(parent.blocks), parent.length, self.logical.allocate(max(need, 0)))
+        self.seqs[child_id] = Sequence(list(parent.blocks), parent.length, self.take_logical(max(need, 0)))
         return child_id
 
     def reserve(self, sid: int, total_tokens: int) -> Admission:
@@ -188,8 +188,7 @@ class PagedKVCache(PrefixBlocks):
     def free_sequence(self, sid: int) -> None:
         self.recency.forget(sid, self.seqs, self.blocks)
         seq = self.seqs.pop(sid)
-        self._release(self.logical.free(seq.blocks))
-        self.logical.free(seq.reserved)
+        self.unref(seq.blocks + seq.reserved)
 
     def truncate(self, sid: int, length: int, reserve: bool = False) -> int:
         """Forget the tokens of `sid` from `length` on (clamped to its length); returns the length kept.
@@ -267,6 +266,11 @@ class PagedKVCache(PrefixBlocks):
     def _demote_from(self, tier: str, n: int, protected: set[int]) -> None:
         below = [t for t in TIERS[TIERS.index(tier) + 1 :] if t in self.pools]
         if not below:
+            want = self.pools[tier].num_free + n
+            if self.prefix is not None:  # the last tier: idle cached blocks leave the cache instead
+                self.prefix.make_room(want, tier)
+            if self.pools[tier].num_free >= want:
+                return
             raise CapacityError(
                 f"the KV cache is full: every {tier} block is in use and there is no tier below it; raise "
                 "kv_cache.cpu_blocks or kv_cache.disk_blocks, or admit fewer tokens"
@@ -347,7 +351,7 @@ class PagedKVCache(PrefixBlocks):
         for sid, n in zip(sids, q_lens):
             seq = self.seqs[sid]
             while len(seq.blocks) < self.blocks_for(seq.length + n):
-                bid = seq.reserved.pop() if seq.reserved else self.logical.allocate(1)[0]
+                bid = seq.reserved.pop() if seq.reserved else self.take_logical(1)[0]
                 slot = gpu.allocate(1)[0]
                 for arr in self.stores["gpu"].arrays.values():  # padded key slots are multiplied by zero
                     arr.clear(slot)  # weights, and 0 * NaN from stale memory would poison a row
@@ -383,7 +387,7 @@ class PagedKVCache(PrefixBlocks):
         old = seq.blocks[-1]
         src = self.blocks[old]
         assert src.tier == "gpu", "a shared partial block is the newest of its sequences: it stays on the device"
-        bid = seq.reserved.pop() if seq.reserved else self.logical.allocate(1)[0]
+        bid = seq.reserved.pop() if seq.reserved else self.take_logical(1)[0]
         slot = self.pools["gpu"].allocate(1)[0]
         self.stores["gpu"].write_block(slot, self.stores["gpu"].read_block(src.slot))
         self.blocks[bid] = Block("gpu", slot, src.last_touch, src.mass)

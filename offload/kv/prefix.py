@@ -129,22 +129,20 @@ class PrefixCache:
                 self.persisted.save(key, kv.device_block(bid))
         return new
 
+    @torch.inference_mode()
     def make_room(self, n: int, tier: str | None = None) -> None:
-        """Drop unreferenced cached blocks, least recently used first, until `n` logical ids are free (and `n`
-        slots of `tier`, when given)."""
+        """Drop unreferenced cached blocks, least recently used first, until `n` logical ids are free (with
+        `tier`: until `n` slots of that tier are, dropping only blocks living there)."""
         kv = self.kv
-
-        def short() -> bool:
-            return kv.logical.num_free < n or (tier is not None and kv.pools[tier].num_free < n)
-
-        if not short():
+        pool = kv.logical if tier is None else kv.pools[tier]
+        if pool.num_free >= n:
             return
         kv.recency.sync(kv.seqs, kv.blocks)
         idle = [bid for bid in self.keys if kv.logical.refcount(bid) == 1
-                and (tier is None or kv.logical.num_free < n or kv.blocks[bid].tier == tier)]
+                and (tier is None or kv.blocks[bid].tier == tier)]
         idle.sort(key=lambda bid: (kv.blocks[bid].last_touch, -self.depth[bid]))
         for bid in idle:
-            if not short():
+            if pool.num_free >= n:
                 break
             self.forget(bid)
             self.stats.evicted += 1
@@ -155,6 +153,7 @@ class PrefixCache:
         del self.index[key], self.depth[bid]
         self.kv.unref([bid])
 
+    @torch.inference_mode()
     def clear(self) -> None:
         for bid in list(self.keys):
             self.forget(bid)
@@ -185,6 +184,12 @@ class PrefixBlocks:
             self.prefix.make_room(n)
         return self.logical.can_allocate(n)
 
+    def take_logical(self, n: int) -> list[int]:
+        """`n` logical ids, idle cached blocks giving theirs up first if the pool is short (CapacityError if
+        even that is not enough: admission reserves what a request needs)."""
+        self.can_allocate(n)
+        return self.logical.allocate(n)
+
     def unref(self, ids: list[int]) -> None:
         """Drop one reference to each logical block; those nobody references give their slots back."""
         self._release(self.logical.free(ids))
@@ -194,11 +199,13 @@ class PrefixBlocks:
         return self.prefix is not None and self.prefix.holds(bid) and self.logical.refcount(bid) == 1
 
     def idle_count(self, tier: str | None = None) -> int:
-        """Blocks only the prefix cache holds (in `tier`): free for the taking when a reservation needs them."""
+        """Blocks only the prefix cache holds (in `tier`): free for the taking when a reservation needs them.
+        Safe to read from another thread while steps run (a count that may be one step old)."""
         if self.prefix is None:
             return 0
-        return sum(1 for bid in self.prefix.keys if self.logical.refcount(bid) == 1
-                   and (tier is None or self.blocks[bid].tier == tier))
+        ids = list(self.prefix.keys)  # one atomic copy: the engine's thread may change the index meanwhile
+        return sum(1 for bid in ids if self.logical.refcount(bid) == 1
+                   and (tier is None or getattr(self.blocks.get(bid), "tier", None) == tier))
 
     def materialise(self, bid: int, parts: dict[str, torch.Tensor]) -> None:
         """Put the bytes of the allocated, empty logical block `bid` ({array: [layers, *shape]}, device format)
