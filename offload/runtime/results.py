@@ -78,7 +78,8 @@ class RunStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "prompt_tokens": self.prompt_tokens, "prefill_passes": self.prefill_passes,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "prefill_passes": self.prefill_passes,
             "prefill_s": round(self.prefill_s, 6), "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 3),
             "decode_steps": self.decode_steps, "decode_s": round(self.decode_s, 6),
             "decode_ms_per_step": round(self.decode_ms_per_step, 3), "decode_tokens": self.decode_tokens,
