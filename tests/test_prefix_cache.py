@@ -100,6 +100,21 @@ def test_a_request_arriving_while_another_decodes_attaches_its_prompt(tiny_llama
         assert b.outputs[0].token_ids == cold(SHARED + QUESTIONS[1])
 
 
+def test_admission_reserves_only_what_the_cache_does_not_hold(tiny_llama, cold):
+    # 26 prompt + 10 new tokens = 9 blocks a request; 16 blocks hold one request's worst case, not two, unless
+    # the 5 blocks of the shared prompt come from the cache: then 9 + 4 fit, and both run at once
+    with Runner.from_config(config(tiny_llama, gpu_blocks=16)) as r:
+        r.fix_kv_pool(16)
+        greedy(r, SHARED + QUESTIONS[2])
+        engine = Engine(r)
+        b, c = (engine.submit(Request(SHARED + q, Sampling(max_new_tokens=NEW))) for q in QUESTIONS[:2])
+        engine.step()
+        assert not engine.waiting and len(engine.prefilling + engine.decoding) == 2
+        engine.run([])
+        assert b.cached == c.cached == 20
+        assert [b.outputs[0].token_ids, c.outputs[0].token_ids] == [cold(SHARED + q) for q in QUESTIONS[:2]]
+
+
 def test_a_pool_full_of_cached_blocks_still_admits_new_prompts(tiny_llama, cold):
     with Runner.from_config(config(tiny_llama, gpu_blocks=12)) as r:
         for i in range(5):  # each prompt and its tokens need 9 of the 12 blocks: the cache gives back the rest

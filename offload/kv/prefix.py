@@ -85,16 +85,33 @@ class PrefixCache:
     def blocks(self) -> int:
         return len(self.keys)
 
-    def attach(self, sid: int, tokens: Sequence[int]) -> int:
-        """Give the empty sequence `sid` the cached blocks of the longest prefix of `tokens` that leaves at least
-        one token to compute; returns the tokens attached (a multiple of the block size).
+    def pin(self, sid: int, tokens: Sequence[int]) -> int:
+        """Give the empty sequence `sid` the indexed blocks of the longest prefix of `tokens` that leaves one token
+        to compute, before its reservation is made (admission then reserves that many blocks fewer); returns the
+        blocks given. `attach` later extends the chain with what was indexed or persisted meanwhile."""
+        kv = self.kv
+        seq = kv.seqs[sid]
+        assert seq.length == 0 and not seq.blocks, "a prefix is pinned to an empty sequence"
+        for key in chain_keys(self.root, tokens[: max(len(tokens) - 1, 0)], kv.block_size):
+            bid = self.index.get(key)
+            if bid is None:
+                break
+            kv.logical.incref([bid])  # the sequence's reference
+            seq.blocks.append(bid)
+        seq.length = len(seq.blocks) * kv.block_size
+        return len(seq.blocks)
 
-        Each attached block replaces one of the ids the sequence reserved (given back for an indexed block; a
+    def attach(self, sid: int, tokens: Sequence[int]) -> int:
+        """Extend the cached blocks of `sid` (none, or those `pin` gave) with the longest chain of cached blocks of
+        `tokens` that leaves at least one token to compute; returns the tokens cached (a multiple of the block size).
+
+        Each block attached here replaces one of the ids the sequence reserved (given back for an indexed block; a
         block read back from the persisted store takes the reserved id itself), so its worst case still holds."""
         kv = self.kv
         seq = kv.seqs[sid]
-        assert seq.length == 0 and not seq.blocks, "a prefix attaches to an empty sequence"
-        for depth, key in enumerate(chain_keys(self.root, tokens[: max(len(tokens) - 1, 0)], kv.block_size)):
+        assert seq.length == len(seq.blocks) * kv.block_size, "a prefix attaches to whole cached blocks"
+        keys = chain_keys(self.root, tokens[: max(len(tokens) - 1, 0)], kv.block_size)
+        for depth, key in enumerate(keys[len(seq.blocks) :], start=len(seq.blocks)):
             bid = self.index.get(key)
             if bid is not None:
                 kv.logical.incref([bid])  # the sequence's reference

@@ -203,10 +203,14 @@ class Engine:
         total = req.worst_case_tokens
         if req.outputs[0].sid is not None:  # a continued sequence: reserve what it will grow by
             return self.kv.reserve(req.outputs[0].sid, total) is Admission.OK
-        need = blocks_needed(len(req.prompt), req.sampling, self.kv.block_size)
-        if self.kv.can_allocate(need) is not Admission.OK:
+        sid = self.kv.add_sequence()
+        # its cached prefix first (the blocks held, so making room cannot take them): that much less to reserve
+        cached = self.kv.prefix.pin(sid, req.prompt) if self.kv.prefix is not None else 0
+        need = blocks_needed(len(req.prompt), req.sampling, self.kv.block_size) - cached
+        if self.kv.can_allocate(need) is not Admission.OK or self.kv.reserve(sid, total) is not Admission.OK:
+            self.kv.free_sequence(sid)
             return False
-        req.outputs[0].sid = self.kv.add_sequence(reserve_tokens=total)
+        req.outputs[0].sid = sid
         return True
 
     def step(self) -> None:
@@ -285,7 +289,7 @@ class Engine:
         sid = req.outputs[0].sid
         assert sid is not None
         req.cached = 0
-        if self.kv.prefix is not None and self.kv.length(sid) == 0:  # a continued sequence keeps its own prefix
+        if self.kv.prefix is not None and not req.context:  # a continued sequence keeps its own prefix
             req.cached = req.prefilled = self.kv.prefix.attach(sid, req.prompt)
             self.stats.cached_tokens += req.cached
 
