@@ -16,7 +16,9 @@ import stat
 
 import openai
 import pytest
+import yaml
 
+from offload.cli.main import main
 from offload.kv import persist
 from offload.kv.prefix import chain_keys
 from offload.runtime.engine import Engine, Request, Sampling
@@ -238,3 +240,15 @@ def test_the_server_reports_cached_prompt_tokens_in_usage(chat_model):
             assert first.usage.prompt_tokens_details.cached_tokens == 0
             assert second.usage.prompt_tokens_details.cached_tokens >= 8
             assert srv.loop.stats()["kv_prefix_blocks"] > 0
+
+
+def test_offload_plan_shows_the_prefix_capacity(tiny_llama, tmp_path, capsys):
+    cfg = config(tiny_llama, tmp_path, cpu_blocks=8, disk_blocks=32, prefix_cache="persist", prefix_disk_blocks=100)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["plan", "--config", str(path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "prefix cache" in x)
+    assert "persist" in line and "gpu 48, cpu 8, disk 32 blocks" in line and "up to 100 blocks" in line
+    assert main(["plan", "--config", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["prefix_cache"]
+    assert data["mode"] == "persist" and data["persisted_blocks"] == 100 and data["blocks"]["disk"] == 32
