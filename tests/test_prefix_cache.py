@@ -169,6 +169,7 @@ def test_persisted_blocks_serve_a_later_process_and_damaged_ones_are_recomputed(
     with Runner.from_config(cfg) as r:
         greedy(r, SHARED + QUESTIONS[0])
         saved = r.kv.prefix.persisted
+        saved.flush()
         assert saved.count >= 5 and saved.dir.is_relative_to(tmp_path / "store")
         files = sorted(saved.dir.glob("*.kvb"))
         root, fmt, layers = r.kv.prefix.root, r.kv.device_fmt, r.kv.cfg.num_layers
@@ -184,7 +185,9 @@ def test_persisted_blocks_serve_a_later_process_and_damaged_ones_are_recomputed(
     with Runner.from_config(cfg) as r, caplog.at_level(logging.WARNING, logger="offload.kv.persist"):
         assert greedy(r, SHARED + QUESTIONS[2]) == cold(SHARED + QUESTIONS[2])
         assert r.last_stats.cached_tokens == 8 and r.kv.prefix.persisted.damaged == 1  # up to the damaged one
-        assert "damaged" in caplog.text and victim.read_bytes() != bytes(data)  # computed and written again
+        assert "damaged" in caplog.text
+        r.kv.prefix.persisted.flush()
+        assert victim.read_bytes() != bytes(data)  # computed and written again
     # another identity (model, weights, dtype, KV format) has its own directory, and a block copied across is refused
     other = persist.PersistedBlocks(tmp_path / "store" / "prefix-cache", "another model", 8)
     key = chain_keys(root, SHARED, BS)[0]
@@ -198,6 +201,7 @@ def test_persisting_is_bounded_and_a_full_disk_stops_it_with_one_warning(tiny_ll
     cfg = config(tiny_llama, tmp_path, prefix_cache="persist", prefix_disk_blocks=3)
     with Runner.from_config(cfg) as r:
         greedy(r, SHARED + QUESTIONS[0])
+        r.kv.prefix.persisted.flush()
         assert len(list(r.kv.prefix.persisted.dir.glob("*.kvb"))) == 3
 
     def full(*a, **kw):
@@ -208,6 +212,7 @@ def test_persisting_is_bounded_and_a_full_disk_stops_it_with_one_warning(tiny_ll
         for q in QUESTIONS:
             assert greedy(r, [1, 2] + SHARED + q) == cold([1, 2] + SHARED + q)
         assert r.last_stats.cached_tokens == 24  # the cache in memory goes on
+        r.kv.prefix.persisted.flush()  # the files are written on the store's own thread
         assert caplog.text.count("stopped") == 1 and not r.kv.prefix.persisted.enabled
 
 

@@ -134,6 +134,7 @@ class PagedKVCache(PrefixBlocks):
 
     def close(self) -> None:
         try:
+            self.close_prefix()
             self.fetcher.close()  # the copies out of its staging end before the memory goes
             for store in self.stores.values():
                 store.close()
@@ -267,8 +268,7 @@ class PagedKVCache(PrefixBlocks):
         below = [t for t in TIERS[TIERS.index(tier) + 1 :] if t in self.pools]
         if not below:
             want = self.pools[tier].num_free + n
-            if self.prefix is not None:  # the last tier: idle cached blocks leave the cache instead
-                self.prefix.make_room(want, tier)
+            self.drop_idle(want, tier)  # the last tier: idle cached blocks leave the cache instead
             if self.pools[tier].num_free >= want:
                 return
             raise CapacityError(

@@ -5,7 +5,8 @@
     header  b"OFFKVPB1" | identity digest (16) | block key (16) | crc32c of the payload (4) | payload bytes (8)
     payload every array of the device format, [layers, *shape] each, in the format's order
 
-A file is written once under a temporary name and renamed, so a reader sees a whole file or none; a
+A file is written once, by this store's own thread (the engine loop only copies the block's bytes), under a
+temporary name and renamed, so a reader sees a whole file or none; a
 torn or damaged one fails its magic, identity, key, length or crc32c check, is deleted and the block
 is computed again. Another model identity (model, weights format, dtype, KV format, block size) has
 its own directory and its digest inside every header, so its blocks are never used. The directory
@@ -24,6 +25,9 @@ import logging
 import math
 import os
 import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -44,6 +48,8 @@ class PersistedBlocks:
         self.capacity = max(capacity, 1)
         self.enabled = True
         self.saved = self.damaged = 0
+        self._lock = threading.Lock()  # `_files`: the engine's thread adds, the writer's thread trims
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="prefix-persist")  # files written off the loop
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._files = self._listing()  # file name -> last use
@@ -60,16 +66,24 @@ class PersistedBlocks:
         self.enabled = False
 
     def save(self, key: bytes, parts: dict[str, torch.Tensor] | None) -> None:
-        """Write one block ({array: [layers, *shape]} in the device format) unless it is there already."""
+        """Write one block ({array: [layers, *shape]} in the device format) unless it is there already. Its bytes
+        are copied now (its slot may be reused); the file is written by this store's own thread."""
         if not self.enabled or parts is None:
             return
         path = self._path(key)
-        if path.name in self._files and path.exists():
-            return
+        with self._lock:
+            if path.name in self._files:
+                return
+            self._files[path.name] = time.time()  # claimed: not queued twice
         payload = b"".join(parts[k].detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
                            for k in sorted(parts))
-        header = MAGIC + self.digest + key + io.crc32c(payload).to_bytes(4, "little") + len(payload).to_bytes(8,
-                                                                                                            "little")
+        self._writer.submit(self._write, path, key, payload)
+
+    def _write(self, path: Path, key: bytes, payload: bytes) -> None:
+        if not self.enabled:
+            return
+        size = len(payload).to_bytes(8, "little")
+        header = MAGIC + self.digest + key + io.crc32c(payload).to_bytes(4, "little") + size
         tmp = None
         try:
             fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".", suffix=".partial")  # created 0600
@@ -79,11 +93,20 @@ class PersistedBlocks:
         except OSError as e:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
-            self._stop(e)
+            with self._lock:
+                self._files.pop(path.name, None)
+            if self.enabled:
+                self._stop(e)
             return
-        self._files[path.name] = os.stat(path).st_mtime
         self.saved += 1
         self._trim()
+
+    def flush(self) -> None:
+        """Wait for the files queued so far."""
+        self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
 
     def load(self, key: bytes, fmt: ColdFormat, layers: int) -> dict[str, torch.Tensor] | None:
         """The block of `key` ({array: [layers, *shape]}), or None when absent or damaged (then deleted)."""
@@ -103,7 +126,8 @@ class PersistedBlocks:
                         "again", path)
             self.damaged += 1
             path.unlink(missing_ok=True)
-            self._files.pop(path.name, None)
+            with self._lock:
+                self._files.pop(path.name, None)
             return None
         parts, offset = {}, HEADER
         for k in sorted(fmt.arrays):
@@ -113,19 +137,21 @@ class PersistedBlocks:
             offset += sizes[k]
         try:
             os.utime(path)
-            self._files[path.name] = os.stat(path).st_mtime
+            with self._lock:
+                self._files[path.name] = os.stat(path).st_mtime
         except OSError:
             pass
         return parts
 
     def _trim(self) -> None:
         """Delete the least recently used files past the capacity (other processes' files too)."""
-        if len(self._files) <= self.capacity:
-            return
-        self._files = self._listing()
-        for name in sorted(self._files, key=self._files.__getitem__)[: len(self._files) - self.capacity]:
-            (self.dir / name).unlink(missing_ok=True)
-            del self._files[name]
+        with self._lock:
+            if len(self._files) <= self.capacity:
+                return
+            self._files = self._files | self._listing()  # other processes' files too; queued ones stay claimed
+            for name in sorted(self._files, key=self._files.__getitem__)[: len(self._files) - self.capacity]:
+                (self.dir / name).unlink(missing_ok=True)
+                del self._files[name]
 
     def _listing(self) -> dict[str, float]:
         files = {}

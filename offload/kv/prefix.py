@@ -207,6 +207,16 @@ class PrefixBlocks:
         self.can_allocate(n)
         return self.logical.allocate(n)
 
+    def drop_idle(self, n: int, tier: str) -> None:
+        """The last tier is full: idle cached blocks living there leave the cache until it has `n` free slots."""
+        if self.prefix is not None:
+            self.prefix.make_room(n, tier)
+
+    def close_prefix(self) -> None:
+        """Wait for the persisted blocks still being written (the pool is closing)."""
+        if self.prefix is not None and self.prefix.persisted is not None:
+            self.prefix.persisted.close()
+
     def unref(self, ids: list[int]) -> None:
         """Drop one reference to each logical block; those nobody references give their slots back."""
         self._release(self.logical.free(ids))
