@@ -72,8 +72,7 @@ class PagedKVCache(PrefixBlocks):
                  identity: str = "", prefix_dir: Path | None = None) -> None:
         """`memory` / `host_memory`: uint8 regions (of the device tier / the pinned cpu tier) for the device blocks
         and the cold host bytes (`fetch.host_bytes`). `engine`: the run's transfer engine (the weights').
-        `identity`: what the K/V depend on besides the tokens (the prefix cache's keys); `prefix_dir`: where
-        `prefix_cache: persist` keeps its blocks."""
+        `identity` / `prefix_dir`: the prefix cache's key root (what K/V depend on besides tokens) / its files."""
         # the arguments are the truth about block size and device blocks; settings bring the rest
         s = dataclasses.replace(settings or KVSettings(), block_size=block_size, gpu_blocks=num_blocks)
         self.settings = s
@@ -182,9 +181,8 @@ class PagedKVCache(PrefixBlocks):
 
     def release_reservation(self, sid: int) -> None:
         """Give back the blocks `sid` reserved and did not fill (a finished sequence that is kept)."""
-        seq = self.seqs[sid]
-        self.logical.free(seq.reserved)
-        seq.reserved = []
+        self.unref(self.seqs[sid].reserved)
+        self.seqs[sid].reserved = []
 
     def free_sequence(self, sid: int) -> None:
         self.recency.forget(sid, self.seqs, self.blocks)
@@ -267,9 +265,7 @@ class PagedKVCache(PrefixBlocks):
     def _demote_from(self, tier: str, n: int, protected: set[int]) -> None:
         below = [t for t in TIERS[TIERS.index(tier) + 1 :] if t in self.pools]
         if not below:
-            want = self.pools[tier].num_free + n
-            self.drop_idle(want, tier)  # the last tier: idle cached blocks leave the cache instead
-            if self.pools[tier].num_free >= want:
+            if self.drop_idle(self.pools[tier].num_free + n, tier):  # the last tier: idle cached blocks go instead
                 return
             raise CapacityError(
                 f"the KV cache is full: every {tier} block is in use and there is no tier below it; raise "

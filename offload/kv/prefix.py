@@ -207,10 +207,12 @@ class PrefixBlocks:
         self.can_allocate(n)
         return self.logical.allocate(n)
 
-    def drop_idle(self, n: int, tier: str) -> None:
-        """The last tier is full: idle cached blocks living there leave the cache until it has `n` free slots."""
+    def drop_idle(self, n: int, tier: str) -> bool:
+        """The last tier is full: idle cached blocks living there leave the cache until it has `n` free slots
+        (True when it has)."""
         if self.prefix is not None:
             self.prefix.make_room(n, tier)
+        return self.pools[tier].num_free >= n
 
     def close_prefix(self) -> None:
         """Wait for the persisted blocks still being written (the pool is closing)."""
