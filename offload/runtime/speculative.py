@@ -74,7 +74,8 @@ def draft_config(config: OffloadConfig) -> OffloadConfig:
 
     Its KV pool is sized by the caller once the target's is known (one draft block per target block)."""
     spec = config.speculative
-    kv = KVCacheConfig(block_size=config.kv_cache.block_size, gpu_blocks=None)
+    # no prefix cache: the draft is resident and feeds its whole prompt (only the target's blocks are shared)
+    kv = KVCacheConfig(block_size=config.kv_cache.block_size, gpu_blocks=None, prefix_cache="off")
     off = dataclasses.replace(spec, draft="none", path=None, hub=None)
     if spec.draft in SELF_DRAFTS:  # the target itself, its matrices packed (in memory: every weight is resident)
         fmt = WeightFormat(spec.draft.removeprefix("self-"), config.weights.group_size, tuple(config.weights.keep))
