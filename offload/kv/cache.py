@@ -69,10 +69,11 @@ class PagedKVCache(PrefixBlocks):
                  timeline: Timeline | None = None, clock: Callable[[], float] = time.monotonic,
                  rope: M.Rope | None = None, page_cache: bool = False, traffic: Traffic | None = None,
                  host_memory: torch.Tensor | None = None, engine: TransferEngine | None = None,
-                 identity: str = "", prefix_dir: Path | None = None) -> None:
+                 identity: str = "", prefix_dir: Path | None = None, layers: range | None = None) -> None:
         """`memory` / `host_memory`: uint8 regions (of the device tier / the pinned cpu tier) for the device blocks
         and the cold host bytes (`fetch.host_bytes`). `engine`: the run's transfer engine (the weights').
-        `identity` / `prefix_dir`: the prefix cache's key root (what K/V depend on besides tokens) / its files."""
+        `identity` / `prefix_dir`: the prefix cache's key root (what K/V depend on besides tokens) / its files.
+        `layers`: the model layers a block holds (a pipeline stage's slice; every layer by default)."""
         # the arguments are the truth about block size and device blocks; settings bring the rest
         s = dataclasses.replace(settings or KVSettings(), block_size=block_size, gpu_blocks=num_blocks)
         self.settings = s
@@ -83,7 +84,8 @@ class PagedKVCache(PrefixBlocks):
         self.clock = clock
         self.rope = rope
         self.policy = make_policy(s.eviction, s.idle_seconds, clock)
-        L = cfg.num_layers
+        self.layers = range(cfg.num_layers) if layers is None else layers
+        L = len(self.layers)
         self.device_fmt = ColdFormat.for_device(cfg, block_size, dtype, s.restore)
         self.cold_fmt = ColdFormat.for_config(cfg, block_size, dtype, s.quantization, s.restore)
         counts = {"gpu": num_blocks, "cpu": s.cpu_blocks, "disk": s.disk_blocks}
@@ -120,8 +122,14 @@ class PagedKVCache(PrefixBlocks):
         self.prefix = PrefixCache.build(self, f"{identity}|{dtype}|block {block_size}|restore {s.restore}", prefix_dir)
 
     @staticmethod
-    def block_nbytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str = "transfer") -> int:
-        return ColdFormat.for_device(cfg, block_size, dtype, restore).block_nbytes(cfg.num_layers)  # all layers
+    def block_nbytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str = "transfer",
+                     planes: int | None = None) -> int:
+        """Device bytes of one block: every layer, or `planes` of them (a pipeline stage's)."""
+        return ColdFormat.for_device(cfg, block_size, dtype, restore).block_nbytes(planes or cfg.num_layers)
+
+    def plane(self, layer: int) -> int:
+        """Where model layer `layer` sits in the stores (a stage's first layer is plane 0)."""
+        return layer - self.layers.start
 
     @property
     def pool(self) -> BlockPool:
@@ -394,7 +402,7 @@ class PagedKVCache(PrefixBlocks):
 
     def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, Fetched], int]:
         """One layer of the step's cold groups ({tier: parts or Upload}, bytes), run ahead by the side thread."""
-        return self.fetcher.fetch(self.stores, [g for g in step.groups if g.tier != "gpu"], layer)
+        return self.fetcher.fetch(self.stores, [g for g in step.groups if g.tier != "gpu"], self.plane(layer))
 
     def view(self, layer: int, layout: BatchLayout, step: StepKV, cold: dict | None = None) -> LayerKV:
         return LayerKV(self, layer, layout, step, cold)

@@ -126,8 +126,10 @@ class Planner:
     """
 
     def __init__(self, config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 caps: Capacities | None = None) -> None:
+                 caps: Capacities | None = None, layers: range | None = None) -> None:
         self.config, self.cfg, self.dtype, self.device = config, cfg, dtype, device
+        self.layers = range(cfg.num_layers) if layers is None else layers  # a pipeline stage plans its slice
+        self.planes = len(self.layers)  # layers a KV block holds on this stage
         kv_cfg = config.kv_cache
         self.bs = kv_cfg.block_size
         self.kv = resolve_kv(config, cfg, device)
@@ -138,8 +140,10 @@ class Planner:
         self._set_compute(self.upcast)
         self.caps = caps or resolve_capacities(config.tiers, device)
         self.fmt.check(cfg)
-        self.groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"), expert=".expert." in name)
-                       for name, layout in model_layouts(cfg, dtype, self.fmt).items()]
+        # a first stage without the head reads a tied head (the embeddings) by rows only
+        rows = {"embed"} | ({"head"} if self.layers.stop < cfg.num_layers else set())
+        self.groups = [GroupSpec(name, layout.nbytes, rows_only=name in rows, expert=".expert." in name)
+                       for name, layout in model_layouts(cfg, dtype, self.fmt, self.layers).items()]
         self.cal = load_calibration(config.calibration)
         #: bytes the math reads per group at the compute rate (packed ones scaled by their calibrated speed)
         self.compute_sizes = compute_sizes(cfg, dtype, self.fmt, load_calibration(config.calibration), device.type)
@@ -148,10 +152,11 @@ class Planner:
     def _set_compute(self, dtype: torch.dtype) -> None:
         """The compute dtype, and the KV block sizes that follow from it."""
         kv_cfg, self.compute = self.config.kv_cache, dtype
-        self.block_bytes = PagedKVCache.block_nbytes(self.cfg, kv_cfg.block_size, dtype, self.kv.restore)
+        self.block_bytes = PagedKVCache.block_nbytes(self.cfg, kv_cfg.block_size, dtype, self.kv.restore,
+                                                    self.planes)
         self.cold_fmt = ColdFormat.for_config(self.cfg, kv_cfg.block_size, dtype, self.kv.quantization,
                                               self.kv.restore)
-        self.cold_block_bytes = self.cold_fmt.block_nbytes(self.cfg.num_layers)
+        self.cold_block_bytes = self.cold_fmt.block_nbytes(self.planes)
         self.kv_cpu_bytes = (kv_cfg.cpu_blocks or 0) * self.cold_block_bytes  # explicit ones; auto: what is left
         self.kv_disk_bytes = (kv_cfg.disk_blocks or 0) * self.cold_block_bytes
 
@@ -284,7 +289,7 @@ class Planner:
         if self.config.kv_cache.gpu_blocks is None and self.config.tiers is not None and self.caps.gpu is not None:
             kv_blocks += max(plan.capacity("gpu") - plan.used("gpu"), 0) // self.block_bytes  # what is left free
         cpu_blocks, disk_blocks, piece = self._cold_blocks(plan)
-        host, stage = host_bytes(self.cold_fmt, self.cfg.num_layers, cpu_blocks, piece)
+        host, stage = host_bytes(self.cold_fmt, self.planes, cpu_blocks, piece)
         plan = dataclasses.replace(plan, host_reserve=host, kv_stage_bytes=stage,
                                    disk_reserve=disk_blocks * self.cold_block_bytes)
         kv = dataclasses.replace(self.kv, cpu_blocks=cpu_blocks, disk_blocks=disk_blocks, stage_blocks=piece)
@@ -301,7 +306,7 @@ class Planner:
         room = None if cpu_cap is None else cpu_cap - (plan.used("cpu") - plan.host_reserve)  # for cold KV bytes
 
         def fits(cpu: int, piece: int) -> bool:
-            return room is None or host_bytes(self.cold_fmt, self.cfg.num_layers, cpu, piece)[0] <= room
+            return room is None or host_bytes(self.cold_fmt, self.planes, cpu, piece)[0] <= room
 
         def most(bound: int, ok) -> int:
             """The largest n in [0, bound] with ok(n) (ok holds for every smaller n too)."""
@@ -329,7 +334,7 @@ class Planner:
         piece = piece if cpu + disk else 0
         if (cpu + disk and self.device.type == "cuda" and not self.kv.cpu_attention and piece == 0) or not fits(
                 cpu, piece):
-            host, stage = host_bytes(self.cold_fmt, self.cfg.num_layers, cpu, max(piece, 1))
+            host, stage = host_bytes(self.cold_fmt, self.planes, cpu, max(piece, 1))
             raise CapacityError(
                 f"the cpu tier ({fmt_bytes(cpu_cap)}) cannot hold the cold KV blocks and the pinned staging they "
                 f"cross to the device in ({fmt_bytes(host)}, of which staging {fmt_bytes(stage)}) beside the weights; "
