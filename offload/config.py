@@ -147,6 +147,28 @@ def _steps_or_all(value: Any, key: str) -> int | None:
     return value
 
 
+def _layer_counts(value: Any, key: str) -> tuple[int, ...] | None:
+    if value == "auto":
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) < 1 or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in value):
+        raise ConfigError(f"{key}: expected auto or a list of layer counts, one per rank (each at least 1, "
+                          f"summing to the model's layers), got {_short(value)}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Used only under torchrun (WORLD_SIZE > 1): every rank runs the same command and YAML."""
+
+    layers: tuple[int, ...] | None = _opt(_layer_counts, "layers per rank, in rank order (rank 0 embeds, the last "
+                                          "rank holds the head); auto = balance the predicted stage times")
+    backend: str = _opt(_choice("auto", "gloo", "nccl"), "torch.distributed backend; auto = nccl on CUDA, gloo on "
+                        "CPU", "auto")
+    timeout_s: float = _opt(_number(1.0), "a rank that has not answered a pass within this many seconds is taken "
+                            "for dead or hung and every rank stops", 300.0)
+
+
 #: drafts built from the target itself (the packed-weight path of `weights.quantization`)
 SELF_DRAFTS = ("self-int4", "self-int8")
 
@@ -235,6 +257,8 @@ class OffloadConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig,
                                            metadata={"section": SpeculativeConfig})
     experts: ExpertsConfig = field(default_factory=ExpertsConfig, metadata={"section": ExpertsConfig})
+    distributed: DistributedConfig = field(default_factory=DistributedConfig,
+                                           metadata={"section": DistributedConfig})
     calibration: Path | None = _opt(_str, "calibration file from `offload calibrate` (default: the saved one, if any)")
     #: where a YAML file was loaded from (relative paths are resolved against its directory)
     source: Path | None = field(default=None, compare=False, metadata={"internal": True})

@@ -33,6 +33,7 @@ from offload.model.generic import generic_config, resolve_impl
 from offload.plan.planner import Planner, resolve_capacities
 from offload.plan.speculative import reserve_draft
 from offload.runtime.device import resolve_device, resolve_dtype
+from offload.runtime.ranks import launched
 from offload.runtime.requests import Context
 from offload.runtime.speculative import draft_config, target_config
 from offload.weights.convert import open_store
@@ -139,7 +140,8 @@ def convert_first(config: OffloadConfig) -> None:
         config = config.replace(model=hub.fetch(config.hub))
     ckpt = Checkpoint(config.model, config.model_impl)
     dtype, device = resolve_dtype(config.dtype, ckpt.config.torch_dtype), resolve_device(config.device)
-    plan_for(config, ckpt.config, dtype, device)[1].run_plan()  # CapacityError / ConfigError, as the runner's
+    if not launched():  # under torchrun each rank plans its own slice when the run starts
+        plan_for(config, ckpt.config, dtype, device)[1].run_plan()  # CapacityError / ConfigError, as the runner's
     print(f"offload: converting {ckpt.path} into the store {disk.path} (first run only; later runs reuse it)",
           file=sys.stderr)
     open_store(ckpt, disk.path, dtype, capacity=disk.capacity, page_cache=disk.page_cache, verify=disk.verify,

@@ -71,9 +71,8 @@ class PagedKVCache(PrefixBlocks):
                  host_memory: torch.Tensor | None = None, engine: TransferEngine | None = None,
                  identity: str = "", prefix_dir: Path | None = None, layers: range | None = None) -> None:
         """`memory` / `host_memory`: uint8 regions (of the device tier / the pinned cpu tier) for the device blocks
-        and the cold host bytes (`fetch.host_bytes`). `engine`: the run's transfer engine (the weights').
-        `identity` / `prefix_dir`: the prefix cache's key root (what K/V depend on besides tokens) / its files.
-        `layers`: the model layers a block holds (a pipeline stage's slice; every layer by default)."""
+        and the cold host bytes (`fetch.host_bytes`). `engine`: the run's transfer engine (the weights'). `identity` /
+        `prefix_dir`: the prefix cache's key root / its files. `layers`: the model layers a block holds (a stage's)."""
         # the arguments are the truth about block size and device blocks; settings bring the rest
         s = dataclasses.replace(settings or KVSettings(), block_size=block_size, gpu_blocks=num_blocks)
         self.settings = s
@@ -123,14 +122,11 @@ class PagedKVCache(PrefixBlocks):
 
     @staticmethod
     def block_nbytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str = "transfer",
-                     planes: int | None = None) -> int:
-        """Device bytes of one block: every layer, or `planes` of them (a pipeline stage's)."""
+                     planes: int | None = None) -> int:  # every layer, or `planes` of them (a pipeline stage's)
         return ColdFormat.for_device(cfg, block_size, dtype, restore).block_nbytes(planes or cfg.num_layers)
 
-    def plane(self, layer: int) -> int:
-        """Where model layer `layer` sits in the stores (a stage's first layer is plane 0)."""
+    def plane(self, layer: int) -> int:  # where model layer `layer` sits in the stores (a stage's first is 0)
         return layer - self.layers.start
-
     @property
     def pool(self) -> BlockPool:
         """The device pool (where new tokens are written)."""
@@ -200,21 +196,15 @@ class PagedKVCache(PrefixBlocks):
     def truncate(self, sid: int, length: int, reserve: bool = False) -> int:
         """Forget the tokens of `sid` from `length` on (clamped to its length); returns the length kept.
 
-        Whole blocks past the new end leave the table. With `reserve` (speculative tokens the target
-        rejected) a block only this sequence holds gives its tier slot back and its logical id returns to
-        the sequence's reservation, so the worst case it was admitted with still holds; otherwise its id
-        is freed. A block shared copy-on-write only loses this sequence's reference. New tokens are
-        written on the device into a block the sequence owns alone, so when the block that would end
-        the sequence part-filled is cold or shared, it goes too (the kept length drops to the block
-        boundary and those tokens are computed again). The slots past the end of the kept device block
-        are zeroed, so the cache holds exactly what a run that never saw the forgotten tokens would hold.
-        """
+        Whole blocks past the new end leave the table. With `reserve` (speculative tokens the target rejected) a
+        block only this sequence holds gives its tier slot back and its logical id returns to the sequence's
+        reservation, so the worst case it was admitted with still holds; otherwise its id is freed. A block shared
+        copy-on-write only loses this sequence's reference. New tokens are written on the device into a block the
+        sequence owns alone, so when the block that would end the sequence part-filled is cold or shared, it goes
+        too (the kept length drops to the block boundary and those tokens are computed again). The slots past the
+        end of the kept device block are zeroed: the cache holds what a run that never saw the tokens would hold."""
         seq = self.seqs[sid]
-        length = max(min(length, seq.length), 0)
-        if length % self.block_size:
-            last = seq.blocks[length // self.block_size]
-            if self.blocks[last].tier != "gpu" or self.logical.refcount(last) > 1:
-                length -= length % self.block_size
+        length = self.keepable(sid, length)
         keep = self.blocks_for(length)
         dropped, seq.blocks = seq.blocks[keep:], seq.blocks[:keep]
         for bid in reversed(dropped):
@@ -230,6 +220,15 @@ class PagedKVCache(PrefixBlocks):
             arrays["kv"].data[:, b.slot, :, off:] = 0  # [L, slots, 2, block_size, Hkv, D]
             if "hidden" in arrays:
                 arrays["hidden"].data[:, b.slot, off:] = 0  # [L, slots, block_size, hidden]
+        return length
+
+    def keepable(self, sid: int, length: int) -> int:  # the length `truncate` would keep; changes nothing
+        seq = self.seqs[sid]
+        length = max(min(length, seq.length), 0)
+        if length % self.block_size:
+            last = seq.blocks[length // self.block_size]
+            if self.blocks[last].tier != "gpu" or self.logical.refcount(last) > 1:
+                length -= length % self.block_size
         return length
 
     def _release(self, ids: list[int]) -> None:

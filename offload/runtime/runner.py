@@ -38,7 +38,7 @@ from offload.plan.speculative import reserve_draft, streaming_note, verify_cost,
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Engine
 from offload.runtime.executor import DTYPES, Executor, WeightSource, resolve_device, resolve_dtype
-from offload.runtime.impls import executor_class
+from offload.runtime.pipeline import make_target
 from offload.runtime.requests import Context, Output, Request, blocks_needed
 from offload.runtime.results import Completion, GenerationResult, RunStats, TokenCallback, TokenEvent
 from offload.runtime.sampling import Sampling, resolve_sampling
@@ -103,7 +103,7 @@ class Runner:
                 executors.append(self.draft)
                 check_draft(config.model, Checkpoint(config.model).config, self.tokenizer, self.draft)
                 caps = reserve_draft(config, caps, self.draft.plan.used("gpu"), self.draft.kv_block_bytes)
-            self.target = executor_class(config)(config, timeline, caps)  # model_impl: native or transformers
+            self.target = make_target(config, timeline, caps)  # model_impl's executor; under torchrun rank 0's stage
             executors.append(self.target)
         except BaseException:
             self.close()

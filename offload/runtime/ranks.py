@@ -1,0 +1,169 @@
+"""The ranks of a torchrun launch: joining the process group, control messages, liveness, a failed rank named.
+
+    if launched():                       # torchrun set WORLD_SIZE > 1 (outside torchrun nothing here runs)
+        ranks = Ranks.join(config)       # the process group (gloo on CPU, NCCL on CUDA) + a gloo control group
+        ranks.send_control(1, {...})     # rank 0 -> a worker: a JSON message (nothing is unpickled)
+        msg = ranks.recv_control(0)
+        ranks.failure("waiting for rank 2's logits", err)   # a RankError naming the rank that stopped
+
+Every rank runs the same command and YAML; rank 0 drives the others. The process group and the control
+group carry `distributed.timeout_s`: a rank that does not answer within it ends the waiting rank's call.
+Every rank beats a counter in the rendezvous store (`offload/alive/<rank>`) twice a second, and a rank
+that fails writes why (`offload/failed/<rank>`); when a pass fails, the counters that stopped moving name
+the rank that died or hung. Nothing here binds a socket: torch.distributed listens where the rendezvous
+(MASTER_ADDR / --rdzv-endpoint) says. This module knows ranks and messages, not models or passes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from offload.config import OffloadConfig
+from storage.errors import OffloadError
+
+log = logging.getLogger(__name__)
+
+#: seconds between liveness beats; a counter unchanged over STALE_BEATS beats names a dead or hung rank
+BEAT_S = 0.5
+STALE_BEATS = 5
+
+
+class RankError(OffloadError):
+    """A rank of a distributed run died, hung, or failed: every rank stops."""
+
+
+def launched() -> bool:
+    """Is this process one rank of several (torchrun, or any launcher setting WORLD_SIZE > 1)?"""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def backend_for(config: OffloadConfig, device: torch.device) -> str:
+    b = config.distributed.backend
+    return ("nccl" if device.type == "cuda" else "gloo") if b == "auto" else b
+
+
+def rank_device(config: OffloadConfig) -> OffloadConfig:
+    """`device: cuda` (or auto on a CUDA machine) means this rank's own GPU, cuda:LOCAL_RANK."""
+    dev = config.device
+    if dev == "cuda" or (dev == "auto" and torch.cuda.is_available()):
+        return config.replace(device=f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+    return config
+
+
+@dataclass
+class Ranks:
+    rank: int
+    world: int
+    backend: str
+    timeout_s: float
+    control: Any  # the gloo group control messages travel in (the data group may be NCCL)
+    store: Any  # the rendezvous store: liveness counters and failure notes
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _beat: threading.Thread | None = None
+
+    @classmethod
+    def join(cls, config: OffloadConfig, device: torch.device) -> Ranks:
+        """This process's rank in the launch (the process group initialised on first use)."""
+        timeout = datetime.timedelta(seconds=config.distributed.timeout_s)
+        backend = backend_for(config, device)
+        if not dist.is_initialized():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, timeout=timeout)
+        control = dist.new_group(backend="gloo", timeout=timeout)
+        store = dist.PrefixStore("offload/", dist.distributed_c10d._get_default_store())
+        ranks = cls(dist.get_rank(), dist.get_world_size(), backend, config.distributed.timeout_s, control, store)
+        ranks._beat = threading.Thread(target=ranks._beating, name=f"offload-alive-{ranks.rank}", daemon=True)
+        ranks._beat.start()
+        return ranks
+
+    # -- liveness -------------------------------------------------------------------------------
+    def _beating(self) -> None:
+        n = 0
+        while not self._stop.wait(BEAT_S):
+            n += 1
+            try:
+                self.store.set(f"alive/{self.rank}", str(n))
+            except Exception:  # the store's host is gone: the passes will say so
+                return
+
+    def _beats(self) -> dict[int, str | None]:
+        out: dict[int, str | None] = {}
+        for r in range(self.world):
+            try:
+                out[r] = self.store.get(f"alive/{r}").decode() if self.store.check([f"alive/{r}"]) else None
+            except Exception:
+                out[r] = None
+        return out
+
+    def note_failure(self, why: str) -> None:
+        """Tell the other ranks why this one stops (best effort)."""
+        try:
+            self.store.set(f"failed/{self.rank}", why[:500])
+        except Exception:
+            pass
+
+    def failure(self, doing: str, err: BaseException, peer: int) -> RankError:
+        """The error for a failed wait: the ranks whose beat stopped, else those that said they failed, else
+        the peer waited on."""
+        self.note_failure(f"{doing}: {err}")  # at once: the rank that waits on this one reads why, not silence
+        first = self._beats()
+        time.sleep(BEAT_S * STALE_BEATS)
+        second = self._beats()
+        notes = {}
+        for r in range(self.world):
+            try:
+                if r != self.rank and self.store.check([f"failed/{r}"]):
+                    notes[r] = self.store.get(f"failed/{r}").decode()
+            except Exception:
+                pass
+        stopped = [r for r in range(self.world) if r != self.rank and first[r] == second[r] and r not in notes]
+        if stopped:
+            who = ", ".join(f"rank {r}" for r in stopped)
+            why = f"{who} stopped answering (died or hung)"
+        elif notes:
+            who = ", ".join(f"rank {r}" for r in notes)
+            why = "; ".join(f"rank {r} failed: {n}" for r, n in notes.items())
+        else:
+            who, why = f"rank {peer}", f"rank {peer} did not answer within {self.timeout_s:g}s ({err})"
+        msg = f"rank {self.rank}, {doing}: {why}; every rank stops (restart the job once {who} is back)"
+        self.note_failure(msg)
+        return RankError(msg)
+
+    # -- control messages (JSON over the gloo control group) -------------------------------------
+    def send_control(self, dst: int, msg: dict) -> None:
+        data = torch.frombuffer(bytearray(json.dumps(msg).encode()), dtype=torch.uint8)
+        dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst, group=self.control)
+        dist.send(data, dst, group=self.control)
+
+    def recv_control(self, src: int) -> dict:
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.recv(n, src, group=self.control)
+        data = torch.empty(int(n.item()), dtype=torch.uint8)
+        dist.recv(data, src, group=self.control)
+        return json.loads(data.numpy().tobytes().decode())
+
+    def agree_min(self, values: list[int]) -> list[int]:
+        """Each value's minimum over every rank."""
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return t.tolist()
+
+    def close(self) -> None:
+        self._stop.set()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,161 @@
+"""A model's layers over ranks (torch.distributed, gloo on 127.0.0.1): the one-process run's tokens, a dead rank named.
+
+Each case spawns 2-3 processes (the ranks of a launch, as torchrun would set them up); rank 0 runs the Runner,
+the others `run_stage`. The reference is the same calls in this process, outside any launch.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload.config import OffloadConfig
+from offload.errors import ConfigError
+from offload.model.checkpoint import Checkpoint
+from offload.runtime import pipeline
+from offload.runtime.pipeline import balance, run_stage, split_layers
+from offload.runtime.runner import Runner
+from offload.runtime.sampling import Sampling
+from offload.weights.groups import model_layouts, stage_groups
+from tests.conftest import run_config
+from tests.test_chat_template import CHATML
+
+PROMPTS = [[1, 17, 99, 23, 5, 61, 7, 300, 41, 42, 43], [1, 8, 2], [1, 400, 33, 12, 19, 250]]
+NEW = 6
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory, model_factory) -> Path:
+    d = tmp_path_factory.mktemp("dist") / "model"
+    shutil.copytree(model_factory("llama"), d)
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+        "eos_token": "</s>", "unk_token": "<unk>"}))
+    return d
+
+
+def drive(cfg: dict, chat: bool) -> dict:
+    """What rank 0 (or the one process) computes: a ragged greedy batch, and a two-turn chat."""
+    with Runner(cfg) as r:
+        out = {"tokens": [res.outputs[0].token_ids for res in r.generate(PROMPTS, max_new_tokens=NEW,
+                                                                         temperature=0.0, stop_on_eos=False)]}
+        if chat:
+            conv = r.chat(sampling=Sampling(NEW, stop_token_ids=frozenset()))
+            out["chat"] = [conv.say(t).token_ids for t in ("Hello there", "And then?")]
+    return out
+
+
+def _rank(rank: int, world: int, port: int, cfg: dict, out: str, chat: bool, die_after: int | None) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if rank == 0:
+        try:
+            result = drive(cfg, chat)
+        except Exception as e:
+            result = {"error": f"{type(e).__name__}: {e}"}
+        Path(out).write_text(json.dumps(result))
+        return
+    if die_after is not None and rank == 1:  # this rank dies abruptly in the middle of a pass
+        forward, calls = pipeline.Executor.forward, [0]
+
+        def dying(self, batch, hidden=None):
+            calls[0] += 1
+            if calls[0] > die_after:
+                os._exit(9)
+            return forward(self, batch, hidden)
+        pipeline.Executor.forward = dying
+    try:
+        run_stage(OffloadConfig.load(cfg))
+    except Exception:
+        sys.exit(1)
+
+
+def launch(cfg: dict, world: int, tmp: Path, chat: bool = False, die_after: int | None = None,
+           limit: float = 60) -> tuple[dict, list[int | None], float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp / f"rank0-{port}.json"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, world, port, cfg, str(out), chat, die_after)) for r in range(world)]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(max(limit - (time.monotonic() - t0), 1))
+    took = time.monotonic() - t0
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return json.loads(out.read_text()) if out.exists() else {}, codes, took
+
+
+def test_two_ranks_give_the_one_process_tokens_for_a_ragged_batch_and_a_chat(chat_model, tmp_path):
+    cfg = run_config(chat_model, kv_cache={"gpu_blocks": 16}, activations={"prefill_chunk": 8})
+    expected = drive(cfg, chat=True)
+    got, codes, _ = launch(cfg, 2, tmp_path, chat=True)
+    assert got == expected and codes == [0, 0]
+
+
+def test_three_ranks_with_uneven_layers_and_streamed_tiers_give_the_same_tokens(tiny_llama, tmp_path):
+    layer = model_layouts(Checkpoint(tiny_llama).config, torch.float32)["layer.0"].nbytes
+    tiers = {"gpu": {"capacity": layer + int(0.7 * 2**20)}, "cpu": {"capacity": layer + 4096},
+             "disk": {"path": str(tmp_path / "store")}}  # one store, shared read-only by every rank
+    cfg = run_config(tiny_llama, tiers=tiers, prefetch={"depth": 0}, kv_cache={"gpu_blocks": 8},
+                     activations={"prefill_chunk": 8}, distributed={"layers": [2, 1, 1]})
+    expected = drive(cfg, chat=False)  # one process: it streams from the store it converts
+    got, codes, _ = launch(cfg, 3, tmp_path)
+    assert got == expected and codes == [0, 0, 0]
+
+
+def test_a_killed_rank_ends_every_rank_with_an_error_naming_it(tiny_llama, tmp_path):
+    cfg = run_config(tiny_llama, distributed={"timeout_s": 5})
+    got, codes, took = launch(cfg, 3, tmp_path, die_after=2, limit=45)
+    assert "rank 1 stopped answering" in got.get("error", ""), got
+    assert codes[1] == 9 and codes[2] not in (0, None) and None not in codes, codes  # nothing left running
+    assert took < 40
+
+
+def test_layers_auto_balances_the_stages_and_a_wrong_list_is_refused(tiny_llama):
+    assert balance([1, 1, 1, 1], 2) == (2, 2) and balance([1, 1, 1, 5], 2) == (3, 1)
+    counts = balance([4, 1, 1, 1, 1], 3)
+    assert counts[0] == 1 and sum(counts) == 5 and max(counts[1:]) <= 3  # no stage costs more than the first
+    config = OffloadConfig.load(run_config(tiny_llama, distributed={"layers": [3, 2]}))
+    cfg = Checkpoint(tiny_llama).config
+    with pytest.raises(ConfigError, match="summing to the model's 4"):
+        split_layers(config, cfg, torch.float32, 2)
+    assert split_layers(config.replace(distributed=OffloadConfig.load(run_config(tiny_llama)).distributed),
+                        cfg, torch.float32, 3) == [range(0, 2), range(2, 3), range(3, 4)]
+    assert stage_groups(cfg, range(0, 2)) == ["embed", "layer.0", "layer.1"]
+    assert stage_groups(cfg, range(2, 4)) == ["layer.2", "layer.3", "head"]
+
+
+def test_offload_run_under_torchrun_prints_the_one_process_text(tiny_llama, tmp_path):
+    yaml = tmp_path / "x.yaml"
+    yaml.write_text(json.dumps(run_config(tiny_llama)))
+    args = ["-m", "offload", "run", "--config", str(yaml), "--prompt-ids", "1,17,99,23", "--max-new-tokens",
+            "5", "--temperature", "0", "--no-spans"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=60)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(port), *args],
+                         capture_output=True, text=True, env=env, timeout=90)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout == one.stdout and one.stdout.strip()
