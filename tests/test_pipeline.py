@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from offload.cli.main import main
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.model.checkpoint import Checkpoint
@@ -145,18 +146,20 @@ def test_layers_auto_balances_the_stages_and_a_wrong_list_is_refused(tiny_llama)
     assert stage_groups(cfg, range(2, 4)) == ["layer.2", "layer.3", "head"]
 
 
-def test_offload_run_under_torchrun_prints_the_one_process_text(tiny_llama, tmp_path):
+def test_offload_run_under_torchrun_prints_the_one_process_text(tiny_llama, tmp_path, capsys):
     yaml = tmp_path / "x.yaml"
     yaml.write_text(json.dumps(run_config(tiny_llama)))
-    args = ["-m", "offload", "run", "--config", str(yaml), "--prompt-ids", "1,17,99,23", "--max-new-tokens",
-            "5", "--temperature", "0", "--no-spans"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=60)
+    args = ["run", "--config", str(yaml), "--prompt-ids", "1,17,99,23", "--max-new-tokens", "5", "--temperature",
+            "0", "--no-spans"]
+    assert main(args) == 0
+    one = capsys.readouterr().out
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-addr", "127.0.0.1", "--master-port", str(port), *args],
-                         capture_output=True, text=True, env=env, timeout=90)
-    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
-    assert two.stdout == one.stdout and one.stdout.strip()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(port), "-m", "offload", *args],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout == one and one.strip()
+    assert "rank 1 of 2: layers" in two.stderr  # each rank says which layers it holds

@@ -131,10 +131,10 @@ def plan_stage(config: OffloadConfig, ranks: Ranks, caps: Capacities | None) -> 
     except Exception:  # a prediction is a note, never a reason to stop
         predicted = ""
     homes = ", ".join(f"{t}: {sum(1 for h in rp.plan.homes.values() if h == t)}" for t in ("gpu", "cpu", "disk"))
-    log.warning("rank %d of %d: layers %d-%d%s%s; groups homed %s%s; KV %d device blocks", ranks.rank, ranks.world,
+    log.warning("rank %d of %d: layers %d-%d%s%s; groups homed %s%s; KV %d device blocks%s", ranks.rank, ranks.world,
                 layers.start, layers.stop - 1, " + embeddings" if layers.start == 0 else "",
                 " + head" if layers.stop == cfg.num_layers else "", homes,
-                f" ({len(rp.plan.streamed)} streamed)" if rp.plan.streamed else "", predicted, gpu)
+                f" ({len(rp.plan.streamed)} streamed)" if rp.plan.streamed else "", gpu, predicted)
     return config, layers
 
 
