@@ -13,7 +13,11 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -57,23 +61,25 @@ def drive(cfg: dict, chat: bool) -> dict:
     return out
 
 
-def _rank(rank: int, world: int, port: int, cfg: dict, out: str, chat: bool, die_after: int | None) -> None:
+def _rank(rank: int, world: int, port: int, cfg: dict, out: str, job: dict) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if rank == 0:
+        if "serve" in job:  # the CLI's server, as torchrun would run it on rank 0
+            Path(out).write_text(json.dumps({"status": main(job["serve"])}))
+            return
         try:
-            result = drive(cfg, chat)
+            result = drive(cfg, job.get("chat", False))
         except Exception as e:
             result = {"error": f"{type(e).__name__}: {e}"}
         Path(out).write_text(json.dumps(result))
         return
-    if die_after is not None and rank == 1:  # this rank dies abruptly in the middle of a pass
-        forward, calls = pipeline.Executor.forward, [0]
+    if job.get("die_when") is not None and rank == 1:  # once this file exists, this rank dies in its next pass
+        forward, flag = pipeline.Executor.forward, Path(job["die_when"])
 
         def dying(self, batch, hidden=None):
-            calls[0] += 1
-            if calls[0] > die_after:
+            if flag.exists():
                 os._exit(9)
             return forward(self, batch, hidden)
         pipeline.Executor.forward = dying
@@ -83,15 +89,14 @@ def _rank(rank: int, world: int, port: int, cfg: dict, out: str, chat: bool, die
         sys.exit(1)
 
 
-def launch(cfg: dict, world: int, tmp: Path, chat: bool = False, die_after: int | None = None,
-           limit: float = 60) -> tuple[dict, list[int | None], float]:
+def launch(cfg: dict, world: int, tmp: Path, limit: float = 60, **job) -> tuple[dict, list[int | None], float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp / f"rank0-{port}.json"
     ctx = mp.get_context("forkserver")  # each rank a fork of one clean process that imported torch once
     ctx.set_forkserver_preload(["tests.test_pipeline"])
-    procs = [ctx.Process(target=_rank, args=(r, world, port, cfg, str(out), chat, die_after)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, cfg, str(out), job)) for r in range(world)]
     t0 = time.monotonic()
     for p in procs:
         p.start()
@@ -126,7 +131,8 @@ def test_three_ranks_with_uneven_layers_and_streamed_tiers_give_the_same_tokens(
 
 def test_a_killed_rank_ends_every_rank_with_an_error_naming_it(tiny_llama, tmp_path):
     cfg = run_config(tiny_llama, distributed={"timeout_s": 5})
-    got, codes, took = launch(cfg, 3, tmp_path, die_after=2, limit=45)
+    (tmp_path / "die").touch()
+    got, codes, took = launch(cfg, 3, tmp_path, limit=45, die_when=str(tmp_path / "die"))
     assert "rank 1 stopped answering" in got.get("error", ""), got
     assert codes[1] == 9 and codes[2] not in (0, None) and None not in codes, codes  # nothing left running
     assert took < 40
@@ -163,3 +169,46 @@ def test_offload_run_under_torchrun_prints_the_one_process_text(tiny_llama, tmp_
     assert two.returncode == 0, two.stderr[-2000:]
     assert two.stdout == one and one.strip()
     assert "rank 1 of 2: layers" in two.stderr  # each rank says which layers it holds
+
+
+def completion(port: int, prompt: list[int]) -> tuple[int, dict]:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": NEW, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_serve_over_two_ranks_answers_concurrent_clients_and_a_dead_rank_gets_503_and_exit_2(tiny_llama, tmp_path):
+    cfg = run_config(tiny_llama, distributed={"timeout_s": 5})
+    with Runner(cfg) as r:
+        expected = [res.outputs[0].text for res in r.generate(PROMPTS, max_new_tokens=NEW, temperature=0.0)]
+    yaml = tmp_path / "x.yaml"
+    yaml.write_text(json.dumps(cfg))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        http = s.getsockname()[1]
+    args = ["serve", "--config", str(yaml), "--port", str(http), "--model-name", "tiny", "--kv-tokens", "256"]
+    result: list = []
+    runner = threading.Thread(target=lambda: result.append(launch(cfg, 2, tmp_path, limit=90, serve=args,
+                                                                  die_when=str(tmp_path / "die"))))
+    runner.start()
+    for _ in range(600):  # the ranks start and plan
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda p: completion(http, p), PROMPTS))
+    assert [a[0] for a in answers] == [200] * 3
+    assert [a[1]["choices"][0]["text"] for a in answers] == expected
+    (tmp_path / "die").touch()
+    status, body = completion(http, PROMPTS[0])
+    assert status == 503 and "rank 1 stopped answering" in body["error"]["message"], body
+    runner.join(90)
+    got, codes, _ = result[0]
+    assert got == {"status": 2} and codes == [0, 9], (got, codes)  # rank 0 exits 2 (its process ends cleanly)

@@ -162,9 +162,11 @@ def create_app(served: ServedModel, loop: EngineLoop) -> FastAPI:
         errors = []
         async for _, ev in call.events(request):
             if ev.error:
-                errors.append(ev.error)
+                errors.append(ev)
         if errors:
-            return error_response(500, errors[0], code="engine_error")
+            if errors[0].unavailable:  # a rank of a distributed run failed: this server stops
+                return error_response(503, errors[0].error, code="unavailable")
+            return error_response(500, errors[0].error, code="engine_error")
         failed = _failure(call)
         if failed is not None:
             return failed
