@@ -28,7 +28,8 @@ from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.model.checkpoint import Checkpoint
 from offload.runtime import pipeline
-from offload.runtime.pipeline import balance, run_stage, split_layers
+from offload.runtime.executor import ForwardBatch
+from offload.runtime.pipeline import balance, micro_batches, run_stage, split_layers
 from offload.runtime.runner import Runner
 from offload.runtime.sampling import Sampling
 from offload.weights.groups import model_layouts, stage_groups
@@ -123,7 +124,7 @@ def test_three_ranks_with_uneven_layers_and_streamed_tiers_give_the_same_tokens(
     tiers = {"gpu": {"capacity": layer + int(0.7 * 2**20)}, "cpu": {"capacity": layer + 4096},
              "disk": {"path": str(tmp_path / "store")}}  # one store, shared read-only by every rank
     cfg = run_config(tiny_llama, tiers=tiers, prefetch={"depth": 0}, kv_cache={"gpu_blocks": 8},
-                     activations={"prefill_chunk": 8}, distributed={"layers": [2, 1, 1]})
+                     activations={"prefill_chunk": 8}, distributed={"layers": [2, 1, 1], "micro_batches": 3})
     expected = drive(cfg, chat=False)  # one process: it streams from the store it converts
     got, codes, _ = launch(cfg, 3, tmp_path)
     assert got == expected and codes == [0, 0, 0]
@@ -136,6 +137,16 @@ def test_a_killed_rank_ends_every_rank_with_an_error_naming_it(tiny_llama, tmp_p
     assert "rank 1 stopped answering" in got.get("error", ""), got
     assert codes[1] == 9 and codes[2] not in (0, None) and None not in codes, codes  # nothing left running
     assert took < 40
+
+
+def test_micro_batches_keep_sequences_whole_and_the_rows_in_order():
+    b = ForwardBatch.last([0, 1, 2, 3], [[1] * 9, [2], [3], [4] * 5])
+    parts = micro_batches(b, 2)
+    assert [p.sids for p in parts] == [(0,), (1, 2, 3)]
+    assert [p.sids for p in micro_batches(ForwardBatch.last([5, 6, 7], [[1], [2], [3]]), 3)] == [(5,), (6,), (7,)]
+    v = ForwardBatch.verify([0, 1], [[1, 2], [3, 4, 5]], keep=[2, 1], lanes=[0, -1])
+    assert [(p.keep, p.lanes) for p in micro_batches(v, 2)] == [((2,), (0,)), ((1,), (-1,))]
+    assert micro_batches(ForwardBatch.last([0], [[1, 2]]), 4) == [ForwardBatch.last([0], [[1, 2]])]
 
 
 def test_layers_auto_balances_the_stages_and_a_wrong_list_is_refused(tiny_llama):

@@ -8,8 +8,10 @@ Each pass: rank 0 sends every worker a control message (JSON: the KV operations 
 `ForwardBatch`), computes its layers, and sends the hidden states [N, H] (float32 on the wire) to rank 1;
 each rank computes its layers and passes them on; the last rank applies the head and sends the logits
 [rows, V] float32 back to rank 0 (the head stays with the last layers: its weights stream in the same
-pass order; the price is V floats per kept row on the last hop instead of H). Batch-1 latency is the sum of
-the stages plus one hop per rank: stages run one after another (no micro-batching yet).
+pass order; the price is V floats per kept row on the last hop instead of H). A pass's sequences go in
+`distributed.micro_batches` contiguous runs, so that rank r computes run k while rank r+1 computes run k-1
+(the engine's continuous batching feeds the pipeline; each run is a pass of its own on every rank). Batch-1
+latency is the sum of the stages plus one hop per rank: one sequence cannot be split, so nothing overlaps.
 
 KV lives with its layer's rank: every rank has a KV pool over its own layers, with the same number of
 logical and device blocks (the minimum the ranks' plans allow, agreed before any pool is made). Rank 0's
@@ -108,12 +110,12 @@ def plan_stage(config: OffloadConfig, ranks: Ranks, caps: Capacities | None) -> 
     cfg = Checkpoint(config.model).config
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, cfg.torch_dtype)
-    values, error = [0, 0, 0, 0], None
+    values, error = [0, 0, 0, 0, 0], None
     try:
         layers = split_layers(config, cfg, dtype, ranks.world)[ranks.rank]
         planner = Planner(config, cfg, dtype, device, caps or resolve_capacities(config.tiers, device), layers)
         rp = planner.run_plan()
-        values = [rp.kv_blocks, rp.kv.cpu_blocks, rp.kv.disk_blocks, rp.prefill_chunk]
+        values = [rp.kv_blocks, rp.kv.cpu_blocks, rp.kv.disk_blocks, rp.prefill_chunk, int(not rp.plan.streamed)]
     except Exception as e:  # every rank must reach the agreement below, or the others wait for it
         error = e
     failed, *agreed = ranks.agree_min([ranks.world if error is None else ranks.rank, *values])
@@ -121,9 +123,11 @@ def plan_stage(config: OffloadConfig, ranks: Ranks, caps: Capacities | None) -> 
         raise error
     if failed < ranks.world:
         raise RankError(f"rank {failed} could not plan its layers (its own error says why); every rank stops")
-    gpu, cpu, disk, chunk = agreed
+    gpu, cpu, disk, chunk, resident = agreed
     kv = dataclasses.replace(config.kv_cache, gpu_blocks=gpu or None, cpu_blocks=cpu, disk_blocks=disk)
-    config = config.replace(kv_cache=kv, activations=dataclasses.replace(config.activations, prefill_chunk=chunk))
+    micro = config.distributed.micro_batches or (ranks.world if resident else 1)
+    config = config.replace(kv_cache=kv, activations=dataclasses.replace(config.activations, prefill_chunk=chunk),
+                            distributed=dataclasses.replace(config.distributed, micro_batches=micro))
     try:
         step = predict_decode(rp.plan, cfg, load_calibration(config.calibration), device.type, Workload(),
                               dtype.itemsize, planner.compute_sizes).step_s
@@ -140,6 +144,22 @@ def plan_stage(config: OffloadConfig, ranks: Ranks, caps: Capacities | None) -> 
 
 def encode_batch(b: ForwardBatch) -> dict[str, Any]:
     return {"sids": b.sids, "tokens": b.tokens, "every": b.every, "keep": b.keep, "lanes": b.lanes}
+
+
+def micro_batches(b: ForwardBatch, parts: int) -> list[ForwardBatch]:
+    """The batch's sequences in at most `parts` contiguous runs of about equal tokens (a sequence is never split;
+    the runs' logits, concatenated, are the batch's)."""
+    total, cuts, acc = sum(b.q_lens), [0], 0
+    for i, n in enumerate(b.q_lens[:-1]):
+        acc += n
+        if len(cuts) < parts and (2 * acc + b.q_lens[i + 1]) * parts > 2 * total * len(cuts):
+            cuts.append(i + 1)  # the next sequence's middle lies past this run's share
+    cuts.append(len(b.sids))
+
+    def part(xs: tuple | None, lo: int, hi: int) -> tuple | None:
+        return None if xs is None else xs[lo:hi]
+    return [ForwardBatch(b.sids[lo:hi], b.tokens[lo:hi], b.every, part(b.keep, lo, hi), part(b.lanes, lo, hi))
+            for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
 
 
 def logit_rows(b: ForwardBatch) -> int:
@@ -246,20 +266,30 @@ class PipelineExecutor(Executor):
             length = kept
 
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """The whole model's pass: logits [rows, V] float32 from the last rank (see `ForwardBatch`)."""
-        self._broadcast({"kind": "pass", "batch": encode_batch(batch)})
-        x = super().forward(batch, hidden)  # [N, H]: this rank's layers
-        try:
-            dist.send(x.to(self.wire, WIRE).contiguous(), 1)
-        except Exception as e:
-            raise self.ranks.failure("sending rank 1 its hidden states", e, 1) from e
-        logits = torch.empty(logit_rows(batch), self.cfg.vocab_size, dtype=WIRE, device=self.wire)
+        """The whole model's pass: logits [rows, V] float32 from the last rank (see `ForwardBatch`).
+
+        The sequences go in micro-batches: rank 0 computes the next one while rank 1 computes this one, and so
+        on down the ranks; their logits come back in order."""
+        parts = micro_batches(batch, self.config.distributed.micro_batches or 1)
+        self._broadcast({"kind": "pass", "batches": [encode_batch(b) for b in parts]})
         last = self.ranks.world - 1
+        outs = [torch.empty(logit_rows(b), self.cfg.vocab_size, dtype=WIRE, device=self.wire) for b in parts]
+        recvs = [dist.irecv(o, last) for o in outs]
+        sends = []  # (work, tensor): each tensor stays referenced until its send completes
+        for b in parts:
+            x = super().forward(b).to(self.wire, WIRE).contiguous()  # [N, H]: this rank's layers
+            sends.append((self._wait(lambda x=x: dist.isend(x, 1), 1, "sending rank 1 its hidden states"), x))
+        for work, _ in sends:
+            self._wait(work.wait, 1, "sending rank 1 its hidden states")
+        for work in recvs:
+            self._wait(work.wait, last, f"waiting for rank {last}'s logits")
+        return torch.cat(outs).to(self.device)
+
+    def _wait(self, call: Any, peer: int, doing: str) -> Any:
         try:
-            dist.recv(logits, last)
+            return call()
         except Exception as e:
-            raise self.ranks.failure(f"waiting for rank {last}'s logits", e, last) from e
-        return logits.to(self.device)
+            raise self.ranks.failure(doing, e, peer) from e
 
     def _keep_alive(self) -> None:
         """An idle rank 0 (a server between requests) tells the workers it lives, within their timeout."""
@@ -354,14 +384,17 @@ def _serve(ex: Executor, ranks: Ranks) -> None:
             assert ex.kv is not None
             ranks.send_control(0, {"keep": ex.kv.keepable(msg["sid"], msg["length"])})
         elif kind == "pass":
-            batch = ForwardBatch(**msg["batch"])
-            h = torch.empty(sum(batch.q_lens), ex.cfg.hidden_size, dtype=WIRE, device=wire)
-            try:
-                dist.recv(h, prev)
-            except Exception as e:
-                raise ranks.failure(f"waiting for rank {prev}'s hidden states", e, prev) from e
-            out = ex.forward(batch, hidden=h.to(ex.device, ex.compute_dtype))
-            try:
-                dist.send(out.to(wire, WIRE).contiguous(), nxt)
-            except Exception as e:
-                raise ranks.failure(f"sending rank {nxt} this stage's output", e, nxt) from e
+            sends = []  # the tensors stay referenced until their sends complete
+            for b in (ForwardBatch(**d) for d in msg["batches"]):
+                h = torch.empty(sum(b.q_lens), ex.cfg.hidden_size, dtype=WIRE, device=wire)
+                try:
+                    dist.recv(h, prev)
+                except Exception as e:
+                    raise ranks.failure(f"waiting for rank {prev}'s hidden states", e, prev) from e
+                out = ex.forward(b, hidden=h.to(ex.device, ex.compute_dtype)).to(wire, WIRE).contiguous()
+                sends.append((dist.isend(out, nxt), out))
+            for work, _ in sends:
+                try:
+                    work.wait()
+                except Exception as e:
+                    raise ranks.failure(f"sending rank {nxt} this stage's output", e, nxt) from e
