@@ -11,20 +11,24 @@ group carry `distributed.timeout_s`: a rank that does not answer within it ends 
 Every rank beats a counter in the rendezvous store (`offload/alive/<rank>`) twice a second, and a rank
 that fails writes why (`offload/failed/<rank>`); when a pass fails, the counters that stopped moving name
 the rank that died or hung. Nothing here binds a socket: torch.distributed listens where the rendezvous
-(MASTER_ADDR / --rdzv-endpoint) says. This module knows ranks and messages, not models or passes.
+(MASTER_ADDR / --rdzv-endpoint) says (a loopback rendezvous keeps gloo on the loopback interface). This
+module knows ranks and messages, not models or passes.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -49,6 +53,23 @@ def launched() -> bool:
 
 def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def bind_where_the_rendezvous_says() -> None:
+    """A rendezvous on a loopback address (a one-machine launch, the tests) keeps gloo's sockets on the
+    loopback interface too, whatever this host's name resolves to (GLOO_SOCKET_IFNAME, if set, decides)."""
+    addr = os.environ.get("MASTER_ADDR", "")
+    if not addr or "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return
+    if loopback:
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.family == socket.AF_INET and ipaddress.ip_address(a.address).is_loopback for a in addrs):
+                os.environ["GLOO_SOCKET_IFNAME"] = name
+                return
 
 
 def backend_for(config: OffloadConfig, device: torch.device) -> str:
@@ -81,6 +102,7 @@ class Ranks:
         timeout = datetime.timedelta(seconds=config.distributed.timeout_s)
         backend = backend_for(config, device)
         if not dist.is_initialized():
+            bind_where_the_rendezvous_says()
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, timeout=timeout)
