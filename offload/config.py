@@ -166,8 +166,9 @@ class DistributedConfig:
     backend: str = _opt(_choice("auto", "gloo", "nccl"), "torch.distributed backend; auto = nccl on CUDA, gloo on "
                         "CPU", "auto")
     micro_batches: int | None = _opt(_int_or_auto(1, 1024), "a pass's sequences split into this many micro-batches "
-                                     "so that every rank computes at once; auto = one per rank when no rank "
-                                     "streams weights (a streamed layer would be read once per micro-batch), else 1")
+                                     "so that every rank computes at once; auto = one per rank for passes of at "
+                                     "least 64 tokens a run when no rank streams weights (a run re-reads them), "
+                                     "else the pass goes whole")
     timeout_s: float = _opt(_number(1.0), "a rank that has not answered a pass within this many seconds is taken "
                             "for dead or hung and every rank stops", 300.0)
 

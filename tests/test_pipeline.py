@@ -29,7 +29,7 @@ from offload.errors import ConfigError
 from offload.model.checkpoint import Checkpoint
 from offload.runtime import pipeline
 from offload.runtime.executor import ForwardBatch
-from offload.runtime.pipeline import balance, micro_batches, run_stage, split_layers
+from offload.runtime.pipeline import auto_micro_batches, balance, micro_batches, run_stage, split_layers
 from offload.runtime.runner import Runner
 from offload.runtime.sampling import Sampling
 from offload.weights.groups import model_layouts, stage_groups
@@ -113,7 +113,8 @@ def launch(cfg: dict, world: int, tmp: Path, limit: float = 60, **job) -> tuple[
 
 
 def test_two_ranks_give_the_one_process_tokens_for_a_ragged_batch_and_a_chat(chat_model, tmp_path):
-    cfg = run_config(chat_model, kv_cache={"gpu_blocks": 16}, activations={"prefill_chunk": 8})
+    cfg = run_config(chat_model, kv_cache={"gpu_blocks": 16}, activations={"prefill_chunk": 8},
+                     distributed={"micro_batches": 2})
     expected = drive(cfg, chat=True)
     got, codes, _ = launch(cfg, 2, tmp_path, chat=True)
     assert got == expected and codes == [0, 0]
@@ -131,7 +132,7 @@ def test_three_ranks_with_uneven_layers_and_streamed_tiers_give_the_same_tokens(
 
 
 def test_a_killed_rank_ends_every_rank_with_an_error_naming_it(tiny_llama, tmp_path):
-    cfg = run_config(tiny_llama, distributed={"timeout_s": 5})
+    cfg = run_config(tiny_llama, distributed={"timeout_s": 10})
     (tmp_path / "die").touch()
     got, codes, took = launch(cfg, 3, tmp_path, limit=45, die_when=str(tmp_path / "die"))
     assert "rank 1 stopped answering" in got.get("error", ""), got
@@ -147,6 +148,9 @@ def test_micro_batches_keep_sequences_whole_and_the_rows_in_order():
     v = ForwardBatch.verify([0, 1], [[1, 2], [3, 4, 5]], keep=[2, 1], lanes=[0, -1])
     assert [(p.keep, p.lanes) for p in micro_batches(v, 2)] == [((2,), (0,)), ((1,), (-1,))]
     assert micro_batches(ForwardBatch.last([0], [[1, 2]]), 4) == [ForwardBatch.last([0], [[1, 2]])]
+    decode, prefill = ForwardBatch.last(range(16), [[1]] * 16), ForwardBatch.last([0, 1], [[1] * 200, [2] * 100])
+    assert auto_micro_batches(decode, 2, resident=True) == 1  # a few rows: bound by reading the weights
+    assert auto_micro_batches(prefill, 2, resident=True) == 2 and auto_micro_batches(prefill, 2, False) == 1
 
 
 def test_layers_auto_balances_the_stages_and_a_wrong_list_is_refused(tiny_llama):
@@ -194,7 +198,7 @@ def completion(port: int, prompt: list[int]) -> tuple[int, dict]:
 
 
 def test_serve_over_two_ranks_answers_concurrent_clients_and_a_dead_rank_gets_503_and_exit_2(tiny_llama, tmp_path):
-    cfg = run_config(tiny_llama, distributed={"timeout_s": 5})
+    cfg = run_config(tiny_llama, distributed={"timeout_s": 10})
     with Runner(cfg) as r:
         expected = [res.outputs[0].text for res in r.generate(PROMPTS, max_new_tokens=NEW, temperature=0.0)]
     yaml = tmp_path / "x.yaml"

@@ -10,8 +10,9 @@ each rank computes its layers and passes them on; the last rank applies the head
 [rows, V] float32 back to rank 0 (the head stays with the last layers: its weights stream in the same
 pass order; the price is V floats per kept row on the last hop instead of H). A pass's sequences go in
 `distributed.micro_batches` contiguous runs, so that rank r computes run k while rank r+1 computes run k-1
-(the engine's continuous batching feeds the pipeline; each run is a pass of its own on every rank). Batch-1
-latency is the sum of the stages plus one hop per rank: one sequence cannot be split, so nothing overlaps.
+(each run is a pass of its own on every rank; auto splits only passes large enough to be bound by their math,
+prefill chunks, not by reading the weights, which a run re-reads). Batch-1 latency is the sum of the stages
+plus one hop per rank: one sequence cannot be split, so nothing overlaps.
 
 KV lives with its layer's rank: every rank has a KV pool over its own layers, with the same number of
 logical and device blocks (the minimum the ranks' plans allow, agreed before any pool is made). Rank 0's
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from typing import Any
 
@@ -54,6 +54,7 @@ from schedulers.timeline import Timeline
 log = logging.getLogger(__name__)
 
 WIRE = torch.float32  # hidden states and logits between ranks (exact for every compute dtype)
+MIN_SPLIT_TOKENS = 64  # tokens a micro-batch needs before its math, not its weight reads, bounds a stage
 
 
 # -- which layers each rank holds --------------------------------------------------------------------
@@ -125,9 +126,8 @@ def plan_stage(config: OffloadConfig, ranks: Ranks, caps: Capacities | None) -> 
         raise RankError(f"rank {failed} could not plan its layers (its own error says why); every rank stops")
     gpu, cpu, disk, chunk, resident = agreed
     kv = dataclasses.replace(config.kv_cache, gpu_blocks=gpu or None, cpu_blocks=cpu, disk_blocks=disk)
-    micro = config.distributed.micro_batches or (ranks.world if resident else 1)
-    config = config.replace(kv_cache=kv, activations=dataclasses.replace(config.activations, prefill_chunk=chunk),
-                            distributed=dataclasses.replace(config.distributed, micro_batches=micro))
+    config = config.replace(kv_cache=kv, activations=dataclasses.replace(config.activations, prefill_chunk=chunk))
+    ranks.resident = bool(resident)  # no rank streams: micro-batches read no weight twice (`auto_micro_batches`)
     try:
         step = predict_decode(rp.plan, cfg, load_calibration(config.calibration), device.type, Workload(),
                               dtype.itemsize, planner.compute_sizes).step_s
@@ -160,6 +160,13 @@ def micro_batches(b: ForwardBatch, parts: int) -> list[ForwardBatch]:
         return None if xs is None else xs[lo:hi]
     return [ForwardBatch(b.sids[lo:hi], b.tokens[lo:hi], b.every, part(b.keep, lo, hi), part(b.lanes, lo, hi))
             for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+
+
+def auto_micro_batches(b: ForwardBatch, world: int, resident: bool) -> int:
+    """`micro_batches: auto`: one run per rank when the pass is large enough for its math to outweigh reading
+    the weights (MIN_SPLIT_TOKENS tokens a run) and no rank streams; else the pass goes whole. A decode pass
+    of a few rows is bound by the bytes each stage reads, and a run re-reads them: splitting it only adds."""
+    return max(1, min(world, sum(b.q_lens) // MIN_SPLIT_TOKENS)) if resident else 1
 
 
 def logit_rows(b: ForwardBatch) -> int:
@@ -207,12 +214,7 @@ class PipelineExecutor(Executor):
         self.wire = self.device if ranks.backend == "nccl" else torch.device("cpu")
         self._replica = ReplicatedKV(self)
         self._ops: list[list[Any]] = []
-        self._lock = threading.Lock()  # one control message at a time (the pass, a probe, a keep-alive)
-        self._sent = time.monotonic()
-        self._failed: RankError | None = None
-        self._stop = threading.Event()
-        self._keepalive = threading.Thread(target=self._keep_alive, name="offload-keepalive", daemon=True)
-        self._keepalive.start()
+        self._closed = False
 
     @property
     def local_kv(self) -> PagedKVCache | None:
@@ -238,10 +240,10 @@ class PipelineExecutor(Executor):
         return out
 
     def _broadcast(self, msg: dict[str, Any], replies: bool = False) -> list[dict[str, Any]]:
-        if self._failed is not None:
-            raise self._failed
+        if self.ranks.failed is not None:
+            raise self.ranks.failed
         out = []
-        with self._lock:
+        with self.ranks.lock:
             msg["ops"], self._ops = self._ops, []
             for w in range(1, self.ranks.world):
                 try:
@@ -253,7 +255,7 @@ class PipelineExecutor(Executor):
                     out.append(self.ranks.recv_control(w))
                 except Exception as e:
                     raise self.ranks.failure(f"waiting for rank {w}'s answer", e, w) from e
-            self._sent = time.monotonic()
+            self.ranks.sent = time.monotonic()
         return out
 
     def truncate(self, sid: int, length: int, reserve: bool = False) -> int:
@@ -270,7 +272,8 @@ class PipelineExecutor(Executor):
 
         The sequences go in micro-batches: rank 0 computes the next one while rank 1 computes this one, and so
         on down the ranks; their logits come back in order."""
-        parts = micro_batches(batch, self.config.distributed.micro_batches or 1)
+        m = self.config.distributed.micro_batches or auto_micro_batches(batch, self.ranks.world, self.ranks.resident)
+        parts = micro_batches(batch, m)
         self._broadcast({"kind": "pass", "batches": [encode_batch(b) for b in parts]})
         last = self.ranks.world - 1
         outs = [torch.empty(logit_rows(b), self.cfg.vocab_size, dtype=WIRE, device=self.wire) for b in parts]
@@ -291,28 +294,11 @@ class PipelineExecutor(Executor):
         except Exception as e:
             raise self.ranks.failure(doing, e, peer) from e
 
-    def _keep_alive(self) -> None:
-        """An idle rank 0 (a server between requests) tells the workers it lives, within their timeout."""
-        every = max(self.ranks.timeout_s / 4, 0.25)
-        while not self._stop.wait(every / 4):
-            if time.monotonic() - self._sent < every or not self._lock.acquire(blocking=False):
-                continue
-            try:
-                for w in range(1, self.ranks.world):
-                    self.ranks.send_control(w, {"kind": "ping", "ops": []})
-                self._sent = time.monotonic()
-            except Exception as e:
-                self._failed = self.ranks.failure("keeping the workers company", e, w)
-                return
-            finally:
-                self._lock.release()
-
     def close(self) -> None:
         """Tell every worker to stop, then release this rank's memory; safe to call twice."""
-        if not self._stop.is_set():
-            self._stop.set()
-            self._keepalive.join()
-            if self._failed is None:
+        if not self._closed:
+            self._closed = True
+            if self.ranks.failed is None:
                 try:
                     self._broadcast({"kind": "stop"})
                 except RankError as e:
@@ -338,6 +324,7 @@ def make_target(config: OffloadConfig, timeline: Timeline | None = None,
     ranks = Ranks.join(config, resolve_device(config.device))
     try:
         config, layers = plan_stage(config, ranks, capacities)
+        ranks.keep_alive()  # the workers wait for their first pass while this rank loads its weights
         return PipelineExecutor(config, ranks, timeline, capacities, layers)
     except BaseException as e:
         ranks.note_failure(f"rank 0 could not start: {e}")

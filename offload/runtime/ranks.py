@@ -95,6 +95,10 @@ class Ranks:
     store: Any  # the rendezvous store: liveness counters and failure notes
     _stop: threading.Event = field(default_factory=threading.Event)
     _beat: threading.Thread | None = None
+    resident: bool = False  # no rank streams weights (agreed when the stages are planned)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # rank 0: one control message at a time
+    sent: float = 0.0  # rank 0: when it last sent the workers a message (monotonic)
+    failed: RankError | None = None  # rank 0: what the keep-alive thread met
 
     @classmethod
     def join(cls, config: OffloadConfig, device: torch.device) -> Ranks:
@@ -166,6 +170,27 @@ class Ranks:
         self.note_failure(msg)
         return RankError(msg)
 
+    def keep_alive(self) -> None:
+        """Rank 0, from when its stage is planned: a message to every worker whenever a quarter of the timeout
+        passed without one (loading, an idle server), so that a worker's wait ends only if rank 0 is gone."""
+        self.sent = time.monotonic()
+        threading.Thread(target=self._keeping, name="offload-keepalive", daemon=True).start()
+
+    def _keeping(self) -> None:
+        every = max(self.timeout_s / 4, 0.25)
+        while not self._stop.wait(min(every / 4, 1.0)):
+            if time.monotonic() - self.sent < every or not self.lock.acquire(blocking=False):
+                continue
+            try:
+                for w in range(1, self.world):
+                    self.send_control(w, {"kind": "ping", "ops": []})
+                self.sent = time.monotonic()
+            except Exception as e:
+                self.failed = self.failure("keeping the workers company", e, w)
+                return
+            finally:
+                self.lock.release()
+
     # -- control messages (JSON over the gloo control group) -------------------------------------
     def send_control(self, dst: int, msg: dict) -> None:
         data = torch.frombuffer(bytearray(json.dumps(msg).encode()), dtype=torch.uint8)
@@ -186,6 +211,7 @@ class Ranks:
         return t.tolist()
 
     def close(self) -> None:
-        self._stop.set()
+        with self.lock:  # not in the middle of a keep-alive message
+            self._stop.set()
         if dist.is_initialized():
             dist.destroy_process_group()
