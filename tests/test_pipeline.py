@@ -10,6 +10,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -73,7 +74,7 @@ def _rank(rank: int, world: int, port: int, cfg: dict, out: str, job: dict) -> N
         try:
             result = drive(cfg, job.get("chat", False))
         except Exception as e:
-            result = {"error": f"{type(e).__name__}: {e}"}
+            result = {"error": f"{type(e).__name__}: {e}", "at": time.time()}
         Path(out).write_text(json.dumps(result))
         return
     if job.get("die_when") is not None and rank == 1:  # once this file exists, this rank dies in its next pass
@@ -81,6 +82,9 @@ def _rank(rank: int, world: int, port: int, cfg: dict, out: str, job: dict) -> N
 
         def dying(self, batch, hidden=None):
             if flag.exists():
+                (flag.parent / "died").write_text(str(time.time()))
+                if job.get("hang"):
+                    os.kill(os.getpid(), signal.SIGSTOP)  # hung, not dead: its sockets stay open
                 os._exit(9)
             return forward(self, batch, hidden)
         pipeline.Executor.forward = dying
@@ -90,7 +94,8 @@ def _rank(rank: int, world: int, port: int, cfg: dict, out: str, job: dict) -> N
         sys.exit(1)
 
 
-def launch(cfg: dict, world: int, tmp: Path, limit: float = 60, **job) -> tuple[dict, list[int | None], float]:
+def launch(cfg: dict, world: int, tmp: Path, limit: float = 60, grace: float = 20,
+           **job) -> tuple[dict, list[int | None], float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -101,9 +106,10 @@ def launch(cfg: dict, world: int, tmp: Path, limit: float = 60, **job) -> tuple[
     t0 = time.monotonic()
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(max(limit - (time.monotonic() - t0), 1))
-    took = time.monotonic() - t0
+    procs[0].join(limit)
+    took = time.monotonic() - t0  # until rank 0 ended
+    for p in procs[1:]:
+        p.join(max(min(grace, limit - (time.monotonic() - t0)), 1))
     codes = [p.exitcode for p in procs]
     for p in procs:
         if p.is_alive():
@@ -134,10 +140,10 @@ def test_three_ranks_with_uneven_layers_and_streamed_tiers_give_the_same_tokens(
 def test_a_killed_rank_ends_every_rank_with_an_error_naming_it(tiny_llama, tmp_path):
     cfg = run_config(tiny_llama, distributed={"timeout_s": 10})
     (tmp_path / "die").touch()
-    got, codes, took = launch(cfg, 3, tmp_path, limit=45, die_when=str(tmp_path / "die"))
+    got, codes, _ = launch(cfg, 3, tmp_path, limit=60, die_when=str(tmp_path / "die"))
     assert "rank 1 stopped answering" in got.get("error", ""), got
     assert codes[1] == 9 and codes[2] not in (0, None) and None not in codes, codes  # nothing left running
-    assert took < 40
+    assert got["at"] - float((tmp_path / "died").read_text()) < 15  # a dead peer's sockets close at once
 
 
 def test_micro_batches_keep_sequences_whole_and_the_rows_in_order():
@@ -151,6 +157,16 @@ def test_micro_batches_keep_sequences_whole_and_the_rows_in_order():
     decode, prefill = ForwardBatch.last(range(16), [[1]] * 16), ForwardBatch.last([0, 1], [[1] * 200, [2] * 100])
     assert auto_micro_batches(decode, 2, resident=True) == 1  # a few rows: bound by reading the weights
     assert auto_micro_batches(prefill, 2, resident=True) == 2 and auto_micro_batches(prefill, 2, False) == 1
+
+
+def test_a_hung_rank_ends_rank_0_within_the_timeout_with_an_error_naming_it(tiny_llama, tmp_path):
+    cfg = run_config(tiny_llama, distributed={"timeout_s": 3})
+    (tmp_path / "die").touch()
+    got, codes, _ = launch(cfg, 2, tmp_path, limit=60, grace=1, die_when=str(tmp_path / "die"),
+                              hang=True)
+    assert "rank 1 stopped answering" in got.get("error", ""), got
+    assert codes[0] == 0 and codes[1] is None  # rank 0 ended by itself; the stopped one is killed (torchrun would)
+    assert got["at"] - float((tmp_path / "died").read_text()) < 3 + 15  # the timeout, then the beats checked
 
 
 def test_layers_auto_balances_the_stages_and_a_wrong_list_is_refused(tiny_llama):
