@@ -246,15 +246,9 @@ class PipelineExecutor(Executor):
         with self.ranks.lock:
             msg["ops"], self._ops = self._ops, []
             for w in range(1, self.ranks.world):
-                try:
-                    self.ranks.send_control(w, msg)
-                except Exception as e:
-                    raise self.ranks.failure(f"sending rank {w} its next message", e, w) from e
+                self._wait(lambda w=w: self.ranks.send_control(w, msg), w, f"sending rank {w} its next message")
             for w in range(1, self.ranks.world) if replies else ():
-                try:
-                    out.append(self.ranks.recv_control(w))
-                except Exception as e:
-                    raise self.ranks.failure(f"waiting for rank {w}'s answer", e, w) from e
+                out.append(self._wait(lambda w=w: self.ranks.recv_control(w), w, f"waiting for rank {w}'s answer"))
             self.ranks.sent = time.monotonic()
         return out
 
@@ -289,10 +283,12 @@ class PipelineExecutor(Executor):
         return torch.cat(outs).to(self.device)
 
     def _wait(self, call: Any, peer: int, doing: str) -> Any:
+        """call(); a failure becomes the RankError naming the rank, and the pipeline is broken from then on."""
         try:
             return call()
         except Exception as e:
-            raise self.ranks.failure(doing, e, peer) from e
+            self.ranks.failed = self.ranks.failure(doing, e, peer)
+            raise self.ranks.failed from e
 
     def close(self) -> None:
         """Tell every worker to stop, then release this rank's memory; safe to call twice."""
