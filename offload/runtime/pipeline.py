@@ -39,15 +39,14 @@ from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.kv.cache import PagedKVCache
 from offload.model.checkpoint import Checkpoint
-from offload.model.config import ModelConfig
 from offload.plan.calibrate import load_calibration
 from offload.plan.planner import Planner, resolve_capacities
 from offload.plan.predict import Workload, predict_decode
+from offload.plan.stages import RankSpeed, split_layers
 from offload.runtime.device import resolve_device, resolve_dtype
 from offload.runtime.executor import Executor, ForwardBatch
 from offload.runtime.impls import executor_class, model_impl
 from offload.runtime.ranks import RankError, Ranks, env_rank, launched, rank_device
-from offload.weights.groups import WeightFormat, expert_groups, model_layouts
 from schedulers.plan import Capacities
 from schedulers.timeline import Timeline
 
@@ -57,67 +56,27 @@ WIRE = torch.float32  # hidden states and logits between ranks (exact for every 
 MIN_SPLIT_TOKENS = 64  # tokens a micro-batch needs before its math, not its weight reads, bounds a stage
 
 
-# -- which layers each rank holds --------------------------------------------------------------------
-def layer_costs(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype) -> list[int]:
-    """Bytes each layer's math reads (its experts included), the head's added to the last layer's."""
-    fmt = WeightFormat.from_config(config.weights, cfg)
-    sizes = {g: lay.nbytes for g, lay in model_layouts(cfg, dtype, fmt).items()}
-    costs = [sizes[f"layer.{i}"] + sum(sizes[g] for g in expert_groups(cfg, i)) for i in range(cfg.num_layers)]
-    costs[-1] += sizes["head"]
-    return costs
-
-
-def balance(costs: list[int], parts: int) -> tuple[int, ...]:
-    """Layers per part, contiguous, minimising the largest part's cost (each part at least one layer)."""
-    n = len(costs)
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]  # best[k][j]: first j layers over k parts
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
-    for k in range(1, parts + 1):
-        for j in range(k, n + 1):
-            for i in range(k - 1, j):
-                v = max(best[k - 1][i], prefix[j] - prefix[i])
-                if v < best[k][j]:
-                    best[k][j], cut[k][j] = v, i
-    counts, j = [], n
-    for k in range(parts, 0, -1):
-        counts.append(j - cut[k][j])
-        j = cut[k][j]
-    return tuple(reversed(counts))
-
-
-def split_layers(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, world: int) -> list[range]:
-    """Each rank's contiguous slice: `distributed.layers`, or (auto) the balance of the stages' compute bytes."""
-    counts = config.distributed.layers
-    if counts is None:
-        if cfg.num_layers < world:
-            raise ConfigError(f"{world} ranks need at least {world} layers; the model has {cfg.num_layers}: "
-                              "launch fewer ranks")
-        counts = balance(layer_costs(config, cfg, dtype), world)
-    if len(counts) != world or sum(counts) != cfg.num_layers:
-        raise ConfigError(f"distributed.layers {list(counts)} must give each of the {world} ranks its layers, "
-                          f"summing to the model's {cfg.num_layers}")
-    starts = [sum(counts[:r]) for r in range(world)]
-    return [range(s, s + n) for s, n in zip(starts, counts)]
-
-
 def plan_stage(config: OffloadConfig, ranks: Ranks, caps: Capacities | None) -> tuple[OffloadConfig, range]:
     """This rank's slice and its config with the KV pool sizes and prefill chunk every rank agreed (minimums),
     so that every rank's pool takes the same sequences and blocks. A rank that cannot plan stops them all."""
     cfg = Checkpoint(config.model).config
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, cfg.torch_dtype)
-    values, error = [0, 0, 0, 0, 0], None
+    values, error, mine = [0, 0, 0, 0, 0], None, [1.0] * 5
     try:
-        layers = split_layers(config, cfg, dtype, ranks.world)[ranks.rank]
-        planner = Planner(config, cfg, dtype, device, caps or resolve_capacities(config.tiers, device), layers)
+        caps = caps or resolve_capacities(config.tiers, device)
+        mine = RankSpeed.of(caps, load_calibration(config.calibration), device.type).to_list()
+    except Exception as e:  # every rank must reach the exchanges below, or the others wait for it
+        error = e
+    speeds = [RankSpeed(*v) for v in ranks.gather(mine)]  # `layers: auto` weighs each rank's own
+    try:
+        if error is not None:
+            raise error
+        layers = split_layers(config, cfg, dtype, ranks.world, speeds)[ranks.rank]
+        planner = Planner(config, cfg, dtype, device, caps, layers)
         rp = planner.run_plan()
         values = [rp.kv_blocks, rp.kv.cpu_blocks, rp.kv.disk_blocks, rp.prefill_chunk, int(not rp.plan.streamed)]
-    except Exception as e:  # every rank must reach the agreement below, or the others wait for it
+    except Exception as e:
         error = e
     failed, *agreed = ranks.agree_min([ranks.world if error is None else ranks.rank, *values])
     if error is not None:

@@ -210,6 +210,13 @@ class Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return t.tolist()
 
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values`, in rank order."""
+        mine = torch.tensor(values, dtype=torch.float64)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(out, mine, group=self.control)
+        return [t.tolist() for t in out]
+
     def close(self) -> None:
         with self.lock:  # not in the middle of a keep-alive message
             self._stop.set()
