@@ -73,7 +73,6 @@ class PagedKVCache(PrefixBlocks):
         """`memory` / `host_memory`: uint8 regions (of the device tier / the pinned cpu tier) for the device blocks
         and the cold host bytes (`fetch.host_bytes`). `engine`: the run's transfer engine (the weights'). `identity` /
         `prefix_dir`: the prefix cache's key root / its files. `layers`: the model layers a block holds (a stage's)."""
-        # the arguments are the truth about block size and device blocks; settings bring the rest
         s = dataclasses.replace(settings or KVSettings(), block_size=block_size, gpu_blocks=num_blocks)
         self.settings = s
         self.cfg, self.block_size, self.dtype = cfg, block_size, dtype
@@ -84,7 +83,7 @@ class PagedKVCache(PrefixBlocks):
         self.rope = rope
         self.policy = make_policy(s.eviction, s.idle_seconds, clock)
         self.layers = range(cfg.num_layers) if layers is None else layers
-        L = len(self.layers)
+        L = len(self.layers)  # planes: this stage's layers
         self.device_fmt = ColdFormat.for_device(cfg, block_size, dtype, s.restore)
         self.cold_fmt = ColdFormat.for_config(cfg, block_size, dtype, s.quantization, s.restore)
         counts = {"gpu": num_blocks, "cpu": s.cpu_blocks, "disk": s.disk_blocks}
@@ -194,15 +193,12 @@ class PagedKVCache(PrefixBlocks):
         self.unref(seq.blocks + seq.reserved)
 
     def truncate(self, sid: int, length: int, reserve: bool = False) -> int:
-        """Forget the tokens of `sid` from `length` on (clamped to its length); returns the length kept.
-
-        Whole blocks past the new end leave the table. With `reserve` (speculative tokens the target rejected) a
-        block only this sequence holds gives its tier slot back and its logical id returns to the sequence's
-        reservation, so the worst case it was admitted with still holds; otherwise its id is freed. A block shared
-        copy-on-write only loses this sequence's reference. New tokens are written on the device into a block the
-        sequence owns alone, so when the block that would end the sequence part-filled is cold or shared, it goes
-        too (the kept length drops to the block boundary and those tokens are computed again). The slots past the
-        end of the kept device block are zeroed: the cache holds what a run that never saw the tokens would hold."""
+        """Forget the tokens of `sid` from `length` on (`keepable`: clamped, and to the block boundary when the
+        block it would end part-filled is cold or shared: new tokens go to a device block the sequence owns
+        alone); returns the length kept. Whole blocks past the end leave the table: with `reserve` (rejected
+        speculative tokens) a block only this sequence holds frees its slot and its id returns to the
+        reservation (the admitted worst case still holds), otherwise its id is freed (a shared one loses this
+        reference). The kept device block's slots past the end are zeroed, as if never written."""
         seq = self.seqs[sid]
         length = self.keepable(sid, length)
         keep = self.blocks_for(length)
@@ -223,13 +219,10 @@ class PagedKVCache(PrefixBlocks):
         return length
 
     def keepable(self, sid: int, length: int) -> int:  # the length `truncate` would keep; changes nothing
-        seq = self.seqs[sid]
-        length = max(min(length, seq.length), 0)
-        if length % self.block_size:
-            last = seq.blocks[length // self.block_size]
-            if self.blocks[last].tier != "gpu" or self.logical.refcount(last) > 1:
-                length -= length % self.block_size
-        return length
+        seq, bs, length = self.seqs[sid], self.block_size, max(min(length, self.seqs[sid].length), 0)
+        last = seq.blocks[length // bs] if length % bs else None
+        cut = last is not None and (self.blocks[last].tier != "gpu" or self.logical.refcount(last) > 1)
+        return length - length % bs if cut else length
 
     def _release(self, ids: list[int]) -> None:
         """Logical blocks nobody references any more give their tier slots back."""

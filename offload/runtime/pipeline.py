@@ -84,7 +84,9 @@ def plan_stage(config: OffloadConfig, ranks: Ranks, caps: Capacities | None) -> 
     if failed < ranks.world:
         raise RankError(f"rank {failed} could not plan its layers (its own error says why); every rank stops")
     gpu, cpu, disk, chunk, resident = agreed
-    kv = dataclasses.replace(config.kv_cache, gpu_blocks=gpu or None, cpu_blocks=cpu, disk_blocks=disk)
+    # the prefix cache stays off: its hits and evictions would differ between ranks' pools (a follow-up)
+    kv = dataclasses.replace(config.kv_cache, gpu_blocks=gpu or None, cpu_blocks=cpu, disk_blocks=disk,
+                             prefix_cache="off")
     config = config.replace(kv_cache=kv, activations=dataclasses.replace(config.activations, prefill_chunk=chunk))
     ranks.resident = bool(resident)  # no rank streams: micro-batches read no weight twice (`auto_micro_batches`)
     try:
