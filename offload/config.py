@@ -148,27 +148,22 @@ def _steps_or_all(value: Any, key: str) -> int | None:
 
 
 def _layer_counts(value: Any, key: str) -> tuple[int, ...] | None:
-    if value == "auto":
-        return None
-    if not isinstance(value, (list, tuple)) or len(value) < 1 or any(
-            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in value):
+    if value != "auto" and (not isinstance(value, (list, tuple)) or len(value) < 1 or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in value)):
         raise ConfigError(f"{key}: expected auto or a list of layer counts, one per rank (each at least 1, "
                           f"summing to the model's layers), got {_short(value)}")
-    return tuple(value)
+    return None if value == "auto" else tuple(value)
 
 
 @dataclass(frozen=True)
-class DistributedConfig:
-    """Used only under torchrun (WORLD_SIZE > 1): every rank runs the same command and YAML."""
-
+class DistributedConfig:  # read only under torchrun (WORLD_SIZE > 1): every rank runs the same command and YAML
     layers: tuple[int, ...] | None = _opt(_layer_counts, "layers per rank, in rank order (rank 0 embeds, the last "
                                           "rank holds the head); auto = balance the predicted stage times")
     backend: str = _opt(_choice("auto", "gloo", "nccl"), "torch.distributed backend; auto = nccl on CUDA, gloo on "
                         "CPU", "auto")
     micro_batches: int | None = _opt(_int_or_auto(1, 1024), "a pass's sequences split into this many micro-batches "
                                      "so that every rank computes at once; auto = one per rank for passes of at "
-                                     "least 64 tokens a run when no rank streams weights (a run re-reads them), "
-                                     "else the pass goes whole")
+                                     "least 64 tokens a run when no rank streams weights, else the pass goes whole")
     timeout_s: float = _opt(_number(1.0), "a rank that has not answered a pass within this many seconds is taken "
                             "for dead or hung and every rank stops", 300.0)
 
