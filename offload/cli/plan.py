@@ -55,8 +55,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for link, bps in sorted(cal.links.items()):
         print(f"  {link:<22} {bps / 1e9:8.2f} GB/s")
     table = cal.compute[device.type]
-    for n, bps in zip(table["tokens"], table["weight_bytes_per_s"]):
-        print(f"  layer kernels, {n:>4} tokens: {bps / 1e9:8.2f} GB/s of weights")
+    for n, bps, fixed in zip(table["tokens"], table["weight_bytes_per_s"], table["layer_overhead_s"]):
+        print(f"  layer kernels, {n:>4} tokens: {bps / 1e9:8.2f} GB/s of weights, {1000 * fixed:.2f} ms per layer")
     print(f"wrote {out}")
     return 0
 
