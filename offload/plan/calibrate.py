@@ -5,7 +5,7 @@
     links     bytes per second of each link: cold disk reads (the prefetcher's pattern), memcpy,
               and on CUDA pinned and pageable host->device and device->host copies (CUDA events)
     compute   per device type, a decoder layer's time at a few token counts, measured on two layer
-              shapes (TinyLlama's and SmolLM2-135M's, the run's dtype) and split into a fixed cost per
+              shapes (TinyLlama's and a tiny one, the run's dtype) and split into a fixed cost per
               layer (`layer_overhead_s`: the ops, allocations and kernel launches a layer makes whatever its
               size, which dominate a small model's step) and weight bytes per second (the rest, which
               scales with the layer's bytes)
@@ -213,10 +213,10 @@ def measure_links(device: torch.device, disk_path: Path | None) -> dict[str, flo
 # ----------------------------------------------------------------------------- the model side
 REFERENCE = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32,
              "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": 32000}
-#: a small layer (SmolLM2-135M's): with REFERENCE, splits a layer's time into a fixed cost and a byte rate
-#: at pass sizes up to SPLIT_TOKENS tokens
-SMALL = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
-         "num_key_value_heads": 3, "num_hidden_layers": 1, "vocab_size": 32000}
+#: a tiny layer (1/300 of REFERENCE's bytes, its time nearly all fixed cost): with REFERENCE, splits a layer's
+#: time into a fixed cost and a byte rate at pass sizes up to SPLIT_TOKENS tokens
+SMALL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 32000}
 SPLIT_TOKENS = 8
 
 
