@@ -10,14 +10,23 @@
     testing/               synthetic checkpoints
 """
 
-from offload.config import OffloadConfig
-from offload.errors import CapacityError, CheckpointError, ConfigError, OffloadError, StoreError
-from offload.runtime.conversation import Conversation, Reply
-from offload.runtime.executor import Executor, ForwardBatch
-from offload.runtime.results import Completion, GenerationResult, RunStats, TokenEvent
-from offload.runtime.runner import Runner
-from offload.runtime.sampling import Sampling, SamplingError
-from offload.version import __version__
+import os
+
+# Two OpenMP runtimes share the cores in a CPU run: torch's and numba's (the row-invariant kernels). With the
+# default active wait, each one's idle workers spin after a parallel region and take the cores the other needs:
+# SmolLM2-135M's bf16 decode step on 2 shared cores took 249-635 ms, 112-195 ms with passive waits. Read by
+# each runtime when it loads, so this holds where offload is imported before torch (the CLI, the scripts); an
+# explicit OMP_WAIT_POLICY wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from offload.config import OffloadConfig  # noqa: E402
+from offload.errors import CapacityError, CheckpointError, ConfigError, OffloadError, StoreError  # noqa: E402
+from offload.runtime.conversation import Conversation, Reply  # noqa: E402
+from offload.runtime.executor import Executor, ForwardBatch  # noqa: E402
+from offload.runtime.results import Completion, GenerationResult, RunStats, TokenEvent  # noqa: E402
+from offload.runtime.runner import Runner  # noqa: E402
+from offload.runtime.sampling import Sampling, SamplingError  # noqa: E402
+from offload.version import __version__  # noqa: E402
 
 __all__ = ["Runner", "Sampling", "GenerationResult", "Completion", "TokenEvent", "RunStats", "Conversation", "Reply",
            "Executor", "ForwardBatch", "OffloadConfig", "OffloadError", "ConfigError", "SamplingError",

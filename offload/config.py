@@ -116,6 +116,11 @@ class KVCacheConfig:
                              "none")
     cpu_attention: bool | None = _opt(_bool_or_auto, "attend host blocks on the CPU instead of moving them "
                                       "(auto: when the host's memory is faster than the link to the device)")
+    prefix_cache: str = _opt(_choice("on", "off", "persist"), "full KV blocks found by their tokens and shared by "
+                             "later requests with the same prompt prefix; persist: also kept on disk under "
+                             "tiers.disk.path for later processes", "on")
+    prefix_disk_blocks: int = _opt(_int(1, 2**31), "with prefix_cache: persist, the most blocks kept on disk "
+                                   "(least recently used deleted first)", 4096)
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,27 @@ def _steps_or_all(value: Any, key: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_INT:
         raise ConfigError(f"{key}: expected 'all' or an integer from 1 to {MAX_INT}, got {_short(value)}")
     return value
+
+
+def _layer_counts(value: Any, key: str) -> tuple[int, ...] | None:
+    if value != "auto" and (not isinstance(value, (list, tuple)) or len(value) < 1 or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in value)):
+        raise ConfigError(f"{key}: expected auto or a list of layer counts, one per rank (each at least 1, "
+                          f"summing to the model's layers), got {_short(value)}")
+    return None if value == "auto" else tuple(value)
+
+
+@dataclass(frozen=True)
+class DistributedConfig:  # read only under torchrun (WORLD_SIZE > 1): every rank runs the same command and YAML
+    layers: tuple[int, ...] | None = _opt(_layer_counts, "layers per rank, in rank order (rank 0 embeds, the last "
+                                          "rank holds the head); auto = balance the predicted stage times")
+    backend: str = _opt(_choice("auto", "gloo", "nccl"), "torch.distributed backend; auto = nccl on CUDA, gloo on "
+                        "CPU", "auto")
+    micro_batches: int | None = _opt(_int_or_auto(1, 1024), "a pass's sequences split into this many micro-batches "
+                                     "so that every rank computes at once; auto = one per rank for passes of at "
+                                     "least 64 tokens a run when no rank streams weights, else the pass goes whole")
+    timeout_s: float = _opt(_number(1.0), "a rank that has not answered a pass within this many seconds is taken "
+                            "for dead or hung and every rank stops", 300.0)
 
 
 #: drafts built from the target itself (the packed-weight path of `weights.quantization`)
@@ -230,6 +256,8 @@ class OffloadConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig,
                                            metadata={"section": SpeculativeConfig})
     experts: ExpertsConfig = field(default_factory=ExpertsConfig, metadata={"section": ExpertsConfig})
+    distributed: DistributedConfig = field(default_factory=DistributedConfig,
+                                           metadata={"section": DistributedConfig})
     calibration: Path | None = _opt(_str, "calibration file from `offload calibrate` (default: the saved one, if any)")
     #: where a YAML file was loaded from (relative paths are resolved against its directory)
     source: Path | None = field(default=None, compare=False, metadata={"internal": True})

@@ -33,12 +33,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from storage.units import blocks_for
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `python scripts/bench.py` as well as `python -m scripts.bench`
-
 from scripts.machine import Result  # noqa: E402
+from storage.units import blocks_for  # noqa: E402
 
 PROFILES = {
     # name: model size, budgets, prompt, new tokens, batches, depth, prefill chunk

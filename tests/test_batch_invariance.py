@@ -50,11 +50,14 @@ def test_greedy_tokens_are_the_same_alone_in_any_batch_and_any_prefill_chunking(
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_decode_rows_logits_are_bit_equal_alone_and_beside_other_rows(wide, dtype):
-    """One decode step of a sequence, alone and in a pass with a longer sequence's step and a prompt chunk."""
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"),
+                                                ("float32", "int8"), ("bfloat16", "int4")])
+def test_a_decode_rows_logits_are_bit_equal_alone_and_beside_other_rows(wide, dtype, quantization):
+    """One decode step of a sequence, alone and in a pass with a longer sequence's step and a prompt chunk
+    (dense weights, and packed int8 / int4 ones)."""
     batch = prompts(512)
-    with Runner.from_config(run_config(wide, dtype=dtype, kv_cache={"block_size": 4})) as r:
+    weights = {"quantization": quantization, "group_size": 64}
+    with Runner.from_config(run_config(wide, dtype=dtype, kv_cache={"block_size": 4}, weights=weights)) as r:
         ex = r.target
         kv = ex.ensure_kv(64)
         a, b, c = kv.add_sequence(), kv.add_sequence(), kv.add_sequence()

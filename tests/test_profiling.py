@@ -176,6 +176,24 @@ def test_throughput_interpolates_between_measured_token_counts():
     assert cal.weight_bytes_per_s("cpu", 128) == pytest.approx(2e9)  # past the table: time grows with tokens
 
 
+
+def test_a_layers_fixed_cost_is_calibrated_and_predicted_on_top_of_its_bytes(tiny_llama):
+    """A small model's step is mostly what each layer costs whatever its size (ops, allocations): the calibration
+    splits a layer's time into that and a byte rate (two layer shapes), and the cost model adds it per layer."""
+    table = measure_compute(torch.device("cpu"), torch.float32, tokens=(1, 8, 64))
+    assert len(table["layer_overhead_s"]) == 3 and all(x >= 0 for x in table["layer_overhead_s"])
+    assert table["layer_overhead_s"][2] == 0  # past decode-like passes: the large layer's rate alone
+    cfg = Checkpoint(tiny_llama).config
+    plan = Planner(OffloadConfig.load({"model": str(tiny_llama), "device": "cpu"}), cfg, torch.float32,
+                   torch.device("cpu")).run_plan().plan
+    rates = {"tokens": [1, 512], "weight_bytes_per_s": [1e9, 1e9]}
+    bare = Calibration({"memcpy": 4e9}, {"cpu": rates})
+    fixed = Calibration({"memcpy": 4e9}, {"cpu": rates | {"layer_overhead_s": [0.002, 0.002]}})
+    assert fixed.layer_overhead_s("cpu", 4) == 0.002 and bare.layer_overhead_s("cpu", 4) == 0.0
+    steps = [predict_decode(plan, cfg, c, "cpu", Workload(), 4).step_s for c in (bare, fixed)]
+    assert steps[1] - steps[0] == pytest.approx(0.002 * cfg.num_layers)
+
+
 MiB = 2**20
 
 

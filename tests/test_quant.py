@@ -60,6 +60,19 @@ def test_tile_order_round_trips_and_torch_kernel_reads_it_only_where_torch_packs
         assert quant._TORCH_LAYOUT == alike
 
 
+def test_int8_is_one_byte_a_weight_row_major_and_multiplies_as_one_product():
+    """int8 is not two int4 planes (two products): its codes are the matrix's bytes, row by row."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(100, 128, generator=g)
+    packed = quant.quantize(w, 8, 64, torch.bfloat16)
+    assert quant.packed_shapes(100, 128, 8, 64) == {"q": (128, 128), "sz": (128, 2, 2)}
+    assert packed["q"].shape == (128, 128) and packed["sz"].shape == (128, 2, 2)
+    lo = w.view(100, 2, 64).amin(-1)
+    scale = (w.view(100, 2, 64).amax(-1) - lo) / 255
+    codes = ((w.view(100, 2, 64) - lo[..., None]) / scale[..., None]).round().view(100, 128)
+    assert torch.equal(packed["q"][:100].float(), codes)
+
+
 @pytest.mark.parametrize("bits,group,rows", [(4, 64, 128), (8, 64, 100), (4, 32, 70), (8, 8, 64), (4, 16, 3)])
 def test_dequantized_weights_equal_the_reference(bits, group, rows):
     w = torch.randn(rows, 128, generator=torch.Generator().manual_seed(bits + group)) * 0.05

@@ -22,7 +22,12 @@ import sys
 from typing import NoReturn
 
 from offload.cli import chat, convert, demo, plan, run, serve, signals, trace
-from offload.errors import OffloadError
+from offload.cli.prepare import convert_first, load_config
+from offload.errors import ConfigError, OffloadError
+from offload.runtime import pipeline, ranks
+
+#: commands every rank of a torchrun launch runs: rank 0 the command itself, the others a pipeline stage
+DISTRIBUTED = ("run", "chat", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def run_stage(args: argparse.Namespace) -> int:
+    """A worker rank under torchrun (RANK > 0): the same YAML, its slice of the layers, until rank 0 stops."""
+    if getattr(args, "config", None) is None:
+        raise ConfigError("under torchrun every rank needs the same --config FILE (chat --auto is one-process)")
+    config = load_config(args.config, getattr(args, "model", None))
+    convert_first(config)
+    pipeline.run_stage(config.fetched())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status (tests and embedders call this; the program is `program`)."""
     args = build_parser().parse_args(argv)
@@ -41,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     previous = signals.on_sigterm()  # SIGTERM stops like Ctrl-C: cleanly
     try:
-        status = args.func(args)
+        worker = args.command in DISTRIBUTED and ranks.launched() and ranks.env_rank() > 0
+        status = run_stage(args) if worker else args.func(args)
         sys.stdout.flush()  # a reader gone by now is met here, inside these handlers, not at the interpreter's exit
         return status
     except OffloadError as e:

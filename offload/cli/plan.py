@@ -33,10 +33,11 @@ from offload.model.generic import resolve_impl
 from offload.plan.calibrate import calibrate, default_path, load_calibration
 from offload.plan.costmodel import explain, plan_bytes
 from offload.plan.experts import expert_choice
-from offload.plan.planner import Planner
+from offload.plan.planner import Planner, RunPlan, resolve_capacities
 from offload.plan.predict import Workload, predict_decode, predict_prefill_per_token, suggestions
-from offload.plan.speculative import choose_tokens, predict, streaming_note, verify_cost, without_draft
+from offload.plan.speculative import streaming_note, without_draft
 from offload.runtime.device import resolve_dtype
+from offload.runtime.speculative import auto_gain
 from storage.errors import CapacityError
 from storage.units import fmt_bytes
 
@@ -54,8 +55,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for link, bps in sorted(cal.links.items()):
         print(f"  {link:<22} {bps / 1e9:8.2f} GB/s")
     table = cal.compute[device.type]
-    for n, bps in zip(table["tokens"], table["weight_bytes_per_s"]):
-        print(f"  layer kernels, {n:>4} tokens: {bps / 1e9:8.2f} GB/s of weights")
+    for n, bps, fixed in zip(table["tokens"], table["weight_bytes_per_s"], table["layer_overhead_s"]):
+        print(f"  layer kernels, {n:>4} tokens: {bps / 1e9:8.2f} GB/s of weights, {1000 * fixed:.2f} ms per layer")
     print(f"wrote {out}")
     return 0
 
@@ -109,6 +110,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def prefix_capacity(rp: RunPlan) -> dict[str, object]:
+    """What the prefix cache may hold: idle full blocks in every KV tier (taken back when a request needs them),
+    and with `persist` the blocks kept on disk for later processes."""
+    kv = rp.kv
+    out: dict[str, object] = {"mode": kv.prefix_cache}
+    if kv.prefix_cache != "off":
+        out["blocks"] = {"gpu": rp.kv_blocks, "cpu": kv.cpu_blocks, "disk": kv.disk_blocks}
+    if kv.prefix_cache == "persist":
+        out["persisted_blocks"] = kv.persist_blocks
+        out["persisted_bytes"] = kv.persist_blocks * rp.kv_block_bytes
+    return out
+
+
+def prefix_line(rp: RunPlan, block_size: int) -> str:
+    cap = prefix_capacity(rp)
+    if cap["mode"] == "off":
+        return "prefix cache: off"
+    blocks = cap["blocks"]
+    tiers = ", ".join(f"{t} {n}" for t, n in blocks.items() if n) or "sized per request"
+    line = (f"prefix cache: {cap['mode']}, idle full blocks of {block_size} tokens kept in the KV tiers "
+            f"({tiers} blocks) until a request needs their room")
+    if cap["mode"] == "persist":
+        line += (f"; up to {cap['persisted_blocks']} blocks ({fmt_bytes(cap['persisted_bytes'], 'MiB')}) on disk "
+                 "for later processes")
+    return line
+
+
 def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: int = 128,
               as_json: bool = False) -> None:
     """Print where each group lives, the KV cache, the predicted speed and what would help most."""
@@ -119,7 +147,7 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
         raise ConfigError("tiers.gpu.capacity: auto needs the GPU itself; give a size (e.g. --gpu 24GiB) to plan "
                           "on paper")
     dtype = resolve_dtype(config.dtype, cfg.torch_dtype)
-    config, planner, draft = plan_for(config, cfg, dtype, device, batch)  # the workload `serve --max-batch N` plans
+    config, planner, draft, plain_note = plan_for(config, cfg, dtype, device, batch)  # as serve --max-batch N
     rp = planner.run_plan()
     cal = load_calibration(config.calibration)
     work = Workload(batch=batch, context=context, prefill_chunk=rp.prefill_chunk)
@@ -132,10 +160,12 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     experts = expert_lines(rp.plan, cfg, cal, sizes, batch, device.type)
     if as_json:
         print(json.dumps({"device": str(device), "model_impl": cfg.impl, "kv_blocks": rp.kv_blocks,
+                          "prefix_cache": prefix_capacity(rp),
                           "calibration": cal.source,
                           "compute_dtype": str(rp.compute_dtype).removeprefix("torch."),
                           "prediction": pred.to_dict() | {"prefill_s_per_token": per_token},
                           "suggestions": [s.__dict__ for s in helps], "weights": schemes,
+                          "speculation_note": plain_note,
                           **({"expert_compute": experts} if experts else {}), **rp.plan.to_dict()},
                          indent=2))
         return
@@ -163,6 +193,7 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
         print(f"  batch: up to {rows} together (each keeps its newest KV block on the device, prefill passes of "
               f"{rp.prefill_chunk} tokens)" + (f"; {cold} more blocks in the host/disk KV tiers" if cold else "")
               + (f"; planned for --batch {batch}" if batch > 1 else ""))
+    print(f"  {prefix_line(rp, config.kv_cache.block_size)}")
     if rp.depth_note:
         print(f"  {rp.depth_note}")
     src = ("conservative defaults (no calibration file: run `offload calibrate`)" if cal.source == "defaults"
@@ -184,8 +215,10 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
         print(f"  {row['quantization']:<5} layer {format_size(row['layer_bytes'])}, model "
               f"{format_size(row['model_bytes'])}; per token {links}; {row['step_ms']:.0f} ms/step, "
               f"bound by {row['bottleneck']}")
+    if plain_note:
+        print(plain_note)
     if draft is not None:
-        _print_speculative(config, draft, rp, cfg, cal, device, dtype, pred.step_s)
+        _print_speculative(config, draft, cfg, device, dtype, rp)
         alone = without_draft(config, cfg, dtype, device)
         note = streaming_note(rp.plan, alone.plan)
         if note:
@@ -224,26 +257,24 @@ def expert_lines(plan, cfg: ModelConfig, cal, sizes: dict[str, int], batch: int,
     return out | {"lines": lines}
 
 
-def _print_speculative(config, draft, rp, cfg, cal, device, dtype, t_plain: float) -> None:
-    """The draft's placement and pass time, and the predicted speed-up by acceptance rate."""
-    drp, dcfg = draft
-    t_draft = predict_decode(drp.plan, dcfg, cal, device.type, Workload(), dtype.itemsize).step_s
-    cost = verify_cost(rp.plan, cfg, cal, device.type, dtype.itemsize)
+def _print_speculative(config, draft, cfg, device, dtype, rp) -> None:
+    """The draft's placement and pass time, and the predicted speed-up by acceptance rate against plain decoding
+    without a draft (the target then has the device to itself)."""
+    drp, _ = draft
+    g = auto_gain(config, cfg, dtype, device, resolve_capacities(config.tiers, device))
     print(f"speculative decoding (draft {config.speculative.draft}, resident, "
-          f"{format_size(drp.plan.used('gpu'))} on the device): {1000 * t_draft:.0f} ms per draft pass, "
-          f"a verify pass of 9 tokens x{cost(8):.2f} of a plain one")
+          f"{format_size(drp.plan.used('gpu'))} on the device): {1000 * g.t_draft:.0f} ms per draft pass, "
+          f"a verify pass of 9 tokens x{g.verify(8):.2f} of a plain one")
     limit, bs = rp.caps.kv_blocks, config.kv_cache.block_size
     if limit is not None:
         cold = rp.kv.cpu_blocks + rp.kv.disk_blocks
         print(f"  the draft's own KV pool mirrors the target's: {limit} blocks ({limit * bs} tokens, "
               f"{fmt_bytes(limit * drp.kv_block_bytes, 'MiB')}); the target keeps {rp.kv_blocks} on the device"
               + (f" and {cold} in its host/disk KV tiers" if cold else " (no cold KV tiers)"))
-    fixed = config.speculative.tokens
     for alpha in (0.5, 0.7, 0.9):
-        p = (predict(alpha, fixed, t_draft, lambda k: t_plain * cost(k), t_plain) if fixed
-             else choose_tokens(alpha, t_draft, lambda k: t_plain * cost(k), t_plain))
+        p = g.at(alpha, config.speculative.tokens)
         print(f"  acceptance {alpha:.1f}: tokens {p.tokens}, {p.tokens_per_pass:.2f} tokens per pass, "
-              f"{p.tokens_per_pass / p.step_s:.2f} tokens/s (x{p.speedup:.2f})")
+              f"{p.tokens_per_pass / p.step_s:.2f} tokens/s (x{p.speedup:.2f} of plain decoding without a draft)")
 
 
 def compare_schemes(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, cal,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from offload.config import OffloadConfig
+from offload.config import OffloadConfig, SpeculativeConfig
 from offload.errors import ConfigError
 from offload.model import hub
 from offload.model.chat import ChatTemplate
@@ -33,8 +33,9 @@ from offload.model.generic import generic_config, resolve_impl
 from offload.plan.planner import Planner, resolve_capacities
 from offload.plan.speculative import reserve_draft
 from offload.runtime.device import resolve_device, resolve_dtype
+from offload.runtime.ranks import launched
 from offload.runtime.requests import Context
-from offload.runtime.speculative import draft_config
+from offload.runtime.speculative import auto_gain, draft_config, draft_model_config
 from offload.weights.convert import open_store
 from offload.weights.groups import WeightFormat
 from storage.store import StoreState, store_state
@@ -113,18 +114,23 @@ def parse_ids(text: str) -> list[int]:
 
 
 def plan_for(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-             concurrency: int = 1) -> tuple[OffloadConfig, Planner, tuple[Any, ModelConfig] | None]:
+             concurrency: int = 1) -> tuple[OffloadConfig, Planner, tuple[Any, ModelConfig] | None, str | None]:
     """The planner a run of `config` uses (around a speculative draft's resident weights, when there is
-    one): (the target's config, its planner, (the draft's RunPlan, its ModelConfig) or None).
+    one): (the target's config, its planner, (the draft's RunPlan, its ModelConfig) or None, why
+    `speculative.tokens: auto` runs plain or None), as `Runner` decides.
 
     `planner.run_plan()` refuses what cannot fit as a Runner would, reading no weights."""
-    caps, draft = resolve_capacities(config.tiers, device), None
+    caps, draft, note = resolve_capacities(config.tiers, device), None, None
+    if config.speculative.enabled and config.speculative.tokens is None:
+        note = auto_gain(config, cfg, dtype, device, caps).plain_note()
+        if note:
+            config = config.replace(speculative=SpeculativeConfig())
     if config.speculative.enabled:  # the draft is placed first, resident; the target plans around it
         dconf = draft_config(config)
-        dcfg = ModelConfig.from_dict(json.loads((dconf.model / "config.json").read_text()), str(dconf.model))
+        dcfg = draft_model_config(config, cfg)
         draft = Planner(dconf, dcfg, dtype, device).run_plan(), dcfg
         caps = reserve_draft(config, caps, draft[0].plan.used("gpu"), draft[0].kv_block_bytes)
-    return config, Planner(config, cfg, dtype, device, caps, concurrency), draft
+    return config, Planner(config, cfg, dtype, device, caps, concurrency=concurrency), draft, note
 
 
 def convert_first(config: OffloadConfig) -> None:
@@ -138,7 +144,8 @@ def convert_first(config: OffloadConfig) -> None:
         config = config.replace(model=hub.fetch(config.hub))
     ckpt = Checkpoint(config.model, config.model_impl)
     dtype, device = resolve_dtype(config.dtype, ckpt.config.torch_dtype), resolve_device(config.device)
-    plan_for(config, ckpt.config, dtype, device)[1].run_plan()  # CapacityError / ConfigError, as the runner's
+    if not launched():  # under torchrun each rank plans its own slice when the run starts
+        plan_for(config, ckpt.config, dtype, device)[1].run_plan()  # CapacityError / ConfigError, as the runner's
     print(f"offload: converting {ckpt.path} into the store {disk.path} (first run only; later runs reuse it)",
           file=sys.stderr)
     open_store(ckpt, disk.path, dtype, capacity=disk.capacity, page_cache=disk.page_cache, verify=disk.verify,

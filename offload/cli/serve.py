@@ -115,6 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop.start()
         server = uvicorn.Server(uvicorn.Config(create_app(served, loop), host=args.host, port=args.port,
                                                log_level="info", timeout_graceful_shutdown=args.drain_timeout))
+        loop.on_fatal = lambda: setattr(server, "should_exit", True)  # a rank failed: answer 503 and exit
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         batch = min(loop.engine.batch, args.max_batch)
         print(f"offload: serving {served.name} on http://{args.host}:{port}/v1 (KV {runner.kv.pool.num_blocks} "
@@ -126,6 +127,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             signal.signal(sig, lambda signum, frame: log.info("signal %d: stopping", signum))
         server.run(sockets=[sock])  # returns after SIGINT/SIGTERM, once the open requests finished (or drained)
         loop.stop(drain=False, timeout_s=args.drain_timeout)
+        if loop.fatal is not None:
+            raise loop.fatal  # exit status 2, the failed rank named
     finally:
         sock.close()
         runner.close()

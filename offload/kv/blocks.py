@@ -102,6 +102,8 @@ class KVSettings:
     cpu_attention: bool = False  # attend cold blocks on the CPU instead of moving them to the device
     direct_io: bool = False  # read the KV slot file with O_DIRECT where a slot is whole pages
     stage_blocks: int = 0  # blocks per pinned staging buffer cold KV crosses to a CUDA device in (0: as many as fit)
+    prefix_cache: str = "on"  # on | off | persist (offload.kv.prefix)
+    persist_blocks: int = 4096  # with persist: blocks kept on disk for later processes (least recently used go)
 
 
 def tier_blocks(where_all: torch.Tensor, tier: str, block_ids: torch.Tensor, kv_lens: list[int],

@@ -4,7 +4,7 @@ A block holds `block_size` tokens of K and V for *all* layers. A sequence's bloc
 lists *logical* block ids in token order; token t lives in block `table[t // block_size]`
 at offset `t % block_size`. Each logical block lives in exactly one tier slot at a time:
 
-    logical pool (storage.block_pool)  ids and reference counts (prompt blocks shared by samples)
+    logical pool (storage.block_pool)  ids and reference counts (shared by samples, the prefix cache)
     tier pools (storage.block_pool)    free slots of the gpu / cpu / disk stores
     stores (offload.kv.formats)        the bytes, plane (layer) major
 
@@ -25,9 +25,9 @@ with log-sum-exp (`offload.model.functional.merge_attention`). The per-block sha
 the per-block log-sum-exp) feeds the `attention` eviction policy. Cold blocks travel to the
 device through `offload.kv.fetch`, on the run's one transfer engine.
 
-Prompts admitted with a worst-case reservation of logical blocks (OK / LATER / NEVER) never
-run out half way. This module knows sequences, blocks and token positions; the math is in
-`offload.model`, the bytes in `storage`.
+Prompts admitted with a worst-case reservation of logical blocks (OK / LATER / NEVER) never run out
+half way; full blocks found by their tokens (`offload.kv.prefix`) hold an id until a reservation or the
+last tier needs it. This module knows sequences, blocks and token positions; the math is in `offload.model`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch
 from offload.kv.blocks import Block, KVSettings, Recency, Sequence, StepKV, tier_blocks
 from offload.kv.fetch import ColdFetcher, Fetched
 from offload.kv.formats import ColdFormat, TierStore, cold_kv, to_cold
+from offload.kv.prefix import PrefixBlocks, PrefixCache
 from offload.kv.view import LayerKV
 from offload.model import functional as M
 from offload.model.config import ModelConfig
@@ -57,7 +58,7 @@ from storage.tiers import TIERS
 from storage.units import blocks_for
 
 
-class PagedKVCache:
+class PagedKVCache(PrefixBlocks):
     #: do the blocks hold the keys and values (so their device bytes come from the plan's KV region)? A
     #: subclass that keeps only the bookkeeping, its KV elsewhere, says no (offload.hf.executor.HFSequences)
     holds_kv = True
@@ -67,10 +68,11 @@ class PagedKVCache:
                  settings: KVSettings | None = None, disk_dir: Path | None = None, pin_memory: bool = False,
                  timeline: Timeline | None = None, clock: Callable[[], float] = time.monotonic,
                  rope: M.Rope | None = None, page_cache: bool = False, traffic: Traffic | None = None,
-                 host_memory: torch.Tensor | None = None, engine: TransferEngine | None = None) -> None:
+                 host_memory: torch.Tensor | None = None, engine: TransferEngine | None = None,
+                 identity: str = "", prefix_dir: Path | None = None, layers: range | None = None) -> None:
         """`memory` / `host_memory`: uint8 regions (of the device tier / the pinned cpu tier) for the device blocks
-        and the cold host bytes (`fetch.host_bytes`). `engine`: the run's transfer engine (the weights')."""
-        # the arguments are the truth about block size and device blocks; settings bring the rest
+        and the cold host bytes (`fetch.host_bytes`). `engine`: the run's transfer engine (the weights'). `identity` /
+        `prefix_dir`: the prefix cache's key root / its files. `layers`: the model layers a block holds (a stage's)."""
         s = dataclasses.replace(settings or KVSettings(), block_size=block_size, gpu_blocks=num_blocks)
         self.settings = s
         self.cfg, self.block_size, self.dtype = cfg, block_size, dtype
@@ -80,7 +82,8 @@ class PagedKVCache:
         self.clock = clock
         self.rope = rope
         self.policy = make_policy(s.eviction, s.idle_seconds, clock)
-        L = cfg.num_layers
+        self.layers = range(cfg.num_layers) if layers is None else layers
+        L = len(self.layers)  # planes: this stage's layers
         self.device_fmt = ColdFormat.for_device(cfg, block_size, dtype, s.restore)
         self.cold_fmt = ColdFormat.for_config(cfg, block_size, dtype, s.quantization, s.restore)
         counts = {"gpu": num_blocks, "cpu": s.cpu_blocks, "disk": s.disk_blocks}
@@ -114,11 +117,15 @@ class PagedKVCache:
         self.recency = Recency()  # when each sequence was last attended over (eviction's `last_touch`)
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
+        self.prefix = PrefixCache.build(self, f"{identity}|{dtype}|block {block_size}|restore {s.restore}", prefix_dir)
 
     @staticmethod
-    def block_nbytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str = "transfer") -> int:
-        return ColdFormat.for_device(cfg, block_size, dtype, restore).block_nbytes(cfg.num_layers)  # all layers
+    def block_nbytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, restore: str = "transfer",
+                     planes: int | None = None) -> int:  # every layer, or `planes` of them (a pipeline stage's)
+        return ColdFormat.for_device(cfg, block_size, dtype, restore).block_nbytes(planes or cfg.num_layers)
 
+    def plane(self, layer: int) -> int:  # where model layer `layer` sits in the stores (a stage's first is 0)
+        return layer - self.layers.start
     @property
     def pool(self) -> BlockPool:
         """The device pool (where new tokens are written)."""
@@ -129,6 +136,7 @@ class PagedKVCache:
 
     def close(self) -> None:
         try:
+            self.close_prefix()
             self.fetcher.close()  # the copies out of its staging end before the memory goes
             for store in self.stores.values():
                 store.close()
@@ -140,13 +148,13 @@ class PagedKVCache:
     # -- sequences ----------------------------------------------------------------------------
     def admit(self, tokens: int) -> Admission:
         """Could a sequence of `tokens` total tokens get its blocks (now / once others finish / never)?"""
-        return self.logical.can_allocate(self.blocks_for(tokens))
+        return self.can_allocate(self.blocks_for(tokens))
 
     def add_sequence(self, reserve_tokens: int = 0) -> int:
         """A new sequence, with logical blocks for `reserve_tokens` reserved up front (worst case)."""
         sid = self._next_id
         self._next_id += 1
-        self.seqs[sid] = Sequence(reserved=self.logical.allocate(self.blocks_for(reserve_tokens)))
+        self.seqs[sid] = Sequence(reserved=self.take_logical(self.blocks_for(reserve_tokens)))
         return sid
 
     def fork(self, sid: int, reserve_tokens: int) -> int:
@@ -157,7 +165,7 @@ class PagedKVCache:
         child_id = self._next_id
         self._next_id += 1
         self.logical.incref(parent.blocks)
-        self.seqs[child_id] = Sequence(list(parent.blocks), parent.length, self.logical.allocate(max(need, 0)))
+        self.seqs[child_id] = Sequence(list(parent.blocks), parent.length, self.take_logical(max(need, 0)))
         return child_id
 
     def reserve(self, sid: int, total_tokens: int) -> Admission:
@@ -169,41 +177,30 @@ class PagedKVCache:
         need = total - len(seq.blocks) - len(seq.reserved)
         if need <= 0:
             return Admission.OK
-        status = self.logical.can_allocate(need)
+        status = self.can_allocate(need)
         if status is Admission.OK:
             seq.reserved += self.logical.allocate(need)
         return status
 
     def release_reservation(self, sid: int) -> None:
         """Give back the blocks `sid` reserved and did not fill (a finished sequence that is kept)."""
-        seq = self.seqs[sid]
-        self.logical.free(seq.reserved)
-        seq.reserved = []
+        self.unref(self.seqs[sid].reserved)
+        self.seqs[sid].reserved = []
 
     def free_sequence(self, sid: int) -> None:
         self.recency.forget(sid, self.seqs, self.blocks)
         seq = self.seqs.pop(sid)
-        self._release(self.logical.free(seq.blocks))
-        self.logical.free(seq.reserved)
+        self.unref(seq.blocks + seq.reserved)
 
     def truncate(self, sid: int, length: int, reserve: bool = False) -> int:
-        """Forget the tokens of `sid` from `length` on (clamped to its length); returns the length kept.
-
-        Whole blocks past the new end leave the table. With `reserve` (speculative tokens the target
-        rejected) a block only this sequence holds gives its tier slot back and its logical id returns to
-        the sequence's reservation, so the worst case it was admitted with still holds; otherwise its id
-        is freed. A block shared copy-on-write only loses this sequence's reference. New tokens are
-        written on the device into a block the sequence owns alone, so when the block that would end
-        the sequence part-filled is cold or shared, it goes too (the kept length drops to the block
-        boundary and those tokens are computed again). The slots past the end of the kept device block
-        are zeroed, so the cache holds exactly what a run that never saw the forgotten tokens would hold.
-        """
+        """Forget the tokens of `sid` from `length` on (`keepable`: clamped, and to the block boundary when the
+        block it would end part-filled is cold or shared: new tokens go to a device block the sequence owns
+        alone); returns the length kept. Whole blocks past the end leave the table: with `reserve` (rejected
+        speculative tokens) a block only this sequence holds frees its slot and its id returns to the
+        reservation (the admitted worst case still holds), otherwise its id is freed (a shared one loses this
+        reference). The kept device block's slots past the end are zeroed, as if never written."""
         seq = self.seqs[sid]
-        length = max(min(length, seq.length), 0)
-        if length % self.block_size:
-            last = seq.blocks[length // self.block_size]
-            if self.blocks[last].tier != "gpu" or self.logical.refcount(last) > 1:
-                length -= length % self.block_size
+        length = self.keepable(sid, length)
         keep = self.blocks_for(length)
         dropped, seq.blocks = seq.blocks[keep:], seq.blocks[:keep]
         for bid in reversed(dropped):
@@ -220,6 +217,12 @@ class PagedKVCache:
             if "hidden" in arrays:
                 arrays["hidden"].data[:, b.slot, off:] = 0  # [L, slots, block_size, hidden]
         return length
+
+    def keepable(self, sid: int, length: int) -> int:  # the length `truncate` would keep; changes nothing
+        seq, bs, length = self.seqs[sid], self.block_size, max(min(length, self.seqs[sid].length), 0)
+        last = seq.blocks[length // bs] if length % bs else None
+        cut = last is not None and (self.blocks[last].tier != "gpu" or self.logical.refcount(last) > 1)
+        return length - length % bs if cut else length
 
     def _release(self, ids: list[int]) -> None:
         """Logical blocks nobody references any more give their tier slots back."""
@@ -262,6 +265,8 @@ class PagedKVCache:
     def _demote_from(self, tier: str, n: int, protected: set[int]) -> None:
         below = [t for t in TIERS[TIERS.index(tier) + 1 :] if t in self.pools]
         if not below:
+            if self.drop_idle(self.pools[tier].num_free + n, tier):  # the last tier: idle cached blocks go instead
+                return
             raise CapacityError(
                 f"the KV cache is full: every {tier} block is in use and there is no tier below it; raise "
                 "kv_cache.cpu_blocks or kv_cache.disk_blocks, or admit fewer tokens"
@@ -296,7 +301,7 @@ class PagedKVCache:
         """Bring the hottest cold blocks back while the device has room (transfer formats only), unless expired."""
         if room <= 0 or self.cold_fmt.name == "hidden" or self.count_cold() == 0:
             return
-        cold = self._candidates(lambda bid, b: b.tier != "gpu")
+        cold = self._candidates(lambda bid, b: b.tier != "gpu" and not self.idle_cached(bid))  # cold till a hit
         expired = set(self.policy.expired(cold))
         for bid in [b for b in reversed(self.policy.order(cold)) if b not in expired][:room]:  # last out, first in
             self._move(bid, "gpu", protected)
@@ -342,7 +347,7 @@ class PagedKVCache:
         for sid, n in zip(sids, q_lens):
             seq = self.seqs[sid]
             while len(seq.blocks) < self.blocks_for(seq.length + n):
-                bid = seq.reserved.pop() if seq.reserved else self.logical.allocate(1)[0]
+                bid = seq.reserved.pop() if seq.reserved else self.take_logical(1)[0]
                 slot = gpu.allocate(1)[0]
                 for arr in self.stores["gpu"].arrays.values():  # padded key slots are multiplied by zero
                     arr.clear(slot)  # weights, and 0 * NaN from stale memory would poison a row
@@ -378,7 +383,7 @@ class PagedKVCache:
         old = seq.blocks[-1]
         src = self.blocks[old]
         assert src.tier == "gpu", "a shared partial block is the newest of its sequences: it stays on the device"
-        bid = seq.reserved.pop() if seq.reserved else self.logical.allocate(1)[0]
+        bid = seq.reserved.pop() if seq.reserved else self.take_logical(1)[0]
         slot = self.pools["gpu"].allocate(1)[0]
         self.stores["gpu"].write_block(slot, self.stores["gpu"].read_block(src.slot))
         self.blocks[bid] = Block("gpu", slot, src.last_touch, src.mass)
@@ -389,7 +394,7 @@ class PagedKVCache:
 
     def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, Fetched], int]:
         """One layer of the step's cold groups ({tier: parts or Upload}, bytes), run ahead by the side thread."""
-        return self.fetcher.fetch(self.stores, [g for g in step.groups if g.tier != "gpu"], layer)
+        return self.fetcher.fetch(self.stores, [g for g in step.groups if g.tier != "gpu"], self.plane(layer))
 
     def view(self, layer: int, layout: BatchLayout, step: StepKV, cold: dict | None = None) -> LayerKV:
         return LayerKV(self, layer, layout, step, cold)

@@ -25,16 +25,17 @@ class LayerKV:
     def __init__(self, cache: Any, layer: int, layout: BatchLayout, step: StepKV,
                  cold: dict[str, dict[str, torch.Tensor]] | None) -> None:
         self.cache, self.layer, self.layout, self.step, self._cold = cache, layer, layout, step, cold
+        self.plane = cache.plane(layer)  # the layer's index in the stores (a pipeline stage holds a slice)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor | None = None) -> None:
         """k, v: [N, Hkv, D]; h: [N, hidden] layer inputs (kept only when cold blocks are restored by recompute)."""
         arrays = self.cache.stores["gpu"].arrays
-        data = arrays["kv"].data[self.layer]  # [slots, 2, block_size, Hkv, D]
+        data = arrays["kv"].data[self.plane]  # [slots, 2, block_size, Hkv, D]
         data[self.step.slot_blocks, 0, self.step.slot_offsets] = k
         data[self.step.slot_blocks, 1, self.step.slot_offsets] = v
         if "hidden" in arrays:
             assert h is not None
-            arrays["hidden"].data[self.layer][self.step.slot_blocks, self.step.slot_offsets] = h
+            arrays["hidden"].data[self.plane][self.step.slot_blocks, self.step.slot_offsets] = h
 
     @property
     def needs_inputs(self) -> bool:
@@ -96,7 +97,7 @@ class LayerKV:
         cache = self.cache
         if g.tier == "gpu":
             index = g.slot_index if g.slot_index is not None else torch.tensor(g.slots, device=cache.device)
-            return cache.stores["gpu"].arrays["kv"].data[self.layer].index_select(0, index)  # no copy per layer
+            return cache.stores["gpu"].arrays["kv"].data[self.plane].index_select(0, index)  # no copy per layer
         parts = receive(cache.engine, cold[g.tier])  # on CUDA: on the device (the compute stream waits, the host not)
         if cache.cold_fmt.name != "hidden":
             return cold_kv(cache.cold_fmt, parts, cache.dtype)  # int8 is dequantized where the parts are

@@ -11,9 +11,11 @@ all its rows (the weights read once), not one product per column.
              their weight rows widened to float32 once (bf16 and fp16 inline: no dense copy of the matrix, so a
              bf16 model computes in float32 at bf16's bytes), then 4 input rows at a time against both (8 FMAs
              per 6 loads), every row through that one loop (rows padded to a multiple of 4).
-    packed   the group-wise int4 / int8 tile layout of `offload.weights.quant`: torch's
-             `_weight_int4pack_mm_for_cpu` where it is vectorised (bf16 scales; each row accumulates along k
-             in order, so rows are independent by construction), else the numba kernel below on the same bytes.
+    int4     the group-wise tile layout of `offload.weights.quant`: torch's `_weight_int4pack_mm_for_cpu` where
+             it is vectorised (bf16 scales; each row accumulates along k in order, so rows are independent by
+             construction), else the numba kernel below on the same bytes.
+    int8     row-major codes with a (scale, min) per group: per output and group, scale * (x . codes) +
+             min * sum(x), each byte widened to float32 once for 4 rows (the dense kernel's blocking).
 
 Without numba (or with OFFLOAD_CPU_KERNELS=library, to measure what invariance costs), products fall back
 to `F.linear` / torch's kernels and `ROW_INVARIANT` is False (a verify pass multiplies column by column).
@@ -167,6 +169,55 @@ if numba is not None:
                 for j in range(64):
                     out[r, b * 64 + j] = acc[r, j]
 
+    @njit(fastmath={"reassoc", "contract", "nsz"}, cache=True, nogil=True)
+    def _group_sums(x, G):  # pragma: no cover - compiled
+        """x [R, K] f32 -> [R, G]: each row's sum over each group of K / G columns, in the same order for every
+        row."""
+        R, K = x.shape
+        gs = K // G
+        out = np.empty((R, G), np.float32)
+        for r in range(R):
+            for gi in range(G):
+                t = np.float32(0.0)
+                for k in range(gi * gs, gi * gs + gs):
+                    t += x[r, k]
+                out[r, gi] = t
+        return out
+
+    @_jit
+    def _int8(x, xs, q, sz, shift, out):  # pragma: no cover - compiled
+        """x [R, K] f32 (R a multiple of 4), xs [R, G] its group sums; q uint8 [rows, K] (8-bit codes, row-major);
+        sz [rows, G, 2] (scale, min) raw bits, uint16 (bf16, shift 16) or uint32 (float32, shift 0),
+        w = code * scale + min -> out [R, rows] f32. Per output and group: scale * (x . codes) + min * sum(x),
+        each code widened to float32 once for 4 rows of x (4 multiply-adds); every row runs through that one
+        loop, so its bits do not depend on the rows beside it or on its place among the 4."""
+        R, K = x.shape
+        rows, G = q.shape[0], sz.shape[1]
+        gs = K // G
+        for c in prange((rows + _CHUNK - 1) // _CHUNK):
+            bits = np.empty((2, G), np.uint32)
+            sm = bits.view(np.float32)
+            for n in range(c * _CHUNK, min(rows, c * _CHUNK + _CHUNK)):
+                for gi in range(G):
+                    bits[0, gi] = np.uint32(sz[n, gi, 0]) << shift
+                    bits[1, gi] = np.uint32(sz[n, gi, 1]) << shift
+                for r in range(0, R, 4):
+                    a0 = a1 = a2 = a3 = np.float32(0.0)
+                    for gi in range(G):
+                        d0 = d1 = d2 = d3 = np.float32(0.0)
+                        for k in range(gs):  # (indexed from the matrices: row slices stop LLVM vectorising this)
+                            wq = np.float32(q[n, gi * gs + k])
+                            d0 += x[r, gi * gs + k] * wq
+                            d1 += x[r + 1, gi * gs + k] * wq
+                            d2 += x[r + 2, gi * gs + k] * wq
+                            d3 += x[r + 3, gi * gs + k] * wq
+                        s, m = sm[0, gi], sm[1, gi]
+                        a0 += s * d0 + m * xs[r, gi]
+                        a1 += s * d1 + m * xs[r + 1, gi]
+                        a2 += s * d2 + m * xs[r + 2, gi]
+                        a3 += s * d3 + m * xs[r + 3, gi]
+                    out[r, n], out[r + 1, n], out[r + 2, n], out[r + 3, n] = a0, a1, a2, a3
+
     @_jit
     def _attend(q, k, v, mask, scale, shift, out, lse):  # pragma: no cover - compiled
         """q [B, Tq, Hq, D] f32; k, v [B, Tk, Hkv, D] raw bits (uint32 float32 with shift 0, uint16 bf16 with
@@ -289,6 +340,24 @@ def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.T
         _packed(x32.numpy(), q.view(P, rows // 64, K, 32).numpy(), bits, 16 if sz.dtype == torch.bfloat16 else 0,
                 out.numpy())
     return out
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ the int8 codes (q uint8 [rows, K], row-major; sz [rows, K/g, 2] (scale, min), bf16 or float32)
+    -> [M, rows] float32, every row independent of the others."""
+    _threads(x.numel() * q.shape[0])
+    rows, K = q.shape
+    if x.shape[-1] != K or sz.shape[1] == 0 or K % sz.shape[1] or sz.shape[0] != rows:
+        raise ValueError(f"x {tuple(x.shape)} does not fit int8 codes {tuple(q.shape)} / {tuple(sz.shape)}")
+    M = x.shape[0]
+    x32 = torch.zeros(-(-M // 4) * 4, K, dtype=torch.float32)  # rows padded to the kernel's 4
+    x32[:M] = x
+    out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
+    if M:
+        xn = x32.numpy()
+        bits, shift = _bits(sz.contiguous())
+        _int8(xn, _group_sums(xn, sz.shape[1]), q.contiguous().numpy(), bits, shift, out.numpy())
+    return out[:M]
 
 
 def _bits(t: torch.Tensor) -> tuple[np.ndarray, int]:

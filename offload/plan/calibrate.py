@@ -4,8 +4,11 @@
 
     links     bytes per second of each link: cold disk reads (the prefetcher's pattern), memcpy,
               and on CUDA pinned and pageable host->device and device->host copies (CUDA events)
-    compute   per device type, a decoder layer's throughput (TinyLlama shape, the run's dtype) at
-              a few token counts, as weight bytes per second so it scales to any layer size
+    compute   per device type, a decoder layer's time at a few token counts, measured on two layer
+              shapes (TinyLlama's and a tiny one, the run's dtype) and split into a fixed cost per
+              layer (`layer_overhead_s`: the ops, allocations and kernel launches a layer makes whatever its
+              size, which dominate a small model's step) and weight bytes per second (the rest, which
+              scales with the layer's bytes)
 
 A `Calibration` is saved as JSON (default: `$OFFLOAD_CACHE/calibration.json`) and loaded back;
 with no file, conservative defaults stand in and say so. Example files for machines we do not
@@ -89,19 +92,38 @@ class Calibration:
         path.write_text(json.dumps({"version": VERSION, **self.meta, "links": self.links, "compute": self.compute},
                                    indent=2))
 
+    def _table(self, device_type: str) -> dict[str, list[float]]:
+        return self.compute.get(device_type) or DEFAULTS["compute"]["cuda" if device_type == "cuda" else "cpu"]
+
     def weight_bytes_per_s(self, device_type: str, tokens: int) -> float:
         """Layer-kernel throughput for a pass of `tokens` rows, interpolated in log(tokens)."""
-        table = self.compute.get(device_type) or DEFAULTS["compute"]["cuda" if device_type == "cuda" else "cpu"]
-        xs, ys = table["tokens"], table["weight_bytes_per_s"]
-        if tokens <= xs[0]:
-            return ys[0]
-        if tokens >= xs[-1]:
-            return ys[-1] * xs[-1] / tokens  # past the last point: time grows linearly with tokens
-        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        table = self._table(device_type)
+        return _interpolate(table["tokens"], table["weight_bytes_per_s"], tokens)
+
+    def layer_overhead_s(self, device_type: str, tokens: int) -> float:
+        """Seconds a decoder layer costs whatever its size at a pass of `tokens` rows (0 in files without it)."""
+        table = self._table(device_type)
+        if "layer_overhead_s" not in table:
+            return 0.0
+        xs, ys = table["tokens"], table["layer_overhead_s"]
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):  # linear in log(tokens), flat outside
             if x0 <= tokens <= x1:
                 w = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
-                return math.exp((1 - w) * math.log(y0) + w * math.log(y1))
-        return ys[-1]
+                return (1 - w) * y0 + w * y1
+        return ys[0] if tokens <= xs[0] else ys[-1]
+
+
+def _interpolate(xs: list[float], ys: list[float], tokens: int) -> float:
+    """ys at `tokens`, interpolated in log(tokens); past the last point, time grows linearly with tokens."""
+    if tokens <= xs[0]:
+        return ys[0]
+    if tokens >= xs[-1]:
+        return ys[-1] * xs[-1] / tokens
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x0 <= tokens <= x1:
+            w = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp((1 - w) * math.log(y0) + w * math.log(y1))
+    return ys[-1]
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -191,6 +213,11 @@ def measure_links(device: torch.device, disk_path: Path | None) -> dict[str, flo
 # ----------------------------------------------------------------------------- the model side
 REFERENCE = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32,
              "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": 32000}
+#: a tiny layer (1/300 of REFERENCE's bytes, its time nearly all fixed cost): with REFERENCE, splits a layer's
+#: time into a fixed cost and a byte rate at pass sizes up to SPLIT_TOKENS tokens
+SMALL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 32000}
+SPLIT_TOKENS = 8
 
 
 #: float32 compute is chosen on a CPU that multiplies 64 rows at least this much faster in float32
@@ -249,21 +276,40 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
 def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int, ...] = (1, 8, 64, 512),
                     context: int = 64, compute: torch.dtype | None = None,
                     quantization: str = "none") -> dict[str, list[float]]:
-    """Seconds of one decoder layer (TinyLlama shape) per pass of n tokens, as weight bytes per second.
+    """One decoder layer's time per pass of n tokens, as a fixed cost per layer and weight bytes per second.
 
     The layer is computed as a run computes it: weights stored in `dtype` (group-wise packed with
-    `quantization`), activations and KV in `compute` (default `dtype`). The bytes are the layer's dense
-    bytes at `dtype` whatever the format, so a packed format's table says how fast its kernels go through
-    the same matrices (the planner's `compute_sizes` are dense bytes)."""
-    cfg = ModelConfig.from_dict(REFERENCE)
-    compute = compute or dtype
+    `quantization`), activations and KV in `compute` (default `dtype`). At decode-like token counts (up to
+    SPLIT_TOKENS) two shapes (REFERENCE, SMALL) give two times t = overhead + bytes / rate, solved for both
+    (a rate alone where timing noise makes the overhead come out negative); past them, where a pass's work
+    grows with its tokens and attention, the large layer's rate alone, as before. The bytes are a layer's
+    dense bytes at `dtype` whatever the
+    format, so a packed format's table says how fast its kernels go through the same matrices (the planner's
+    `compute_sizes` are dense bytes)."""
+    big_bytes, big = _layer_seconds(REFERENCE, device, dtype, tokens, context, compute or dtype, quantization)
+    small_bytes, small = _layer_seconds(SMALL, device, dtype, tokens, context, compute or dtype, quantization)
+    rates, overheads = [], []
+    for n, tb, ts in zip(tokens, big, small):
+        rate = (big_bytes - small_bytes) / (tb - ts) if tb > ts else big_bytes / tb
+        overhead = ts - small_bytes / rate
+        if overhead <= 0 or n > SPLIT_TOKENS:
+            rate, overhead = big_bytes / tb, 0.0
+        rates.append(rate)
+        overheads.append(overhead)
+    return {"tokens": list(tokens), "weight_bytes_per_s": rates, "layer_overhead_s": overheads}
+
+
+def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tokens: tuple[int, ...],
+                   context: int, compute: torch.dtype, quantization: str) -> tuple[int, list[float]]:
+    """(the layer's dense bytes at `dtype`, the best of 5 times of one layer of `shape` at each token count)."""
+    cfg = ModelConfig.from_dict(shape)
     fmt = WeightFormat(quantization)
     layout = group_layout(cfg, "layer.0", dtype, fmt)
     buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
     views = layout.views(buf)
     g = torch.Generator(device="cpu").manual_seed(0)
     for name, t in views.items():
-        if t.dtype == torch.uint8:  # packed nibbles
+        if t.dtype == torch.uint8:  # packed codes
             t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
         elif name.endswith(".sz"):  # (scale, zero) pairs of weights ~ N(0, 1 / in)
             t.copy_((torch.rand(t.shape, generator=g) * 0.01).to(dtype))
@@ -273,8 +319,7 @@ def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int,
     views = {k: v if v.dtype == torch.uint8 or kernels.widens(v, compute) else v.to(compute) for k, v in views.items()}
     w = M.LayerWeights.from_views(weight_views(cfg, "layer.0", views, Scratch(), fmt))
     rope = M.Rope(cfg, device, compute)
-    dense_bytes = group_layout(cfg, "layer.0", dtype).nbytes
-    rates = []
+    seconds = []
     for n in tokens:
         batch = max(1, min(n, 8)) if n <= 8 else 1  # decode-like for small n, one prefill chunk for large
         per_seq = n // batch
@@ -282,7 +327,7 @@ def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int,
         sids = [kv.add_sequence() for _ in range(batch)]
         kv.prepare(sids, [context] * batch)
         times = []
-        for _ in range(3):
+        for _ in range(5):
             for s in sids:
                 kv.seqs[s].length = context
             layout_, step = kv.prepare(sids, [per_seq] * batch)
@@ -294,8 +339,8 @@ def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int,
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
-        rates.append(dense_bytes / min(times))
-    return {"tokens": list(tokens), "weight_bytes_per_s": rates}
+        seconds.append(min(times))
+    return group_layout(cfg, "layer.0", dtype).nbytes, seconds
 
 
 def compute_sizes(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat, cal: Calibration,

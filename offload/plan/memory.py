@@ -61,6 +61,9 @@ def resolve_kv(config: OffloadConfig, cfg: ModelConfig, device: torch.device) ->
     if (kv.cpu_blocks or kv.disk_blocks) and config.tiers is None:
         raise ConfigError("kv_cache.cpu_blocks / disk_blocks need a `tiers:` section (their memory is counted "
                           "in tiers.cpu.capacity, their file lives under tiers.disk.path)")
+    if kv.prefix_cache == "persist" and (config.tiers is None or config.tiers.disk is None):
+        raise ConfigError("kv_cache.prefix_cache: persist keeps blocks under tiers.disk.path; add a disk tier or "
+                          "use prefix_cache: on")
     if kv.disk_blocks and config.tiers.disk is None:
         raise ConfigError("kv_cache.disk_blocks needs tiers.disk (a directory for the KV slot file)")
     cpu_attention = kv.cpu_attention
@@ -74,4 +77,5 @@ def resolve_kv(config: OffloadConfig, cfg: ModelConfig, device: torch.device) ->
     return KVSettings(block_size=kv.block_size, gpu_blocks=kv.gpu_blocks or 0, cpu_blocks=kv.cpu_blocks or 0,
                       disk_blocks=kv.disk_blocks or 0, eviction=kv.eviction, idle_seconds=kv.idle_seconds,
                       quantization=kv.quantization, restore=restore, cpu_attention=cpu_attention,
-                      direct_io=bool(disk and disk.direct_io and not disk.page_cache))
+                      direct_io=bool(disk and disk.direct_io and not disk.page_cache),
+                      prefix_cache=kv.prefix_cache, persist_blocks=kv.prefix_disk_blocks)

@@ -2,8 +2,7 @@
 
 A `RunPlan` is what a run needs decided before it allocates anything: the placement plan
 (`schedulers.plan.Plan`, made by `offload.plan.placement`: each group's home tier, the ring, the staging
-slots), the KV
-cache's settings and device blocks, and how an automatic prefetch depth was chosen. It is
+slots), the KV cache's settings and device blocks, and how an automatic prefetch depth was chosen. It is
 made from the config and `config.json` alone: no weights are read, no GPU memory is touched,
 so `offload plan` can plan for machines we do not have. The runtime executes the plan.
 """
@@ -131,17 +130,16 @@ class Planner:
     values are kept as given. A plan that cannot fit even at the minimum is refused with every
     knob that would make it fit and the value it would need (`refusal`).
 
-    `concurrency` is the workload the command implies: the sequences it wants decoded together (1 for
-    `run` with a prompt and the Python API; `serve --max-batch` and the throughput mode's `--batch`). Above
-    one, an automatic device KV pool first keeps that many sequences running (each pins its newest block on
-    the device, the rest of its KV goes to the host/disk KV tiers), halving it down to two, and the prefill
-    chunk shrinks for it; only then the single-sequence order (the largest chunk first) applies. What the
-    device has left goes to KV blocks, up to what the workload can use: `concurrency` full contexts.
-    """
+    `concurrency`: the sequences the command decodes together (1: `run` with prompts, the Python API; `serve
+    --max-batch`, `run --input --batch`). Above one, an automatic device pool first keeps that many running (each
+    pins its newest block, the rest of its KV in the host/disk tiers; halved down to two), shrinking the chunk for
+    them. What the device has left joins the pool, up to what the workload can use: `concurrency` contexts."""
 
     def __init__(self, config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 caps: Capacities | None = None, concurrency: int = 1) -> None:
+                 caps: Capacities | None = None, layers: range | None = None, concurrency: int = 1) -> None:
         self.config, self.cfg, self.dtype, self.device = config, cfg, dtype, device
+        self.layers = range(cfg.num_layers) if layers is None else layers  # a pipeline stage plans its slice
+        self.planes = len(self.layers)  # layers a KV block holds on this stage
         self.concurrency = max(1, concurrency)
         kv_cfg = config.kv_cache
         self.bs = kv_cfg.block_size
@@ -153,8 +151,10 @@ class Planner:
         self._set_compute(self.upcast)
         self.caps = caps or resolve_capacities(config.tiers, device)
         self.fmt.check(cfg)
-        self.groups = [GroupSpec(name, layout.nbytes, rows_only=(name == "embed"), expert=".expert." in name)
-                       for name, layout in model_layouts(cfg, dtype, self.fmt).items()]
+        # a first stage without the head reads a tied head (the embeddings) by rows only
+        rows = {"embed"} | ({"head"} if self.layers.stop < cfg.num_layers else set())
+        self.groups = [GroupSpec(name, layout.nbytes, rows_only=name in rows, expert=".expert." in name)
+                       for name, layout in model_layouts(cfg, dtype, self.fmt, self.layers).items()]
         self.cal = load_calibration(config.calibration)
         #: bytes the math reads per group at the compute rate (packed ones scaled by their calibrated speed)
         self.compute_sizes = compute_sizes(cfg, dtype, self.fmt, load_calibration(config.calibration), device.type)
@@ -163,10 +163,11 @@ class Planner:
     def _set_compute(self, dtype: torch.dtype) -> None:
         """The compute dtype, and the KV block sizes that follow from it."""
         kv_cfg, self.compute = self.config.kv_cache, dtype
-        self.block_bytes = PagedKVCache.block_nbytes(self.cfg, kv_cfg.block_size, dtype, self.kv.restore)
+        self.block_bytes = PagedKVCache.block_nbytes(self.cfg, kv_cfg.block_size, dtype, self.kv.restore,
+                                                    self.planes)
         self.cold_fmt = ColdFormat.for_config(self.cfg, kv_cfg.block_size, dtype, self.kv.quantization,
                                               self.kv.restore)
-        self.cold_block_bytes = self.cold_fmt.block_nbytes(self.cfg.num_layers)
+        self.cold_block_bytes = self.cold_fmt.block_nbytes(self.planes)
         self.kv_cpu_bytes = (kv_cfg.cpu_blocks or 0) * self.cold_block_bytes  # explicit ones; auto: what is left
         self.kv_disk_bytes = (kv_cfg.disk_blocks or 0) * self.cold_block_bytes
 
@@ -339,7 +340,7 @@ class Planner:
         useful = self.kv_bound(fit.prefill_chunk) if self.caps.kv_blocks is None else min(
             self.kv_bound(fit.prefill_chunk), self.caps.kv_blocks)  # beside a draft: what its pool mirrors
         cpu_blocks, disk_blocks, piece = self._cold_blocks(plan, max(useful - kv_blocks, 0))
-        host, stage = host_bytes(self.cold_fmt, self.cfg.num_layers, cpu_blocks, piece)
+        host, stage = host_bytes(self.cold_fmt, self.planes, cpu_blocks, piece)
         plan = dataclasses.replace(plan, host_reserve=host, kv_stage_bytes=stage,
                                    disk_reserve=disk_blocks * self.cold_block_bytes)
         kv = dataclasses.replace(self.kv, cpu_blocks=cpu_blocks, disk_blocks=disk_blocks, stage_blocks=piece)
@@ -360,7 +361,7 @@ class Planner:
         room = None if cpu_cap is None else cpu_cap - (plan.used("cpu") - plan.host_reserve)  # for cold KV bytes
 
         def fits(cpu: int, piece: int) -> bool:
-            return room is None or host_bytes(self.cold_fmt, self.cfg.num_layers, cpu, piece)[0] <= room
+            return room is None or host_bytes(self.cold_fmt, self.planes, cpu, piece)[0] <= room
 
         def most(bound: int, ok) -> int:
             """The largest n in [0, bound] with ok(n) (ok holds for every smaller n too)."""
@@ -391,7 +392,7 @@ class Planner:
         piece = piece if cpu + disk else 0
         if (cpu + disk and self.device.type == "cuda" and not self.kv.cpu_attention and piece == 0) or not fits(
                 cpu, piece):
-            host, stage = host_bytes(self.cold_fmt, self.cfg.num_layers, cpu, max(piece, 1))
+            host, stage = host_bytes(self.cold_fmt, self.planes, cpu, max(piece, 1))
             raise CapacityError(
                 f"the cpu tier ({fmt_bytes(cpu_cap)}) cannot hold the cold KV blocks and the pinned staging they "
                 f"cross to the device in ({fmt_bytes(host)}, of which staging {fmt_bytes(stage)}) beside the weights; "

@@ -1,7 +1,8 @@
 """Predictions for a plan: time per decode step and per prefill token, and what would help most.
 
 The model side of the cost model: a group's compute time is its weight bytes over the
-calibrated layer-kernel throughput at that pass's token count, plus reading its KV blocks;
+calibrated layer-kernel throughput at that pass's token count, plus the calibrated fixed cost of a
+layer (its ops and allocations, whatever its size), plus reading its KV blocks;
 `offload.plan.costmodel.simulate` turns those and the link bandwidths into a pass time.
 """
 
@@ -45,7 +46,8 @@ def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type:
             out[g] = share * (size / (host_thr if g in plan.host_compute else thr)
                               + (HOST_ROUND_TRIP_S if g in plan.host_compute else 0.0))
         elif g.startswith("layer."):
-            out[g] = size / thr + kv_bytes / cal.links.get("device memory", cal.links["memcpy"])
+            out[g] = (size / thr + cal.layer_overhead_s(device_type, tokens)
+                      + kv_bytes / cal.links.get("device memory", cal.links["memcpy"]))
         elif g == "head":  # only each sequence's last token goes through the LM head
             out[g] = size / cal.weight_bytes_per_s(device_type, min(tokens, batch))
     return out

@@ -26,13 +26,17 @@ from offload.model.config import ModelConfig
 from offload.plan.calibrate import Calibration
 from offload.plan.costmodel import simulate
 from offload.plan.planner import AUTO_KV_TOKENS, Planner
-from offload.plan.predict import Workload, compute_seconds
+from offload.plan.predict import Workload, compute_seconds, predict_decode
 from schedulers.plan import Capacities, Plan
 from storage.errors import CapacityError
 from storage.units import blocks_for, fmt_bytes
 
 #: longest chain `tokens: auto` considers
 MAX_AUTO_TOKENS = 16
+#: the acceptance rate `tokens: auto` assumes when it decides, before any token, whether a draft can pay: a
+#: good draft's (SmolLM2-135M greedy, self-int8 / self-int4 drafts: see README "Speculative decoding"). A run
+#: that keeps its draft re-chooses the chain length from the acceptance it measures.
+PLAN_ALPHA = 0.8
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -71,18 +75,62 @@ def choose_tokens(alpha: float, t_draft: float, t_verify: Callable[[int], float]
     return best
 
 
-def verify_cost(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, dtype_bytes: int
-                ) -> Callable[[int], float]:
+@dataclass(frozen=True)
+class SpecGain:
+    """What a draft buys a run against plain decoding without one, from the cost model: pass times of the
+    draft, of the target beside it (its device share taken by the draft), of the target alone."""
+
+    t_draft: float  # one draft pass (batch 1)
+    t_plain: float  # one target pass over one token, the draft resident beside it
+    t_alone: float  # the same without a draft: what plain decoding costs
+    verify: Callable[[int], float]  # k -> a target pass over k+1 tokens / over one
+
+    def at(self, alpha: float, tokens: int | None = None) -> SpecPrediction:
+        """The speed-up against plain decoding without a draft at acceptance `alpha`: of `tokens` draft tokens
+        a pass, else of the best chain (0: plain decoding, x1)."""
+        t_verify = lambda k: self.t_plain * self.verify(k)  # noqa: E731
+        if tokens:
+            return predict(alpha, tokens, self.t_draft, t_verify, self.t_alone)
+        return choose_tokens(alpha, self.t_draft, t_verify, self.t_alone)
+
+    def plain_note(self, alpha: float = PLAN_ALPHA) -> str | None:
+        """A sentence saying why `tokens: auto` runs plain, or None when the best chain is predicted to pay."""
+        p = self.at(alpha)
+        if p.tokens:
+            return None
+        best = max(range(1, MAX_AUTO_TOKENS + 1), key=lambda k: self.at(alpha, k).speedup)
+        return (f"speculative.tokens: auto runs plain decoding (no draft): the plan predicts x"
+                f"{self.at(alpha, best).speedup:.2f} of plain decoding at best ({best} draft tokens a pass, "
+                f"acceptance {alpha:.1f}; a draft pass {1000 * self.t_draft:.0f} ms, a plain step "
+                f"{1000 * self.t_alone:.0f} ms); give speculative.tokens a number to speculate anyway")
+
+
+def gain(target: Planner, alone: Planner, draft: Planner, cal: Calibration) -> SpecGain:
+    """The cost model's `SpecGain` from the planners of the target beside its draft, of the target alone and
+    of the draft (pass times of batch 1, packed matrices at their calibrated compute speed)."""
+    device_type, dtype_bytes = target.device.type, target.dtype.itemsize
+
+    def step(p: Planner) -> float:
+        plan = p.run_plan().plan
+        return predict_decode(plan, p.cfg, cal, device_type, Workload(), dtype_bytes, p.compute_sizes).step_s
+
+    plan = target.run_plan().plan
+    cost = verify_cost(plan, target.cfg, cal, device_type, dtype_bytes, target.compute_sizes)
+    return SpecGain(step(draft), step(target), step(alone), cost)
+
+
+def verify_cost(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, dtype_bytes: int,
+                sizes: dict[str, int] | None = None) -> Callable[[int], float]:
     """k -> the cost model's time for a target pass over k+1 tokens, relative to a pass over one.
 
     On a CPU with row-invariant kernels (`offload.model.kernels`) a verify pass is one pass over k+1 tokens;
     elsewhere it multiplies each of its k+1 token columns as its own product (the bits of a plain step:
     `functional.column_groups`), so its compute is k+1 single-row passes' while its bytes move once."""
-    one = compute_seconds(plan, cfg, cal, device_type, 1, Workload().context, 1, dtype_bytes)
+    one = compute_seconds(plan, cfg, cal, device_type, 1, Workload().context, 1, dtype_bytes, sizes)
 
     def step(columns: int) -> float:
         if device_type == "cpu" and kernels.ROW_INVARIANT:
-            comp = compute_seconds(plan, cfg, cal, device_type, columns, Workload().context, 1, dtype_bytes)
+            comp = compute_seconds(plan, cfg, cal, device_type, columns, Workload().context, 1, dtype_bytes, sizes)
             return simulate(plan, comp, cal.links).step_s
         return simulate(plan, {g: columns * s for g, s in one.items()}, cal.links).step_s
 

@@ -105,7 +105,8 @@ class Conversation:
         self.kept = req.kept
         out = req.outputs[0]
         stats.generated_tokens = len(out.token_ids)
-        reply = Reply(self.runner.output_text(out), list(out.token_ids), out.finish_reason, len(req.context),
-                      len(req.prompt), time.perf_counter() - t0, stats)
+        cached = req.cached or 0
+        reply = Reply(self.runner.output_text(out), list(out.token_ids), out.finish_reason, len(req.context) + cached,
+                      len(req.prompt) - cached, time.perf_counter() - t0, stats)
         self.messages = messages + [{"role": "assistant", "content": reply.text}]
         return reply

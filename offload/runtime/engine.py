@@ -48,8 +48,8 @@ from offload.runtime.requests import (
     PrefillRow,
     Request,
     Sampling,
-    TokenLogprob,
     blocks_needed,
+    record_logprobs,
 )
 from offload.runtime.results import RunStats, TokenCallback
 from offload.runtime.sampling import sample
@@ -207,10 +207,14 @@ class Engine:
         total = req.worst_case_tokens
         if req.outputs[0].sid is not None:  # a continued sequence: reserve what it will grow by
             return self.kv.reserve(req.outputs[0].sid, total) is Admission.OK
-        need = blocks_needed(len(req.prompt), req.sampling, self.kv.block_size)
-        if self.kv.logical.can_allocate(need) is not Admission.OK:
+        sid = self.kv.add_sequence()
+        # its cached prefix first (the blocks held, so making room cannot take them): that much less to reserve
+        cached = self.kv.prefix.pin(sid, req.prompt) if self.kv.prefix is not None else 0
+        need = blocks_needed(len(req.prompt), req.sampling, self.kv.block_size) - cached
+        if self.kv.can_allocate(need) is not Admission.OK or self.kv.reserve(sid, total) is not Admission.OK:
+            self.kv.free_sequence(sid)
             return False
-        req.outputs[0].sid = self.kv.add_sequence(reserve_tokens=total)
+        req.outputs[0].sid = sid
         return True
 
     def step(self) -> None:
@@ -230,6 +234,8 @@ class Engine:
                 raise AssertionError("nothing running and nothing admissible")  # NEVER was refused at submit
             return
         logits, timing = self._forward(self._batch(decode, prefill, verify), verify)
+        for row in prefill:  # the chunks are in: their full blocks can serve other requests from now on
+            self._register(row.sid, row.req.context + row.req.prompt)
         if verify is None:  # a row per sequence: each decoding output samples from its own
             emitted, prompt_logits = len(decode), list(logits[len(decode):])
             picks = [(row.req, row.output, lg) for row, lg in zip(decode, logits)]
@@ -237,7 +243,7 @@ class Engine:
             emitted, prompt_logits = self._verified(verify, logits, len(prefill), step_id, timing)
             picks = []
         self._sample(picks + self._prompts_done(prefill, prompt_logits))
-        self._account(t0, step_id, len(decode), len(prefill), emitted)
+        self.stats.account(time.perf_counter() - t0, step_id, len(decode), len(prefill), emitted)
         self._retire()
 
     def _forward(self, batch: ForwardBatch, verify: Verification | None
@@ -274,12 +280,27 @@ class Engine:
         for req in self.prefilling:
             if left <= 0:
                 break
+            if req.cached is None:  # its first chunk: the longest cached prefix instead of computing it
+                self._attach(req)
             take = min(left, len(req.prompt) - req.prefilled, pass_tokens(self.budget, req.prefilled))
             chunk = req.prompt[req.prefilled : req.prefilled + take]
             req.prefilled += take
             left -= take
             rows.append(PrefillRow(req, chunk, req.prefilled == len(req.prompt)))
         return rows
+
+    def _attach(self, req: Request) -> None:
+        sid = req.outputs[0].sid
+        assert sid is not None
+        req.cached = 0
+        if self.kv.prefix is not None and not req.context:  # a continued sequence keeps its own prefix
+            req.cached = req.prefilled = self.kv.prefix.attach(sid, req.prompt)
+            self.stats.cached_tokens += req.cached
+
+    def _register(self, sid: int, tokens: list[int]) -> None:
+        """The full blocks of `sid` (whose K/V hold `tokens`, every one written) join the prefix cache."""
+        if self.kv.prefix is not None:
+            self.kv.prefix.register(sid, tokens)
 
     def _prompts_done(self, prefill: list[PrefillRow], logits: list[torch.Tensor]
                       ) -> list[tuple[Request, Output, torch.Tensor]]:
@@ -307,21 +328,6 @@ class Engine:
                                    keep=verify.keep + [1] * len(prefill) + [len(f.tokens) for f in forks],
                                    lanes=[0] * len(decode) + [-1] * len(prefill) + [f.branch for f in forks])
 
-    def _account(self, t0: float, step_id: int, decode_rows: int, prefill_rows: int, emitted: int) -> None:
-        dt = time.perf_counter() - t0
-        if decode_rows:
-            self.stats.decode_s += dt
-            self.stats.decode_steps += 1
-            self.stats.decode_tokens += emitted
-            self.stats.step_ms.append(1000 * dt)
-        else:
-            self.stats.prefill_s += dt
-        if prefill_rows:
-            self.stats.prefill_passes += 1
-        self.stats.most_rows = max(self.stats.most_rows, decode_rows + prefill_rows)
-        kind = "mixed" if decode_rows and prefill_rows else "decode" if decode_rows else "prefill"
-        self.stats.passes.append((step_id, kind, 1000 * dt))
-
     def _sample(self, picks: list[tuple[Request, Output, torch.Tensor]]) -> None:
         by_params: dict[Sampling, list[tuple[Request, Output, torch.Tensor]]] = {}
         for p in picks:
@@ -330,18 +336,9 @@ class Engine:
             rows = torch.stack([row for _, _, row in group])  # [B, V] float32
             tokens = sample(rows, s.temperature, s.top_p, s.top_k, [o.generator for _, o, _ in group])
             if s.logprobs is not None:
-                self._record_logprobs(rows, tokens, [o for _, o, _ in group], s.logprobs)
+                record_logprobs(rows, tokens, [o for _, o, _ in group], s.logprobs)
             for (req, o, _), tok in zip(group, tokens):
                 self._emit(req, o, tok)
-
-    @staticmethod
-    def _record_logprobs(rows: torch.Tensor, tokens: list[int], outputs: list[Output], k: int) -> None:
-        logp = torch.log_softmax(rows.float(), dim=-1).cpu()  # [B, V]
-        chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-        top = torch.topk(logp, k) if k else None
-        for b, o in enumerate(outputs):
-            alts = tuple(zip(top.indices[b].tolist(), top.values[b].tolist())) if top is not None else ()
-            o.logprobs.append(TokenLogprob(chosen[b], alts))
 
     def _emit(self, req: Request, o: Output, token: int) -> None:
         if not o.token_ids:
@@ -375,6 +372,8 @@ class Engine:
                     self._kept[sid] = None
                 for o in req.outputs:
                     if o.finish_reason and o.sid is not None and (group is self.decoding or o is req.outputs[0]):
+                        if o.finish_reason != "abort":  # every token of it went through a whole pass
+                            self._register(o.sid, req.context + req.prompt + o.token_ids)
                         self.kv.free_sequence(o.sid)
                         o.sid = None
                         if self.speculator is not None:

@@ -33,6 +33,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -193,7 +194,7 @@ class Executor:
         self.layers = range(self.cfg.num_layers) if layers is None else layers  # the slice a pass runs
         self.layer_groups = tuple(f"layer.{i}" for i in range(self.cfg.num_layers))
         caps = capacities if capacities is not None else resolve_capacities(config.tiers, self.device)
-        run_plan = Planner(config, self.cfg, self.dtype, self.device, caps, concurrency).run_plan()
+        run_plan = Planner(config, self.cfg, self.dtype, self.device, caps, self.layers, concurrency).run_plan()
         self.batch = run_plan.batch  # sequences the device KV pool keeps decoding together (None: sized per request)
         self.kv_settings = run_plan.kv
         self.compute_dtype = run_plan.compute_dtype  # the math and the KV cache
@@ -202,7 +203,7 @@ class Executor:
         self.plan = run_plan.plan
         self.prefill_chunk = run_plan.prefill_chunk  # activations.prefill_chunk, `auto` resolved
         self._res.weights = TieredWeights(config, self.checkpoint, self.dtype, self.device, self.timeline,
-                                          run_plan.plan, self.traffic, self.compute_dtype)
+                                          run_plan.plan, self.traffic, self.compute_dtype, self.layers)
         self._kv_fixed = run_plan.kv_blocks > 0
         if self._kv_fixed:  # tiers (or kv_cache.gpu_blocks): one pool inside the device tier's budget
             try:
@@ -270,7 +271,16 @@ class Executor:
                             disk_dir=disk.path / "kv-scratch" if disk is not None and s.disk_blocks else None,
                             pin_memory=self.device.type == "cuda", timeline=self.timeline, rope=self.rope,
                             traffic=self.traffic, host_memory=host_memory, engine=self.weights.engine,
-                            page_cache=bool(disk and disk.page_cache))
+                            page_cache=bool(disk and disk.page_cache), identity=self.kv_identity,
+                            prefix_dir=disk.path / "prefix-cache" if disk is not None else None, layers=self.layers)
+
+    @functools.cached_property
+    def kv_identity(self) -> str:
+        """What this executor's K/V depend on besides the tokens: the checkpoint (its path, config and weight
+        files' sizes and times), the weight format, the compute dtype and the layers (the prefix cache's key root)."""
+        model = Path(self.config.model).resolve()
+        files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model.glob("*.safetensors"))
+        return f"{model}|{self.cfg}|{files}|{self.config.weights}|{self.compute_dtype}|{self.layers}"
 
     # -- the forward pass -----------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:

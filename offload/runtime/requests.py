@@ -69,6 +69,7 @@ class Request:
     keep: bool = False  # when finished, keep the sequence's KV (as `kept`) instead of freeing it
     context: list[int] = field(default_factory=list)  # tokens of a continued sequence already cached before `prompt`
     kept: Kept | None = None  # set when a `keep` request finishes
+    cached: int | None = None  # prompt tokens the prefix cache supplied (None: not looked up yet)
 
     @property
     def finished(self) -> bool:
@@ -86,6 +87,16 @@ def blocks_needed(prompt_len: int, s: Sampling, block_size: int) -> int:
     # with samples, a partial last prompt block is copied by every writer before the shared one goes
     copied = 1 if s.n > 1 and prompt_len % block_size else 0
     return per_output + (s.n - 1) * (per_output - prompt_len // block_size) + copied
+
+
+def record_logprobs(rows: torch.Tensor, tokens: list[int], outputs: list[Output], k: int) -> None:
+    """Each output's chosen token's log-probability under `rows` [B, V] (before temperature) and its top `k`."""
+    logp = torch.log_softmax(rows.float(), dim=-1).cpu()  # [B, V]
+    chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    top = torch.topk(logp, k) if k else None
+    for b, o in enumerate(outputs):
+        alts = tuple(zip(top.indices[b].tolist(), top.values[b].tolist())) if top is not None else ()
+        o.logprobs.append(TokenLogprob(chosen[b], alts))
 
 
 @dataclass

@@ -15,6 +15,7 @@ class RunStats:
     """Timing of one `generate` call (shared by its results)."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache supplied (not computed)
     prefill_passes: int = 0
     prefill_s: float = 0.0
     decode_steps: int = 0
@@ -30,6 +31,21 @@ class RunStats:
     #: a mixture of experts with an expert cache: its counts after the call (`TieredWeights.expert_stats`: hits,
     #: prefetched, misses, hit rates per layer, the next-layer prediction's recall and precision)
     experts: dict[str, Any] = field(default_factory=dict)
+
+    def account(self, dt: float, step_id: int, decode_rows: int, prefill_rows: int, emitted: int) -> None:
+        """One engine pass of `dt` seconds: decode rows (and the tokens they emitted) and prefill rows."""
+        if decode_rows:
+            self.decode_s += dt
+            self.decode_steps += 1
+            self.decode_tokens += emitted
+            self.step_ms.append(1000 * dt)
+        else:
+            self.prefill_s += dt
+        if prefill_rows:
+            self.prefill_passes += 1
+        self.most_rows = max(self.most_rows, decode_rows + prefill_rows)
+        kind = "mixed" if decode_rows and prefill_rows else "decode" if decode_rows else "prefill"
+        self.passes.append((step_id, kind, 1000 * dt))
 
     @property
     def decode_only_steps(self) -> list[int]:
@@ -64,7 +80,8 @@ class RunStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "prompt_tokens": self.prompt_tokens, "prefill_passes": self.prefill_passes,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "prefill_passes": self.prefill_passes,
             "prefill_s": round(self.prefill_s, 6), "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 3),
             "decode_steps": self.decode_steps, "decode_s": round(self.decode_s, 6),
             "decode_ms_per_step": round(self.decode_ms_per_step, 3), "decode_tokens": self.decode_tokens,

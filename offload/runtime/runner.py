@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from offload.config import OffloadConfig
+from offload.config import OffloadConfig, SpeculativeConfig
 from offload.errors import ConfigError
 from offload.kv.cache import PagedKVCache
 from offload.model.chat import GenerationDefaults
@@ -38,12 +38,13 @@ from offload.plan.speculative import reserve_draft, streaming_note, verify_cost,
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Engine
 from offload.runtime.executor import DTYPES, Executor, WeightSource, resolve_device, resolve_dtype
-from offload.runtime.impls import executor_class
+from offload.runtime.pipeline import make_target
 from offload.runtime.requests import Context, Output, Request, blocks_needed
 from offload.runtime.results import Completion, GenerationResult, RunStats, TokenCallback, TokenEvent
 from offload.runtime.sampling import Sampling, resolve_sampling
-from offload.runtime.speculative import Speculator, check_draft, draft_config
+from offload.runtime.speculative import Speculator, auto_gain, check_draft, draft_config
 from offload.runtime.verify import row_blocks, tree_blocks
+from schedulers.plan import Capacities
 from schedulers.timeline import Timeline
 
 __all__ = ["Runner", "GenerationResult", "DTYPES", "WeightSource", "resolve_device", "resolve_dtype"]
@@ -98,14 +99,18 @@ class Runner:
         executors: list[Executor] = []
         self._finalizer = weakref.finalize(self, _close, executors)
         caps = resolve_capacities(config.tiers, resolve_device(config.device))
+        #: why `speculative.tokens: auto` runs plain decoding (the plan predicts the draft would not pay), or None
+        self.speculation_note: str | None = None
+        if config.speculative.enabled and config.speculative.tokens is None:
+            config = self._auto_speculation(config, caps)
         try:
             if config.speculative.enabled:  # the draft is placed first; the target plans around it
                 self.draft = Executor(draft_config(config), Timeline(enabled=False))
                 executors.append(self.draft)
                 check_draft(config.model, Checkpoint(config.model).config, self.tokenizer, self.draft)
                 caps = reserve_draft(config, caps, self.draft.plan.used("gpu"), self.draft.kv_block_bytes)
-            # model_impl: native or transformers
-            self.target = executor_class(config)(config, timeline, caps, concurrency=concurrency)
+            # model_impl's executor; under torchrun rank 0's stage
+            self.target = make_target(config, timeline, caps, concurrency)
             executors.append(self.target)
         except BaseException:
             self.close()
@@ -115,6 +120,17 @@ class Runner:
         self.generation = GenerationDefaults.from_checkpoint(config.model, self.cfg.eos_token_ids)
         if self.draft is not None:
             self._start_speculating(self.draft)
+
+    def _auto_speculation(self, config: OffloadConfig, caps: Capacities) -> OffloadConfig:
+        """`tokens: auto`: the config as given when the plan predicts its draft pays, else without a draft."""
+        cfg = Checkpoint(config.model).config
+        gain = auto_gain(config, cfg, resolve_dtype(config.dtype, cfg.torch_dtype),
+                         resolve_device(config.device), caps)
+        self.speculation_note = gain.plain_note()
+        if self.speculation_note is None:
+            return config
+        log.warning("%s", self.speculation_note)
+        return config.replace(speculative=SpeculativeConfig())
 
     def _start_speculating(self, draft: Executor) -> None:
         if self.plan.streamed:  # what the draft's memory costs the target

@@ -33,6 +33,7 @@ acceptance rate and pass times (`offload.plan.speculative`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,16 +41,19 @@ from typing import Any
 
 import torch
 
-from offload.config import SELF_DRAFTS, KVCacheConfig, OffloadConfig
+from offload.config import SELF_DRAFTS, KVCacheConfig, OffloadConfig, SpeculativeConfig
 from offload.errors import ConfigError
 from offload.kv.cache import PagedKVCache
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.model.tokenizer import TextTokenizer
-from offload.plan.speculative import MAX_AUTO_TOKENS, SpecPrediction, choose_tokens
+from offload.plan.calibrate import load_calibration
+from offload.plan.planner import Planner
+from offload.plan.speculative import MAX_AUTO_TOKENS, SpecGain, SpecPrediction, choose_tokens, gain, reserve_draft
 from offload.runtime.executor import Executor, ForwardBatch
 from offload.runtime.sampling import probs
 from offload.weights.groups import WeightFormat
+from schedulers.plan import Capacities
 from schedulers.timeline import Timeline
 from storage.units import blocks_for
 
@@ -66,7 +70,8 @@ def draft_config(config: OffloadConfig) -> OffloadConfig:
 
     Its KV pool is sized by the caller once the target's is known (one draft block per target block)."""
     spec = config.speculative
-    kv = KVCacheConfig(block_size=config.kv_cache.block_size, gpu_blocks=None)
+    # no prefix cache: the draft is resident and feeds its whole prompt (only the target's blocks are shared)
+    kv = KVCacheConfig(block_size=config.kv_cache.block_size, gpu_blocks=None, prefix_cache="off")
     off = dataclasses.replace(spec, draft="none", path=None, hub=None)
     if spec.draft in SELF_DRAFTS:  # the target itself, its matrices packed (in memory: every weight is resident)
         fmt = WeightFormat(spec.draft.removeprefix("self-"), config.weights.group_size, tuple(config.weights.keep))
@@ -76,6 +81,27 @@ def draft_config(config: OffloadConfig) -> OffloadConfig:
     assert spec.path is not None
     # a Hub draft: the runner fetched it with the target (`OffloadConfig.fetched`)
     return dataclasses.replace(config, model=spec.path, hub=spec.hub, tiers=None, kv_cache=kv, speculative=off)
+
+
+def draft_model_config(config: OffloadConfig, target_cfg: ModelConfig) -> ModelConfig:
+    """The draft's model shape (`draft_config(config)`'s), from its config.json alone (no weights read)."""
+    if config.speculative.draft in SELF_DRAFTS:
+        return target_cfg
+    path = draft_config(config).model
+    return ModelConfig.from_dict(json.loads((path / "config.json").read_text()), str(path))
+
+
+def auto_gain(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+              caps: Capacities) -> SpecGain:
+    """What the config's draft buys against plain decoding, planned (no weights read): the draft placed first,
+    the target around it, and the target alone with all of `caps`."""
+    dconf = draft_config(config)
+    draft = Planner(dconf, draft_model_config(config, cfg), dtype, device)
+    drp = draft.run_plan()
+    target = Planner(config, cfg, dtype, device, reserve_draft(config, caps, drp.plan.used("gpu"),
+                                                                 drp.kv_block_bytes))
+    alone = Planner(config.replace(speculative=SpeculativeConfig()), cfg, dtype, device, caps)
+    return gain(target, alone, draft, load_calibration(config.calibration))
 
 
 def check_draft(target_model: Path, target_cfg: ModelConfig, target_tokenizer: TextTokenizer | None,
@@ -134,8 +160,10 @@ class Speculator:
         t_plain = self.verify_s / self.verify_passes
         self.choice = choose_tokens(self.alpha, t_draft, lambda k: t_plain * self.verify_cost(k), t_plain,
                                     MAX_AUTO_TOKENS)
-        if self.choice.tokens == 0 and self.verify_passes % PROBE_EVERY == 0:
+        if self.choice.tokens == 0 and self.verify_passes % PROBE_EVERY == 0 and choose_tokens(
+                1.0, t_draft, lambda k: t_plain * self.verify_cost(k), t_plain, MAX_AUTO_TOKENS).tokens:
             return 1  # drafting does not pay: plain passes, with a probe now and then to re-measure acceptance
+            # (none when even a draft the target always agreed with could not pay: its passes are too slow)
         return self.choice.tokens
 
     def _kv(self) -> PagedKVCache:

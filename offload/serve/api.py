@@ -67,6 +67,11 @@ class Call:
             self.cancel()
             raise
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache supplied to the call's jobs (known once each has started)."""
+        return sum(job.request.cached or 0 for job in self.jobs if job.request is not None)
+
     def _sink(self, aloop: asyncio.AbstractEventLoop, j: int) -> Callable[[Event], None]:
         def put(ev: Event) -> None:  # on the loop's thread
             try:
@@ -157,14 +162,16 @@ def create_app(served: ServedModel, loop: EngineLoop) -> FastAPI:
         errors = []
         async for _, ev in call.events(request):
             if ev.error:
-                errors.append(ev.error)
+                errors.append(ev)
         if errors:
-            return error_response(500, errors[0], code="engine_error")
+            if errors[0].unavailable:  # a rank of a distributed run failed: this server stops
+                return error_response(503, errors[0].error, code="unavailable")
+            return error_response(500, errors[0].error, code="engine_error")
         failed = _failure(call)
         if failed is not None:
             return failed
         make = served.chat_response if chat else served.completion_response
-        return make(rid, call.choices, call.prompt_tokens, logprobs, created)
+        return make(rid, call.choices, call.prompt_tokens, logprobs, created, call.cached_tokens)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -243,5 +250,6 @@ async def _sse(served: ServedModel, call: Call, request: Request, rid: str, crea
             yield chunk({"index": c.index, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish or None})
     if all(c.finish for c in call.choices):
         if include_usage:
-            yield f"data: {json.dumps(head | {'choices': [], 'usage': usage(call.prompt_tokens, call.choices)})}\n\n"
+            used = usage(call.prompt_tokens, call.choices, call.cached_tokens)
+            yield f"data: {json.dumps(head | {'choices': [], 'usage': used})}\n\n"
         yield "data: [DONE]\n\n"

@@ -31,6 +31,7 @@ import torch
 
 from offload.errors import OffloadError
 from offload.runtime.engine import Engine
+from offload.runtime.ranks import RankError
 from offload.runtime.requests import Output, Request, TokenLogprob
 from offload.runtime.runner import Runner
 from offload.runtime.sampling import Sampling
@@ -73,6 +74,7 @@ class Event:
     logprob: TokenLogprob | None = None
     finish: str = ""  # "" while running; "stop" | "length" | "abort" | "timeout" (FINISH's values)
     error: str = ""  # the loop failed this job (the message says why)
+    unavailable: bool = False  # ... and the server cannot go on (a rank of a distributed run failed): 503
 
 
 @dataclass(eq=False)
@@ -106,6 +108,8 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self.steps = 0  # forward passes run
         self.failed: BaseException | None = None  # the last error a step raised (jobs running then were failed)
+        self.fatal: RankError | None = None  # a rank of a distributed run failed: every job ends, the server exits
+        self.on_fatal: Callable[[], None] | None = None  # told when that happens (the server stops listening)
 
     # -- any thread ---------------------------------------------------------------------------
     def submit(self, job: Job) -> Job:
@@ -139,8 +143,10 @@ class EngineLoop:
         kv = self.engine.kv
         return {"steps": self.steps, "queued": len(self._pending) + len(self.engine.waiting),
                 "running": sum(len(r.outputs) for r in self.engine.prefilling + self.engine.decoding),
-                "kv_blocks": kv.pool.num_blocks, "kv_blocks_free": kv.pool.num_free,
-                "kv_logical_free": kv.logical.num_free, "kv_sequences": len(kv.seqs)}
+                # free: unused, or held only by the prefix cache (taken back when a request needs them)
+                "kv_blocks": kv.pool.num_blocks, "kv_blocks_free": kv.pool.num_free + kv.idle_count("gpu"),
+                "kv_logical_free": kv.logical.num_free + kv.idle_count(), "kv_sequences": len(kv.seqs),
+                "kv_prefix_blocks": kv.prefix.blocks if kv.prefix is not None else 0}
 
     @property
     def busy(self) -> bool:
@@ -211,6 +217,18 @@ class EngineLoop:
                 self.steps += 1
                 if self.steps % HISTORY_STEPS == 0:
                     self._forget_history()
+        except RankError as e:  # the pipeline is broken: every job ends now (503), no new one is taken
+            log.error("%s", e)
+            self.fatal = self.failed = e
+            with self._lock:
+                self._draining = True
+                jobs, self._pending = [*self._pending, *self._active], deque()
+            for job in self._active:
+                self.engine.abort(job.request)
+            for job in jobs:
+                self._end(job, "abort", error=str(e), unavailable=True)
+            if self.on_fatal is not None:
+                self.on_fatal()
         except Exception as e:  # a real error (a corrupt chunk, out of memory): fail who was running, keep serving
             log.exception("a forward pass failed; the requests it carried end with an error")
             self.failed = e
@@ -235,11 +253,11 @@ class EngineLoop:
             self._active.append(job)
             running += job.sampling.n
 
-    def _end(self, job: Job, reason: str, error: str = "") -> None:
+    def _end(self, job: Job, reason: str, error: str = "", unavailable: bool = False) -> None:
         for k, done in enumerate(job.finished):
             if not done:
                 job.finished[k] = True
-                job.sink(Event(k, finish=FINISH[reason], error=error))
+                job.sink(Event(k, finish=FINISH[reason], error=error, unavailable=unavailable))
 
     def _on_token(self, job: Job, index: int, token: int, delta: str) -> None:
         """The engine's token callback (on this thread): stop strings, then one event to the job's sink."""

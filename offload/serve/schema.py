@@ -238,29 +238,31 @@ class ServedModel:
                             for t, lp in zip(ids, lps)]}
 
     def completion_response(self, rid: str, choices: list[Choice], prompt_tokens: int, logprobs: bool,
-                            created: int | None = None) -> dict[str, Any]:
+                            created: int | None = None, cached_tokens: int = 0) -> dict[str, Any]:
         """`created`: when the request arrived (OpenAI's meaning), else now."""
         created = int(time.time()) if created is None else created
         return {"id": rid, "object": "text_completion", "created": created, "model": self.name,
                 "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish,
                              "logprobs": self.completion_logprobs(c.logprobs, c.token_ids) if logprobs else None}
                             for c in choices],
-                "usage": usage(prompt_tokens, choices)}
+                "usage": usage(prompt_tokens, choices, cached_tokens)}
 
     def chat_response(self, rid: str, choices: list[Choice], prompt_tokens: int, logprobs: bool,
-                      created: int | None = None) -> dict[str, Any]:
+                      created: int | None = None, cached_tokens: int = 0) -> dict[str, Any]:
         created = int(time.time()) if created is None else created
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.name,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "finish_reason": c.finish,
                              "logprobs": self.chat_logprobs(c.logprobs, c.token_ids) if logprobs else None}
                             for c in choices],
-                "usage": usage(prompt_tokens, choices)}
+                "usage": usage(prompt_tokens, choices, cached_tokens)}
 
 
-def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
+def usage(prompt_tokens: int, choices: list[Choice], cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens the prefix cache supplied (not computed)."""
     done = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def new_id(prefix: str) -> str:

@@ -141,6 +141,17 @@ def group_names(cfg: ModelConfig) -> list[str]:
     return embed + layers + ["head"]
 
 
+def stage_groups(cfg: ModelConfig, layers: range) -> list[str]:
+    """The groups a pipeline stage over `layers` reads, in pass order: the first stage the token embeddings
+    (read by rows; with tied embeddings the `head` group), its layers (and their experts), the last the head."""
+    first, last = layers.start == 0, layers.stop == cfg.num_layers
+    embed, _ = embedding_source(cfg)
+    keep = {f"layer.{i}" for i in layers} | {g for i in layers for g in expert_groups(cfg, i)}
+    keep |= {embed} if first else set()
+    keep |= {"head"} if last else set()
+    return [g for g in group_names(cfg) if g in keep]
+
+
 def stacked_experts(ckpt: Checkpoint) -> bool:
     """Does the checkpoint store each layer's experts stacked (`experts.gate_up_proj`) rather than one by one?"""
     sparse = [i for i, moe in enumerate(ckpt.config.moe_layers) if moe]
@@ -273,8 +284,11 @@ def group_layout(cfg: ModelConfig, group: str, dtype: torch.dtype, fmt: WeightFo
     return GroupLayout.build(group, entries)
 
 
-def model_layouts(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat = DENSE) -> dict[str, GroupLayout]:
-    return {g: group_layout(cfg, g, dtype, fmt) for g in group_names(cfg)}
+def model_layouts(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat = DENSE,
+                  layers: range | None = None) -> dict[str, GroupLayout]:
+    """Every group's layout, or (`layers`) those of one pipeline stage (`stage_groups`)."""
+    names = group_names(cfg) if layers is None else stage_groups(cfg, layers)
+    return {g: group_layout(cfg, g, dtype, fmt) for g in names}
 
 
 def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor, fmt: WeightFormat = DENSE) -> None:

@@ -5,19 +5,16 @@ per `group_size` consecutive input columns of each output row:
 
     q = clamp(round((w - min) / scale), 0, 2**bits - 1)      scale = (max - min) / (2**bits - 1)
 
-Packed bytes are laid out the way torch's CPU int4 matmul (`_weight_int4pack_mm_for_cpu`) reads
+int4 bytes are laid out the way torch's CPU int4 matmul (`_weight_int4pack_mm_for_cpu`) reads
 them, so on a CPU device a packed matrix is multiplied as it lies in its slot, with no dequantized
-copy. int8 is stored as two 4-bit *planes* (high and low nibble, `q = 16 hi + lo`): two such
-matmuls whose sum is the int8 product. Each plane carries `(scale, zero)` pairs in the compute
-dtype, with the kernel's meaning `w = (nibble - 8) * scale + zero`:
-
-    int4:           scale = s,      zero = min + 8 s
-    int8 high:      scale = 16 s,   zero = min + 128 s
-    int8 low:       scale = s,      zero = 8 s
-
-Tile order of one plane (torch's CPU int4 packing): output rows in blocks of 64; inside a block,
+copy: one *plane* q [1, rows, k/2] with `(scale, zero)` pairs sz [1, k/g, rows, 2] in the compute
+dtype, with the kernel's meaning `w = (nibble - 8) * scale + zero` (scale = s, zero = min + 8 s).
+Tile order of the plane (torch's CPU int4 packing): output rows in blocks of 64; inside a block,
 for each input column k, 32 bytes whose byte j holds row j (low nibble) and row j + 32 (high
-nibble). Rows are padded with zeros to a multiple of 64. Where the kernel is missing (CUDA, other
+nibble). int8 is one byte a weight, row-major, q [rows, k], with sz [rows, k/g, 2] = (scale, min)
+and `w = q * scale + min`: its CPU kernel (`kernels.int8_linear`) reads each row's bytes in order,
+one multiply-add a weight (it was two int4 planes, two products). Rows are padded with zeros to a
+multiple of 64. Where the kernel is missing (CUDA, other
 group sizes) a matrix is dequantized into a reused scratch buffer and multiplied densely.
 
 On a CPU a packed matrix multiplies through `offload.model.kernels` (row-invariant: torch's kernel above
@@ -52,7 +49,8 @@ def _torch_packs_like_us() -> bool:
 
 
 def planes(bits: int) -> int:
-    return {4: 1, 8: 2}[bits]
+    """4-bit planes of the tile layout (int8 has none: its bytes are row-major)."""
+    return {4: 1, 8: 0}[bits]
 
 
 def padded_rows(n: int) -> int:
@@ -60,9 +58,11 @@ def padded_rows(n: int) -> int:
 
 
 def packed_shapes(n: int, k: int, bits: int, group_size: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of the packed tensors of one [n, k] matrix: nibbles (uint8) and (scale, zero) pairs."""
-    p, rows = planes(bits), padded_rows(n)
-    return {"q": (p, rows, k // 2), "sz": (p, k // group_size, rows, 2)}
+    """Shapes of the packed tensors of one [n, k] matrix: codes (uint8) and (scale, zero) pairs."""
+    rows = padded_rows(n)
+    if bits == 8:
+        return {"q": (rows, k), "sz": (rows, k // group_size, 2)}
+    return {"q": (1, rows, k // 2), "sz": (1, k // group_size, rows, 2)}
 
 
 # ----------------------------------------------------------------------------- tile order
@@ -88,7 +88,7 @@ def unpack_tiles(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch
 
 # ----------------------------------------------------------------------------- quantize
 def quantize(w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Dense [n, k] -> {"q": uint8 [planes, rows, k/2], "sz": dtype [planes, k/g, rows, 2]} (see module doc)."""
+    """Dense [n, k] -> {"q": uint8 codes, "sz": dtype (scale, zero) pairs} as `packed_shapes` (see module doc)."""
     n, k = w.shape
     if k % group_size or group_size % 2:
         raise ValueError(f"group size {group_size} does not divide the input dimension {k}")
@@ -100,36 +100,29 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype) ->
     scale = (hi - lo) / levels
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = ((g - lo[..., None]) / safe[..., None]).round_().clamp_(0, levels).to(torch.int32).view(rows, k)
-    if bits == 4:
-        nibbles = [q]
-        pairs = [(scale, lo + 8 * scale)]
-    else:
-        nibbles = [q >> 4, q & 15]
-        pairs = [(16 * scale, lo + 128 * scale), (scale, 8 * scale)]
-    packed = torch.stack([pack_tiles(x) for x in nibbles])
-    sz = torch.stack([torch.stack([s.T, z.T], dim=-1) for s, z in pairs]).to(dtype)
-    return {"q": packed, "sz": sz}
+    if bits == 8:
+        return {"q": q.to(torch.uint8), "sz": torch.stack([scale, lo], dim=-1).to(dtype)}
+    sz = torch.stack([scale.T, (lo + 8 * scale).T], dim=-1).to(dtype)
+    return {"q": pack_tiles(q)[None], "sz": sz[None]}
 
 
-def dequantize(q: torch.Tensor, sz: torch.Tensor, out: torch.Tensor | None = None,
-               tmp: torch.Tensor | None = None) -> torch.Tensor:
-    """Packed planes -> dense [rows, k] in sz's dtype (padded rows included), into `out` when given
-    (`tmp`, another [rows, k], holds the second plane of int8)."""
-    p, rows, half = q.shape
-    k, groups = 2 * half, sz.shape[1]
-    gs = k // groups
+def dequantize(q: torch.Tensor, sz: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed codes -> dense [rows, k] in sz's dtype (padded rows included), into `out` when given."""
+    int8 = q.dim() == 2
+    rows, k = (q.shape[0], q.shape[1]) if int8 else (q.shape[1], 2 * q.shape[2])
+    groups = sz.shape[1]
     if out is None:
         out = torch.empty(rows, k, dtype=sz.dtype, device=q.device)
-    if p > 1 and tmp is None:
-        tmp = torch.empty(rows, k, dtype=sz.dtype, device=q.device)
-    for i in range(p):
-        dest = out if i == 0 else tmp
-        unpack_tiles(q[i], dest)
-        d = dest.view(rows, groups, gs)
-        scale, zero = sz[i, ..., 0].T[..., None], sz[i, ..., 1].T[..., None]  # [rows, groups, 1]
-        d.sub_(8).mul_(scale).add_(zero)
-        if i > 0:
-            out.add_(tmp)
+    pairs = sz if int8 else sz[0].transpose(0, 1)  # [rows, groups, 2]
+    if int8:
+        out.copy_(q)
+    else:
+        unpack_tiles(q[0], out)
+    d = out.view(rows, groups, k // groups)
+    scale, zero = pairs[..., 0, None], pairs[..., 1, None]  # [rows, groups, 1]
+    if not int8:
+        d.sub_(8)
+    d.mul_(scale).add_(zero)
     return out
 
 
@@ -156,20 +149,24 @@ class Scratch:
 class PackedLinear:
     """A packed [out_features, k] weight; `linear(x)` is `x @ W.T` (+ bias) without a resident dense W."""
 
-    q: torch.Tensor  # uint8 [planes, rows, k / 2], tile order
-    sz: torch.Tensor  # [planes, k / group, rows, 2] (scale, zero) in the compute dtype
+    q: torch.Tensor  # int4: uint8 [1, rows, k / 2], tile order; int8: uint8 [rows, k], row-major
+    sz: torch.Tensor  # int4: [1, k / group, rows, 2] (scale, zero); int8: [rows, k / group, 2] (scale, min)
     out_features: int  # rows before padding to a multiple of 64
     scratch: Scratch | None  # where to dequantize when no fused kernel applies
 
     @property
+    def bits(self) -> int:
+        return 8 if self.q.dim() == 2 else 4
+
+    @property
     def group_size(self) -> int:
-        return 2 * self.q.shape[2] // self.sz.shape[1]
+        return self.q.shape[1] // self.sz.shape[1] if self.bits == 8 else 2 * self.q.shape[2] // self.sz.shape[1]
 
     @property
     def fused(self) -> bool:
         """torch's vectorised int4 kernel applies: a CPU, one of its group sizes, bf16 scales (other scale dtypes
         take its scalar loop, so they go to the numba kernel where there is one)."""
-        return (_TORCH_LAYOUT and self.q.device.type == "cpu" and self.group_size in FUSED_GROUPS
+        return (self.bits == 4 and _TORCH_LAYOUT and self.q.device.type == "cpu" and self.group_size in FUSED_GROUPS
                 and (self.sz.dtype == torch.bfloat16 or not kernels.packed_supported(self.sz)))
 
     def row_invariant(self, x: torch.Tensor) -> bool:
@@ -177,21 +174,20 @@ class PackedLinear:
 
     def dense(self) -> torch.Tensor:
         """The dequantized weight [out_features, k] (in the scratch buffer when there is one)."""
-        p, rows, k = self.q.shape[0], self.q.shape[1], 2 * self.q.shape[2]
+        rows, k = (self.q.shape[0], self.q.shape[1]) if self.bits == 8 else (self.q.shape[1], 2 * self.q.shape[2])
         if self.scratch is None:
             return dequantize(self.q, self.sz)[: self.out_features]
-        buf = self.scratch.take(p * rows * k, self.sz.dtype, self.q.device).view(p, rows, k)
-        return dequantize(self.q, self.sz, buf[0], buf[1] if p > 1 else None)[: self.out_features]
+        buf = self.scratch.take(rows * k, self.sz.dtype, self.q.device).view(rows, k)
+        return dequantize(self.q, self.sz, buf)[: self.out_features]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., k] -> [..., out_features] in x's dtype."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if self.fused:
-            x2 = x2.to(self.sz.dtype).contiguous()
-            y = _FUSED(x2, self.q[0], self.group_size, self.sz[0])
-            for i in range(1, self.q.shape[0]):
-                y = y + _FUSED(x2, self.q[i], self.group_size, self.sz[i])
+        if self.bits == 8 and kernels.packed_supported(self.sz):
+            y = kernels.int8_linear(x2, self.q, self.sz)
+        elif self.fused:
+            y = _FUSED(x2.to(self.sz.dtype).contiguous(), self.q[0], self.group_size, self.sz[0])
         elif kernels.packed_supported(self.sz):
             y = kernels.packed_linear(x2, self.q, self.sz)
         else:

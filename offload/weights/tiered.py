@@ -49,7 +49,8 @@ class TieredWeights:
 
     def __init__(self, config: OffloadConfig, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
                  timeline: Timeline, plan: Plan, traffic: Traffic | None = None,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, layers: range | None = None) -> None:
+        """`layers`: a pipeline stage's slice; only its groups (`stage_groups`) are homed and streamed."""
         self.cfg, self.device, self.dtype = ckpt.config, device, dtype
         self.compute_dtype = compute_dtype or dtype  # weights are upcast to it after the transfer when it differs
         self.timeline = timeline
@@ -57,7 +58,7 @@ class TieredWeights:
         self.engine = make_engine(device)  # the run's one transfer engine: weights and cold KV blocks
         self.fmt = WeightFormat.from_config(config.weights, ckpt.config)
         self.fmt.check(ckpt.config)
-        self.layouts = model_layouts(ckpt.config, dtype, self.fmt)
+        self.layouts = model_layouts(ckpt.config, dtype, self.fmt, layers)
         self.scratch = Scratch()  # packed matrices are dequantized here when no fused kernel applies
         self.plan = plan
         embed_group, self._embed_tensor = embedding_source(ckpt.config)
@@ -98,7 +99,8 @@ class TieredWeights:
             self.close()
             raise
         self._embed_group = embed_group
-        self._embed_spec = self.layouts[embed_group].spec(self._embed_tensor)
+        # a stage after the first embeds nothing (its input is the previous stage's hidden states)
+        self._embed_spec = self.layouts[embed_group].spec(self._embed_tensor) if embed_group in self.layouts else None
 
     # -- set-up -------------------------------------------------------------------------------
     def _fill_homes(self, ckpt: Checkpoint) -> None:
@@ -147,6 +149,7 @@ class TieredWeights:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [N, H], read by rows from wherever the embedding table lives."""
         spec = self._embed_spec
+        assert spec is not None, "this pipeline stage has no token embeddings (it starts after layer 0)"
         home = self.plan.homes[self._embed_group]
         tier = self.tiers[home]
         if isinstance(tier, MemoryTier):
