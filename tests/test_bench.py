@@ -43,4 +43,4 @@ def test_quick_benchmark_reports_ratios_rss_and_the_peer(tmp_path):
     for row in kv.values():
         assert row["kv_blocks_needed"] >= 4 * row["kv_blocks_gpu_cpu"]  # most of the KV really is cold
     table = (tmp_path / "bench.md").read_text()
-    assert "ratio to bound" in table and "Accelerate ms/step" in table
+    assert "ratio to bound" in table and "Accelerate (bf16) ms/step" in table and "same format" in table

@@ -127,7 +127,7 @@ def test_staged_cold_kv_comes_from_the_given_pinned_region_in_pieces_and_compute
 
 def test_without_a_copying_engine_cold_parts_pass_through():
     cfg = ModelConfig.from_dict(CFG)
-    fetcher = ColdFetcher(PagedKVCache.device_format(cfg, 4, torch.float32, "transfer"), 3, 2, 2, ThreadEngine())
+    fetcher = ColdFetcher(ColdFormat.for_device(cfg, 4, torch.float32, "transfer"), 3, 2, 2, ThreadEngine())
     assert not fetcher.staged and fetcher._buffers == []
 
 
