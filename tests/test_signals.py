@@ -96,7 +96,7 @@ def expected(sig: int) -> tuple[int, str]:
 # ----------------------------------------------------------------------------- the commands
 def run_once(config: Path, prompt_file: Path, sig: int, delay: float) -> dict:
     """`offload run`: a 200-token prompt prefilled 16 tokens a pass, then decoding, KV spilling every block."""
-    proc = Proc("run", "--config", str(config), "--prompt-file", str(prompt_file), "--max-new-tokens", "100000")
+    proc = Proc("run", "--config", str(config), "--prompt-file", str(prompt_file), "--max-new-tokens", "3500")
     proc.wait_for(b"the quick")  # the prompt is echoed as generation starts
     time.sleep(delay)
     code, took = proc.exit_within(proc.signal(sig), LIMIT)

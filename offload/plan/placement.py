@@ -243,12 +243,7 @@ def _usual_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv_by
     for g in rows:  # rows-only groups go to the slowest tier there is
         homes.setdefault(g, "disk")
     result = plan(homes, slot, stage, lent, cache)
-    if caps.has_disk and caps.disk is not None and total + disk_reserve > caps.disk:
-        raise CapacityError(
-            f"the store{' and the KV slot file' if disk_reserve else ''} need{'' if disk_reserve else 's'} "
-            f"{fmt_bytes(total + disk_reserve)} but "
-            f"tiers.disk.capacity is {fmt_bytes(caps.disk)}; raise it to at least {fmt_bytes(total + disk_reserve)}"
-        )
+    check_disk(caps, total, disk_reserve)
     return result
 
 
@@ -309,10 +304,14 @@ def _in_place_plan(groups: Sequence[GroupSpec], caps: Capacities, depth: int, kv
     result = Plan(order, sizes, homes, depth, n_ring, slot, 0, 0, False, caps, reserved, frozenset(rows),
                   lent, host_reserve, disk_reserve)
     total = sum(sizes.values())
-    if caps.has_disk and caps.disk is not None and total + disk_reserve > caps.disk:
-        raise CapacityError(
-            f"the store{' and the KV slot file' if disk_reserve else ''} need{'' if disk_reserve else 's'} "
-            f"{fmt_bytes(total + disk_reserve)} but "
-            f"tiers.disk.capacity is {fmt_bytes(caps.disk)}; raise it to at least {fmt_bytes(total + disk_reserve)}"
-        )
+    check_disk(caps, total, disk_reserve)
     return result
+
+
+def check_disk(caps: Capacities, total: int, disk_reserve: int) -> None:
+    """CapacityError unless the store (and the KV slot file) fit `tiers.disk.capacity`."""
+    if caps.has_disk and caps.disk is not None and total + disk_reserve > caps.disk:
+        need = fmt_bytes(total + disk_reserve)
+        raise CapacityError(
+            f"the store{' and the KV slot file' if disk_reserve else ''} need{'' if disk_reserve else 's'} {need} "
+            f"but tiers.disk.capacity is {fmt_bytes(caps.disk)}; raise it to at least {need}")
