@@ -291,3 +291,30 @@ def test_scripts_and_tests_stay_under_the_loose_cap(folder):
     assert files
     big = {p.name: n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES_LOOSE}
     assert big == {}, f"{folder} files over {MAX_LINES_LOOSE} lines (split them by behaviour): {big}"
+
+
+FORK_AFTER_IMPORT = """
+import os, sys, torch
+torch.set_num_threads(2)
+import offload, offload.cli.main, offload.serve.api, offload.hf, offload.weights, storage, schedulers
+pid = os.fork()
+if pid == 0:  # a forkserver's child: its first parallel regions must run, not wait on the parent's OpenMP pool
+    x = torch.randn(512, 512)
+    idx = torch.arange(0, 512, 2)
+    x[idx] = (x @ x)[idx]
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_importing_the_packages_computes_nothing_so_a_fork_right_after_can_compute():
+    """A module-level probe (a matmul, a packing check) starts torch's OpenMP pool at import; a process forked
+    after that import (multiprocessing's forkserver preloads modules) then hangs in its first parallel op."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FORK_AFTER_IMPORT], cwd=Path(__file__).resolve().parents[1],
+                          timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

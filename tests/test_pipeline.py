@@ -64,9 +64,6 @@ def drive(cfg: dict, chat: bool) -> dict:
     return out
 
 
-MERGE_XFAIL = pytest.mark.xfail(reason="rank 0 writes no result since plan18 (planner concurrency) merged onto dist; "
-                                 "passed on the dist branch; open in issue 20", strict=False)
-
 def _rank(rank: int, world: int, port: int, cfg: dict, out: str, job: dict) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -122,7 +119,6 @@ def launch(cfg: dict, world: int, tmp: Path, limit: float = 60, grace: float = 2
     return json.loads(out.read_text()) if out.exists() else {}, codes, took
 
 
-@MERGE_XFAIL
 def test_two_ranks_give_the_one_process_tokens_for_a_ragged_batch_and_a_chat(chat_model, tmp_path):
     cfg = run_config(chat_model, kv_cache={"gpu_blocks": 16}, activations={"prefill_chunk": 8},
                      distributed={"micro_batches": 2})
@@ -131,7 +127,6 @@ def test_two_ranks_give_the_one_process_tokens_for_a_ragged_batch_and_a_chat(cha
     assert got == expected and codes == [0, 0]
 
 
-@MERGE_XFAIL
 def test_three_ranks_with_uneven_layers_and_streamed_tiers_give_the_same_tokens(tiny_llama, tmp_path):
     layer = model_layouts(Checkpoint(tiny_llama).config, torch.float32)["layer.0"].nbytes
     tiers = {"gpu": {"capacity": layer + int(0.7 * 2**20)}, "cpu": {"capacity": layer + 4096},

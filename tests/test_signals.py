@@ -168,7 +168,7 @@ def serve_once(config: Path, sig: int, delay: float) -> dict:
         port = s.getsockname()[1]
     proc = Proc("serve", "--config", str(config), "--port", str(port), "--kv-tokens", "4096", "--drain-timeout",
                 "0.5", "--model-name", "x")
-    proc.wait_for(b"Uvicorn running", "err")
+    proc.wait_for(b"offload: ready", "err")
     body = json.dumps({"model": "x", "prompt": "the quick brown fox", "max_tokens": 3000, "stream": True})
     client = socket.create_connection(("127.0.0.1", port), timeout=60)
     client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

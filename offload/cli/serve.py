@@ -96,6 +96,18 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server that says, once it accepts connections, where (uvicorn itself is silent about sockets
+    it was given, since 0.54): the line a user or a script waits for."""
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and sockets:
+            host, port = sockets[0].getsockname()[:2]
+            print(f"offload: ready: http://{host}:{port}/v1 accepts requests (Ctrl-C stops the server)",
+                  file=sys.stderr, flush=True)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     for flag in ("max_batch", "max_queue", "default_max_tokens"):
         if getattr(args, flag) < 1:
@@ -113,8 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop = EngineLoop(runner, Limits(args.max_batch, args.max_queue, args.request_timeout))
         served = ServedModel.from_runner(runner, args.model_name, args.default_max_tokens)
         loop.start()
-        server = uvicorn.Server(uvicorn.Config(create_app(served, loop), host=args.host, port=args.port,
-                                               log_level="info", timeout_graceful_shutdown=args.drain_timeout))
+        server = Server(uvicorn.Config(create_app(served, loop), host=args.host, port=args.port,
+                                       log_level="info", timeout_graceful_shutdown=args.drain_timeout))
         loop.on_fatal = lambda: setattr(server, "should_exit", True)  # a rank failed: answer 503 and exit
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         batch = min(loop.engine.batch, args.max_batch)

@@ -23,6 +23,7 @@ with bf16 scales, a numba kernel on the same bytes otherwise). Knows nothing abo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +38,12 @@ FUSED_GROUPS = (32, 64, 128, 256)
 _FUSED = getattr(torch, "_weight_int4pack_mm_for_cpu", None)
 
 
+@functools.cache
 def _torch_packs_like_us() -> bool:
-    """torch packs int4 for its CPU kernel by the vector width it was dispatched to (64-row tiles with AVX-512,
+    """Asked at the first packed matmul, not at import: a process that forks right after importing us (a
+    forkserver, a DataLoader) must not inherit an OpenMP pool, whose first parallel region hangs in the child.
+
+    torch packs int4 for its CPU kernel by the vector width it was dispatched to (64-row tiles with AVX-512,
     32-row tiles with AVX2), while stores keep 64-row tiles on every machine: its kernel reads our bytes only
     where its packing of a probe equals ours."""
     convert = getattr(torch, "_convert_weight_to_int4pack_for_cpu", None)
@@ -166,8 +171,9 @@ class PackedLinear:
     def fused(self) -> bool:
         """torch's vectorised int4 kernel applies: a CPU, one of its group sizes, bf16 scales (other scale dtypes
         take its scalar loop, so they go to the numba kernel where there is one)."""
-        return (self.bits == 4 and _TORCH_LAYOUT and self.q.device.type == "cpu" and self.group_size in FUSED_GROUPS
-                and (self.sz.dtype == torch.bfloat16 or not kernels.packed_supported(self.sz)))
+        return (self.bits == 4 and self.q.device.type == "cpu" and self.group_size in FUSED_GROUPS
+                and (self.sz.dtype == torch.bfloat16 or not kernels.packed_supported(self.sz))
+                and _torch_packs_like_us())
 
     def row_invariant(self, x: torch.Tensor) -> bool:
         return self.fused or kernels.packed_supported(self.sz)
@@ -197,5 +203,3 @@ class PackedLinear:
             y = y + bias
         return y.reshape(*lead, self.out_features)
 
-
-_TORCH_LAYOUT = _torch_packs_like_us()
