@@ -22,7 +22,7 @@ import torch
 
 from storage import io
 from storage.arena import aligned_empty
-from storage.errors import StoreError
+from storage.errors import StoreError, convert_again
 from storage.layout import check_name
 from storage.reader import DiskReader
 from storage.tiers import Tier
@@ -49,8 +49,9 @@ class DiskTier(Tier):
 
     def __init__(self, path: str | Path, capacity: int | None = None, read_only: bool = False,
                  page_cache: bool = False, verify: str = "always", read_threads: int = 4,
-                 direct_io: bool = False) -> None:
+                 direct_io: bool = False, remedy: str | None = None) -> None:
         super().__init__(capacity, read_only)
+        self.remedy = remedy  # the exact command that rebuilds this store, named when a read finds it damaged
         import zarr
 
         self.path = Path(path)
@@ -91,8 +92,8 @@ class DiskTier(Tier):
         if size != nbytes + 4:
             got = "missing" if size < 0 else f"{size} bytes"
             raise StoreError(
-                f"{chunk.path}: chunk is {got}, expected {nbytes + 4}; the store is damaged or truncated, "
-                "convert it again with --force"
+                f"{chunk.path}: chunk is {got}, expected {nbytes + 4}; the store is damaged or truncated; "
+                + convert_again(self.path, self.remedy)
             )
         self._chunks[key] = chunk
         self.sizes[key] = nbytes
@@ -174,7 +175,7 @@ class DiskTier(Tier):
         if actual != stored:
             raise StoreError(
                 f"{self._chunks[key].path}: checksum mismatch (stored {stored:#010x}, read {actual:#010x}); "
-                "the store is corrupt, convert it again with --force"
+                "the store is corrupt; " + convert_again(self.path, self.remedy)
             )
         self._verified.add(key)
 

@@ -17,5 +17,11 @@ class StoreError(OffloadError):
     """A store on disk is missing, half-written, corrupt, foreign or cannot be written."""
 
 
+def convert_again(store: object, command: str | None = None) -> str:
+    """How a damaged store is rebuilt, as the end of an error's sentence: `command` (the exact `offload convert`
+    line of the run that opened it, which only the caller knows) or its shape with the store's path."""
+    return f"convert it again: `{command or f'offload convert CHECKPOINT {store} --force'}`"
+
+
 class CapacityError(OffloadError):
     """Something asked for more bytes than a tier (or all tiers together) can ever hold."""

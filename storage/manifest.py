@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage.errors import StoreError
+from storage.errors import StoreError, convert_again
 from storage.layout import GroupLayout, check_name
 
 FORMAT = "offload-store"
@@ -38,28 +38,31 @@ class GroupRecord:
 MAX_MANIFEST_BYTES = 64 * 2**20
 
 
-def read_manifest(file: Path) -> dict[str, Any]:
+def read_manifest(file: Path, remedy: str | None = None) -> dict[str, Any]:
     """The manifest, every field checked (it may have been edited by hand), with `records`: each group's
-    GroupRecord. Anything wrong is one StoreError naming the file and the field, before a byte is allocated."""
+    GroupRecord. Anything wrong is one StoreError naming the file and the field, before a byte is allocated
+    (and `remedy`, the exact conversion command, when the caller knows it)."""
+    again = convert_again(file.parent, remedy)
+
     def bad(field: str, why: str) -> StoreError:
-        return StoreError(f"{file}: {field} {why}; the manifest was edited or damaged, convert again with --force")
+        return StoreError(f"{file}: {field} {why}; the manifest was edited or damaged; {again}")
 
     try:
         if file.stat().st_size > MAX_MANIFEST_BYTES:
             raise bad("the file", f"is larger than {MAX_MANIFEST_BYTES} bytes")
         manifest = json.loads(file.read_bytes())
     except (OSError, ValueError, RecursionError):
-        raise StoreError(f"{file}: unreadable or not an Offload manifest; convert again with --force") from None
+        raise StoreError(f"{file}: unreadable or not an Offload manifest; {again}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "groups" not in manifest:
-        raise StoreError(f"{file}: unreadable or not an Offload manifest; convert again with --force")
+        raise StoreError(f"{file}: unreadable or not an Offload manifest; {again}")
     if manifest.get("version") == 1:
         raise StoreError(
             f"{file.parent}: this store has format version 1, from before quantized weights (this Offload reads "
-            f"version {VERSION}); convert it again with `offload convert CHECKPOINT {file.parent} --force`"
+            f"version {VERSION}); {again}"
         )
     if manifest.get("version") != VERSION:
         raise StoreError(f"{file.parent}: store format version {str(manifest.get('version'))[:20]} is not {VERSION}, "
-                         "the one this Offload reads; convert again with --force")
+                         f"the one this Offload reads; {again}")
     groups, meta = manifest["groups"], manifest.get("meta")
     if not isinstance(meta, dict):
         raise bad("meta", "is not an object")

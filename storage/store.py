@@ -38,7 +38,7 @@ import torch
 
 from storage import io
 from storage.disk import DiskTier
-from storage.errors import CapacityError, StoreError
+from storage.errors import CapacityError, StoreError, convert_again
 from storage.layout import GroupLayout
 from storage.lock import FileLock
 from storage.manifest import FORMAT, VERSION, GroupRecord, read_manifest
@@ -272,9 +272,10 @@ class Store:
     @classmethod
     def open(cls, path: str | Path, page_cache: bool = False, verify: str = "always",
              read_threads: int = 4, capacity: int | None = None, lock: FileLock | None = None,
-             own_lock: bool = False, direct_io: bool = False) -> Store:
+             own_lock: bool = False, direct_io: bool = False, remedy: str | None = None) -> Store:
         """Open a complete store. Without `lock`, takes the store's lock shared (waiting while a conversion
-        runs) and releases it on close; with one (held by the caller), releases it only if `own_lock`."""
+        runs) and releases it on close; with one (held by the caller), releases it only if `own_lock`. `remedy`:
+        the exact `offload convert` command that rebuilds it, named by every error that finds it damaged."""
         path = Path(path)
         if lock is None:
             if store_state(path) in (StoreState.MISSING, StoreState.FOREIGN):
@@ -286,7 +287,7 @@ class Store:
                 lock.close()
                 raise
         try:
-            store = cls._open(path, page_cache, verify, read_threads, capacity, direct_io)
+            store = cls._open(path, page_cache, verify, read_threads, capacity, direct_io, remedy)
         except BaseException:
             if own_lock:
                 lock.close()
@@ -305,18 +306,18 @@ class Store:
 
     @classmethod
     def _open(cls, path: Path, page_cache: bool, verify: str, read_threads: int, capacity: int | None,
-              direct_io: bool = False) -> Store:
+              direct_io: bool = False, remedy: str | None = None) -> Store:
         state = store_state(path)
         if state is not StoreState.COMPLETE:
             cls._refuse(path, state)
-        manifest = read_manifest(path / MANIFEST)
+        manifest = read_manifest(path / MANIFEST, remedy)
         if capacity is not None and manifest["total_bytes"] > capacity:
             raise CapacityError(
                 f"{path}: the store takes {fmt_bytes(manifest['total_bytes'], 'GiB')} but tiers.disk.capacity is "
                 f"{fmt_bytes(capacity, 'GiB')}; raise it"
             )
         tier = DiskTier(path, read_only=True, page_cache=page_cache, verify=verify, read_threads=read_threads,
-                        direct_io=direct_io)
+                        direct_io=direct_io, remedy=remedy)
         store = cls(path, manifest, tier)
         try:
             for name, rec in store.groups.items():
@@ -324,7 +325,7 @@ class Store:
                 if tier.stored_crc(name) != rec.crc32c:
                     raise StoreError(
                         f"{path}: group {name!r} does not match the manifest (checksum differs); the store was "
-                        "modified after conversion, convert again with --force"
+                        "modified after conversion; " + convert_again(path, remedy)
                     )
         except BaseException:
             tier.close()

@@ -234,6 +234,9 @@ def test_damaged_store_is_one_clear_error(tmp_path, tiny_llama, good_store, dama
     with pytest.raises(StoreError, match=match) as info:
         Runner.from_config(disk_config(tiny_llama, good_store))
     assert "\n" not in str(info.value)
+    if damage != "no_manifest":  # a damaged store names the exact command that rebuilds it for this run
+        assert f"`offload convert {tiny_llama} {good_store} --dtype float32 " in str(info.value)
+        assert str(info.value).endswith("--force`")
 
 
 def test_flipped_byte_in_a_streamed_layer_is_an_error_not_wrong_tokens(tiny_llama, good_store):
@@ -242,7 +245,7 @@ def test_flipped_byte_in_a_streamed_layer_is_an_error_not_wrong_tokens(tiny_llam
     raw[len(raw) // 2] ^= 0x10
     layer.write_bytes(bytes(raw))
     # the crc trailer still matches the manifest, so open succeeds; the read is what catches it
-    with pytest.raises(StoreError, match="checksum mismatch"):
+    with pytest.raises(StoreError, match=f"checksum mismatch.*; convert it again: `offload convert {tiny_llama} "):
         with Runner.from_config(disk_config(tiny_llama, good_store)) as r:
             r.generate([PROMPT], max_new_tokens=4)
 

@@ -104,10 +104,10 @@ def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capa
                         "another checkpoint, dtype or format)", store_dir)
         convert(ckpt, store_dir, dtype, capacity=capacity, fmt=fmt, lock=lock, progress=progress).close()
 
-    store = open_or_build(store_dir, build if auto_convert else None, page_cache=page_cache, verify=verify,
-                          capacity=capacity, direct_io=direct_io)
-    meta = store.meta
     again = convert_command(ckpt.path, store_dir, dtype, fmt, ckpt.config.impl)  # what this run reads, as typed
+    store = open_or_build(store_dir, build if auto_convert else None, page_cache=page_cache, verify=verify,
+                          capacity=capacity, direct_io=direct_io, remedy=again)
+    meta = store.meta
     if meta.get("checkpoint_fingerprint") != ckpt.fingerprint():
         store.close()
         raise StoreError(
