@@ -57,3 +57,23 @@ def test_a_weights_mismatch_names_a_convert_command_with_every_format_flag(tiny_
     assert offload(*argv).returncode == 0
     again = offload("run", "--config", str(config), *PROMPT)
     assert again.returncode == 0, again.stderr[-2000:]
+
+
+def test_a_corrupt_store_names_the_convert_command_of_this_run(tiny_llama, tmp_path):
+    """A config that sets dtype and packed weights: the checksum error's command rebuilds the store this run
+    reads (the bare `--force` advice wrote a float32 dense store, and the next run failed on the format)."""
+    store = tmp_path / "store"
+    cfg = run_config(tiny_llama, dtype="bfloat16", weights={"quantization": "int8", "group_size": 8, "keep": []},
+                     tiers={"gpu": {"capacity": "1MiB"}, "cpu": {"capacity": "1MiB"}, "disk": {"path": str(store)}})
+    config = write_yaml(tmp_path / "c.yaml", cfg)
+    assert offload("run", "--config", str(config), *PROMPT).returncode == 0  # converts int8 bf16 on first run
+    chunk = store / "layer.2" / "c.0"
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    chunk.write_bytes(bytes(raw))
+    refused = offload("run", "--config", str(config), *PROMPT)
+    assert refused.returncode != 0 and "checksum mismatch" in refused.stderr, refused.stderr[-2000:]
+    fix = offload(*suggested(refused.stderr))
+    assert fix.returncode == 0, fix.stderr[-2000:]
+    again = offload("run", "--config", str(config), *PROMPT)
+    assert again.returncode == 0, again.stderr[-2000:]
