@@ -42,7 +42,7 @@ PROFILES = {
     # name: model size, budgets, prompt, new tokens, batches, depth, prefill chunk
     "full": dict(size="medium", gpu="512MiB", cpu="512MiB", prompt=64, new=32, batches=[1, 8], depths=[1, 2],
                  chunk=64, weights=["none"]),
-    "quick": dict(size="small", gpu="64MiB", cpu="32MiB", prompt=16, new=6, batches=[1, 2], depths=[2], chunk=16,
+    "quick": dict(size="small", gpu="64MiB", cpu="32MiB", prompt=16, new=6, batches=[2], depths=[2], chunk=16,
                   weights=["none"]),
 }
 

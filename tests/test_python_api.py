@@ -177,7 +177,7 @@ def test_loading_a_config_with_a_hub_id_touches_no_network(monkeypatch, tiny_lla
         return tiny_llama
 
     monkeypatch.setattr("offload.model.hub.fetch", lambda *a, **k: pytest.fail("a download while parsing"))
-    monkeypatch.setattr("offload.model.hub.snapshot_download", lambda *a, **k: pytest.fail("a download"))
+    monkeypatch.setattr("huggingface_hub.snapshot_download", lambda *a, **k: pytest.fail("a download"))
     cfg = OffloadConfig.load({"model": "org/tiny", "device": "cpu", "dtype": "float32",
                               "speculative": {"draft": "org/draft", "tokens": 2}})
     assert cfg.hub == "org/tiny" and cfg.speculative.hub == "org/draft" and cfg.speculative.path is None

@@ -101,7 +101,7 @@ def run_once(config: Path, prompt_file: Path, sig: int, delay: float) -> dict:
     time.sleep(delay)
     code, took = proc.exit_within(proc.signal(sig), LIMIT)
     status, word = expected(sig)
-    ok = code == status and word in proc.tail() and "[interrupted after" in bytes(proc.out).decode()
+    ok = code == status and word in proc.tail() and "[interrupted after" in proc.tail()  # the account: stderr
     return {"what": f"run {signal.Signals(sig).name} at +{delay:.2f}s", "took": took, "ok": ok, "code": code,
             "tail": proc.tail()}
 

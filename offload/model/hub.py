@@ -19,9 +19,6 @@ import os
 import re
 from pathlib import Path
 
-from huggingface_hub import constants, snapshot_download
-from huggingface_hub import errors as hub_errors
-
 from offload.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -50,6 +47,9 @@ def split_id(value: str) -> tuple[str, str | None]:
 def fetch(value: str, weights: bool = True, key: str = "model") -> Path:
     """The local snapshot directory of a Hub checkpoint, downloading what is missing (see the module doc);
     errors name the config `key` it came from."""
+    from huggingface_hub import errors as hub_errors
+    from huggingface_hub import snapshot_download  # here: a third of a second off every start from a directory
+
     repo, revision = split_id(value)
     where = f"{key}: {value}"
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
@@ -90,4 +90,6 @@ def fetch(value: str, weights: bool = True, key: str = "model") -> Path:
 
 
 def _cache() -> str:
+    from huggingface_hub import constants
+
     return str(constants.HF_HUB_CACHE)
