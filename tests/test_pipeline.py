@@ -207,6 +207,11 @@ def test_offload_run_under_torchrun_prints_the_one_process_text(tiny_llama, tmp_
     assert two.returncode == 0, two.stderr[-2000:]
     assert two.stdout == one and one.strip()
     assert "rank 1 of 2: layers" in two.stderr  # each rank says which layers it holds
+    # `offload plan --ranks 2` shows, before any launch, the very lines the two ranks logged
+    assert main(["plan", "--config", str(yaml), "--ranks", "2"]) == 0
+    shown = [line.strip() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("rank ")]
+    logged = sorted(line[line.index("rank "):] for line in two.stderr.splitlines() if " of 2: layers " in line)
+    assert len(shown) == 2 and sorted(shown) == logged, (shown, logged)
 
 
 def completion(port: int, prompt: list[int]) -> tuple[int, dict]:

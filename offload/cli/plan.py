@@ -36,6 +36,7 @@ from offload.plan.experts import expert_choice
 from offload.plan.planner import Planner, RunPlan, resolve_capacities
 from offload.plan.predict import Workload, predict_decode, predict_prefill_per_token, suggestions
 from offload.plan.speculative import streaming_note, without_draft
+from offload.plan.stages import plan_stages
 from offload.runtime.device import resolve_dtype
 from offload.runtime.speculative import auto_gain
 from storage.errors import CapacityError
@@ -105,9 +106,39 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[OffloadConfig, ModelConfig]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.ranks < 1:
+        raise ConfigError(f"--ranks must be at least 1, got {args.ranks}")
     config, cfg = _plan_inputs(args)
-    show_plan(config, cfg, args.batch, args.context, args.json)
+    show_plan(config, cfg, args.batch, args.context, args.json, args.ranks)
     return 0
+
+
+def rank_plans(config: OffloadConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+               world: int) -> dict[str, Any]:
+    """What each rank of a `world`-rank launch plans (as `offload.runtime.pipeline.plan_stage` does, every rank
+    with this machine's tiers), and the KV pool they agree on (each takes the minimum)."""
+    if cfg.impl != "native":
+        raise ConfigError("--ranks: the transformers path runs in one process; drop --ranks or use a model "
+                          "Offload runs natively")
+    if config.speculative.enabled:
+        raise ConfigError("--ranks: speculative decoding runs in one process (a launch over ranks refuses it); "
+                          "set speculative.draft: null to plan the ranks")
+    stages = plan_stages(config, cfg, dtype, device, resolve_capacities(config.tiers, device), world)
+    agreed = min(s.run.kv_blocks for s in stages)
+    steps = [s.step_s for s in stages]
+    return {"world": world, "kv_blocks": agreed, "stages": stages,
+            "predicted_batch1_ms": None if None in steps else 1000 * sum(steps)}
+
+
+def print_ranks(ranks: dict[str, Any]) -> None:
+    print(f"over {ranks['world']} ranks (torchrun --nproc-per-node {ranks['world']}, each rank with these tiers; "
+          "every rank logs its line at start):")
+    for stage in ranks["stages"]:
+        print(f"  {stage.describe(ranks['kv_blocks'])}")
+    total = ranks["predicted_batch1_ms"]
+    print(f"  every rank keeps {ranks['kv_blocks']} device KV blocks (the smallest rank's pool)"
+          + (f"; a batch-1 decode step passes the stages in turn: {total:.1f} ms plus one hop a rank"
+             if total is not None else ""))
 
 
 def prefix_capacity(rp: RunPlan) -> dict[str, object]:
@@ -138,7 +169,7 @@ def prefix_line(rp: RunPlan, block_size: int) -> str:
 
 
 def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: int = 128,
-              as_json: bool = False) -> None:
+              as_json: bool = False, world: int = 1) -> None:
     """Print where each group lives, the KV cache, the predicted speed and what would help most."""
     device = torch.device(config.device if config.device != "auto" else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -158,6 +189,7 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
                         pred, sizes)
     schemes = compare_schemes(config, cfg, dtype, device, cal, work)
     experts = expert_lines(rp.plan, cfg, cal, sizes, batch, device.type)
+    ranks = rank_plans(config, cfg, device, dtype, world) if world > 1 else None
     if as_json:
         print(json.dumps({"device": str(device), "model_impl": cfg.impl, "kv_blocks": rp.kv_blocks,
                           "prefix_cache": prefix_capacity(rp),
@@ -166,7 +198,9 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
                           "prediction": pred.to_dict() | {"prefill_s_per_token": per_token},
                           "suggestions": [s.__dict__ for s in helps], "weights": schemes,
                           "speculation_note": plain_note,
-                          **({"expert_compute": experts} if experts else {}), **rp.plan.to_dict()},
+                          **({"expert_compute": experts} if experts else {}),
+                          **({"ranks": ranks | {"stages": [s.to_dict() for s in ranks["stages"]]}} if ranks else {}),
+                          **rp.plan.to_dict()},
                          indent=2))
         return
     params = sum(planner.compute_sizes.values()) / dtype.itemsize
@@ -225,6 +259,8 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
             t_alone = predict_decode(alone.plan, cfg, cal, device.type, work, dtype.itemsize, sizes).step_s
             print(f"  without a draft: {1000 * t_alone:.0f} ms/step ({work.batch / t_alone:.2f} tokens/s), so "
                   f"speculation pays only above x{pred.step_s / t_alone:.2f} here. {note}")
+    if ranks:
+        print_ranks(ranks)
     if helps:
         print("what would help most:")
         for s in helps[:4]:
@@ -325,5 +361,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="sequences decoded together: the KV pool is planned for them (as serve --max-batch N and "
                            "run --input --batch N do) and the prediction assumes them")
     plan.add_argument("--context", type=int, default=128, help="tokens of context, for the prediction")
+    plan.add_argument("--ranks", type=int, default=1, metavar="N",
+                      help="also plan each rank of a torchrun launch of N processes, each with these tiers (the "
+                           "layers each holds, where its groups live, its KV pool, its predicted stage time)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=cmd_plan)

@@ -20,7 +20,9 @@ import torch
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.model.config import ModelConfig
-from offload.plan.calibrate import Calibration
+from offload.plan.calibrate import Calibration, load_calibration
+from offload.plan.planner import Planner, RunPlan
+from offload.plan.predict import Workload, predict_decode
 from offload.weights.groups import WeightFormat, expert_groups, model_layouts
 from schedulers.plan import Capacities
 
@@ -108,3 +110,63 @@ def split_layers(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, wo
                           f"summing to the model's {cfg.num_layers}")
     starts = [sum(counts[:r]) for r in range(world)]
     return [range(s, s + n) for s, n in zip(starts, counts)]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One rank's plan: its slice, the placement of its groups, its KV pool and its predicted stage time."""
+
+    rank: int
+    world: int
+    layers: range
+    num_layers: int
+    run: RunPlan
+    step_s: float | None  # a batch-1 decode pass over this stage (None: no prediction)
+
+    @property
+    def kv(self) -> list[int]:
+        """What every rank agrees on (each takes the minimum): device, cpu and disk KV blocks, prefill chunk,
+        and whether this rank streams no weights (1) or some (0)."""
+        rp = self.run
+        return [rp.kv_blocks, rp.kv.cpu_blocks, rp.kv.disk_blocks, rp.prefill_chunk, int(not rp.plan.streamed)]
+
+    def describe(self, kv_blocks: int | None = None) -> str:
+        """The line each rank logs at start (`kv_blocks`: the pool every rank agreed on)."""
+        plan = self.run.plan
+        homes = ", ".join(f"{t}: {sum(1 for h in plan.homes.values() if h == t)}" for t in ("gpu", "cpu", "disk"))
+        return (f"rank {self.rank} of {self.world}: layers {self.layers.start}-{self.layers.stop - 1}"
+                + (" + embeddings" if self.layers.start == 0 else "")
+                + (" + head" if self.layers.stop == self.num_layers else "")
+                + f"; groups homed {homes}" + (f" ({len(plan.streamed)} streamed)" if plan.streamed else "")
+                + f"; KV {self.run.kv_blocks if kv_blocks is None else kv_blocks} device blocks"
+                + (f", predicted stage time {1000 * self.step_s:.1f} ms at batch 1" if self.step_s is not None
+                   else ""))
+
+    def to_dict(self) -> dict:
+        plan = self.run.plan
+        return {"rank": self.rank, "layers": [self.layers.start, self.layers.stop],
+                "homes": {t: sum(1 for h in plan.homes.values() if h == t) for t in ("gpu", "cpu", "disk")},
+                "streamed": len(plan.streamed), "kv_blocks": self.run.kv_blocks,
+                "predicted_stage_ms": None if self.step_s is None else 1000 * self.step_s}
+
+
+def plan_stage_of(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  caps: Capacities, layers: range, rank: int, world: int) -> StagePlan:
+    """The plan one rank makes for its slice (what `offload plan --ranks` shows for each, and each rank runs)."""
+    planner = Planner(config, cfg, dtype, device, caps, layers)
+    rp = planner.run_plan()
+    try:
+        step: float | None = predict_decode(rp.plan, cfg, load_calibration(config.calibration), device.type,
+                                            Workload(), dtype.itemsize, planner.compute_sizes).step_s
+    except Exception:  # a prediction is a note, never a reason to stop
+        step = None
+    return StagePlan(rank, world, layers, cfg.num_layers, rp, step)
+
+
+def plan_stages(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                caps: Capacities, world: int) -> list[StagePlan]:
+    """Every rank's plan for a launch of `world` ranks that each have these tiers (the same YAML on alike
+    machines): the slices as `layers: auto` balances them, each planned as its rank will."""
+    speed = RankSpeed.of(caps, load_calibration(config.calibration), device.type)
+    slices = split_layers(config, cfg, dtype, world, [speed] * world)
+    return [plan_stage_of(config, cfg, dtype, device, caps, layers, r, world) for r, layers in enumerate(slices)]

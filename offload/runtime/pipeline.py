@@ -40,9 +40,8 @@ from offload.errors import ConfigError
 from offload.kv.cache import PagedKVCache
 from offload.model.checkpoint import Checkpoint
 from offload.plan.calibrate import load_calibration
-from offload.plan.planner import Planner, resolve_capacities
-from offload.plan.predict import Workload, predict_decode
-from offload.plan.stages import RankSpeed, split_layers
+from offload.plan.planner import resolve_capacities
+from offload.plan.stages import RankSpeed, plan_stage_of, split_layers
 from offload.runtime.device import resolve_device, resolve_dtype
 from offload.runtime.executor import Executor, ForwardBatch
 from offload.runtime.impls import executor_class, model_impl
@@ -73,9 +72,8 @@ def plan_stage(config: OffloadConfig, ranks: Ranks, caps: Capacities | None) -> 
         if error is not None:
             raise error
         layers = split_layers(config, cfg, dtype, ranks.world, speeds)[ranks.rank]
-        planner = Planner(config, cfg, dtype, device, caps, layers)
-        rp = planner.run_plan()
-        values = [rp.kv_blocks, rp.kv.cpu_blocks, rp.kv.disk_blocks, rp.prefill_chunk, int(not rp.plan.streamed)]
+        stage = plan_stage_of(config, cfg, dtype, device, caps, layers, ranks.rank, ranks.world)
+        values = stage.kv
     except Exception as e:
         error = e
     failed, *agreed = ranks.agree_min([ranks.world if error is None else ranks.rank, *values])
@@ -89,17 +87,7 @@ def plan_stage(config: OffloadConfig, ranks: Ranks, caps: Capacities | None) -> 
                              prefix_cache="off")
     config = config.replace(kv_cache=kv, activations=dataclasses.replace(config.activations, prefill_chunk=chunk))
     ranks.resident = bool(resident)  # no rank streams: micro-batches read no weight twice (`auto_micro_batches`)
-    try:
-        step = predict_decode(rp.plan, cfg, load_calibration(config.calibration), device.type, Workload(),
-                              dtype.itemsize, planner.compute_sizes).step_s
-        predicted = f", predicted stage time {1000 * step:.1f} ms at batch 1"
-    except Exception:  # a prediction is a note, never a reason to stop
-        predicted = ""
-    homes = ", ".join(f"{t}: {sum(1 for h in rp.plan.homes.values() if h == t)}" for t in ("gpu", "cpu", "disk"))
-    log.warning("rank %d of %d: layers %d-%d%s%s; groups homed %s%s; KV %d device blocks%s", ranks.rank, ranks.world,
-                layers.start, layers.stop - 1, " + embeddings" if layers.start == 0 else "",
-                " + head" if layers.stop == cfg.num_layers else "", homes,
-                f" ({len(rp.plan.streamed)} streamed)" if rp.plan.streamed else "", gpu, predicted)
+    log.warning("%s", stage.describe(gpu))
     return config, layers
 
 
