@@ -8,6 +8,8 @@ lives here and `offload.errors` re-exports it; nothing here knows about models.
 
 from __future__ import annotations
 
+from os import PathLike
+
 
 class OffloadError(Exception):
     """Base class of every error Offload raises on purpose."""
@@ -17,7 +19,7 @@ class StoreError(OffloadError):
     """A store on disk is missing, half-written, corrupt, foreign or cannot be written."""
 
 
-def convert_again(store: object, command: str | None = None) -> str:
+def convert_again(store: str | PathLike, command: str | None = None) -> str:
     """How a damaged store is rebuilt, as the end of an error's sentence: `command` (the exact `offload convert`
     line of the run that opened it, which only the caller knows) or its shape with the store's path."""
     return f"convert it again: `{command or f'offload convert CHECKPOINT {store} --force'}`"

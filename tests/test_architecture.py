@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import ast
 import configparser
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -308,13 +311,10 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_importing_the_packages_computes_nothing_so_a_fork_right_after_can_compute():
     """A module-level probe (a matmul, a packing check) starts torch's OpenMP pool at import; a process forked
     after that import (multiprocessing's forkserver preloads modules) then hangs in its first parallel op."""
-    import subprocess
-    import sys
-
     done = subprocess.run([sys.executable, "-c", FORK_AFTER_IMPORT], cwd=Path(__file__).resolve().parents[1],
                           timeout=120, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -79,8 +79,7 @@ class PagedKVCache(PrefixBlocks):
         self.device = torch.device(device)
         self.engine = engine or make_engine(self.device)  # the one copy stream, shared with the weights
         self.timeline = timeline or Timeline(enabled=False)
-        self.clock = clock
-        self.rope = rope
+        self.clock, self.rope = clock, rope
         self.policy = make_policy(s.eviction, s.idle_seconds, clock)
         self.layers = range(cfg.num_layers) if layers is None else layers
         L = len(self.layers)  # planes: this stage's layers
@@ -101,6 +100,7 @@ class PagedKVCache(PrefixBlocks):
             self.stores["cpu"] = TierStore("cpu", self.cold_fmt, L, counts["cpu"], "cpu", pin_memory,
                                            memory=host_memory)
         self._scratch: ScratchDir | None = None  # this process's own directory under disk_dir (its slot files)
+        self.prefix: PrefixCache | None = None  # made last; `close` may run before (a disk slot file refused)
         if counts["disk"]:
             self._scratch = ScratchDir(disk_dir)
             try:

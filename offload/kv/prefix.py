@@ -216,9 +216,8 @@ class PrefixBlocks:
 
     def close_prefix(self) -> None:
         """Wait for the persisted blocks still being written (the pool is closing)."""
-        prefix = getattr(self, "prefix", None)  # None too when the pool failed before making its cache
-        if prefix is not None and prefix.persisted is not None:
-            prefix.persisted.close()
+        if self.prefix is not None and self.prefix.persisted is not None:
+            self.prefix.persisted.close()
 
     def unref(self, ids: list[int]) -> None:
         """Drop one reference to each logical block; those nobody references give their slots back."""

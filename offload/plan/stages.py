@@ -130,10 +130,16 @@ class StagePlan:
         rp = self.run
         return [rp.kv_blocks, rp.kv.cpu_blocks, rp.kv.disk_blocks, rp.prefill_chunk, int(not rp.plan.streamed)]
 
+    @property
+    def homes(self) -> dict[str, int]:
+        """Groups homed in each tier."""
+        homes = list(self.run.plan.homes.values())
+        return {t: homes.count(t) for t in ("gpu", "cpu", "disk")}
+
     def describe(self, kv_blocks: int | None = None) -> str:
         """The line each rank logs at start (`kv_blocks`: the pool every rank agreed on)."""
         plan = self.run.plan
-        homes = ", ".join(f"{t}: {sum(1 for h in plan.homes.values() if h == t)}" for t in ("gpu", "cpu", "disk"))
+        homes = ", ".join(f"{t}: {n}" for t, n in self.homes.items())
         return (f"rank {self.rank} of {self.world}: layers {self.layers.start}-{self.layers.stop - 1}"
                 + (" + embeddings" if self.layers.start == 0 else "")
                 + (" + head" if self.layers.stop == self.num_layers else "")
@@ -145,19 +151,19 @@ class StagePlan:
     def to_dict(self) -> dict:
         plan = self.run.plan
         return {"rank": self.rank, "layers": [self.layers.start, self.layers.stop],
-                "homes": {t: sum(1 for h in plan.homes.values() if h == t) for t in ("gpu", "cpu", "disk")},
+                "homes": self.homes,
                 "streamed": len(plan.streamed), "kv_blocks": self.run.kv_blocks,
                 "predicted_stage_ms": None if self.step_s is None else 1000 * self.step_s}
 
 
 def plan_stage_of(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                  caps: Capacities, layers: range, rank: int, world: int) -> StagePlan:
+                  caps: Capacities, cal: Calibration, layers: range, rank: int, world: int) -> StagePlan:
     """The plan one rank makes for its slice (what `offload plan --ranks` shows for each, and each rank runs)."""
     planner = Planner(config, cfg, dtype, device, caps, layers)
     rp = planner.run_plan()
     try:
-        step: float | None = predict_decode(rp.plan, cfg, load_calibration(config.calibration), device.type,
-                                            Workload(), dtype.itemsize, planner.compute_sizes).step_s
+        step: float | None = predict_decode(rp.plan, cfg, cal, device.type, Workload(), dtype.itemsize,
+                                            planner.compute_sizes).step_s
     except Exception:  # a prediction is a note, never a reason to stop
         step = None
     return StagePlan(rank, world, layers, cfg.num_layers, rp, step)
@@ -167,6 +173,6 @@ def plan_stages(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, dev
                 caps: Capacities, world: int) -> list[StagePlan]:
     """Every rank's plan for a launch of `world` ranks that each have these tiers (the same YAML on alike
     machines): the slices as `layers: auto` balances them, each planned as its rank will."""
-    speed = RankSpeed.of(caps, load_calibration(config.calibration), device.type)
-    slices = split_layers(config, cfg, dtype, world, [speed] * world)
-    return [plan_stage_of(config, cfg, dtype, device, caps, layers, r, world) for r, layers in enumerate(slices)]
+    cal = load_calibration(config.calibration)
+    slices = split_layers(config, cfg, dtype, world, [RankSpeed.of(caps, cal, device.type)] * world)
+    return [plan_stage_of(config, cfg, dtype, device, caps, cal, layers, r, world) for r, layers in enumerate(slices)]

@@ -64,7 +64,8 @@ def plan_stage(config: OffloadConfig, ranks: Ranks, caps: Capacities | None) -> 
     values, error, mine = [0, 0, 0, 0, 0], None, [1.0] * 5
     try:
         caps = caps or resolve_capacities(config.tiers, device)
-        mine = RankSpeed.of(caps, load_calibration(config.calibration), device.type).to_list()
+        cal = load_calibration(config.calibration)
+        mine = RankSpeed.of(caps, cal, device.type).to_list()
     except Exception as e:  # every rank must reach the exchanges below, or the others wait for it
         error = e
     speeds = [RankSpeed(*v) for v in ranks.gather(mine)]  # `layers: auto` weighs each rank's own
@@ -72,7 +73,7 @@ def plan_stage(config: OffloadConfig, ranks: Ranks, caps: Capacities | None) -> 
         if error is not None:
             raise error
         layers = split_layers(config, cfg, dtype, ranks.world, speeds)[ranks.rank]
-        stage = plan_stage_of(config, cfg, dtype, device, caps, layers, ranks.rank, ranks.world)
+        stage = plan_stage_of(config, cfg, dtype, device, caps, cal, layers, ranks.rank, ranks.world)
         values = stage.kv
     except Exception as e:
         error = e
