@@ -29,6 +29,7 @@ from schedulers.plan import Plan
 from schedulers.timeline import Timeline
 from schedulers.traffic import COMPUTE, Traffic
 from schedulers.transfer import DONE, Marker, TransferEngine
+from storage import interrupts
 from storage.tiers import MemoryTier, Tier
 
 
@@ -99,6 +100,7 @@ class ExpertCache:
         self.trace: list[str] | None = None  # set to a list to record every routed use, in order (benchmarks)
 
     # -- compute side -------------------------------------------------------------------------
+    @interrupts.deferring
     def request(self, groups: list[str]) -> None:
         """A layer's routed groups (in the order compute will use them): hits counted and pinned, misses queued
         (those that find no slot while the layer's others are pinned are loaded by `get`, as slots come free)."""
@@ -125,6 +127,7 @@ class ExpertCache:
                     break
                 self._entries[g].readers += 1
 
+    @interrupts.deferring
     def prefetch(self, groups: list[str]) -> int:
         """Queue loads of groups predicted for the next layer into free or evictable slots; how many were queued
         (none when every slot is pinned)."""
@@ -138,6 +141,7 @@ class ExpertCache:
                 queued += 1
         return queued
 
+    @interrupts.deferring
     def get(self, group: str) -> torch.Tensor:
         """The group's bytes in its slot (1-D uint8, exactly its size), once its load is done."""
         start = self.timeline.now()
@@ -148,7 +152,7 @@ class ExpertCache:
                     raise RuntimeError(f"the expert cache's {len(self.slots)} slots are all in use; {group} has none")
                 e = self._entries[group]
                 e.readers += 1
-        marker = e.load.result()
+        marker = interrupts.result(e.load)
         waited = self.timeline.now()
         if waited - start > 1e-4:
             self.timeline.add("stall", group, start, waited, slot=e.slot, into="expert cache")
@@ -156,12 +160,14 @@ class ExpertCache:
         self.traffic.add("weights", self.plan.homes[group], COMPUTE, self.plan.sizes[group])
         return self.slots[e.slot][: self.plan.sizes[group]]
 
+    @interrupts.deferring
     def done(self, group: str) -> None:
         e = self._entries[group]
         self._after[e.slot] = self.engine.mark_compute()
         with self._lock:
             e.readers -= 1
 
+    @interrupts.deferring
     def end_layer(self, layer: int, predicted: set[str] | None, routed: list[str]) -> None:
         """Record the layer's counts (and how well the prediction made for it did) on the timeline and in `stats`."""
         c, self._layer = self._layer, LayerCounts()
@@ -173,16 +179,18 @@ class ExpertCache:
         self.timeline.add("experts", f"layer.{layer}", self._t0, self.timeline.now(), hits=c.hits,
                           prefetched=c.prefetched, misses=c.misses, predicted=c.predicted, correct=c.correct)
 
+    @interrupts.deferring
     def reset(self) -> None:
         """After a pass cut short: wait for the loads in flight, unpin everything (the cached bytes stay valid)."""
         for e in list(self._entries.values()):
             try:
-                e.load.result()
+                interrupts.result(e.load)
             except BaseException:
                 self._forget(e.group)
             e.readers = 0
         self._layer = LayerCounts()
 
+    @interrupts.deferring
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.engine.synchronize()

@@ -39,6 +39,7 @@ from schedulers.side import JOIN_TIMEOUT_S, SideWorker
 from schedulers.timeline import Timeline
 from schedulers.traffic import COMPUTE, Traffic
 from schedulers.transfer import DONE, Marker, TransferEngine
+from storage import interrupts
 from storage.tiers import MemoryTier, Tier
 from storage.units import ceil_div
 
@@ -86,7 +87,8 @@ class Prefetcher:
         self.side = SideWorker(lead=plan.depth + 1)  # one thread for every pass's side jobs
         self.reset()
 
-    # -- compute side -------------------------------------------------------------------------
+    # -- compute side (critical: Ctrl-C lands between these calls, never inside a lock they take) ---------
+    @interrupts.deferring
     def acquire(self, group: str) -> torch.Tensor:
         """The group's bytes on the compute device (1-D uint8, exactly its size)."""
         size = self.plan.sizes[group]
@@ -97,13 +99,12 @@ class Prefetcher:
             self._current[group] = (None, self.timeline.now(), self._compute_marker())
             return buf
         with self._cond:
-            while not self._loads:
-                self._cond.wait()
+            interrupts.wait_for(self._cond, lambda: self._loads)
             load = self._loads[0]
         if load.group != group:
             raise RuntimeError(f"compute asked for {group!r} but the plan streams {load.group!r} next")
         start = self.timeline.now()
-        load.ready.wait()
+        interrupts.wait(load.ready)
         waited = self.timeline.now()
         if load.error is not None:
             raise load.error
@@ -113,6 +114,7 @@ class Prefetcher:
         self._current[group] = (load, waited, self._compute_marker())
         return self.ring[load.slot][:size]
 
+    @interrupts.deferring
     def release(self, group: str) -> None:
         load, start, start_marker = self._current.pop(group)
         self.side.advance()
@@ -298,6 +300,7 @@ class Prefetcher:
         self.traffic.add("weights", "cpu", "gpu", dst.numel())
         return marker
 
+    @interrupts.deferring
     def close(self) -> None:
         """Stop every thread (the side thread too), then wait for every copy they queued (the slots may be freed
         right after)."""
@@ -316,6 +319,7 @@ class Prefetcher:
         self._threads = []
         self.engine.synchronize()  # copies still in flight on the copy stream read and write the slots
 
+    @interrupts.deferring
     def reset(self) -> None:
         """(Re)start the schedule at its first load; also abandons a pass cut short by an exception (its side jobs
         are dropped; the side thread stays for the next pass)."""

@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from storage import interrupts
+
 log = logging.getLogger(__name__)
 
 #: How long `close` waits for a job in the middle of a read; a thread still busy after that (a hung disk)
@@ -44,6 +46,7 @@ class SideWorker:
         self.threads_started = 0  # for tests and reports: stays 1 however many passes run
 
     # -- compute side -------------------------------------------------------------------------
+    @interrupts.deferring
     def submit(self, jobs: dict[str, Job], position: dict[str, int]) -> None:
         """The coming pass's jobs; `position[g]`: g's index among the groups compute will release in order."""
         order = sorted(jobs, key=position.__getitem__)
@@ -59,22 +62,26 @@ class SideWorker:
                 self.threads_started += 1
                 self._thread.start()
 
+    @interrupts.deferring
     def advance(self) -> None:
         with self._cond:
             self._progress += 1
             self._cond.notify_all()
 
+    @interrupts.deferring
     def result(self, group: str) -> Any:
         with self._cond:
             while group not in self._results:
                 if self._stop:
                     raise RuntimeError("the side worker was closed while compute waited on it")
-                self._cond.wait()
+                self._cond.wait(interrupts.POLL_S)
+                interrupts.check()
             result, error = self._results.pop(group)
         if error is not None:
             raise error
         return result
 
+    @interrupts.deferring
     def cancel(self) -> None:
         """Drop the jobs not yet run and wait for the one running (if any) to end; one still running after
         `JOIN_TIMEOUT_S` (a hung disk) is left to finish on its own, its result never delivered."""
@@ -86,6 +93,7 @@ class SideWorker:
                 log.warning("a side job is still busy after %.0f s (a hung disk?); going on without it",
                             JOIN_TIMEOUT_S)
 
+    @interrupts.deferring
     def close(self) -> None:
         with self._cond:
             self._stop = True

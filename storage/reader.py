@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from storage import io
+from storage import interrupts, io
 from storage.arena import PAGE
 
 #: Reads are split into pieces of this size, several in flight at once.
@@ -142,14 +142,16 @@ class DiskReader:
                 io.preadv_into(fd, dest, off, path)
                 yield dest
             return
-        futures = [self._pool.submit(io.preadv_into, fd, dest, off, path) for fd, dest, off in jobs]
+        with interrupts.critical:  # the pool's semaphore and each future's condition: no Ctrl-C inside
+            futures = [self._pool.submit(io.preadv_into, fd, dest, off, path) for fd, dest, off in jobs]
         try:
             for f, (_, dest, _) in zip(futures, jobs):
-                f.result()
+                interrupts.result(f)
                 yield dest
         finally:
-            for f in futures:
-                f.cancel()
+            with interrupts.critical:
+                for f in futures:
+                    f.cancel()
 
     def drop_cache(self, path: Path) -> None:
         """Evict the whole file's pages from the OS page cache (for honest cold-disk measurements)."""

@@ -27,7 +27,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from offload.cli import signals
 from offload.runtime.runner import Runner
+from storage import interrupts
 from storage.store import StoreState, store_state
 from tests.conftest import run_config
 from tests.test_chat_template import CHATML
@@ -225,3 +227,67 @@ def test_sigint_and_sigterm_stop_every_command_within_the_limit_wherever_they_la
     print(report)
     bad = [r for r in rows if not r["ok"] or r["took"] > LIMIT]
     assert not bad, f"limit {LIMIT} s:\n{report}\n\n" + "\n\n".join(f"{r['what']}:\n{r['tail']}" for r in bad)
+
+
+# ----------------------------------------------------------------------------- an interrupt swallowed in C
+class _SwallowsCtrlC:
+    """Ctrl-C landing in code whose exceptions Python drops ("Exception ignored in ..."): here a `__del__`;
+    in the wild a ctypes callback during numba's compilation, where a run went on for its 3500 tokens."""
+
+    def __del__(self) -> None:
+        signals._interrupt(signal.SIGINT, None)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_swallowed_by_a_callback_still_stops_the_generation_at_the_next_layer(tiny_llama):
+    previous = signals.install()
+    try:
+        with Runner.from_config(run_config(tiny_llama)) as r:
+            seen: list[int] = []
+
+            def swallow_at_third(i: int, token: int, text: str) -> None:
+                seen.append(token)
+                if len(seen) == 3:
+                    _SwallowsCtrlC()  # dropped at once: its KeyboardInterrupt is printed and lost
+
+            with pytest.raises(KeyboardInterrupt):
+                r.generate([[1, 5, 9]], max_new_tokens=40, stop_on_eos=False, on_token=swallow_at_third)
+            assert len(seen) == 3  # stopped within the next pass, not after 40 tokens
+            # one delivered normally and handled (chat's "stop this reply") leaves nothing pending behind it
+            with pytest.raises(KeyboardInterrupt):
+                signals._interrupt(signal.SIGINT, None)
+            interrupts.delivered()
+            out = r.generate([[1, 5, 9]], max_new_tokens=8, stop_on_eos=False)
+            assert len(out[0].outputs[0].token_ids) == 8
+    finally:
+        signals.restore(previous)
+        interrupts.delivered()
+
+
+def test_an_interrupt_inside_the_schedulers_locks_waits_for_their_end_and_a_blocked_wait_still_stops():
+    """Ctrl-C landing while compute is inside a critical section (the scheduler's locks, conditions, futures)
+    is raised as the section ends; one landing in a blocking wait there stops the wait within a poll, and the
+    lock behind the wait stays free for the thread that sets it."""
+    previous = signals.install()
+    try:
+        left = []
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts.critical:
+                signals._interrupt(signal.SIGINT, None)  # deferred: nothing raised here
+                left.append("still inside")
+        assert left == ["still inside"]
+        interrupts.delivered()
+
+        never = threading.Event()
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            interrupts.wait(never)
+        assert time.monotonic() - t0 < 0.2 + 1.0
+        interrupts.delivered()
+        setter = threading.Thread(target=never.set)
+        setter.start()
+        setter.join(2)
+        assert not setter.is_alive() and never.is_set()  # its lock was not left held
+    finally:
+        signals.restore(previous)

@@ -35,6 +35,7 @@ from offload.model import hub
 from offload.runtime.conversation import Conversation
 from offload.runtime.runner import Runner
 from offload.runtime.sampling import Sampling
+from storage import interrupts
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -111,6 +112,7 @@ def repl(conv: Conversation, inp: TextIO, out: TextIO, err: TextIO) -> int:
             out.write("\n")
             raise
         except KeyboardInterrupt:  # Ctrl-C stops this reply (it is not kept); end of input quits
+            interrupts.delivered()
             out.write("\n")
             err.write("(reply interrupted)\n")
             continue

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    previous = signals.on_sigterm()  # SIGTERM stops like Ctrl-C: cleanly
+    previous = signals.install()  # SIGTERM stops like Ctrl-C: cleanly
     try:
         worker = args.command in DISTRIBUTED and ranks.launched() and ranks.env_rank() > 0
         status = run_stage(args) if worker else args.func(args)
@@ -73,12 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         os.close(devnull)
         return 128 + signal.SIGPIPE
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signals.restore(previous)
 
 
 def program() -> NoReturn:
     """The `offload` command (console script, `python -m offload`): `main`, then out of the process at once."""
-    signals.on_sigterm()
+    signals.install()
     try:
         status = main()
     except KeyboardInterrupt as e:  # a second signal while the first one's clean-up ran

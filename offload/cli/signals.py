@@ -1,11 +1,12 @@
 """Ctrl-C and SIGTERM for every command: one exception, one exit status, and a prompt way out of the process.
 
-SIGINT raises `KeyboardInterrupt` (Python's own handler) and SIGTERM raises `Terminated`, a subclass, so
-that the same clean-up runs for both wherever they land: `with` blocks close the runner (threads joined,
-slot files removed), a conversion keeps what it wrote, journaled, to resume. The commands turn them into
-exit status 130 / 143 and one line on stderr (`cli.main`). `leave` then ends the process without the
-interpreter's teardown: once a command has returned, everything it started is closed, and collecting
-torch's modules at exit alone takes seconds on a loaded machine (12 s measured here at load 19), which
+SIGINT raises `KeyboardInterrupt` and SIGTERM raises `Terminated`, a subclass (through `storage.interrupts`:
+never inside a lock the scheduler's threads need, never lost in a callback from C), so that the same clean-up
+runs for both wherever they land: `with` blocks close the runner (threads joined, slot files removed), a
+conversion keeps what it wrote, journaled, to resume. The commands turn them into exit status 130 / 143 and
+one line on stderr (`cli.main`). `leave` then ends the process without the interpreter's teardown: once a
+command has returned, everything it started is closed, and collecting torch's modules at exit alone takes
+seconds on a loaded machine (12 s measured here at load 19), which
 would hold up the exit that Ctrl-C asked for.
 """
 
@@ -17,6 +18,8 @@ import signal
 import sys
 from typing import NoReturn
 
+from storage import interrupts
+
 INTERRUPTED, TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
 
 
@@ -25,12 +28,28 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate(signum: int, frame: object) -> None:
-    raise Terminated()
+    interrupts.interrupt(Terminated)
 
 
-def on_sigterm() -> signal.Handlers | object:
-    """Make SIGTERM raise `Terminated`; returns the handler it replaced."""
-    return signal.signal(signal.SIGTERM, _terminate)
+def _interrupt(signum: int, frame: object) -> None:
+    interrupts.interrupt(KeyboardInterrupt)
+
+
+def install() -> dict[int, object]:
+    """Make SIGTERM raise `Terminated` and SIGINT `KeyboardInterrupt`, both remembered until caught (one lost
+    in a callback from C is raised again at the next layer; one landing while compute is inside the
+    scheduler's locks is raised as it leaves them: `storage.interrupts`); returns the handlers it replaced,
+    for `restore`."""
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _terminate)}
+    if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _interrupt):  # not where it is ignored
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _interrupt)
+    return previous
+
+
+def restore(previous: dict[int, object]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)  # type: ignore[arg-type]
+    interrupts.delivered()  # whatever was raised has ended the command
 
 
 def status_of(e: KeyboardInterrupt) -> tuple[int, str]:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from offload.kv.formats import ColdFormat
-from storage import io
+from storage import interrupts, io
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,8 @@ class PersistedBlocks:
             self._files[path.name] = time.time()  # claimed: not queued twice
         payload = b"".join(parts[k].detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
                            for k in sorted(parts))
-        self._writer.submit(self._write, path, key, payload)
+        with interrupts.critical:  # the pool's locks: no Ctrl-C inside (`storage.interrupts`)
+            self._writer.submit(self._write, path, key, payload)
 
     def _write(self, path: Path, key: bytes, payload: bytes) -> None:
         if not self.enabled:
@@ -103,7 +104,9 @@ class PersistedBlocks:
 
     def flush(self) -> None:
         """Wait for the files queued so far."""
-        self._writer.submit(lambda: None).result()
+        with interrupts.critical:
+            done = self._writer.submit(lambda: None)
+        interrupts.result(done)
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)

@@ -56,6 +56,7 @@ from offload.runtime.sampling import sample
 from offload.runtime.speculative import TREE_WIDTH
 from offload.runtime.stops import StopMatcher
 from offload.runtime.verify import Verification, row_blocks, tree_room
+from storage import interrupts
 from storage.block_pool import Admission
 
 log = logging.getLogger(__name__)
@@ -223,6 +224,7 @@ class Engine:
         With a speculator, each decoding output's row is its last token and the draft's chain; the
         pass verifies them all (`offload.runtime.verify`) and an output gains one to `tokens + 1` tokens.
         """
+        interrupts.check()  # a Ctrl-C that a callback from C swallowed (`storage.interrupts`)
         self._admit()
         t0, step_id = time.perf_counter(), self.executor.timeline.step
         decode = [DecodeRow(req, o, [o.token_ids[-1]]) for req in self.decoding for o in req.outputs
