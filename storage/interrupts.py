@@ -15,7 +15,8 @@ So the command line's handlers (`offload.cli.signals`) call `interrupt(kind)` in
     interrupt(KeyboardInterrupt)   # the handler: remembered; raised now unless the main thread is `critical`
     with critical: ...             # compute's calls into the scheduler's threads: an interrupt waits for the end
     wait(event) / result(future)   # blocking waits that stay interruptible (they poll, inside `critical`)
-    check()                        # every layer of every pass: raises an interrupt that was raised and lost
+    check()                        # every engine step, and the end of every critical section (each layer's
+                                   # acquire and release): raises an interrupt that was raised and lost
     delivered()                    # whoever catches it and goes on (chat's "stop this reply")
 
 Without those handlers (a library user's own), nothing is remembered, `critical` is a counter and `check`

@@ -239,7 +239,7 @@ class _SwallowsCtrlC:
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_a_ctrl_c_swallowed_by_a_callback_still_stops_the_generation_at_the_next_layer(tiny_llama):
+def test_a_ctrl_c_swallowed_by_a_callback_still_stops_the_generation_at_the_next_layer_or_step(tiny_llama):
     previous = signals.install()
     try:
         with Runner.from_config(run_config(tiny_llama)) as r:

@@ -52,7 +52,6 @@ from schedulers.plan import Capacities
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic
 from schedulers.transfer import TransferEngine
-from storage import interrupts
 from storage.units import blocks_for
 
 log = logging.getLogger(__name__)
@@ -319,7 +318,6 @@ class Executor:
 
     def layer(self, i: int, x: torch.Tensor, p: LayerPass) -> torch.Tensor:
         """Decoder layer i on x [N, H] -> [N, H], its group acquired for the computation and released after."""
-        interrupts.check()  # a Ctrl-C lost in a callback from C stops the pass here, between layers
         group = self.layer_groups[i]
         w = M.LayerWeights.from_views(self.weights.acquire(group))
         experts = self.weights.experts(i) if w.moe is not None else None  # it releases the layer's group
