@@ -24,6 +24,7 @@ from offload.kv.prefix import chain_keys
 from offload.runtime.engine import Engine, Request, Sampling
 from offload.runtime.runner import Runner
 from offload.serve.background import BackgroundServer
+from offload.serve.files import FileDefaults, run_file
 from offload.serve.loop import Limits
 from offload.testing.draft import perturbed_copy
 from tests.conftest import run_config
@@ -257,3 +258,20 @@ def test_offload_plan_shows_the_prefix_capacity(tiny_llama, tmp_path, capsys):
     assert main(["plan", "--config", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)["prefix_cache"]
     assert data["mode"] == "persist" and data["persisted_blocks"] == 100 and data["blocks"]["disk"] == 32
+
+
+def test_the_throughput_mode_reports_cached_prompt_tokens_per_line(tiny_llama, cold, tmp_path):
+    """`offload run --input/--output`: a file of requests sharing a prompt; each output line says how many of its
+    prompt tokens came from the cache, and the tokens are the cold run's."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": "first", "prompt": SHARED + QUESTIONS[0], "max_tokens": NEW}) + "\n")
+    with Runner.from_config(config(tiny_llama)) as r:
+        run_file(r, inp, out, FileDefaults(), max_batch=1, progress=False)  # one at a time: the first fills it
+        inp.write_text("".join(json.dumps({"id": f"q{i}", "prompt": SHARED + q, "max_tokens": NEW}) + "\n"
+                               for i, q in enumerate(QUESTIONS[1:])))
+        run_file(r, inp, out, FileDefaults(), max_batch=4, progress=False)
+    got = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert got["first"]["cached_tokens"] == 0
+    for i, q in enumerate(QUESTIONS[1:]):
+        assert got[f"q{i}"]["cached_tokens"] == 20  # the shared prompt's 5 full blocks
+        assert got[f"q{i}"]["choices"][0]["token_ids"] == cold(SHARED + q)

@@ -2,8 +2,10 @@
 
     {"id": "a", "prompt": "Once upon a time"}                      input lines (id optional: the line number)
     {"id": "b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64, "temperature": 0.7}
-    {"id": "a", "prompt_tokens": 5, "choices": [{"index": 0, "text": "...", "token_ids": [...],
-     "finish_reason": "length"}]}                                  output lines, in the order they finish
+    {"id": "a", "prompt_tokens": 5, "cached_tokens": 0, "choices": [{"index": 0, "text": "...",
+     "token_ids": [...], "finish_reason": "length"}]}              output lines, in the order they finish
+
+`cached_tokens`: the prompt tokens the prefix cache supplied (`kv_cache.prefix_cache`), not computed.
 
 Up to `max_batch` outputs run at once, so each pass over the weights (one read of every
 layer) computes a token for all of them; newcomers join at step boundaries as others finish.
@@ -141,7 +143,7 @@ def run_file(runner: Runner, input_path: Path, output_path: Path, defaults: File
     t0, tokens = time.perf_counter(), 0
     bar = tqdm(total=len(todo), unit="req", disable=not progress, desc="offload run")
     with bar, output_path.open("a", encoding="utf-8") as out:  # an interrupt ends the bar's line too
-        def sink_for(row: dict[str, Any], n: int, prompt_len: int):
+        def sink_for(row: dict[str, Any], n: int, prompt_len: int, job: Job):
             choices = [{"index": k, "text": "", "token_ids": [], "finish_reason": None} for k in range(n)]
 
             def sink(ev: Event) -> None:
@@ -154,13 +156,17 @@ def run_file(runner: Runner, input_path: Path, output_path: Path, defaults: File
                 if ev.finish:
                     c["finish_reason"] = ev.finish
                     if all(x["finish_reason"] for x in choices):
-                        _write(out, {"id": row["id"], "prompt_tokens": prompt_len, "choices": choices})
+                        cached = (job.request.cached or 0) if job.request is not None else 0
+                        _write(out, {"id": row["id"], "prompt_tokens": prompt_len, "cached_tokens": cached,
+                                     "choices": choices})
                         bar.update(1)
                         bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.1f} tok/s")
             return sink
 
         for r, prompt, sampling, stops in jobs:  # one that could never fit is refused before any step runs
-            loop.submit(Job(prompt, sampling, sink_for(r, sampling.n, len(prompt)), stops, f"request {r['id']!r}"))
+            job = Job(prompt, sampling, lambda ev: None, stops, f"request {r['id']!r}")
+            job.sink = sink_for(r, sampling.n, len(prompt), job)
+            loop.submit(job)
         while loop.busy:
             loop.step()
     return FileReport(len(todo), len(rows) - len(todo), tokens, time.perf_counter() - t0,
