@@ -41,7 +41,7 @@ from scripts.machine import Result  # noqa: E402
 from storage.units import blocks_for  # noqa: E402
 
 PROFILES = {
-    "full": dict(size="medium", gpu="512MiB", cpu="512MiB", shared=2048, question=16, new=8, clients=32,
+    "full": dict(size="medium", gpu="1GiB", cpu="512MiB", shared=2048, question=16, new=8, clients=32,
                  chunk=512, depth=1),
     "quick": dict(size="small", gpu="64MiB", cpu="32MiB", shared=256, question=8, new=4, clients=4, chunk=128,
                   depth=1),
