@@ -79,7 +79,10 @@ class LayerKV:
             B, cols = padded.shape[:2]
             k = padded[:, :, 0].reshape(B, cols * bs, *padded.shape[-2:])
             v = padded[:, :, 1].reshape(B, cols * bs, *padded.shape[-2:])
-            mask = self.layout.mask(positions, valid, window).to(dev)
+            if split:
+                mask = self.layout.mask(positions, valid, window).to(dev)
+            elif (mask := step.masks.get(window)) is None:  # the same for every layer with this window
+                mask = step.masks[window] = self.layout.mask(positions, valid, window).to(dev)
             if self.layout.row_groups is not None and not track_mass and not split:
                 out, lse = M.attend_columns(q.to(dev), k, v, mask, scale, self.layout.column_keys(bs))
                 block_lse = None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import numpy as np
 import torch
@@ -276,12 +277,27 @@ else:  # pragma: no cover
 PARALLEL_WORK = 1 << 18
 
 
+_set = threading.local()  # the thread count this thread last gave numba (its setting is per thread)
+
+
 def _threads(work: int) -> None:
     """numba's pool follows torch's thread count (both default to the cores this process may use), one thread
     for small work. Results do not depend on it: every output is computed whole by one thread."""
     want = 1 if work < PARALLEL_WORK else max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if numba.get_num_threads() != want:
+    if getattr(_set, "n", None) != want:  # asking numba costs a call into its launcher: ~120 products a step
         numba.set_num_threads(want)
+        _set.n = want
+
+
+def _padded_rows(x2: torch.Tensor) -> tuple[np.ndarray, int]:
+    """x2 [M, K] as a float32 array of a multiple of 4 rows (zero rows appended), and M."""
+    M = x2.shape[0]
+    xn = (x2 if x2.dtype == torch.float32 else x2.float()).numpy()
+    if M % 4 == 0 and xn.flags.c_contiguous:
+        return xn, M
+    padded = np.zeros((-(-M // 4) * 4, x2.shape[1]), np.float32)
+    padded[:M] = xn
+    return padded, M
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
@@ -309,17 +325,14 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     lead, K = x.shape[:-1], x.shape[-1]
     if w.shape[1] != K:  # the kernels do not check bounds
         raise ValueError(f"x has {K} columns but the weight {tuple(w.shape)} takes {w.shape[1]}")
-    x2 = x.reshape(-1, K)
-    M = x2.shape[0]
-    x32 = torch.zeros(-(-M // 4) * 4, K, dtype=torch.float32)  # rows padded to the kernel's 4
-    x32[:M] = x2
-    out = torch.empty(x32.shape[0], w.shape[0], dtype=torch.float32)
+    xn, M = _padded_rows(x.reshape(-1, K))  # rows padded to the kernel's 4
+    out = np.empty((xn.shape[0], w.shape[0]), np.float32)
     if M:
-        _DENSE[w.dtype](x32.numpy(), _as_numpy(w.contiguous()), out.numpy())
-    out = out[:M]
+        _DENSE[w.dtype](xn, _as_numpy(w.contiguous()), out)
+    y = torch.from_numpy(out[:M])
     if bias is not None:
-        out += bias
-    return out.to(x.dtype).reshape(*lead, w.shape[0])
+        y += bias
+    return (y if x.dtype == torch.float32 else y.to(x.dtype)).reshape(*lead, w.shape[0])
 
 
 def packed_supported(sz: torch.Tensor) -> bool:
@@ -351,15 +364,12 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Ten
     rows, K = q.shape
     if x.shape[-1] != K or sz.shape[1] == 0 or K % sz.shape[1] or sz.shape[0] != rows:
         raise ValueError(f"x {tuple(x.shape)} does not fit int8 codes {tuple(q.shape)} / {tuple(sz.shape)}")
-    M = x.shape[0]
-    x32 = torch.zeros(-(-M // 4) * 4, K, dtype=torch.float32)  # rows padded to the kernel's 4
-    x32[:M] = x
-    out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
+    xn, M = _padded_rows(x)  # rows padded to the kernel's 4
+    out = np.empty((xn.shape[0], rows), np.float32)
     if M:
-        xn = x32.numpy()
         bits, shift = _bits(sz.contiguous())
-        _int8(xn, _group_sums(xn, sz.shape[1]), q.contiguous().numpy(), bits, shift, out.numpy())
-    return out[:M]
+        _int8(xn, _group_sums(xn, sz.shape[1]), q.contiguous().numpy(), bits, shift, out)
+    return torch.from_numpy(out[:M])
 
 
 def _bits(t: torch.Tensor) -> tuple[np.ndarray, int]:

@@ -59,6 +59,7 @@ class TieredWeights:
         self.fmt = WeightFormat.from_config(config.weights, ckpt.config)
         self.fmt.check(ckpt.config)
         self.layouts = model_layouts(ckpt.config, dtype, self.fmt, layers)
+        self._views: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (group, address) -> its typed views
         self.scratch = Scratch()  # packed matrices are dequantized here when no fused kernel applies
         self.plan = plan
         embed_group, self._embed_tensor = embedding_source(ckpt.config)
@@ -174,7 +175,10 @@ class TieredWeights:
 
     def views(self, group: str, buf: torch.Tensor) -> dict:
         """A group's tensors over its bytes `buf` (1-D uint8) at the compute dtype; packed ones as `PackedLinear`s."""
-        views = self.layouts[group].views(buf)
+        key = (group, buf.data_ptr())  # the same bytes in the same place (a home, a ring or expert-cache slot):
+        views = self._views.get(key)  # the same typed views, not ~10 new ones per layer a step
+        if views is None:
+            views = self._views[key] = self.layouts[group].views(buf)
         if self.compute_dtype != self.dtype:  # upcast after the transfer (dense weights only: see compute_dtype),
             # except the matrices a CPU kernel widens as it multiplies (no float32 copy of them per pass)
             return {name: t if kernels.widens(t, self.compute_dtype) else t.to(self.compute_dtype)
@@ -209,6 +213,7 @@ class TieredWeights:
         return self.prefetcher.side_result(group)
 
     def close(self) -> None:
+        self._views.clear()
         if self.cache is not None:
             self.cache.close()
             self.cache = None
