@@ -12,12 +12,28 @@
 
 import os
 
-# Two OpenMP runtimes share the cores in a CPU run: torch's and numba's (the row-invariant kernels). With the
-# default active wait, each one's idle workers spin after a parallel region and take the cores the other needs:
-# SmolLM2-135M's bf16 decode step on 2 shared cores took 249-635 ms, 112-195 ms with passive waits. Read by
-# each runtime when it loads, so this holds where offload is imported before torch (the CLI, the scripts); an
-# explicit OMP_WAIT_POLICY wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+def _omp_wait_policy() -> None:
+    """Two OpenMP runtimes share the cores in a CPU run: torch's and numba's (the row-invariant kernels). Idle
+    workers spin for a while after a parallel region (OpenMP's default): on free cores that saves a wake-up per
+    kernel (~120 a decode step); on cores other work needs, the spinning takes them. SmolLM2-135M's bf16 decode
+    step on 2 AVX2 cores, interleaved runs: quiet machine 40-45 ms spinning vs 55-61 ms passive; with 2 busy
+    processes beside it 160-1400 ms spinning vs 69-94 ms passive. So: passive when the machine is already busy
+    (1-minute load average >= its cores) when offload is imported, OpenMP's default otherwise. Read by each
+    runtime when it loads, so this holds where offload is imported before torch (the CLI, the scripts); an
+    explicit OMP_WAIT_POLICY wins."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    try:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        busy = os.getloadavg()[0] >= cores
+    except OSError:  # no load average here: the safe choice
+        busy = True
+    if busy:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+_omp_wait_policy()
 
 from offload.config import OffloadConfig  # noqa: E402
 from offload.errors import CapacityError, CheckpointError, ConfigError, OffloadError, StoreError  # noqa: E402

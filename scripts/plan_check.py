@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `import offload` sets it, before torch loads
+import offload  # noqa: F401 - first: its OpenMP wait policy holds only where it is set before torch loads
 
+# isort: split
 import torch  # noqa: E402
 
 from offload.config import OffloadConfig  # noqa: E402
