@@ -270,13 +270,9 @@ else:  # pragma: no cover
     _DENSE = {}
 
 
-#: multiply-adds below which a kernel runs on one thread: a parallel region costs more than it saves on a
-#: small matrix, and on a busy machine it waits for every thread to be scheduled. 1 << 18 (a [512 x 512] product
-#: at batch 1): SmolLM2-135M decode on 2 quiet AVX2 cores, interleaved runs, 1 << 22 -> 1 << 18: bf16 54 -> 44,
-#: int8 60 -> 45, int4 57 -> 45 ms a step (1 << 16: the same as 1 << 18)
+#: multiply-adds below which a kernel runs on one thread (a parallel region costs more than it saves). SmolLM2-135M
+#: decode, 2 quiet cores, 1 << 22 -> 1 << 18: bf16 54 -> 44, int8 60 -> 45, int4 57 -> 45 ms a step (1 << 16: same)
 PARALLEL_WORK = 1 << 18
-
-
 _set = threading.local()  # the thread count this thread last gave numba (its setting is per thread)
 
 
@@ -291,8 +287,7 @@ def _threads(work: int) -> None:
 
 def _padded_rows(x2: torch.Tensor) -> tuple[np.ndarray, int]:
     """x2 [M, K] as a float32 array of a multiple of 4 rows (zero rows appended), and M."""
-    M = x2.shape[0]
-    xn = (x2 if x2.dtype == torch.float32 else x2.float()).numpy()
+    M, xn = x2.shape[0], (x2 if x2.dtype == torch.float32 else x2.float()).numpy()
     if M % 4 == 0 and xn.flags.c_contiguous:
         return xn, M
     padded = np.zeros((-(-M // 4) * 4, x2.shape[1]), np.float32)
