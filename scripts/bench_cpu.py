@@ -35,6 +35,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from scripts.machine import cpu_flags, load  # noqa: E402
 
+#: The environment this command was started with, before `import offload` may set OMP_WAIT_POLICY=PASSIVE here:
+#: every worker (and llama-bench, an OpenMP program too) starts from it and decides for itself (a PASSIVE leaked from
+#: this process slowed llama.cpp's decode 2.6-5x in session 3's table)
+START_ENV = dict(os.environ)
+
 LLAMA = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
 #: shared/peers/llama_cpp.sh beside the checkout (/work/main) or beside a worktree's parent (/work/wt/NAME)
@@ -129,7 +134,7 @@ def run_worker(kind: str, spec: dict, env: dict | None = None, timeout: int = 54
     before = load()
     proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)],
                           capture_output=True, text=True, timeout=timeout, cwd=str(ROOT),
-                          env=os.environ | {"PYTHONPATH": str(ROOT)} | (env or {}))
+                          env=START_ENV | {"PYTHONPATH": str(ROOT)} | (env or {}))
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1]) | {"load_before": before, "load_after": load()}
@@ -270,7 +275,8 @@ def markdown(result: dict) -> str:
     lines = [f"`{result['command']}`", "",
              f"Machine: {m['cpus']} CPUs, {m['processor']}; flags: {m['cpu_flags']}; load before / after: "
              f"{m['load_before']} / {m['load_after']}; memory {m['memory']['sum'] / 1e9:.1f} GB/s (sum of 1 GiB), "
-             f"{m['memory']['copy'] / 1e9:.1f} GB/s (copy); torch {m['torch']}, numba {m['numba']}; "
+             f"{m['memory']['copy'] / 1e9:.1f} GB/s (copy); torch {m['torch']}, numba {m['numba']}; OMP_WAIT_POLICY "
+             f"{m.get('omp_wait_policy', '?')}; "
              f"{result['threads']} threads. Best of {result['repeat']} interleaved repeats (other jobs share this "
              "machine; each repeat's load is in the JSON). Decode: batch 1, all resident, a "
              f"{result['prompt']}-token prompt, {result['new']} new tokens; prefill: the {result['prompt']}-token "
@@ -322,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         calibrate(torch.device("cpu"), torch.bfloat16, cache).save(calibration)
     machine = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                "cpu_flags": cpu_flags(), "load_before": load(), "torch": torch.__version__,
-               "numba": _numba_version(), "python": sys.version.split()[0], "memory": memory_bandwidth()}
+               "numba": _numba_version(), "python": sys.version.split()[0], "memory": memory_bandwidth(),
+               "omp_wait_policy": START_ENV.get("OMP_WAIT_POLICY", "unset (each process decides at import)")}
     rows = []
     for name, path in models.items():
         rows += bench_model(name, path, args, cache, calibration)
