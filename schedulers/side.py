@@ -71,11 +71,9 @@ class SideWorker:
     @interrupts.deferring
     def result(self, group: str) -> Any:
         with self._cond:
-            while group not in self._results:
-                if self._stop:
-                    raise RuntimeError("the side worker was closed while compute waited on it")
-                self._cond.wait(interrupts.POLL_S)
-                interrupts.check()
+            interrupts.wait_for(self._cond, lambda: group in self._results or self._stop)
+            if group not in self._results:
+                raise RuntimeError("the side worker was closed while compute waited on it")
             result, error = self._results.pop(group)
         if error is not None:
             raise error

@@ -47,10 +47,6 @@ def interrupt(kind: type[BaseException]) -> None:
         raise kind()
 
 
-def pending() -> type[BaseException] | None:
-    return _pending
-
-
 def delivered() -> None:
     """The interrupt reached a handler that goes on (it was not lost): forget it."""
     global _pending
