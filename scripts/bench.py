@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `python scripts/bench.py` as well as `python -m scripts.bench`
+from scripts import memcg  # noqa: E402
 from scripts.machine import Result  # noqa: E402
 from storage.units import blocks_for  # noqa: E402
 
@@ -196,12 +196,14 @@ def worker_accelerate(spec: dict) -> dict:
 WORKERS = {"offload": worker_offload, "accelerate": worker_accelerate}
 
 
-def run_worker(kind: str, spec: dict, timeout: int = 3600) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
-    if proc.returncode != 0:
-        raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def run_worker(kind: str, spec: dict, timeout: int = 3600, memory_max: str | None = None) -> dict:
+    """Worker `kind` in a fresh process (inside a memory cgroup of `memory_max`: scripts/memcg.py); raises if it
+    fails."""
+    r = memcg.run_json([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)], memory_max,
+                       timeout=timeout, drop=memory_max is not None)
+    if "error" in r:
+        raise RuntimeError(f"{kind} worker failed: {r['error']}\n{r['stderr']}")
+    return r
 
 
 # ----------------------------------------------------------------------------- orchestration

@@ -3,7 +3,7 @@ Accelerate's own disk offload of it, vs the native path on a Llama of the same s
 
     python scripts/bench_hf.py --quick                     # a small model, small budgets: a smoke run
     python scripts/bench_hf.py                             # TinyLlama-1.1B shape, gpu 512MiB + cpu 512MiB + disk
-    python scripts/bench_hf.py --wrap "systemd-run --user --scope -p MemoryMax=2G"   # each run inside a cgroup
+    python scripts/bench_hf.py --memory-max 1536M          # each run inside its own memory cgroup (scripts/memcg.py)
 
 Runs, each in a fresh subprocess (`scripts/bench.py`'s workers, so peak RSS is each run's own), the page cache
 of the checkpoint and the stores evicted before each:
@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `python scripts/bench_hf.py` as well as `python -m scripts.bench_hf`
 
+from scripts import memcg  # noqa: E402
 from scripts.machine import Result  # noqa: E402
 
 PROFILES = {
@@ -68,14 +67,11 @@ def ensure_models(out: Path, p: dict) -> dict[str, Path]:
     return paths
 
 
-def run_worker(kind: str, spec: dict, wrap: str) -> dict:
-    """scripts/bench.py's worker `kind` in a fresh subprocess (inside `wrap`, e.g. a cgroup scope)."""
-    cmd = [*shlex.split(wrap), sys.executable, str(ROOT / "scripts" / "bench.py"), "--worker", kind,
-           "--spec", json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200, cwd=str(ROOT))
-    if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else f"rc {proc.returncode}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def run_worker(kind: str, spec: dict, memory_max: str | None) -> dict:
+    """scripts/bench.py's worker `kind` in a fresh subprocess (inside a memory cgroup of `memory_max`); a failed
+    run gives {"error": why}."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--worker", kind, "--spec", json.dumps(spec)]
+    return memcg.run_json(cmd, memory_max, drop=memory_max is not None)
 
 
 def same(a: dict, b: dict) -> bool | None:
@@ -87,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small model, small budgets (a smoke run)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-out", help="models and stores go here")
-    ap.add_argument("--wrap", default="", help="a command each run is started inside (a memory cgroup scope)")
+    ap.add_argument("--memory-max", default=None, help="run each engine inside its own memory cgroup of this size")
     ap.add_argument("--results", type=Path, default=None, help="where NAME.md and NAME.json go (default: OUT)")
     ap.add_argument("--name", default="bench-hf", help="the results' file name (without .md / .json)")
     args = ap.parse_args(argv)
@@ -103,15 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = {"model": str(models[model]), "model_impl": impl, "device": "cpu", "dtype": "bfloat16",
                "kv_cache": kv, "activations": {"prefill_chunk": p["chunk"]}, "prefetch": {"depth": p["depth"]},
                "tiers": {"gpu": {"capacity": p["gpu"]}, "cpu": {"capacity": p["cpu"]}, "disk": {"path": str(store)}}}
-        r = run_worker("offload", spec | {"config": cfg}, args.wrap)
+        r = run_worker("offload", spec | {"config": cfg}, args.memory_max)
         if "error" not in r:  # the first run converts the store: measure again on the warm store
-            r = run_worker("offload", spec | {"config": cfg}, args.wrap)
+            r = run_worker("offload", spec | {"config": cfg}, args.memory_max)
         return r
 
     runs = {"generic": offload("gemma2", "auto"), "native": offload("llama", "native"),
             "generic-llama": offload("llama", "transformers")}
     acc = {b: run_worker("accelerate", spec | {"model": str(models["gemma2"]), "max_memory": b,
-                                               "offload_folder": str(out / "accelerate-offload" / b)}, args.wrap)
+                                               "offload_folder": str(out / "accelerate-offload" / b)}, args.memory_max)
            for b in p["acc_budgets"]}
     ok = {b: r for b, r in acc.items() if "error" not in r}
     best = min(ok, key=lambda b: ok[b]["ms_per_step"]) if ok else None
@@ -120,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in runs.items():
         row = {"run": name, "ms_per_step": r.get("ms_per_step"), "peak_rss": r.get("peak_rss"),
                "prefill_s": r.get("prefill_s"), "error": r.get("error"),
-               "disk_bytes_per_step": r.get("disk_bytes_per_step"), "stall_ms_per_step": r.get("stall_ms_per_step")}
+               "disk_bytes_per_step": r.get("disk_bytes_per_step"), "stall_ms_per_step": r.get("stall_ms_per_step"),
+               "cgroup_peak": (r.get("memcg") or {}).get("peak")}
         if name == "accelerate":
             row |= {"budget": best, "by_budget_ms_per_step": {b: x.get("ms_per_step") for b, x in acc.items()},
                     "devices": r.get("devices")}
@@ -134,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_generic_equal_accelerate": same(runs["generic"], runs["accelerate"]),
         "tokens_generic_llama_equal_native": same(runs["generic-llama"], runs["native"]),
     }
-    result = {"profile": "quick" if args.quick else "full", "settings": p, "wrap": args.wrap or None,
+    result = {"profile": "quick" if args.quick else "full", "settings": p, "memory_max": args.memory_max,
               "models": {k: str(v) for k, v in models.items()}, "rows": rows, "summary": summary}
     print(header.write(args.results or out, args.name, markdown(result), result).read_text())
     return 0
@@ -148,11 +145,14 @@ def markdown(result: dict) -> str:
              f"Offload budgets gpu {p['gpu']} + cpu {p['cpu']} + disk (prefetch depth {p['depth']}), Accelerate "
              f"max_memory {', '.join(p['acc_budgets'])} (best shown); batch {p['batch']}, prompt {p['prompt']}, "
              f"{p['new']} new tokens. Each run in a fresh process"
-             + (f" inside `{result['wrap']}`." if result["wrap"] else " (no memory cgroup: peak RSS shown)."), "",
-             "| run | ms/step | peak RSS MiB | disk MiB/step | stall ms/step | note |", "|---|---|---|---|---|---|"]
+             + (f" inside its own memory cgroup of {result['memory_max']} (page cache counted; caches dropped "
+                "before each run)." if result["memory_max"] else " (no memory cgroup: peak RSS shown)."), "",
+             "| run | ms/step | peak RSS MiB | cgroup peak MiB | disk MiB/step | stall ms/step | note |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         note = r["error"] or (f"max_memory {r['budget']}" if r["run"] == "accelerate" else "")
         lines.append(f"| {r['run']} | {ms(r['ms_per_step'])} | {mib(r['peak_rss'])} | "
+                     f"{mib(r['cgroup_peak'])} | "
                      f"{mib(r['disk_bytes_per_step'])} | {ms(r['stall_ms_per_step'])} | {note} |")
     f = lambda x: f"{x:.2f}x" if x else "-"  # noqa: E731
     lines += ["", f"generic vs Accelerate disk offload: {f(s['generic_vs_accelerate'])} faster; generic / native "

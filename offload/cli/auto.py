@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import torch
 
 from offload.cli.plan import show_plan
@@ -32,6 +31,7 @@ from offload.model import hub
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import calibrate
+from offload.plan.memory import ram_available
 from offload.runtime.device import resolve_dtype
 from offload.weights.convert import convert
 from offload.weights.groups import WeightFormat
@@ -61,7 +61,7 @@ class Machine:
         while not probe.exists():
             probe = probe.parent
         return cls("cuda" if gpu_free is not None else "cpu", gpu_name, gpu_free,
-                   psutil.virtual_memory().available, disk, shutil.disk_usage(probe).free)
+                   ram_available(), disk, shutil.disk_usage(probe).free)
 
     def describe(self) -> str:
         gpu = f"{self.gpu_name} with {format_size(self.gpu_free)} free" if self.gpu_free is not None else \

@@ -5,6 +5,8 @@ torch.cuda), never a model's weights.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import psutil
 import torch
 
@@ -28,14 +30,55 @@ def resolve_capacities(tiers: TiersConfig | None, device: torch.device) -> Capac
         gpu = int(free * 0.9)
     cpu = tiers.cpu.capacity
     if cpu is None:
-        cpu = int(psutil.virtual_memory().available * 0.8)
+        cpu = int(ram_available() * 0.8)
     disk = tiers.disk
     return Capacities(gpu=gpu, cpu=cpu, disk=None if disk is None else disk.capacity, has_disk=disk is not None)
 
 
 def ram_available() -> int:
-    """Bytes of RAM this machine has free now (what a CPU device's gpu and cpu tiers share)."""
-    return int(psutil.virtual_memory().available)
+    """Bytes of RAM this process may still fill (what a CPU device's gpu and cpu tiers share): the machine's
+    available memory, or less inside a memory cgroup (a container, a systemd scope, a job's limit)."""
+    free = int(psutil.virtual_memory().available)
+    room = cgroup_room()
+    return free if room is None else min(free, room)
+
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP) -> int | None:
+    """What this process's memory cgroup has left before its limit (the tightest of it and its ancestors),
+    reclaimable page cache counted as room; None without a limit (or on a machine without cgroups)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):  # cgroup v1: the memory hierarchy's own mount
+            return _room(root / "memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    for line in lines:
+        if line.startswith("0::"):  # cgroup v2: one hierarchy
+            return _room(root, line[3:], "memory.max", "memory.current", "inactive_file")
+    return None
+
+
+def _room(mount: Path, path: str, limit_file: str, usage_file: str, cache_key: str) -> int | None:
+    best = None
+    cg = mount / path.strip("/")
+    while True:
+        try:
+            limit = (cg / limit_file).read_text().strip()
+            if limit != "max" and int(limit) < 1 << 60:  # v1 writes "no limit" as ~2^63
+                stat = dict(x.split() for x in (cg / "memory.stat").read_text().splitlines() if x.strip())
+                used = int((cg / usage_file).read_text()) - int(stat.get(cache_key, stat.get("inactive_file", 0)))
+                room = max(int(limit) - used, 0)
+                best = room if best is None else min(best, room)
+        except (OSError, ValueError):
+            pass
+        if cg == mount or mount not in cg.parents:
+            return best
+        cg = cg.parent
 
 
 def check_ram(plan: Plan) -> None:

@@ -1,0 +1,45 @@
+"""RAM `auto` inside a memory cgroup: the planner reads the process's cgroup limit (a container, a job's limit),
+not only the machine's free memory, or a run planned for 20 GiB would be killed by a 2 GiB limit."""
+
+from pathlib import Path
+
+from offload.plan import memory
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_v1_limit_minus_usage_with_page_cache_as_room(tmp_path):
+    proc = tmp_path / "proc"
+    write(tmp_path, {
+        "proc": "4:memory:/jobs/a\n1:cpu:/\n0::/\n",
+        "cg/memory/memory.limit_in_bytes": "9223372036854771712\n",
+        "cg/memory/memory.usage_in_bytes": "100\n", "cg/memory/memory.stat": "total_inactive_file 0\n",
+        "cg/memory/jobs/a/memory.limit_in_bytes": str(2 << 30),
+        "cg/memory/jobs/a/memory.usage_in_bytes": str(1 << 30),
+        "cg/memory/jobs/a/memory.stat": f"cache 5\ntotal_inactive_file {256 << 20}\n",
+    })
+    assert memory.cgroup_room(proc, tmp_path / "cg") == (2 << 30) - (1 << 30) + (256 << 20)
+
+
+def test_v2_tightest_ancestor_wins_and_no_limit_is_none(tmp_path):
+    proc = tmp_path / "proc"
+    write(tmp_path, {
+        "proc": "0::/user/job\n",
+        "cg/user/memory.max": str(1 << 30), "cg/user/memory.current": str(512 << 20),
+        "cg/user/memory.stat": "inactive_file 0\n",
+        "cg/user/job/memory.max": "max\n", "cg/user/job/memory.current": str(512 << 20),
+        "cg/user/job/memory.stat": "inactive_file 0\n",
+    })
+    assert memory.cgroup_room(proc, tmp_path / "cg") == 512 << 20
+    (tmp_path / "cg/user/memory.max").write_text("max\n")
+    assert memory.cgroup_room(proc, tmp_path / "cg") is None
+    assert memory.cgroup_room(tmp_path / "absent", tmp_path / "cg") is None
+
+
+def test_ram_available_is_capped_by_the_cgroup(monkeypatch):
+    monkeypatch.setattr(memory, "cgroup_room", lambda: 300 << 20)
+    assert memory.ram_available() == min(300 << 20, memory.psutil.virtual_memory().available)
