@@ -181,7 +181,8 @@ def worker_accelerate(spec: dict) -> dict:
         nxt = out.logits[:, -1].float().argmax(-1)
         tokens.append(nxt.tolist())
         for _ in range(spec["new"] - 1):
-            evict([model_dir, offload_dir])  # equal budgets: no page cache beyond max_memory (not timed)
+            if spec.get("evict_steps", True):  # equal budgets: no page cache beyond max_memory (not timed); inside
+                evict([model_dir, offload_dir])  # a memory cgroup the limit bounds it: what fits stays cached
             t = time.perf_counter()
             out = model(nxt[:, None], past_key_values=cache, use_cache=True)
             cache = out.past_key_values
@@ -196,11 +197,18 @@ def worker_accelerate(spec: dict) -> dict:
 WORKERS = {"offload": worker_offload, "accelerate": worker_accelerate}
 
 
+def call_worker(kind: str, spec: dict, memory_max: str | None = None, timeout: int = 3600) -> dict:
+    """Worker `kind` in a fresh process, inside a memory cgroup of `memory_max` when given (scripts/memcg.py: page
+    cache dropped first, the cgroup's peak under "memcg"); a failed run gives {"error": why, "stderr": ...}."""
+    if memory_max is not None:
+        spec = spec | {"evict_steps": False}  # the cgroup bounds the page cache: a peer may use its spare room
+    return memcg.run_json([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)], memory_max,
+                          timeout=timeout, drop=memory_max is not None)
+
+
 def run_worker(kind: str, spec: dict, timeout: int = 3600, memory_max: str | None = None) -> dict:
-    """Worker `kind` in a fresh process (inside a memory cgroup of `memory_max`: scripts/memcg.py); raises if it
-    fails."""
-    r = memcg.run_json([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)], memory_max,
-                       timeout=timeout, drop=memory_max is not None)
+    """`call_worker`, raising when the run fails."""
+    r = call_worker(kind, spec, memory_max, timeout)
     if "error" in r:
         raise RuntimeError(f"{kind} worker failed: {r['error']}\n{r['stderr']}")
     return r

@@ -22,14 +22,13 @@ compared between generic and accelerate (the same checkpoint and dtype). Results
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `python scripts/bench_hf.py` as well as `python -m scripts.bench_hf`
 
-from scripts import memcg  # noqa: E402
+from scripts.bench import call_worker  # noqa: E402
 from scripts.machine import Result  # noqa: E402
 
 PROFILES = {
@@ -67,13 +66,6 @@ def ensure_models(out: Path, p: dict) -> dict[str, Path]:
     return paths
 
 
-def run_worker(kind: str, spec: dict, memory_max: str | None) -> dict:
-    """scripts/bench.py's worker `kind` in a fresh subprocess (inside a memory cgroup of `memory_max`); a failed
-    run gives {"error": why}."""
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--worker", kind, "--spec", json.dumps(spec)]
-    return memcg.run_json(cmd, memory_max, drop=memory_max is not None)
-
-
 def same(a: dict, b: dict) -> bool | None:
     """Equal tokens (None when either run failed)."""
     return a["tokens"] == b["tokens"] if "tokens" in a and "tokens" in b else None
@@ -99,14 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = {"model": str(models[model]), "model_impl": impl, "device": "cpu", "dtype": "bfloat16",
                "kv_cache": kv, "activations": {"prefill_chunk": p["chunk"]}, "prefetch": {"depth": p["depth"]},
                "tiers": {"gpu": {"capacity": p["gpu"]}, "cpu": {"capacity": p["cpu"]}, "disk": {"path": str(store)}}}
-        r = run_worker("offload", spec | {"config": cfg}, args.memory_max)
+        r = call_worker("offload", spec | {"config": cfg}, args.memory_max)
         if "error" not in r:  # the first run converts the store: measure again on the warm store
-            r = run_worker("offload", spec | {"config": cfg}, args.memory_max)
+            r = call_worker("offload", spec | {"config": cfg}, args.memory_max)
         return r
 
     runs = {"generic": offload("gemma2", "auto"), "native": offload("llama", "native"),
             "generic-llama": offload("llama", "transformers")}
-    acc = {b: run_worker("accelerate", spec | {"model": str(models["gemma2"]), "max_memory": b,
+    acc = {b: call_worker("accelerate", spec | {"model": str(models["gemma2"]), "max_memory": b,
                                                "offload_folder": str(out / "accelerate-offload" / b)}, args.memory_max)
            for b in p["acc_budgets"]}
     ok = {b: r for b, r in acc.items() if "error" not in r}

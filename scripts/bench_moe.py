@@ -1,6 +1,6 @@
 """Benchmark: a mixture of experts streamed from disk, its expert cache, next-layer prediction and peers.
 
-    python -m scripts.bench_moe                # qwen3_moe "medium" (64 experts, top 8; ~4 GiB bf16), b1 and b8
+    python -m scripts.bench_moe --accelerate --llama-cpp   # qwen3_moe "medium" (64 experts, top 8; 4.2 GiB bf16)
     python -m scripts.bench_moe --quick        # qwen3_moe "small" (32 experts, top 4; ~0.35 GiB): a smoke run
 
 For each batch size, in fresh subprocesses (page cache evicted first, peak RSS each run's own):
@@ -8,6 +8,7 @@ For each batch size, in fresh subprocesses (page cache evicted first, peak RSS e
   lfu+prefetch  layers resident, experts homed on disk, the expert cache (policy lfu) with next-layer prediction
   lru           the same cache with policy lru and no prediction
   ring          experts.cache 0: every expert of every layer streams through the ring each pass (issue 19.2's path)
+  auto          every tier `auto` (the planner fits what the cgroup leaves), experts as the planner chooses
   accelerate    transformers + Accelerate device_map auto with Offload's RAM budget, the rest on disk (--accelerate)
   llama.cpp     the checkpoint converted to GGUF, llama-bench (--llama-cpp; builds llama.cpp, ~20 min)
 Per Offload run: decode ms/step, disk bytes per decode step against the routed-expert bound (the bytes of the
@@ -15,8 +16,9 @@ experts the step routed, plus the streamed layers), the cache's hit rate (cached
 prediction's recall and precision, tokens equal to the resident run; and the run's routing trace replayed
 through LRU and LFU caches of the same size (the policy comparison on a trace recorded from this model: its
 routers are random, so the trace is close to uniform; see tests/test_moe_cache.py for skewed ones).
-`--memory-max` runs each worker under `systemd-run --scope -p MemoryMax=` when that is available (a memory
-cgroup smaller than the model); otherwise the budgets are Offload's tiers only, and the result says so.
+Every engine run but `resident` runs in its own memory cgroup smaller than the model (scripts/memcg.py; the full
+profile's 2G for a 4.2 GiB model, `--memory-max` to change it), the page cache dropped first: Accelerate gets its
+best `max_memory` of the profile's list, llama.cpp its mmap in the cgroup's spare room.
 Results: scripts/results/NAME.{md,json} (`scripts.machine.Result`).
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -33,16 +36,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench import evict, prompts, vm_hwm  # noqa: E402
-from scripts.bench import run_worker as bench_worker  # noqa: E402
+from scripts import memcg  # noqa: E402
+from scripts.bench import call_worker, evict, prompts, vm_hwm  # noqa: E402
 from scripts.machine import Result  # noqa: E402
 
 PROFILES = {
-    "full": dict(size="medium", prompt=32, new=16, batches=[1, 8], gpu="1GiB", chunk=32),
-    "quick": dict(size="small", prompt=12, new=6, batches=[1, 8], gpu="200MiB", chunk=16),
+    "full": dict(size="medium", prompt=32, new=16, batches=[1, 8], gpu="1GiB", chunk=32, memory_max="2G",
+                 acc_budgets=["1GiB", "1536MiB"]),
+    "quick": dict(size="small", prompt=12, new=6, batches=[1, 8], gpu="200MiB", chunk=16, memory_max=None,
+                  acc_budgets=["200MiB"]),
 }
+PEERS = ("accelerate", "llama.cpp")
 VARIANTS = {"lfu+prefetch": {"policy": "lfu", "prefetch": True}, "lru": {"policy": "lru", "prefetch": False},
-            "ring": {"cache": 0}}
+            "ring": {"cache": 0}, "auto": {}}  # auto: every tier `auto` (what the cgroup leaves), experts as planned
 
 
 def worker(spec: dict) -> dict:
@@ -84,13 +90,12 @@ def worker(spec: dict) -> dict:
 
 
 def run_worker(spec: dict, memory_max: str | None, timeout: int = 7200) -> dict:
+    """This script's worker in a fresh process, inside a memory cgroup of `memory_max` when given."""
     cmd = [sys.executable, str(Path(__file__)), "--worker", "--spec", json.dumps(spec)]
-    if memory_max and shutil.which("systemd-run"):
-        cmd = ["systemd-run", "--user", "--scope", "-q", "-p", f"MemoryMax={memory_max}"] + cmd
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    r = memcg.run_json(cmd, memory_max, timeout=timeout, drop=memory_max is not None)
+    if "error" in r:
+        raise RuntimeError(f"worker failed: {r['error']}\n{r['stderr']}")
+    return r
 
 
 def ensure_model(out: Path, size: str) -> Path:
@@ -105,18 +110,48 @@ def ensure_model(out: Path, size: str) -> Path:
     return path
 
 
-def llama_cpp(model: Path, out: Path, batch: int) -> dict:
-    """llama-bench on the GGUF conversion (q4_0 and bf16), through ../shared/peers/llama_cpp.sh."""
+def llama_cpp(model: Path, out: Path, spec: dict, memory_max: str | None) -> dict:
+    """llama.cpp on the checkpoint's BF16 GGUF (the same bytes as our bf16 store), `llama-batched-bench` with this
+    batch's prompt and new tokens, inside the same memory cgroup (its mmap uses the cgroup's spare room as page
+    cache; caches dropped first). The GGUF comes from ../shared/peers/llama_cpp.sh, which builds llama.cpp once."""
     script = ROOT.parent / "shared" / "peers" / "llama_cpp.sh"
     gguf = out / "gguf" / model.name
     gguf.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["bash", str(script), "gguf", str(model), str(gguf)], check=True)
-    rows = {}
-    for fmt in ("bf16", "q4_0"):
-        p = subprocess.run(["bash", str(script), "bench", f"{gguf}-{fmt}.gguf"], capture_output=True, text=True,
-                           check=True)
-        rows[fmt] = p.stdout[-2000:]
-    return {"batch": batch, "llama_bench": rows}
+    if not Path(f"{gguf}-bf16.gguf").is_file():
+        subprocess.run(["bash", str(script), "gguf", str(model), str(gguf)], check=True)
+    bin_dir = Path(subprocess.run(["bash", str(script), "build"], capture_output=True, text=True,
+                                  check=True).stdout.split()[-1])
+    tool = bin_dir / "llama-batched-bench"
+    if not tool.is_file():  # the peers script builds llama-bench; the batched tool is one more target of its tree
+        subprocess.run(["cmake", "--build", str(bin_dir.parent), "--target", "llama-batched-bench"], check=True,
+                       capture_output=True)
+    b, n = spec["batch"], spec["new"]
+    cmd = [str(tool), "-m", f"{gguf}-bf16.gguf", "-t", str(os.cpu_count()), "-c", str(b * (spec["prompt"] + n + 8)),
+           "-npp", str(spec["prompt"]), "-ntg", str(n), "-npl", str(b), "--output-format", "jsonl"]
+    proc, stats = memcg.run(cmd, memory_max, drop=True, capture_output=True, text=True, timeout=7200,
+                            env=os.environ | {"LD_LIBRARY_PATH": str(bin_dir)})
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines() or ["?"]
+        why = "killed by the memory cgroup's OOM killer" if stats.get("oom_kills") else tail[-1]
+        return {"error": why[:300], "memcg": stats}
+    row = json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
+    return {"ms_per_step": 1000 * row["t_tg"] / n, "prefill_s": row["t_pp"], "format": "BF16 GGUF",
+            "llama_batched_bench": row, "memcg": stats}
+
+
+def summary(rows: list[dict]) -> str:
+    """Offload's best tiered run against each peer, per batch size."""
+    out = []
+    for b in sorted({r["batch"] for r in rows}):
+        ours = [r for r in rows if r["batch"] == b and r["run"] in VARIANTS and r.get("ms_per_step")]
+        if not ours:
+            continue
+        best = min(ours, key=lambda r: r["ms_per_step"])
+        peers = [f"{r['run']} {r['ms_per_step'] / best['ms_per_step']:.2f}x slower" if r.get("ms_per_step") else
+                 f"{r['run']} failed ({r.get('error')})" for r in rows if r["batch"] == b and r["run"] in PEERS]
+        out.append(f"Batch {b}: Offload's best tiered run ({best['run']}) {best['ms_per_step']:.0f} ms/step"
+                   + ("; " + ", ".join(peers) if peers else "") + ".")
+    return " ".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench-out", help="models and stores go here")
     ap.add_argument("--accelerate", action="store_true", help="also run the Accelerate peer")
     ap.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp on the GGUF conversion")
-    ap.add_argument("--memory-max", default=None, help="a memory cgroup limit for every worker (systemd-run)")
+    ap.add_argument("--memory-max", default=None,
+                    help="each engine run's memory cgroup (default: the profile's: 2G in full; none: no cgroup)")
     ap.add_argument("--name", default=None, help="the results' name (default moe-bench or moe-bench-quick)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
@@ -141,29 +177,36 @@ def main(argv: list[str] | None = None) -> int:
               "kv_cache": {"gpu_blocks": 64}, "activations": {"prefill_chunk": prof["chunk"]},
               "prefetch": {"depth": 2}}
     tiers = {"gpu": {"capacity": prof["gpu"]}, "cpu": {"capacity": 0}, "disk": {"path": str(store)}}
-    cgroup = bool(args.memory_max and shutil.which("systemd-run"))
+    limit = prof["memory_max"] if args.memory_max is None else None if args.memory_max == "none" else args.memory_max
     rows = []
     for batch in prof["batches"]:
         spec = {"batch": batch, "prompt": prof["prompt"], "new": prof["new"]}
         resident = run_worker(spec | {"config": common}, None)
         rows.append({"batch": batch, "run": "resident", **resident})
         for name, experts in VARIANTS.items():
-            r = run_worker(spec | {"config": common | {"tiers": tiers, "experts": experts}}, args.memory_max)
+            t = tiers if experts else tiers | {"gpu": {"capacity": "auto"}, "cpu": {"capacity": "auto"}}
+            r = run_worker(spec | {"config": common | {"tiers": t, "experts": experts}}, limit)
             r["same_tokens"] = r["tokens"] == resident["tokens"]
             rows.append({"batch": batch, "run": name, **r})
-        if args.accelerate:
-            acc = bench_worker("accelerate", spec | {"model": str(model), "offload_folder": str(args.out / "acc"),
-                                                     "max_memory": prof["gpu"]})
-            rows.append({"batch": batch, "run": "accelerate", **acc})
+        if args.accelerate:  # its best budget inside the same cgroup
+            acc = {b: call_worker("accelerate", spec | {"model": str(model), "max_memory": b,
+                                                        "offload_folder": str(args.out / "acc" / b)}, limit)
+                   for b in prof["acc_budgets"]}
+            ok = {b: r for b, r in acc.items() if "error" not in r}
+            best = min(ok, key=lambda b: ok[b]["ms_per_step"]) if ok else prof["acc_budgets"][0]
+            rows.append({"batch": batch, "run": "accelerate", "budget": best, **acc[best],
+                         "same_tokens": acc[best].get("tokens") == resident["tokens"] if best in ok else None,
+                         "by_budget_ms_per_step": {b: r.get("ms_per_step", r.get("error")) for b, r in acc.items()}})
         if args.llama_cpp:
-            rows.append({"batch": batch, "run": "llama.cpp", **llama_cpp(model, args.out, batch)})
+            rows.append({"batch": batch, "run": "llama.cpp", **llama_cpp(model, args.out, spec, limit)})
     md = [f"Model: qwen3_moe `{prof['size']}` (make_model, random weights, bf16), device tier {prof['gpu']}, no host "
           f"tier, experts on disk; {prof['prompt']}-token prompts, {prof['new']} new tokens. Memory cgroup: "
-          + (f"MemoryMax={args.memory_max}" if cgroup else "none (budgets are Offload's tiers only)")
+          + (f"{limit} per engine run (scripts/memcg.py: page cache counted, caches dropped before each run; the "
+             "resident row runs without it)" if limit else "none (budgets are Offload's tiers only)")
           + (". A --quick run: the smoke test, not the benchmark." if args.quick else "."), "",
           "| batch | run | ms/step | disk read / step | routed bound / step | hit rate (cached / with prefetch) "
-          "| prediction recall / precision | LRU / LFU on the recorded trace | same tokens |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          "| prediction recall / precision | LRU / LFU on the recorded trace | same tokens | cgroup peak | note |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         e = r.get("experts") or {}
         mib = 2**20
@@ -176,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"{100 * e['prediction_recall']:.0f}% / {100 * e['prediction_precision']:.0f}%"
                      if e.get("prediction_recall") is not None else "-") + " | "
                   + (f"{100 * pol['lru']:.0f}% / {100 * pol['lfu']:.0f}% ({pol['slots']} slots)" if pol else "-")
-                  + f" | {r.get('same_tokens', '-')} |")
+                  + f" | {r.get('same_tokens', '-')} | "
+                  + (f"{r['memcg']['peak'] / mib:.0f} MiB" if (r.get("memcg") or {}).get("peak") else "-") + " | "
+                  + (r.get("error") or (f"max_memory {r['budget']} (of {', '.join(prof['acc_budgets'])})"
+                                        if r["run"] == "accelerate" else r.get("format", ""))) + " |")
+    md += ["", summary(rows)]
     for r in rows:
         r.pop("step_ms", None)
     name = args.name or ("moe-bench-quick" if args.quick else "moe-bench")

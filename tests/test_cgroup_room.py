@@ -43,3 +43,20 @@ def test_v2_tightest_ancestor_wins_and_no_limit_is_none(tmp_path):
 def test_ram_available_is_capped_by_the_cgroup(monkeypatch):
     monkeypatch.setattr(memory, "cgroup_room", lambda: 300 << 20)
     assert memory.ram_available() == min(300 << 20, memory.psutil.virtual_memory().available)
+
+
+def test_cpu_device_auto_tiers_share_one_ram(monkeypatch):
+    """On a CPU device the gpu and cpu tiers are one RAM: `auto` gets what the other tier leaves, never the whole
+    of it twice (a plan from that would be refused, or killed by a container's limit)."""
+    import torch
+
+    from offload.config import CpuTierConfig, GpuTierConfig, TiersConfig
+
+    monkeypatch.setattr(memory, "ram_available", lambda: 1000 << 20)
+    cpu = torch.device("cpu")
+    both = memory.resolve_capacities(TiersConfig(GpuTierConfig(None), CpuTierConfig(None)), cpu)
+    assert (both.gpu, both.cpu) == (800 << 20, 0)
+    one = memory.resolve_capacities(TiersConfig(GpuTierConfig(None), CpuTierConfig(300 << 20)), cpu)
+    assert (one.gpu, one.cpu) == (500 << 20, 300 << 20)
+    other = memory.resolve_capacities(TiersConfig(GpuTierConfig(600 << 20), CpuTierConfig(None)), cpu)
+    assert (other.gpu, other.cpu) == (600 << 20, 200 << 20)

@@ -21,14 +21,22 @@ from storage.units import fmt_bytes
 
 
 def resolve_capacities(tiers: TiersConfig | None, device: torch.device) -> Capacities:
-    """Bytes per tier; `auto` becomes what this machine has free (unlimited device memory on a CPU run)."""
+    """Bytes per tier; `auto` becomes what this machine has free: 0.9 of the GPU's free memory, 0.8 of the RAM
+    this process may fill (its memory cgroup's room if that is less). On a CPU device the gpu and cpu tiers are
+    one RAM: an `auto` tier gets what the other leaves of it, and with both `auto` the device tier takes it all
+    (layers homed there are computed in place)."""
     if tiers is None:
         return Capacities(gpu=None, cpu=None, disk=None, has_disk=False)
-    gpu = tiers.gpu.capacity
+    gpu, cpu = tiers.gpu.capacity, tiers.cpu.capacity
     if gpu is None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         gpu = int(free * 0.9)
-    cpu = tiers.cpu.capacity
+    if device.type == "cpu" and (gpu is None or cpu is None):
+        room = int(ram_available() * 0.8)
+        if gpu is None:
+            gpu = max(room - (cpu or 0), 0)
+        if cpu is None:
+            cpu = max(room - gpu, 0)
     if cpu is None:
         cpu = int(ram_available() * 0.8)
     disk = tiers.disk
@@ -88,8 +96,10 @@ def check_ram(plan: Plan) -> None:
     if need > free:
         raise CapacityError(
             f"this plan needs {fmt_bytes(need)} of RAM (on a CPU device the gpu and cpu tiers are both this machine's "
-            f"RAM: {fmt_bytes(plan.used('gpu'))} + {fmt_bytes(plan.used('cpu'))}) but {fmt_bytes(free)} is free; "
-            "lower tiers.gpu.capacity / tiers.cpu.capacity or kv_cache.gpu_blocks / cpu_blocks, or add tiers.disk")
+            f"RAM: {fmt_bytes(plan.used('gpu'))} + {fmt_bytes(plan.used('cpu'))}) but {fmt_bytes(free)} is free"
+            + (" to this process (its memory cgroup's limit)" if cgroup_room() is not None else "")
+            + "; lower tiers.gpu.capacity / tiers.cpu.capacity (or set them to auto) or kv_cache.gpu_blocks / "
+            "cpu_blocks" + ("" if plan.capacities.has_disk else ", or add tiers.disk"))
 
 
 def resolve_kv(config: OffloadConfig, cfg: ModelConfig, device: torch.device) -> KVSettings:
