@@ -110,17 +110,30 @@ def ensure_model(out: Path, size: str) -> Path:
     return path
 
 
+#: llama.cpp's converter names a BPE tokenizer's pre-tokenizer by hashing what it makes of a test text, and
+#: refuses one it has never seen, as make_model's is; its ids are all a benchmark uses, so it gets the default
+CONVERT = """
+import runpy, sys
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+src, sys.argv = sys.argv[1], ["convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
 def llama_cpp(model: Path, out: Path, spec: dict, memory_max: str | None) -> dict:
     """llama.cpp on the checkpoint's BF16 GGUF (the same bytes as our bf16 store), `llama-batched-bench` with this
     batch's prompt and new tokens, inside the same memory cgroup (its mmap uses the cgroup's spare room as page
     cache; caches dropped first). The GGUF comes from ../shared/peers/llama_cpp.sh, which builds llama.cpp once."""
     script = ROOT.parent / "shared" / "peers" / "llama_cpp.sh"
-    gguf = out / "gguf" / model.name
-    gguf.parent.mkdir(parents=True, exist_ok=True)
-    if not Path(f"{gguf}-bf16.gguf").is_file():
-        subprocess.run(["bash", str(script), "gguf", str(model), str(gguf)], check=True)
     bin_dir = Path(subprocess.run(["bash", str(script), "build"], capture_output=True, text=True,
                                   check=True).stdout.split()[-1])
+    gguf = out / "gguf" / model.name
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    if not Path(f"{gguf}-bf16.gguf").is_file():  # the converter, told our tokenizer's pre-tokenizer (see CONVERT)
+        src = bin_dir.parent.parent
+        subprocess.run([sys.executable, "-c", CONVERT, str(src), str(model), "--outtype", "bf16", "--outfile",
+                        f"{gguf}-bf16.gguf"], check=True, env=os.environ | {"PYTHONPATH": f"{src}/gguf-py:{src}"})
     tool = bin_dir / "llama-batched-bench"
     if not tool.is_file():  # the peers script builds llama-bench; the batched tool is one more target of its tree
         subprocess.run(["cmake", "--build", str(bin_dir.parent), "--target", "llama-batched-bench"], check=True,
@@ -147,7 +160,7 @@ def summary(rows: list[dict]) -> str:
         if not ours:
             continue
         best = min(ours, key=lambda r: r["ms_per_step"])
-        peers = [f"{r['run']} {r['ms_per_step'] / best['ms_per_step']:.2f}x slower" if r.get("ms_per_step") else
+        peers = [f"{r['run']}'s step {r['ms_per_step'] / best['ms_per_step']:.2f}x ours" if r.get("ms_per_step") else
                  f"{r['run']} failed ({r.get('error')})" for r in rows if r["batch"] == b and r["run"] in PEERS]
         out.append(f"Batch {b}: Offload's best tiered run ({best['run']}) {best['ms_per_step']:.0f} ms/step"
                    + ("; " + ", ".join(peers) if peers else "") + ".")

@@ -350,6 +350,11 @@ def make_model(out: str | os.PathLike, family: str = "llama", size: str = "tiny"
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save(str(out / "tokenizer.json"))
+    # as real checkpoints ship it: without it transformers picks the family's tokenizer class, which may add its own
+    # special tokens (Qwen2's <|endoftext|>) beyond the vocabulary (llama.cpp's converter then refuses the model)
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": SPECIAL[0], "bos_token": SPECIAL[1],
+         "eos_token": SPECIAL[2], "model_max_length": cfg["max_position_embeddings"]}, indent=2))
     return out
 
 
