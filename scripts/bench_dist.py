@@ -5,10 +5,12 @@ ranks (each holds its half; nothing streamed), decode tokens/s at batch 1 and 16
     python scripts/bench_dist.py               # medium (TinyLlama-1.1B shape, 2.2 GB bf16), budget 1.2 GiB per rank
 
 Both runs use the same cores: the 1-rank run gets every thread, each of the 2 ranks half of them (one
-machine, gloo on 127.0.0.1; the 2-rank run is launched with `python -m torch.distributed.run`). The store
-is read through the page cache (not evicted): the 1-rank run's streaming is a memory copy here, slower
-from a cold disk. Results go to scripts/results/bench-dist{,-quick}.{md,json} with the command, the
-machine and the load.
+machine, gloo on 127.0.0.1; the 2-rank run is launched with `python -m torch.distributed.run`). Each rank gets
+the memory of one machine of the profile's size (`memory_max`, --memory-max): the 1-rank run inside a memory
+cgroup of that size, the 2-rank launch inside one of twice that plus 256 MiB for torchrun's agent
+(scripts/memcg.py, the page cache dropped first), so what one rank streams comes from the disk, not from a page
+cache larger than its machine. Without a limit (--quick, --memory-max none) the store is read through the page
+cache. Results go to scripts/results/bench-dist{,-quick}.{md,json} with the command, the machine and the load.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,12 +30,13 @@ from offload.config import OffloadConfig  # noqa: E402
 from offload.runtime.pipeline import run_stage  # noqa: E402
 from offload.runtime.ranks import env_rank, launched  # noqa: E402
 from offload.runtime.runner import Runner  # noqa: E402
+from scripts import memcg  # noqa: E402
 from scripts.bench import ensure_model, ensure_store, prompts  # noqa: E402
 from scripts.machine import Result  # noqa: E402
 
 PROFILES = {
-    "full": dict(size="medium", budget="1200MiB", prompt=16, new=8, batches=[1, 16]),
-    "quick": dict(size="small", budget="80MiB", prompt=16, new=8, batches=[1, 16]),
+    "full": dict(size="medium", budget="1200MiB", prompt=16, new=8, batches=[1, 16], memory_max="1792M"),
+    "quick": dict(size="small", budget="80MiB", prompt=16, new=8, batches=[1, 16], memory_max=None),
 }
 
 # on paper: Llama-70B int4 (0.56 bytes per weight: ~40 GB of weights), 80 layers, H = 8192
@@ -63,7 +65,7 @@ def worker(spec: dict) -> None:
     Path(spec["out"]).write_text(json.dumps(out))
 
 
-def run(spec: dict, ranks: int, tmp: Path) -> dict:
+def run(spec: dict, ranks: int, tmp: Path, memory_max: int | None = None) -> dict:
     path = tmp / f"spec-{ranks}.json"
     spec = spec | {"out": str(tmp / f"out-{ranks}.json")}
     path.write_text(json.dumps(spec))
@@ -75,8 +77,11 @@ def run(spec: dict, ranks: int, tmp: Path) -> dict:
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
                "127.0.0.1", "--master-port", str(port), *cmd[1:]]
-    subprocess.run(cmd, check=True, env=env, timeout=3600)
-    return json.loads(Path(spec["out"]).read_text())
+    limit = None if memory_max is None else ranks * memory_max + (256 << 20 if ranks > 1 else 0)
+    proc, stats = memcg.run(cmd, limit, drop=limit is not None, env=env, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {ranks}-rank run failed (exit {proc.returncode}; memory cgroup: {stats})")
+    return json.loads(Path(spec["out"]).read_text()) | {"memcg": stats}
 
 
 def paper() -> list[dict]:
@@ -100,6 +105,7 @@ def main() -> None:
     ap.add_argument("--worker", default=None)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--results", default=str(ROOT / "scripts" / "results"))
+    ap.add_argument("--memory-max", default=None, help="one rank's machine memory (default: the profile's; none)")
     args = ap.parse_args()
     if args.worker:
         return worker(json.loads(Path(args.worker).read_text()))
@@ -115,15 +121,21 @@ def main() -> None:
     spec = {"config": config, "batches": prof["batches"], "prompt": prof["prompt"], "new": prof["new"]}
     data: dict = {"profile": prof, "config": config, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        data["runs"]["1 rank"] = run(spec | {"threads": args.threads}, 1, Path(tmp))
-        data["runs"]["2 ranks"] = run(spec | {"threads": max(args.threads // 2, 1)}, 2, Path(tmp))
+        limit = memcg.limit_arg(args.memory_max, prof["memory_max"])
+        data["memory_max_per_rank"] = limit
+        data["runs"]["1 rank"] = run(spec | {"threads": args.threads}, 1, Path(tmp), limit)
+        data["runs"]["2 ranks"] = run(spec | {"threads": max(args.threads // 2, 1)}, 2, Path(tmp), limit)
     data["paper_70b_int4"] = {"assumptions": PAPER, "rows": paper()}
     lines = [f"Model: {prof['size']} llama, bfloat16, CPU; each rank's device tier {prof['budget']}; what "
              "does not fit streams from the store; prompt "
-             f"{prof['prompt']} tokens, {prof['new']} new.", "",
+             f"{prof['prompt']} tokens, {prof['new']} new. Memory per rank: "
+             + (f"{limit / 2**20:.0f} MiB (a memory cgroup per run, page cache counted: the 1-rank run's streamed "
+                "half comes from the disk)" if limit else "unlimited (streaming reads the page cache)") + ".", "",
              "| run | batch | decode tok/s | ms/step | rank 0 streamed groups |", "|---|---|---|---|---|"]
     for name, rows in data["runs"].items():
         for b, r in rows.items():
+            if b == "memcg":
+                continue
             lines.append(f"| {name} | {b} | {r['decode_tok_s']:.2f} | {r['ms_per_step']:.1f} | "
                          f"{r['rank0_streamed_groups']} |")
     lines += ["", "On paper: Llama-70B int4 (~40 GB) over 24 GB GPUs at 900 GB/s, PCIe 25 GB/s for what one GPU "

@@ -2,8 +2,9 @@
 Accelerate's own disk offload of it, vs the native path on a Llama of the same size.
 
     python scripts/bench_hf.py --quick                     # a small model, small budgets: a smoke run
-    python scripts/bench_hf.py                             # TinyLlama-1.1B shape, gpu 512MiB + cpu 512MiB + disk
-    python scripts/bench_hf.py --memory-max 1536M          # each run inside its own memory cgroup (scripts/memcg.py)
+    python scripts/bench_hf.py                             # TinyLlama-1.1B shape, gpu 512MiB + cpu 512MiB + disk,
+                                                           # each engine run in its own 2G memory cgroup
+    python scripts/bench_hf.py --memory-max none           # without the full profile's 2G memory cgroup per run
 
 Runs, each in a fresh subprocess (`scripts/bench.py`'s workers, so peak RSS is each run's own), the page cache
 of the checkpoint and the stores evicted before each:
@@ -28,15 +29,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `python scripts/bench_hf.py` as well as `python -m scripts.bench_hf`
 
+from scripts import memcg  # noqa: E402
 from scripts.bench import call_worker  # noqa: E402
 from scripts.machine import Result  # noqa: E402
 
 PROFILES = {
     # widths shared by both models; budgets; the run
     "full": dict(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, vocab=32000, gpu="512MiB",
-                 cpu="512MiB", acc_budgets=["1GiB", "1536MiB"], batch=1, prompt=64, new=16, depth=2, chunk=64),
+                 cpu="512MiB", acc_budgets=["1GiB", "1536MiB"], batch=1, prompt=64, new=16, depth=2, chunk=64,
+                 memory_max="2G"),
     "quick": dict(hidden=256, intermediate=1024, layers=4, heads=4, kv_heads=2, vocab=4096, gpu="6MiB",
-                  cpu="2MiB", acc_budgets=["8MiB"], batch=1, prompt=16, new=6, depth=1, chunk=16),
+                  cpu="2MiB", acc_budgets=["8MiB"], batch=1, prompt=16, new=6, depth=1, chunk=16, memory_max=None),
 }
 
 
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small model, small budgets (a smoke run)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-out", help="models and stores go here")
-    ap.add_argument("--memory-max", default=None, help="run each engine inside its own memory cgroup of this size")
+    ap.add_argument("--memory-max", default=None,
+                    help="each engine run's memory cgroup (default: the profile's: 2G in full; none: no cgroup)")
     ap.add_argument("--results", type=Path, default=None, help="where NAME.md and NAME.json go (default: OUT)")
     ap.add_argument("--name", default="bench-hf", help="the results' file name (without .md / .json)")
     args = ap.parse_args(argv)
@@ -86,20 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"batch": p["batch"], "prompt": p["prompt"], "new": p["new"]}
     kv = {"block_size": 16, "gpu_blocks": p["batch"] * -(-(p["prompt"] + p["new"]) // 16)}
 
-    def offload(model: str, impl: str) -> dict:
+    limit = memcg.limit_arg(args.memory_max, p["memory_max"])
+
+    def offload(model: str, impl: str, gpu: str = p["gpu"], cpu: str = p["cpu"]) -> dict:
         store = out / "stores" / f"{models[model].name}-{impl}"
         cfg = {"model": str(models[model]), "model_impl": impl, "device": "cpu", "dtype": "bfloat16",
                "kv_cache": kv, "activations": {"prefill_chunk": p["chunk"]}, "prefetch": {"depth": p["depth"]},
-               "tiers": {"gpu": {"capacity": p["gpu"]}, "cpu": {"capacity": p["cpu"]}, "disk": {"path": str(store)}}}
-        r = call_worker("offload", spec | {"config": cfg}, args.memory_max)
+               "tiers": {"gpu": {"capacity": gpu}, "cpu": {"capacity": cpu}, "disk": {"path": str(store)}}}
+        r = call_worker("offload", spec | {"config": cfg}, limit)
         if "error" not in r:  # the first run converts the store: measure again on the warm store
-            r = call_worker("offload", spec | {"config": cfg}, args.memory_max)
+            r = call_worker("offload", spec | {"config": cfg}, limit)
         return r
 
     runs = {"generic": offload("gemma2", "auto"), "native": offload("llama", "native"),
             "generic-llama": offload("llama", "transformers")}
+    if limit:  # what a user gets with every tier auto inside the same cgroup
+        runs["generic (auto tiers)"] = offload("gemma2", "auto", "auto", "auto")
     acc = {b: call_worker("accelerate", spec | {"model": str(models["gemma2"]), "max_memory": b,
-                                               "offload_folder": str(out / "accelerate-offload" / b)}, args.memory_max)
+                                               "offload_folder": str(out / "accelerate-offload" / b)}, limit)
            for b in p["acc_budgets"]}
     ok = {b: r for b, r in acc.items() if "error" not in r}
     best = min(ok, key=lambda b: ok[b]["ms_per_step"]) if ok else None
@@ -123,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_generic_equal_accelerate": same(runs["generic"], runs["accelerate"]),
         "tokens_generic_llama_equal_native": same(runs["generic-llama"], runs["native"]),
     }
-    result = {"profile": "quick" if args.quick else "full", "settings": p, "memory_max": args.memory_max,
+    ga = runs.get("generic (auto tiers)", {}).get("ms_per_step")
+    if ga:
+        summary["generic_auto_tiers_vs_accelerate"] = a / ga if a else None
+    result = {"profile": "quick" if args.quick else "full", "settings": p, "memory_max": limit,
               "models": {k: str(v) for k, v in models.items()}, "rows": rows, "summary": summary}
     print(header.write(args.results or out, args.name, markdown(result), result).read_text())
     return 0
@@ -137,8 +148,9 @@ def markdown(result: dict) -> str:
              f"Offload budgets gpu {p['gpu']} + cpu {p['cpu']} + disk (prefetch depth {p['depth']}), Accelerate "
              f"max_memory {', '.join(p['acc_budgets'])} (best shown); batch {p['batch']}, prompt {p['prompt']}, "
              f"{p['new']} new tokens. Each run in a fresh process"
-             + (f" inside its own memory cgroup of {result['memory_max']} (page cache counted; caches dropped "
-                "before each run)." if result["memory_max"] else " (no memory cgroup: peak RSS shown)."), "",
+             + (f" inside its own memory cgroup of {result['memory_max'] / 2**20:.0f} MiB (scripts/memcg.py: page "
+                "cache counted; caches dropped before each run)." if result["memory_max"]
+                else " (no memory cgroup: peak RSS shown)."), "",
              "| run | ms/step | peak RSS MiB | cgroup peak MiB | disk MiB/step | stall ms/step | note |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -152,6 +164,9 @@ def markdown(result: dict) -> str:
               f"through transformers / native: {f(s['generic_llama_vs_native'])}. Tokens generic = Accelerate: "
               f"{s['tokens_generic_equal_accelerate']}; Llama generic = native: "
               f"{s['tokens_generic_llama_equal_native']}."]
+    if s.get("generic_auto_tiers_vs_accelerate"):
+        lines[-1] += (" With every tier auto in the same cgroup: "
+                      f"{f(s['generic_auto_tiers_vs_accelerate'])} faster than Accelerate.")
     return "\n".join(lines) + "\n"
 
 

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
               "kv_cache": {"gpu_blocks": 64}, "activations": {"prefill_chunk": prof["chunk"]},
               "prefetch": {"depth": 2}}
     tiers = {"gpu": {"capacity": prof["gpu"]}, "cpu": {"capacity": 0}, "disk": {"path": str(store)}}
-    limit = prof["memory_max"] if args.memory_max is None else None if args.memory_max == "none" else args.memory_max
+    limit = memcg.limit_arg(args.memory_max, prof["memory_max"])
     rows = []
     for batch in prof["batches"]:
         spec = {"batch": batch, "prompt": prof["prompt"], "new": prof["new"]}
@@ -214,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"batch": batch, "run": "llama.cpp", **llama_cpp(model, args.out, spec, limit)})
     md = [f"Model: qwen3_moe `{prof['size']}` (make_model, random weights, bf16), device tier {prof['gpu']}, no host "
           f"tier, experts on disk; {prof['prompt']}-token prompts, {prof['new']} new tokens. Memory cgroup: "
-          + (f"{limit} per engine run (scripts/memcg.py: page cache counted, caches dropped before each run; the "
-             "resident row runs without it)" if limit else "none (budgets are Offload's tiers only)")
+          + (f"{limit / 2**20:.0f} MiB per engine run (scripts/memcg.py: page cache counted, caches dropped "
+             "before each run; the resident row runs without it)" if limit
+             else "none (budgets are Offload's tiers only)")
           + (". A --quick run: the smoke test, not the benchmark." if args.quick else "."), "",
           "| batch | run | ms/step | disk read / step | routed bound / step | hit rate (cached / with prefetch) "
           "| prediction recall / precision | LRU / LFU on the recorded trace | same tokens | cgroup peak | note |",

@@ -59,6 +59,12 @@ def backend() -> str | None:
     return None
 
 
+def limit_arg(value: str | None, default: str | None) -> int | None:
+    """A script's --memory-max: None takes the profile's default, "none" turns the cgroup off; bytes."""
+    chosen = default if value is None else None if value.lower() == "none" else value
+    return None if chosen is None else parse_size(chosen)
+
+
 def drop_caches() -> bool:
     """Write back and drop the page cache (root only); False where that is not allowed."""
     os.sync()
