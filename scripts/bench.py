@@ -197,21 +197,20 @@ def worker_accelerate(spec: dict) -> dict:
 WORKERS = {"offload": worker_offload, "accelerate": worker_accelerate}
 
 
-def call_worker(kind: str, spec: dict, memory_max: str | None = None, timeout: int = 3600) -> dict:
+def call_worker(kind: str, spec: dict, memory_max: str | None = None, timeout: int = 3600,
+                check: bool = False) -> dict:
     """Worker `kind` in a fresh process, inside a memory cgroup of `memory_max` when given (scripts/memcg.py: page
-    cache dropped first, the cgroup's peak under "memcg"); a failed run gives {"error": why, "stderr": ...}."""
+    cache dropped first, the cgroup's peak under "memcg"); a failed run gives {"error": why, "stderr": ...}, or
+    raises when `check`."""
     if memory_max is not None:
         spec = spec | {"evict_steps": False}  # the cgroup bounds the page cache: a peer may use its spare room
     return memcg.run_json([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)], memory_max,
-                          timeout=timeout, drop=memory_max is not None)
+                          timeout=timeout, drop=memory_max is not None, check=check)
 
 
 def run_worker(kind: str, spec: dict, timeout: int = 3600, memory_max: str | None = None) -> dict:
     """`call_worker`, raising when the run fails."""
-    r = call_worker(kind, spec, memory_max, timeout)
-    if "error" in r:
-        raise RuntimeError(f"{kind} worker failed: {r['error']}\n{r['stderr']}")
-    return r
+    return call_worker(kind, spec, memory_max, timeout, check=True)
 
 
 # ----------------------------------------------------------------------------- orchestration

@@ -92,10 +92,7 @@ def worker(spec: dict) -> dict:
 def run_worker(spec: dict, memory_max: str | None, timeout: int = 7200) -> dict:
     """This script's worker in a fresh process, inside a memory cgroup of `memory_max` when given."""
     cmd = [sys.executable, str(Path(__file__)), "--worker", "--spec", json.dumps(spec)]
-    r = memcg.run_json(cmd, memory_max, timeout=timeout, drop=memory_max is not None)
-    if "error" in r:
-        raise RuntimeError(f"worker failed: {r['error']}\n{r['stderr']}")
-    return r
+    return memcg.run_json(cmd, memory_max, timeout=timeout, drop=memory_max is not None, check=True)
 
 
 def ensure_model(out: Path, size: str) -> Path:
@@ -144,9 +141,7 @@ def llama_cpp(model: Path, out: Path, spec: dict, memory_max: str | None) -> dic
     proc, stats = memcg.run(cmd, memory_max, drop=True, capture_output=True, text=True, timeout=7200,
                             env=os.environ | {"LD_LIBRARY_PATH": str(bin_dir)})
     if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines() or ["?"]
-        why = "killed by the memory cgroup's OOM killer" if stats.get("oom_kills") else tail[-1]
-        return {"error": why[:300], "memcg": stats}
+        return {"error": memcg.why_failed(proc, stats), "memcg": stats}
     row = json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
     return {"ms_per_step": 1000 * row["t_tg"] / n, "prefill_s": row["t_pp"], "format": "BF16 GGUF",
             "llama_batched_bench": row, "memcg": stats}

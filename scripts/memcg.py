@@ -86,7 +86,8 @@ class Group:
         if kind == "v2":
             (parent / "cgroup.subtree_control").write_text("+memory\n")
             (self.path / "memory.max").write_text(f"{limit}\n")
-            (self.path / "memory.swap.max").write_text("0\n") if (self.path / "memory.swap.max").exists() else None
+            if (self.path / "memory.swap.max").exists():
+                (self.path / "memory.swap.max").write_text("0\n")
         else:
             (self.path / "memory.limit_in_bytes").write_text(f"{limit}\n")
 
@@ -141,16 +142,25 @@ def run(cmd: list[str], limit: int | str | None, *, drop: bool = False,
         group.remove()
 
 
-def run_json(cmd: list[str], limit: int | str | None = None, *, timeout: int = 7200, drop: bool = False) -> dict:
+def why_failed(proc: subprocess.CompletedProcess, stats: dict) -> str:
+    """One line on why a run that `run` captured failed: the cgroup's OOM killer, else its last stderr line."""
+    if stats.get("oom_kills"):
+        return f"killed by the memory cgroup's OOM killer at {stats['peak'] / 2**20:.0f} MiB"
+    tail = (proc.stderr or "").strip().splitlines()
+    return tail[-1][:300] if tail else f"exit status {proc.returncode}"
+
+
+def run_json(cmd: list[str], limit: int | str | None = None, *, timeout: int = 7200, drop: bool = False,
+             check: bool = False) -> dict:
     """A worker that prints one JSON line last, run inside `limit`: that line's object, with the cgroup's stats
-    under "memcg" when limited; a failed worker gives {"error": its last stderr line (or how it ended)}."""
+    under "memcg" when limited; a failed worker gives {"error": why_failed, "stderr": its tail}, or raises
+    RuntimeError with both when `check`."""
     proc, stats = run(cmd, limit, drop=drop, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
     extra = {"memcg": stats} if limit is not None else {}
     if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()
-        why = (f"killed by the memory cgroup's OOM killer at {stats['peak'] / 2**20:.0f} MiB"
-               if stats.get("oom_kills") else tail[-1][:300] if tail else f"exit status {proc.returncode}")
-        return {"error": why, "stderr": proc.stderr[-4000:], **extra}
+        if check:
+            raise RuntimeError(f"worker failed: {why_failed(proc, stats)}\n{proc.stderr[-4000:]}")
+        return {"error": why_failed(proc, stats), "stderr": proc.stderr[-4000:], **extra}
     return json.loads(proc.stdout.strip().splitlines()[-1]) | extra
 
 
