@@ -13,7 +13,8 @@ repeats is reported, and the load average is recorded beside every number):
   library    the same with OFFLOAD_CPU_KERNELS=library (torch's GEMMs, attention padded to the batch): what the
              row-invariant kernels cost or save
   llama.cpp  llama-bench: pp64 and tg32 (built by shared/peers/llama_cpp.sh from the registry's source package)
-  streamed   Offload with its weights on disk and a device tier of a quarter of them (`--streamed` formats)
+  streamed   Offload with its weights on disk and a device tier of a quarter of them + 64 MiB of workspace
+             (`--streamed` formats)
   verify     a verify pass over k+1 tokens (one sequence) over a plain decode step, for each k in `--verify`
 Writes OUT/cpu-vs-llama.json and OUT/cpu-vs-llama.md (OUT defaults to scripts/results/), the command line included.
 """
@@ -40,6 +41,9 @@ from scripts.machine import cpu_flags, load  # noqa: E402
 #: this process slowed llama.cpp's decode 2.6-5x in session 3's table)
 START_ENV = dict(os.environ)
 
+#: Device-tier room beside a streamed run's quarter of the weights: its ring slots' floor, a prefill chunk's logits
+#: and activations, 16 KV blocks (SmolLM2-135M int4: a quarter of its weights is 27 MiB, the smallest plan 69 MiB)
+WORKSPACE_MIB = 64
 LLAMA = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
 #: shared/peers/llama_cpp.sh beside the checkout (/work/main) or beside a worktree's parent (/work/wt/NAME)
@@ -235,7 +239,7 @@ def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) ->
         if fmt in args.streamed:
             store = cache / "stores" / f"{model.name}-{QUANT[fmt]}"
             ensure_store(model, store, QUANT[fmt])
-            quarter = f"{max(1, row['bytes'] // 4 // 2**20)}MiB"
+            quarter = f"{max(1, row['bytes'] // 4 // 2**20) + WORKSPACE_MIB}MiB"  # a quarter of the weights + room
             streamed = config | {"tiers": {"gpu": {"capacity": quarter}, "cpu": {"capacity": "0MiB"},
                                            "disk": {"path": str(store)}}, "kv_cache": {"gpu_blocks": 16}}
             s = run_worker("offload", {"config": streamed, "prompt": args.prompt, "new": args.new})

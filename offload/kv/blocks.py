@@ -87,6 +87,7 @@ class StepKV:
     positions: torch.Tensor  # [B, cols * block_size] absolute position of each key slot
     valid: torch.Tensor  # [B, cols * block_size]
     block_ids: torch.Tensor  # [B, cols] logical id of each block (-1: padding), CPU
+    table: torch.Tensor | None = None  # [B, cols] device slot of each block (0: padding) when the device holds all
     masks: dict = field(default_factory=dict, compare=False)  # window -> the attention mask every layer shares
 
 

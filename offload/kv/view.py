@@ -57,6 +57,12 @@ class LayerKV:
         if cold is None and any(g.tier != "gpu" for g in step.groups):
             cold = cache.fetch_cold(self.layer, step)[0]
         split = cache.settings.cpu_attention and any(g.tier != "gpu" for g in step.groups)
+        if step.table is not None and not track_mass:  # every block on the device: read in place where a kernel can
+            if (mask := step.masks.get(window)) is None:
+                mask = step.masks[window] = self.layout.mask(step.positions, step.valid, window).to(cache.device)
+            data = cache.stores["gpu"].arrays["kv"].data[self.plane]  # [slots, 2, block_size, Hkv, D]
+            if (done := M.attend_pool(q, data, step.table, mask, scale)) is not None:
+                return [done]
         if not split:
             kvs = [(g, self._kv(g, cold, restore).to(cache.device)) for g in step.groups]
             padded = torch.zeros(q.shape[0], step.cols, *kvs[0][1].shape[1:], dtype=kvs[0][1].dtype,

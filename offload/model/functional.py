@@ -227,6 +227,16 @@ def attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     return out, lse, block_lse
 
 
+def attend_pool(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, mask: torch.Tensor, scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`attend_group` (and `attend_columns`: each query row on its own) over K/V read where they lie in a paged
+    pool, kv [slots, 2, block_size, Hkv, D], table [B, cols] the slot of each sequence's blocks in token order;
+    None where no kernel reads a pool in place (the caller gathers the blocks in token order)."""
+    if kernels.attention_supported(q, kv):
+        return kernels.attend_paged(q, kv, table, mask, scale)
+    return None
+
+
 def attend_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                    keys: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend_group` one query column at a time, column j over its first `keys[j]` key slots: the shapes a
