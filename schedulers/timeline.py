@@ -97,11 +97,11 @@ class Timeline:
     @contextmanager
     def range(self, name: str) -> Iterator[None]:
         """The same work as a torch.profiler range (and an NVTX range on CUDA), for PyTorch and Nsight users."""
-        if not self.enabled:
-            yield
-            return
         import torch
 
+        if not self.enabled or not (self.nvtx or torch.autograd._profiler_enabled()):  # ~20 us a range: only
+            yield  # when a profiler records (two ranges a layer: ~1.5 ms a step of a 30-layer model on a CPU)
+            return
         with torch.profiler.record_function(name):
             if self.nvtx:
                 torch.cuda.nvtx.range_push(name)

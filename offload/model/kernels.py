@@ -17,8 +17,8 @@ all its rows (the weights read once), not one product per column.
     int4     the group-wise tile layout of `offload.weights.quant`: torch's `_weight_int4pack_mm_for_cpu` where
              it is vectorised (bf16 scales; each row accumulates along k in order, so rows are independent by
              construction), else the numba kernel below on the same bytes.
-    int8     row-major codes with a (scale, min) per group: per output and group, scale * (x . codes) +
-             min * sum(x), each byte widened to float32 once for 4 rows (the dense kernel's blocking).
+    int8     row-major codes with a (scale, min) per group: 8 rows dequantized into the dense kernel's L1 buffer
+             (code * scale + min in float32, each byte once), then the dense kernel's per-row loop.
 
 Without numba (or with OFFLOAD_CPU_KERNELS=library, to measure what invariance costs), products fall back
 to `F.linear` / torch's kernels and `ROW_INVARIANT` is False (a verify pass multiplies column by column).
@@ -160,54 +160,26 @@ if numba is not None:
                 for j in range(64):
                     out[r, b * 64 + j] = acc[r, j]
 
-    @njit(fastmath={"reassoc", "contract", "nsz"}, cache=True, nogil=True)
-    def _group_sums(x, G):  # pragma: no cover - compiled
-        """x [R, K] f32 -> [R, G]: each row's sum over each group of K / G columns, in the same order for every
-        row."""
-        R, K = x.shape
-        gs = K // G
-        out = np.empty((R, G), np.float32)
-        for r in range(R):
-            for gi in range(G):
-                t = np.float32(0.0)
-                for k in range(gi * gs, gi * gs + gs):
-                    t += x[r, k]
-                out[r, gi] = t
-        return out
-
     @_jit
-    def _int8(x, xs, q, sz, shift, out):  # pragma: no cover - compiled
-        """x [R, K] f32 (R a multiple of 4), xs [R, G] its group sums; q uint8 [rows, K] (8-bit codes, row-major);
-        sz [rows, G, 2] (scale, min) raw bits, uint16 (bf16, shift 16) or uint32 (float32, shift 0),
-        w = code * scale + min -> out [R, rows] f32. Per output and group: scale * (x . codes) + min * sum(x),
-        each code widened to float32 once for 4 rows of x (4 multiply-adds); every row runs through that one
-        loop, so its bits do not depend on the rows beside it or on its place among the 4."""
+    def _int8(x, q, sm, out):  # pragma: no cover - compiled
+        """x [R, K] f32; q uint8 [rows, K] (8-bit codes, row-major); sm [rows, G, 2] (scale, min) float32 -> out
+        [R, rows] f32: 8 rows at a time dequantized into an L1 buffer (w = code * scale + min, float32), then
+        `_dot8` for each row of x, as the dense kernel."""
         R, K = x.shape
-        rows, G = q.shape[0], sz.shape[1]
+        rows, G = q.shape[0], sm.shape[1]
         gs = K // G
         for c in prange((rows + _CHUNK - 1) // _CHUNK):
-            bits = np.empty((2, G), np.uint32)
-            sm = bits.view(np.float32)
-            for n in range(c * _CHUNK, min(rows, c * _CHUNK + _CHUNK)):
-                for gi in range(G):
-                    bits[0, gi] = np.uint32(sz[n, gi, 0]) << shift
-                    bits[1, gi] = np.uint32(sz[n, gi, 1]) << shift
-                for r in range(0, R, 4):
-                    a0 = a1 = a2 = a3 = np.float32(0.0)
+            buf = np.empty((8, K), np.float32)
+            end = min(rows, c * _CHUNK + _CHUNK)
+            for n in range(c * _CHUNK, end, 8):
+                for j in range(8):
+                    src = min(n + j, end - 1)
                     for gi in range(G):
-                        d0 = d1 = d2 = d3 = np.float32(0.0)
-                        for k in range(gs):  # (indexed from the matrices: row slices stop LLVM vectorising this)
-                            wq = np.float32(q[n, gi * gs + k])
-                            d0 += x[r, gi * gs + k] * wq
-                            d1 += x[r + 1, gi * gs + k] * wq
-                            d2 += x[r + 2, gi * gs + k] * wq
-                            d3 += x[r + 3, gi * gs + k] * wq
-                        s, m = sm[0, gi], sm[1, gi]
-                        a0 += s * d0 + m * xs[r, gi]
-                        a1 += s * d1 + m * xs[r + 1, gi]
-                        a2 += s * d2 + m * xs[r + 2, gi]
-                        a3 += s * d3 + m * xs[r + 3, gi]
-                    out[r, n], out[r + 1, n], out[r + 2, n], out[r + 3, n] = a0, a1, a2, a3
+                        s, m = sm[src, gi, 0], sm[src, gi, 1]
+                        for k in range(gs):  # (indexed from the matrices, bytes via int32: vectorised)
+                            buf[j, gi * gs + k] = np.float32(np.int32(q[src, gi * gs + k])) * s + m
+                for r in range(R):
+                    _dot8(x, r, buf, n, min(8, end - n), out)
 
     @_jit
     def _attend(q, kv, table, mask, scale, shift, out, lse):  # pragma: no cover - compiled
@@ -279,16 +251,6 @@ def _threads(work: int) -> None:
         _set.n = want
 
 
-def _padded_rows(x2: torch.Tensor) -> tuple[np.ndarray, int]:
-    """x2 [M, K] as a float32 array of a multiple of 4 rows (zero rows appended), and M."""
-    M, xn = x2.shape[0], (x2 if x2.dtype == torch.float32 else x2.float()).numpy()
-    if M % 4 == 0 and xn.flags.c_contiguous:
-        return xn, M
-    padded = np.zeros((-(-M // 4) * 4, x2.shape[1]), np.float32)
-    padded[:M] = xn
-    return padded, M
-
-
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
     """A weight's raw bits for the dense kernels: uint16 (bf16, fp16) or uint32 (float32)."""
     if t.dtype in (torch.bfloat16, torch.float16):
@@ -353,12 +315,11 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Ten
     rows, K = q.shape
     if x.shape[-1] != K or sz.shape[1] == 0 or K % sz.shape[1] or sz.shape[0] != rows:
         raise ValueError(f"x {tuple(x.shape)} does not fit int8 codes {tuple(q.shape)} / {tuple(sz.shape)}")
-    xn, M = _padded_rows(x)  # rows padded to the kernel's 4
-    out = np.empty((xn.shape[0], rows), np.float32)
-    if M:
-        bits, shift = _bits(sz.contiguous())
-        _int8(xn, _group_sums(xn, sz.shape[1]), q.contiguous().numpy(), bits, shift, out)
-    return torch.from_numpy(out[:M])
+    x32 = x.to(torch.float32).contiguous()
+    out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
+    if out.numel():
+        _int8(x32.numpy(), q.contiguous().numpy(), sz.to(torch.float32).contiguous().numpy(), out.numpy())
+    return out
 
 
 def _bits(t: torch.Tensor) -> tuple[np.ndarray, int]:
