@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from offload.model import kernels
+from offload.model import fused, kernels
 from offload.runtime.engine import Engine, Request, Sampling
 from offload.runtime.executor import ForwardBatch
 from offload.runtime.runner import Runner
@@ -121,3 +121,31 @@ def test_the_throughput_mode_gives_each_request_its_tokens_alone_at_any_batch(wi
         rows = [json.loads(line) for line in out.read_text().splitlines()]
         got.append({r["id"]: r["choices"][0]["token_ids"] for r in rows})
     assert len(got[0]) == len(LENS) and got[0] == got[1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_cpu_layer_gives_the_op_by_op_layers_bits(model_factory, family, dtype, monkeypatch):
+    """A CPU layer runs as one compiled call (`fused.decoder_layer`) where it can and op by op where it cannot
+    (cold KV blocks, MoE, q/k norms): both give the same bits, so a step's tokens do not depend on which ran (a
+    prompt chunk and decode rows in one pass, biases (Qwen2), a sliding window (Mistral))."""
+    model = model_factory(family, dtype=dtype, overrides={"sliding_window": 4} if family == "mistral" else {})
+    calls = []
+    monkeypatch.setattr(fused, "decoder_layer", lambda *a, real=fused.decoder_layer: (calls.append(1), real(*a))[1])
+
+    def passes() -> list[torch.Tensor]:
+        with Runner.from_config(run_config(model, dtype=dtype, compute_dtype=dtype)) as r, torch.inference_mode():
+            cache = r.ensure_kv(16)
+            sids = [cache.add_sequence() for _ in range(3)]
+            out = [r.target.forward(ForwardBatch.every_token(sids[:2], [[1, 5, 9, 200, 7, 8, 9], [1, 3]]))]
+            out.append(r.target.forward(ForwardBatch.last(sids[:2], [[11], [12]])))  # a uniform decode step
+            out.append(r.target.forward(ForwardBatch.every_token(sids, [[4], [5, 6], [1, 2, 3]])))  # mixed
+            return out
+
+    got = passes()
+    assert calls, "the fused layer did not run"
+    monkeypatch.setattr(fused, "layer_supported", lambda *a: False)
+    calls.clear()
+    want = passes()
+    assert not calls
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

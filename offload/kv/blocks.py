@@ -138,3 +138,13 @@ def tier_blocks(where_all: torch.Tensor, tier: str, block_ids: torch.Tensor, kv_
     return TierBlocks(tier, slots.tolist(), block_ids[seq_idx, block_idx].tolist(),
                       seq_idx.to(dev), block_idx.to(dev), col.to(dev), cols,
                       positions.view(B, cols * bs).to(dev), valid.view(B, cols * bs).to(dev), index)
+
+
+def slot_table(groups: tuple[TierBlocks, ...], block_ids: torch.Tensor) -> torch.Tensor | None:
+    """[B, cols] device slot of each block of the step's tables (0: padding) when the device holds every block
+    (attention can then read them where they lie), else None."""
+    if len(groups) != 1 or groups[0].tier != "gpu":
+        return None
+    table = torch.zeros(block_ids.shape, dtype=torch.long)
+    table[block_ids >= 0] = torch.tensor(groups[0].slots, dtype=torch.long)  # row-major, as the group's blocks
+    return table

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from offload.kv.blocks import Block, KVSettings, Recency, Sequence, StepKV, tier_blocks
+from offload.kv.blocks import Block, KVSettings, Recency, Sequence, StepKV, slot_table, tier_blocks
 from offload.kv.fetch import ColdFetcher, Fetched
 from offload.kv.formats import ColdFormat, TierStore, cold_kv, to_cold
 from offload.kv.prefix import PrefixBlocks, PrefixCache
@@ -374,12 +374,8 @@ class PagedKVCache(PrefixBlocks):
         found = (tier_blocks(self._where, t, block_ids, kv_lens, (positions, valid), bs, self.device)
                  for t in TIERS if t in self.pools)
         groups = tuple(g for g in found if g is not None)
-        table = None
-        if len(groups) == 1 and groups[0].tier == "gpu":  # attention can read the blocks where they lie
-            table = torch.zeros(len(sids), cols, dtype=torch.long)
-            table[block_ids >= 0] = torch.tensor(groups[0].slots, dtype=torch.long)  # row-major, as the group
         step = StepKV(torch.cat(slot_blocks).to(self.device), torch.cat(slot_offsets).to(self.device), groups,
-                      cols, positions.to(self.device), valid.to(self.device), block_ids, table)
+                      cols, positions.to(self.device), valid.to(self.device), block_ids, slot_table(groups, block_ids))
         return layout, step
 
     def _copy_on_write(self, sid: int, protected: set[int]) -> None:

@@ -37,6 +37,18 @@ class LayerKV:
             assert h is not None
             arrays["hidden"].data[self.plane][self.step.slot_blocks, self.step.slot_offsets] = h
 
+    def paged(self, window: int | None) -> tuple[torch.Tensor, ...] | None:
+        """What a fused layer reads and writes in place: (pool [slots, 2, block_size, Hkv, D], slot_blocks,
+        slot_offsets, table, mask); None when a block lies off the device, inputs are kept or attention mass is
+        tracked (the op-by-op layer handles those)."""
+        cache, step = self.cache, self.step
+        if step.table is None or self.needs_inputs or cache.settings.eviction == "attention":
+            return None
+        if (mask := step.masks.get(window)) is None:
+            mask = step.masks[window] = self.layout.mask(step.positions, step.valid, window).to(cache.device)
+        data = cache.stores["gpu"].arrays["kv"].data[self.plane]
+        return data, step.slot_blocks, step.slot_offsets, step.table, mask
+
     @property
     def needs_inputs(self) -> bool:
         return "hidden" in self.cache.stores["gpu"].arrays

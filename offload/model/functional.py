@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from offload.model import kernels, moe
+from offload.model import fused, kernels, moe
 from offload.model.config import ModelConfig
 from offload.model.rope import Rope, apply_rope, rope_inv_freq  # noqa: F401 (the model math's names)
 from offload.model.sdpa import sdpa_with_lse
@@ -183,6 +183,8 @@ class KVView(Protocol):
 
 # ----------------------------------------------------------------------------- math
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if fused.elementwise_supported(x):  # one call, and the fused layer's formula (the same bits either way)
+        return fused.rms_norm(x, weight, eps)
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -310,6 +312,13 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     """
     N = x.shape[0]
     Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    mats = (w.qkv, w.qkv_bias, w.o, w.o_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias)
+    if w.moe is None and w.q_norm is None and cfg.clip_qkv is None and fused.layer_supported(x, mats) \
+            and (paged := getattr(kv, "paged", lambda _: None)(window)) is not None and paged[0].dtype == x.dtype:
+        pool, slot_blocks, slot_offsets, table, mask = paged  # one compiled call: ~40 fewer ops a layer
+        return fused.decoder_layer(x, mats, (w.input_norm, w.post_norm), cfg.rms_norm_eps, *rope, pool,
+                                     (slot_blocks, slot_offsets, table, mask, layout.pad_index, layout.unpad_index),
+                                     Hq, D**-0.5)
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
     groups = layout.row_groups
     qkv = linear(h, w.qkv, w.qkv_bias, groups)  # [N, (Hq + 2 Hkv) * D]
@@ -331,7 +340,10 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
     if w.moe is not None:
         return x + moe.moe_mlp(h, w.moe, experts, cfg.experts_per_token, cfg.norm_topk_prob)
-    gate, up = linear(h, w.gate_up, w.gate_up_bias, groups).chunk(2, dim=-1)
+    gate_up = linear(h, w.gate_up, w.gate_up_bias, groups)
+    if fused.elementwise_supported(gate_up):  # the fused layer's formula
+        return x + linear(fused.silu_mul(gate_up), w.down, w.down_bias, groups)
+    gate, up = gate_up.chunk(2, dim=-1)
     return x + linear(F.silu(gate) * up, w.down, w.down_bias, groups)
 
 

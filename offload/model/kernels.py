@@ -20,6 +20,8 @@ all its rows (the weights read once), not one product per column.
     int8     row-major codes with a (scale, min) per group: 8 rows dequantized into the dense kernel's L1 buffer
              (code * scale + min in float32, each byte once), then the dense kernel's per-row loop.
 
+    layer    `offload.model.fused`: a whole decoder layer in one compiled call over these kernels.
+
 Without numba (or with OFFLOAD_CPU_KERNELS=library, to measure what invariance costs), products fall back
 to `F.linear` / torch's kernels and `ROW_INVARIANT` is False (a verify pass multiplies column by column).
 Knows nothing about models, tiers or files.
@@ -98,28 +100,32 @@ if numba is not None:
             if j < count:
                 out[r, n + j] = a
 
-    def _make_dense(widen):
-        @_jit
-        def dense(x, w, out):  # pragma: no cover - compiled
-            """x [R, K] f32, w [N, K] raw bits (uint32 float32, uint16 bf16 / fp16) -> out [R, N] f32: 8 weight rows
-            at a time widened exactly into a float32 buffer (read from DRAM once, from L1 by every row), then
-            `_dot8` for each row of x."""
-            R, K = x.shape
-            N = w.shape[0]
-            for c in prange((N + _CHUNK - 1) // _CHUNK):
-                bits = np.empty((8, K), np.uint32)
-                buf = bits.view(np.float32)
-                end = min(N, c * _CHUNK + _CHUNK)
-                for n in range(c * _CHUNK, end, 8):
-                    for j in range(8):
-                        widen(w[min(n + j, end - 1)], bits[j])
-                    for r in range(R):
-                        _dot8(x, r, buf, n, min(8, end - n), out)
-        return dense
+    @njit(inline="always")
+    def _widen(src, dst, kind):  # pragma: no cover - compiled
+        """A weight row's raw bits -> float32 bits in dst: kind 0 float32 (copied), 1 bf16, 2 fp16."""
+        if kind == 1:
+            _widen_bf16(src, dst)
+        elif kind == 2:
+            _widen_f16(src, dst)
+        else:
+            _copy_bits(src, dst)
 
-    _dense_f32 = _make_dense(_copy_bits)
-    _dense_bf16 = _make_dense(_widen_bf16)
-    _dense_f16 = _make_dense(_widen_f16)
+    @_jit
+    def _dense(x, w, out, kind):  # pragma: no cover - compiled
+        """x [R, K] f32, w [N, K] raw bits of `kind` (`_widen`) -> out [R, N] f32: 8 weight rows at a time widened
+        exactly into a float32 buffer (read from DRAM once, from L1 by every row), then `_dot8` for each row of x.
+        (One function with a kind, not one closure per dtype: numba's cache does not keep closures.)"""
+        R, K = x.shape
+        N = w.shape[0]
+        for c in prange((N + _CHUNK - 1) // _CHUNK):
+            bits = np.empty((8, K), np.uint32)
+            buf = bits.view(np.float32)
+            end = min(N, c * _CHUNK + _CHUNK)
+            for n in range(c * _CHUNK, end, 8):
+                for j in range(8):
+                    _widen(w[min(n + j, end - 1)], bits[j], kind)
+                for r in range(R):
+                    _dot8(x, r, buf, n, min(8, end - n), out)
 
     @_jit
     def _packed(x, q, sz, shift, out):  # pragma: no cover - compiled
@@ -231,9 +237,8 @@ if numba is not None:
                 out[b, t, h, d] = acc[d] / total
             lse[b, t, h] = m + np.log(total)
 
-    _DENSE = {torch.float32: _dense_f32, torch.bfloat16: _dense_bf16, torch.float16: _dense_f16}
-else:  # pragma: no cover
-    _DENSE = {}
+#: The dense kernel's weight kinds (`_widen`).
+DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is not None else {}
 
 
 #: multiply-adds below which a kernel runs on one thread (a parallel region costs more than it saves). SmolLM2-135M
@@ -261,12 +266,12 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
 def dense_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Does `dense_linear` take this pair (CPU, a 2-D weight of a dtype it widens)?"""
     return (numba is not None and x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2
-            and w.dtype in _DENSE and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+            and w.dtype in DENSE_KIND and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 def widens(w: torch.Tensor, compute: torch.dtype) -> bool:
     """Does `dense_linear` multiply the matrix `w` by activations of dtype `compute` as it is (no upcast copy)?"""
-    return numba is not None and w.device.type == "cpu" and w.dim() == 2 and w.dtype in _DENSE and \
+    return numba is not None and w.device.type == "cpu" and w.dim() == 2 and w.dtype in DENSE_KIND and \
         compute in (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -280,7 +285,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     x2 = x.reshape(-1, K).to(torch.float32).contiguous()
     y = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
     if y.numel():
-        _DENSE[w.dtype](x2.numpy(), _as_numpy(w.contiguous()), y.numpy())
+        _dense(x2.numpy(), _as_numpy(w.contiguous()), y.numpy(), DENSE_KIND[w.dtype])
     if bias is not None:
         y += bias
     return (y if x.dtype == torch.float32 else y.to(x.dtype)).reshape(*lead, w.shape[0])

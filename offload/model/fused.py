@@ -1,0 +1,313 @@
+"""A CPU decoder layer in one compiled call, and the elementwise formulas it shares with the op-by-op layer.
+
+A Llama-family layer is ~40 tensor ops and numba calls op by op (`functional.decoder_layer`); on a CPU each costs
+microseconds, which at batch 1 is as much as the products themselves (SmolLM2-135M, 30 layers). `decoder_layer`
+runs the whole layer as one call: RMSNorm, the row-invariant products of `offload.model.kernels`, RoPE, the K/V
+write into the paged pool, attention over it, SwiGLU and the residuals, each op rounded to the activations' dtype
+as torch rounds it (bf16: to nearest even after every op). `rms_norm`, `silu_mul` and `rope` are the same formulas
+for the op-by-op layer, so a layer gives the same bits either way (tests/test_batch_invariance.py). Knows nothing
+about models, tiers or files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from offload.model.kernels import DENSE_KIND, _threads, numba
+
+if numba is not None:
+    import llvmlite.ir as llvm_ir
+    from numba import njit
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    from offload.model.kernels import _attend, _dense
+
+    @intrinsic
+    def _f32_bits(typingctx, f):  # pragma: no cover - compiled
+        """A float32's bits as uint32 (a register move)."""
+        if f != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], llvm_ir.IntType(32))
+        return types.uint32(types.float32), codegen
+
+    @intrinsic
+    def _bits_f32(typingctx, bits):  # pragma: no cover - compiled
+        """Integer bits (the low 32) as the float32 they encode (a register move)."""
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            v = args[0]
+            if bits.bitwidth > 32:
+                v = builder.trunc(v, llvm_ir.IntType(32))
+            elif bits.bitwidth < 32:
+                v = builder.zext(v, llvm_ir.IntType(32))
+            return builder.bitcast(v, llvm_ir.FloatType())
+        return types.float32(bits), codegen
+
+    @njit(inline="always")
+    def _bf16_bits(f):  # pragma: no cover - compiled
+        """float32 -> bf16 bits (uint16 value), rounded to nearest even as torch rounds (NaN stays a quiet NaN)."""
+        b = _f32_bits(f)
+        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            return np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
+        return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+    @njit(inline="always")
+    def _load(a, i, j, bf16):  # pragma: no cover - compiled
+        return _bits_f32(np.uint32(a[i, j]) << np.uint32(16)) if bf16 else _bits_f32(a[i, j])
+
+    @njit(inline="always")
+    def _store(a, i, j, f, bf16):  # pragma: no cover - compiled
+        """a[i, j] = f rounded to the tensor's dtype; returns the stored value as float32."""
+        if bf16:
+            bits = _bf16_bits(f)
+            a[i, j] = bits
+            return _bits_f32(np.uint32(bits) << np.uint32(16))
+        a[i, j] = _f32_bits(f)
+        return f
+
+    @njit(nogil=True, cache=True)
+    def _rope(x, cos, sin, bf16, out):  # pragma: no cover - compiled
+        """x [N * heads, D] raw bits, cos / sin [N, D] -> out [N * heads, D]: `x * cos + rotate_half(x) * sin`,
+        each product and the sum rounded to the dtype as torch's elementwise ops round (no fused multiply-add)."""
+        R, D = x.shape
+        heads, half = R // cos.shape[0], D // 2
+        for i in range(R):
+            n = i // heads
+            for d in range(D):
+                rot = -_load(x, i, d + half, bf16) if d < half else _load(x, i, d - half, bf16)
+                a = _store(out, i, d, _load(x, i, d, bf16) * _load(cos, n, d, bf16), bf16)
+                b = _store(out, i, d, rot * _load(sin, n, d, bf16), bf16)
+                _store(out, i, d, a + b, bf16)
+
+    @njit(inline="always")
+    def _rnd(f, bf16):  # pragma: no cover - compiled
+        """f rounded to the activations' dtype (bf16: to nearest even, as torch rounds an op's float result)."""
+        return _bits_f32(np.uint32(_bf16_bits(f)) << np.uint32(16)) if bf16 else f
+
+    @njit(inline="always")
+    def _norm_row(x, n, w, eps, bf16, out, m):  # pragma: no cover - compiled
+        """out[m] = transformers' RMSNorm of the float32 row x[n] (values of the dtype) with weight bits w [1, H]:
+        `w * (x * rsqrt(mean(x ** 2) + eps)).to(dtype)`, each op rounded to the dtype."""
+        H = x.shape[1]
+        total = np.float32(0.0)
+        for h in range(H):
+            total += x[n, h] * x[n, h]
+        r = np.float32(1.0) / np.sqrt(total / np.float32(H) + np.float32(eps))
+        for h in range(H):
+            out[m, h] = _rnd(_load(w, 0, h, bf16) * _rnd(x[n, h] * r, bf16), bf16)
+
+    @njit(inline="always")
+    def _silu_mul(g, u, bf16):  # pragma: no cover - compiled
+        """`F.silu(gate) * up` on values of the dtype, each op rounded as torch's."""
+        return _rnd(_rnd(g / (np.float32(1.0) + np.exp(-g)), bf16) * u, bf16)
+
+    @njit(nogil=True, cache=True)
+    def _rows_f32(x, bf16):  # pragma: no cover - compiled
+        out = np.empty(x.shape, np.float32)
+        for i in range(x.shape[0]):
+            for j in range(x.shape[1]):
+                out[i, j] = _load(x, i, j, bf16)
+        return out
+
+    @njit(nogil=True, cache=True)
+    def _store_rows(v, bf16, out):  # pragma: no cover - compiled
+        for i in range(v.shape[0]):
+            for j in range(v.shape[1]):
+                _store(out, i, j, v[i, j], bf16)
+
+    @njit(nogil=True, cache=True)
+    def _rms_norm(x, w, eps, bf16, out):  # pragma: no cover - compiled
+        """x [N, H], w [1, H] raw bits (uint16 bf16 / uint32 float32) -> out [N, H], the same bits: `_norm_row`."""
+        xf = _rows_f32(x, bf16)
+        o = np.empty(xf.shape, np.float32)
+        for n in range(xf.shape[0]):
+            _norm_row(xf, n, w, eps, bf16, o, n)
+        _store_rows(o, bf16, out)
+
+    @njit(nogil=True, cache=True)
+    def _silu_mul_rows(gu, bf16, out):  # pragma: no cover - compiled
+        """gu [N, 2I] raw bits (gate | up) -> out [N, I]: `_silu_mul`."""
+        N, I2 = gu.shape
+        half = I2 // 2
+        for n in range(N):
+            for i in range(half):
+                _store(out, n, i, _silu_mul(_load(gu, n, i, bf16), _load(gu, n, half + i, bf16), bf16), bf16)
+
+    @njit(nogil=True, cache=True)
+    def _layer(x, in_norm, qkv, qkv_b, o, o_b, post_norm, gate_up, gu_b, down, down_b, eps, cos, sin, kv,
+               slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq, scale, kind, bf16,
+               out):  # pragma: no cover - compiled
+        """One decoder layer of a Llama-family model on flat rows x [N, H] (raw bits), every op as
+        `functional.decoder_layer` does it on a CPU (the same kernels and roundings: the same bits), in one
+        call: norms, products (parallel), RoPE, the K/V write into the paged pool kv, attention over it, the
+        SwiGLU MLP, the residuals -> out [N, H] raw bits. Biases: [1, n] raw bits, or [1, 0] for none."""
+        N, H = x.shape
+        B, Tq = pad_index.shape
+        hkv, D = kv.shape[3], kv.shape[4]
+        qs, ks = hq * D, hkv * D
+        shift = 16 if bf16 else 0
+        x32 = _rows_f32(x, bf16)
+        h = np.empty((N, H), np.float32)
+        for n in range(N):
+            _norm_row(x32, n, in_norm, eps, bf16, h, n)
+        y = np.empty((N, qkv.shape[0]), np.float32)
+        _dense(h, qkv, y, kind)
+        for n in range(N):
+            for j in range(qkv.shape[0]):
+                y[n, j] = _rnd(y[n, j] + _load(qkv_b, 0, j, bf16) if qkv_b.shape[1] else y[n, j], bf16)
+        # RoPE on q and k, from y into qk (no fused multiply-add: torch's x * cos + rotate_half(x) * sin)
+        qk = np.empty((N, qs + ks), np.float32)
+        half = D // 2
+        for n in range(N):
+            for hh in range(hq + hkv):
+                base = hh * D
+                for d in range(D):
+                    rot = -y[n, base + d + half] if d < half else y[n, base + d - half]
+                    a = _rnd(y[n, base + d] * _load(cos, n, d, bf16), bf16)
+                    b = _rnd(rot * _load(sin, n, d, bf16), bf16)
+                    qk[n, base + d] = _rnd(a + b, bf16)
+        for n in range(N):  # this step's K and V into their slots
+            blk, off = slot_blocks[n], slot_offsets[n]
+            for kh in range(hkv):
+                for d in range(D):
+                    if bf16:
+                        kv[blk, 0, off, kh, d] = _bf16_bits(qk[n, qs + kh * D + d])
+                        kv[blk, 1, off, kh, d] = _bf16_bits(y[n, qs + ks + kh * D + d])
+                    else:
+                        kv[blk, 0, off, kh, d] = _f32_bits(qk[n, qs + kh * D + d])
+                        kv[blk, 1, off, kh, d] = _f32_bits(y[n, qs + ks + kh * D + d])
+        qp = np.empty((B, Tq, hq, D), np.float32)
+        for b in range(B):
+            for t in range(Tq):
+                row = pad_index[b, t]
+                for hh in range(hq):
+                    for d in range(D):
+                        qp[b, t, hh, d] = qk[row, hh * D + d]
+        att = np.empty((B, Tq, hq, D), np.float32)
+        lse = np.empty((B, Tq, hq), np.float32)
+        _attend(qp, kv, table, mask, scale, shift, att, lse)
+        a2 = np.empty((N, qs), np.float32)
+        for n in range(N):
+            b, t = unpad[n] // Tq, unpad[n] % Tq
+            for hh in range(hq):
+                for d in range(D):
+                    a2[n, hh * D + d] = _rnd(att[b, t, hh, d], bf16)
+        y = np.empty((N, H), np.float32)
+        _dense(a2, o, y, kind)
+        for n in range(N):
+            for j in range(H):
+                v = _rnd(y[n, j] + _load(o_b, 0, j, bf16) if o_b.shape[1] else y[n, j], bf16)
+                x32[n, j] = _rnd(x32[n, j] + v, bf16)
+        for n in range(N):
+            _norm_row(x32, n, post_norm, eps, bf16, h, n)
+        I2 = gate_up.shape[0]
+        half_i = I2 // 2
+        g = np.empty((N, I2), np.float32)
+        _dense(h, gate_up, g, kind)
+        act = np.empty((N, half_i), np.float32)
+        for n in range(N):
+            for i in range(half_i):
+                gv = _rnd(g[n, i] + _load(gu_b, 0, i, bf16) if gu_b.shape[1] else g[n, i], bf16)
+                uv = _rnd(g[n, half_i + i] + _load(gu_b, 0, half_i + i, bf16) if gu_b.shape[1]
+                          else g[n, half_i + i], bf16)
+                act[n, i] = _silu_mul(gv, uv, bf16)
+        y = np.empty((N, H), np.float32)
+        _dense(act, down, y, kind)
+        for n in range(N):
+            for j in range(H):
+                v = _rnd(y[n, j] + _load(down_b, 0, j, bf16) if down_b.shape[1] else y[n, j], bf16)
+                _store(out, n, j, _rnd(x32[n, j] + v, bf16), bf16)
+
+#: (activation dtype, matrix dtype) pairs the layer takes (a bf16 model computing in float32 widens as it multiplies)
+LAYER_DTYPES = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)} \
+    if numba is not None else set()
+
+
+def _raw(t: torch.Tensor, keep: bool = False) -> np.ndarray:
+    """A bf16 or float32 tensor's bits as a numpy array (uint16 / uint32) over the same memory: 2-D rows of its last
+    dimension (a 1-D tensor is one row), or its own shape with `keep`."""
+    t2 = t if keep else t.reshape(-1, t.shape[-1])
+    return t2.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else \
+        t2.view(torch.int32).numpy().view(np.uint32)
+
+
+def elementwise_supported(x: torch.Tensor) -> bool:
+    """Do `rms_norm`, `silu_mul` and `rope` take x (CPU, bf16 or float32, numba present)?"""
+    return numba is not None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of each run of weight.numel() values of x, with its roundings (the fused layer's
+    formula, so a layer gives the same bits fused or op by op). The sum of squares is this loop's own order
+    (torch's `mean` reduces in another: the last bit of a row's scale can differ from torch's)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        _rms_norm(_raw(x.view(-1, weight.shape[-1])), _raw(weight.to(x.dtype).contiguous()), float(eps),
+                  x.dtype == torch.bfloat16, _raw(out.view(-1, weight.shape[-1])))
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] (gate | up) -> `F.silu(gate) * up` [N, I] with torch's roundings (the fused layer's formula)."""
+    gate_up = gate_up.contiguous()
+    out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    if out.numel():
+        _silu_mul_rows(_raw(gate_up), gate_up.dtype == torch.bfloat16, _raw(out))
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`functional.apply_rope` (x [N, heads, D]; cos / sin [N, D] in x's dtype) bit for bit, in one call."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        _rope(_raw(x.view(-1, x.shape[-1])), _raw(cos.contiguous()), _raw(sin.contiguous()), x.dtype == torch.bfloat16,
+              _raw(out.view(-1, x.shape[-1])))
+    return out
+
+
+def layer_supported(x: torch.Tensor, mats: tuple[torch.Tensor | None, ...]) -> bool:
+    """Does `decoder_layer` take this layer: a CPU, numba, its four matrices dense tensors of one dtype that goes with
+    x's (`LAYER_DTYPES`), its biases (where it has them) in x's dtype?"""
+    if not elementwise_supported(x) or not all(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                                               for t in mats if t is not None):
+        return False
+    matrices, biases = mats[0::2], [b for b in mats[1::2] if b is not None]
+    kind = matrices[0].dtype
+    return ((x.dtype, kind) in LAYER_DTYPES and all(m.dtype == kind and m.dim() == 2 for m in matrices)
+            and all(b.dtype == x.dtype for b in biases))
+
+
+def _bias(b: torch.Tensor | None, dtype: torch.dtype) -> np.ndarray:
+    if b is not None:
+        return _raw(b.contiguous())
+    return np.zeros((1, 0), np.uint16 if dtype == torch.bfloat16 else np.uint32)
+
+
+def decoder_layer(x: torch.Tensor, mats: tuple, norms: tuple[torch.Tensor, torch.Tensor], eps: float,
+                  cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, index: tuple[torch.Tensor, ...],
+                  heads: int, scale: float) -> torch.Tensor:
+    """A Llama-family decoder layer on flat rows x [N, H] in one compiled call (`_layer`): mats (qkv, qkv bias,
+    o, o bias, gate_up, its bias, down, its bias), norms (input, post), the rows' cos / sin [N, D], the paged pool
+    kv [slots, 2, block_size, Hkv, D] (this step's K/V are written into it), index (slot_blocks, slot_offsets,
+    table, mask, pad_index, unpad_index: `offload.kv` and `BatchLayout`). The same bits as the op-by-op layer."""
+    _threads(x.numel() * mats[0].shape[0])
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    qkv, qkv_b, o, o_b, gu, gu_b, down, down_b = mats
+    dt = x.dtype
+    slot_blocks, slot_offsets, table, mask, pad_index, unpad = (t.contiguous().numpy() for t in index)
+    norms = tuple(n.to(dt).contiguous() for n in norms)
+    _layer(_raw(x), _raw(norms[0]), _raw(qkv.contiguous()), _bias(qkv_b, dt), _raw(o.contiguous()),
+               _bias(o_b, dt), _raw(norms[1]), _raw(gu.contiguous()), _bias(gu_b, dt),
+               _raw(down.contiguous()), _bias(down_b, dt), float(eps), _raw(cos.contiguous()), _raw(sin.contiguous()),
+               _raw(kv, keep=True), slot_blocks, slot_offsets, table, mask, pad_index, unpad, heads, float(scale),
+           DENSE_KIND[qkv.dtype], dt == torch.bfloat16, _raw(out))
+    return out
