@@ -123,18 +123,21 @@ def test_the_throughput_mode_gives_each_request_its_tokens_alone_at_any_batch(wi
     assert len(got[0]) == len(LENS) and got[0] == got[1]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family,quantization", [("llama", "none"), ("qwen2", "none"), ("mistral", "none"),
+                                                  ("llama", "int8")])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_fused_cpu_layer_gives_the_op_by_op_layers_bits(model_factory, family, dtype, monkeypatch):
+def test_the_fused_cpu_layer_gives_the_op_by_op_layers_bits(model_factory, family, quantization, dtype, monkeypatch):
     """A CPU layer runs as one compiled call (`fused.decoder_layer`) where it can and op by op where it cannot
     (cold KV blocks, MoE, q/k norms): both give the same bits, so a step's tokens do not depend on which ran (a
-    prompt chunk and decode rows in one pass, biases (Qwen2), a sliding window (Mistral))."""
+    prompt chunk and decode rows in one pass, biases (Qwen2), a sliding window (Mistral), int8 matrices)."""
     model = model_factory(family, dtype=dtype, overrides={"sliding_window": 4} if family == "mistral" else {})
     calls = []
     monkeypatch.setattr(fused, "decoder_layer", lambda *a, real=fused.decoder_layer: (calls.append(1), real(*a))[1])
 
     def passes() -> list[torch.Tensor]:
-        with Runner.from_config(run_config(model, dtype=dtype, compute_dtype=dtype)) as r, torch.inference_mode():
+        weights = {"quantization": quantization, "group_size": 8}  # (8 divides the tiny model's 344)
+        cfg = run_config(model, dtype=dtype, compute_dtype=dtype, weights=weights)
+        with Runner.from_config(cfg) as r, torch.inference_mode():
             cache = r.ensure_kv(16)
             sids = [cache.add_sequence() for _ in range(3)]
             out = [r.target.forward(ForwardBatch.every_token(sids[:2], [[1, 5, 9, 200, 7, 8, 9], [1, 3]]))]

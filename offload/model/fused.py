@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from offload.model.kernels import DENSE_KIND, _threads, numba
+from offload.model.kernels import DENSE_KIND, INT8, NO_SCALES, _threads, numba, packed_supported
 
 if numba is not None:
     import llvmlite.ir as llvm_ir
@@ -140,13 +140,15 @@ if numba is not None:
                 _store(out, n, i, _silu_mul(_load(gu, n, i, bf16), _load(gu, n, half + i, bf16), bf16), bf16)
 
     @njit(nogil=True, cache=True)
-    def _layer(x, in_norm, qkv, qkv_b, o, o_b, post_norm, gate_up, gu_b, down, down_b, eps, cos, sin, kv,
-               slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq, scale, kind, bf16,
+    def _layer(x, in_norm, qkv, qkv_b, o, o_b, post_norm, gate_up, gu_b, down, down_b, scales, inter, eps, cos,
+               sin, kv, slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq, scale, kind, bf16,
                out):  # pragma: no cover - compiled
         """One decoder layer of a Llama-family model on flat rows x [N, H] (raw bits), every op as
         `functional.decoder_layer` does it on a CPU (the same kernels and roundings: the same bits), in one
         call: norms, products (parallel), RoPE, the K/V write into the paged pool kv, attention over it, the
-        SwiGLU MLP, the residuals -> out [N, H] raw bits. Biases: [1, n] raw bits, or [1, 0] for none."""
+        SwiGLU MLP, the residuals -> out [N, H] raw bits. Matrices: raw bits or int8 codes (`kernels._dense`'s
+        kind; scales: their (scale, min) float32 for int8, each padded to whole tiles of rows: only the first
+        features count, inter for gate_up's halves). Biases: [1, n] raw bits, or [1, 0] for none."""
         N, H = x.shape
         B, Tq = pad_index.shape
         hkv, D = kv.shape[3], kv.shape[4]
@@ -157,9 +159,9 @@ if numba is not None:
         for n in range(N):
             _norm_row(x32, n, in_norm, eps, bf16, h, n)
         y = np.empty((N, qkv.shape[0]), np.float32)
-        _dense(h, qkv, y, kind)
+        _dense(h, qkv, scales[0], y, kind)
         for n in range(N):
-            for j in range(qkv.shape[0]):
+            for j in range(qs + 2 * ks):
                 y[n, j] = _rnd(y[n, j] + _load(qkv_b, 0, j, bf16) if qkv_b.shape[1] else y[n, j], bf16)
         # RoPE on q and k, from y into qk (no fused multiply-add: torch's x * cos + rotate_half(x) * sin)
         qk = np.empty((N, qs + ks), np.float32)
@@ -199,17 +201,16 @@ if numba is not None:
                 for d in range(D):
                     a2[n, hh * D + d] = _rnd(att[b, t, hh, d], bf16)
         y = np.empty((N, H), np.float32)
-        _dense(a2, o, y, kind)
+        _dense(a2, o, scales[1], y, kind)
         for n in range(N):
             for j in range(H):
                 v = _rnd(y[n, j] + _load(o_b, 0, j, bf16) if o_b.shape[1] else y[n, j], bf16)
                 x32[n, j] = _rnd(x32[n, j] + v, bf16)
         for n in range(N):
             _norm_row(x32, n, post_norm, eps, bf16, h, n)
-        I2 = gate_up.shape[0]
-        half_i = I2 // 2
-        g = np.empty((N, I2), np.float32)
-        _dense(h, gate_up, g, kind)
+        half_i = inter
+        g = np.empty((N, gate_up.shape[0]), np.float32)
+        _dense(h, gate_up, scales[2], g, kind)
         act = np.empty((N, half_i), np.float32)
         for n in range(N):
             for i in range(half_i):
@@ -218,7 +219,7 @@ if numba is not None:
                           else g[n, half_i + i], bf16)
                 act[n, i] = _silu_mul(gv, uv, bf16)
         y = np.empty((N, H), np.float32)
-        _dense(act, down, y, kind)
+        _dense(act, down, scales[3], y, kind)
         for n in range(N):
             for j in range(H):
                 v = _rnd(y[n, j] + _load(down_b, 0, j, bf16) if down_b.shape[1] else y[n, j], bf16)
@@ -273,16 +274,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def layer_supported(x: torch.Tensor, mats: tuple[torch.Tensor | None, ...]) -> bool:
+def _int8(m) -> bool:
+    """Is m a packed int8 matrix the CPU kernel multiplies (`quant.PackedLinear`: codes and their scales)?"""
+    return getattr(m, "bits", None) == 8 and m.q.device.type == "cpu" and packed_supported(m.sz)
+
+
+def layer_supported(x: torch.Tensor, mats: tuple) -> bool:
     """Does `decoder_layer` take this layer: a CPU, numba, its four matrices dense tensors of one dtype that goes with
-    x's (`LAYER_DTYPES`), its biases (where it has them) in x's dtype?"""
-    if not elementwise_supported(x) or not all(isinstance(t, torch.Tensor) and t.device.type == "cpu"
-                                               for t in mats if t is not None):
+    x's (`LAYER_DTYPES`) or all packed int8, its biases (where it has them) in x's dtype on the CPU?"""
+    if not elementwise_supported(x):
         return False
     matrices, biases = mats[0::2], [b for b in mats[1::2] if b is not None]
-    kind = matrices[0].dtype
-    return ((x.dtype, kind) in LAYER_DTYPES and all(m.dtype == kind and m.dim() == 2 for m in matrices)
-            and all(b.dtype == x.dtype for b in biases))
+    if not all(b.dtype == x.dtype and b.device.type == "cpu" for b in biases):
+        return False
+    if all(_int8(m) for m in matrices):
+        return True
+    kind = getattr(matrices[0], "dtype", None)
+    return (x.dtype, kind) in LAYER_DTYPES and all(isinstance(m, torch.Tensor) and m.dtype == kind and m.dim() == 2
+                                                    and m.device.type == "cpu" for m in matrices)
 
 
 def _bias(b: torch.Tensor | None, dtype: torch.dtype) -> np.ndarray:
@@ -291,23 +300,33 @@ def _bias(b: torch.Tensor | None, dtype: torch.dtype) -> np.ndarray:
     return np.zeros((1, 0), np.uint16 if dtype == torch.bfloat16 else np.uint32)
 
 
+def _matrix(m) -> tuple[np.ndarray, np.ndarray]:
+    """A matrix as the product kernel takes it: (raw bits or int8 codes, their float32 scales or none)."""
+    if isinstance(m, torch.Tensor):
+        return _raw(m.contiguous()), NO_SCALES
+    return m.q.contiguous().numpy(), m.sz.to(torch.float32).contiguous().numpy()
+
+
 def decoder_layer(x: torch.Tensor, mats: tuple, norms: tuple[torch.Tensor, torch.Tensor], eps: float,
                   cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, index: tuple[torch.Tensor, ...],
                   heads: int, scale: float) -> torch.Tensor:
     """A Llama-family decoder layer on flat rows x [N, H] in one compiled call (`_layer`): mats (qkv, qkv bias,
-    o, o bias, gate_up, its bias, down, its bias), norms (input, post), the rows' cos / sin [N, D], the paged pool
-    kv [slots, 2, block_size, Hkv, D] (this step's K/V are written into it), index (slot_blocks, slot_offsets,
-    table, mask, pad_index, unpad_index: `offload.kv` and `BatchLayout`). The same bits as the op-by-op layer."""
-    _threads(x.numel() * mats[0].shape[0])
+    o, o bias, gate_up, its bias, down, its bias: `layer_supported`), norms (input, post), the rows' cos / sin
+    [N, D], the paged pool kv [slots, 2, block_size, Hkv, D] (this step's K/V are written into it), index
+    (slot_blocks, slot_offsets, table, mask, pad_index, unpad_index: `offload.kv` and `BatchLayout`). The same bits
+    as the op-by-op layer."""
+    qkv, qkv_b, o, o_b, gu, gu_b, down, down_b = mats
+    _threads(x.numel() * qkv.q.shape[0] if _int8(qkv) else x.numel() * qkv.shape[0])
     x = x.contiguous()
     out = torch.empty_like(x)
-    qkv, qkv_b, o, o_b, gu, gu_b, down, down_b = mats
     dt = x.dtype
     slot_blocks, slot_offsets, table, mask, pad_index, unpad = (t.contiguous().numpy() for t in index)
     norms = tuple(n.to(dt).contiguous() for n in norms)
-    _layer(_raw(x), _raw(norms[0]), _raw(qkv.contiguous()), _bias(qkv_b, dt), _raw(o.contiguous()),
-               _bias(o_b, dt), _raw(norms[1]), _raw(gu.contiguous()), _bias(gu_b, dt),
-               _raw(down.contiguous()), _bias(down_b, dt), float(eps), _raw(cos.contiguous()), _raw(sin.contiguous()),
-               _raw(kv, keep=True), slot_blocks, slot_offsets, table, mask, pad_index, unpad, heads, float(scale),
-           DENSE_KIND[qkv.dtype], dt == torch.bfloat16, _raw(out))
+    (wq, sq), (wo, so), (wg, sg), (wd, sd) = (_matrix(m) for m in (qkv, o, gu, down))
+    kind = INT8 if _int8(qkv) else DENSE_KIND[qkv.dtype]
+    inter = (gu.out_features if _int8(gu) else gu.shape[0]) // 2
+    _layer(_raw(x), _raw(norms[0]), wq, _bias(qkv_b, dt), wo, _bias(o_b, dt), _raw(norms[1]), wg, _bias(gu_b, dt),
+           wd, _bias(down_b, dt), (sq, so, sg, sd), inter, float(eps), _raw(cos.contiguous()), _raw(sin.contiguous()),
+           _raw(kv, keep=True), slot_blocks, slot_offsets, table, mask, pad_index, unpad, heads, float(scale), kind,
+           dt == torch.bfloat16, _raw(out))
     return out

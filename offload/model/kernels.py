@@ -17,8 +17,8 @@ all its rows (the weights read once), not one product per column.
     int4     the group-wise tile layout of `offload.weights.quant`: torch's `_weight_int4pack_mm_for_cpu` where
              it is vectorised (bf16 scales; each row accumulates along k in order, so rows are independent by
              construction), else the numba kernel below on the same bytes.
-    int8     row-major codes with a (scale, min) per group: 8 rows dequantized into the dense kernel's L1 buffer
-             (code * scale + min in float32, each byte once), then the dense kernel's per-row loop.
+    int8     row-major codes with a (scale, min) per group: the dense kernel, its 8 rows dequantized into the
+             L1 buffer (code * scale + min in float32, each byte once).
 
     layer    `offload.model.fused`: a whole decoder layer in one compiled call over these kernels.
 
@@ -101,29 +101,45 @@ if numba is not None:
                 out[r, n + j] = a
 
     @njit(inline="always")
-    def _widen(src, dst, kind):  # pragma: no cover - compiled
-        """A weight row's raw bits -> float32 bits in dst: kind 0 float32 (copied), 1 bf16, 2 fp16."""
-        if kind == 1:
-            _widen_bf16(src, dst)
+    def _widen_int8(w, row, buf, j, sm):  # pragma: no cover - compiled
+        """8-bit codes of row `row` -> buf[j] = code * scale + min (float32), one (scale, min) per group of sm
+        [rows, G, 2]. (Indexed from the matrices, bytes via int32: row slices or uint8 -> float stop LLVM
+        vectorising this: 8x slower.)"""
+        G = sm.shape[1]
+        gs = w.shape[1] // G
+        for gi in range(G):
+            s, m = sm[row, gi, 0], sm[row, gi, 1]
+            for k in range(gs):
+                buf[j, gi * gs + k] = np.float32(np.int32(w[row, gi * gs + k])) * s + m
+
+    @njit(inline="always")
+    def _widen(w, row, bits, buf, j, kind, sm):  # pragma: no cover - compiled
+        """Weight row `row` -> float32 in buffer row j (bits / buf: the buffer's two views): kind 0 float32 bits
+        (copied), 1 bf16 bits, 2 fp16 bits, 3 int8 codes with sm [rows, G, 2] (scale, min) float32."""
+        if kind == 3:
+            _widen_int8(w, row, buf, j, sm)
+        elif kind == 1:
+            _widen_bf16(w[row], bits[j])
         elif kind == 2:
-            _widen_f16(src, dst)
+            _widen_f16(w[row], bits[j])
         else:
-            _copy_bits(src, dst)
+            _copy_bits(w[row], bits[j])
 
     @_jit
-    def _dense(x, w, out, kind):  # pragma: no cover - compiled
-        """x [R, K] f32, w [N, K] raw bits of `kind` (`_widen`) -> out [R, N] f32: 8 weight rows at a time widened
-        exactly into a float32 buffer (read from DRAM once, from L1 by every row), then `_dot8` for each row of x.
-        (One function with a kind, not one closure per dtype: numba's cache does not keep closures.)"""
+    def _dense(x, w, sm, out, kind):  # pragma: no cover - compiled
+        """x [R, K] f32, w [N, K] of `kind` (`_widen`; sm its int8 scales, else unused) -> out [R, N] f32: 8 weight
+        rows at a time widened exactly into a float32 buffer (read from DRAM once, from L1 by every row), then
+        `_dot8` for each row of x. (One function with a kind, not one closure per dtype: numba's cache does not keep
+        closures.)"""
         R, K = x.shape
         N = w.shape[0]
         for c in prange((N + _CHUNK - 1) // _CHUNK):
-            bits = np.empty((8, K), np.uint32)
-            buf = bits.view(np.float32)
+            buf = np.empty((8, K), np.float32)
+            bits = buf.view(np.uint32)
             end = min(N, c * _CHUNK + _CHUNK)
             for n in range(c * _CHUNK, end, 8):
                 for j in range(8):
-                    _widen(w[min(n + j, end - 1)], bits[j], kind)
+                    _widen(w, min(n + j, end - 1), bits, buf, j, kind, sm)
                 for r in range(R):
                     _dot8(x, r, buf, n, min(8, end - n), out)
 
@@ -165,27 +181,6 @@ if numba is not None:
             for r in range(R):
                 for j in range(64):
                     out[r, b * 64 + j] = acc[r, j]
-
-    @_jit
-    def _int8(x, q, sm, out):  # pragma: no cover - compiled
-        """x [R, K] f32; q uint8 [rows, K] (8-bit codes, row-major); sm [rows, G, 2] (scale, min) float32 -> out
-        [R, rows] f32: 8 rows at a time dequantized into an L1 buffer (w = code * scale + min, float32), then
-        `_dot8` for each row of x, as the dense kernel."""
-        R, K = x.shape
-        rows, G = q.shape[0], sm.shape[1]
-        gs = K // G
-        for c in prange((rows + _CHUNK - 1) // _CHUNK):
-            buf = np.empty((8, K), np.float32)
-            end = min(rows, c * _CHUNK + _CHUNK)
-            for n in range(c * _CHUNK, end, 8):
-                for j in range(8):
-                    src = min(n + j, end - 1)
-                    for gi in range(G):
-                        s, m = sm[src, gi, 0], sm[src, gi, 1]
-                        for k in range(gs):  # (indexed from the matrices, bytes via int32: vectorised)
-                            buf[j, gi * gs + k] = np.float32(np.int32(q[src, gi * gs + k])) * s + m
-                for r in range(R):
-                    _dot8(x, r, buf, n, min(8, end - n), out)
 
     @_jit
     def _attend(q, kv, table, mask, scale, shift, out, lse):  # pragma: no cover - compiled
@@ -237,8 +232,10 @@ if numba is not None:
                 out[b, t, h, d] = acc[d] / total
             lse[b, t, h] = m + np.log(total)
 
-#: The dense kernel's weight kinds (`_widen`).
+#: The dense kernel's weight kinds (`_widen`): a dense matrix's dtype, and INT8 (codes with their scales).
 DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is not None else {}
+INT8 = 3
+NO_SCALES = np.zeros((0, 1, 2), np.float32)  # the scales argument of a dense (not int8) product
 
 
 #: multiply-adds below which a kernel runs on one thread (a parallel region costs more than it saves). SmolLM2-135M
@@ -285,7 +282,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     x2 = x.reshape(-1, K).to(torch.float32).contiguous()
     y = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
     if y.numel():
-        _dense(x2.numpy(), _as_numpy(w.contiguous()), y.numpy(), DENSE_KIND[w.dtype])
+        _dense(x2.numpy(), _as_numpy(w.contiguous()), NO_SCALES, y.numpy(), DENSE_KIND[w.dtype])
     if bias is not None:
         y += bias
     return (y if x.dtype == torch.float32 else y.to(x.dtype)).reshape(*lead, w.shape[0])
@@ -323,7 +320,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Ten
     x32 = x.to(torch.float32).contiguous()
     out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
     if out.numel():
-        _int8(x32.numpy(), q.contiguous().numpy(), sz.to(torch.float32).contiguous().numpy(), out.numpy())
+        _dense(x32.numpy(), q.contiguous().numpy(), sz.to(torch.float32).contiguous().numpy(), out.numpy(), INT8)
     return out
 
 
