@@ -14,40 +14,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from offload.model.kernels import DENSE_KIND, INT8, NO_SCALES, _threads, numba, packed_supported
+from offload.model.kernels import DENSE_KIND, INT8, NO_SCALES, _bits, _threads, numba, packed_supported
 
 if numba is not None:
-    import llvmlite.ir as llvm_ir
     from numba import njit
-    from numba.core import types
-    from numba.extending import intrinsic
 
-    from offload.model.kernels import _attend, _dense
-
-    @intrinsic
-    def _f32_bits(typingctx, f):  # pragma: no cover - compiled
-        """A float32's bits as uint32 (a register move)."""
-        if f != types.float32:
-            return None
-
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], llvm_ir.IntType(32))
-        return types.uint32(types.float32), codegen
-
-    @intrinsic
-    def _bits_f32(typingctx, bits):  # pragma: no cover - compiled
-        """Integer bits (the low 32) as the float32 they encode (a register move)."""
-        if not isinstance(bits, types.Integer):
-            return None
-
-        def codegen(context, builder, signature, args):
-            v = args[0]
-            if bits.bitwidth > 32:
-                v = builder.trunc(v, llvm_ir.IntType(32))
-            elif bits.bitwidth < 32:
-                v = builder.zext(v, llvm_ir.IntType(32))
-            return builder.bitcast(v, llvm_ir.FloatType())
-        return types.float32(bits), codegen
+    from offload.model.kernels import _attend, _bits_f32, _dense, _f32_bits
 
     @njit(inline="always")
     def _bf16_bits(f):  # pragma: no cover - compiled
@@ -140,15 +112,16 @@ if numba is not None:
                 _store(out, n, i, _silu_mul(_load(gu, n, i, bf16), _load(gu, n, half + i, bf16), bf16), bf16)
 
     @njit(nogil=True, cache=True)
-    def _layer(x, in_norm, qkv, qkv_b, o, o_b, post_norm, gate_up, gu_b, down, down_b, scales, inter, eps, cos,
+    def _layer(x, in_norm, qkv, qkv_b, o, o_b, post_norm, gate_up, gu_b, down, down_b, scales, shifts, inter, eps,
+               cos,
                sin, kv, slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq, scale, kind, bf16,
                out):  # pragma: no cover - compiled
         """One decoder layer of a Llama-family model on flat rows x [N, H] (raw bits), every op as
         `functional.decoder_layer` does it on a CPU (the same kernels and roundings: the same bits), in one
         call: norms, products (parallel), RoPE, the K/V write into the paged pool kv, attention over it, the
         SwiGLU MLP, the residuals -> out [N, H] raw bits. Matrices: raw bits or int8 codes (`kernels._dense`'s
-        kind; scales: their (scale, min) float32 for int8, each padded to whole tiles of rows: only the first
-        features count, inter for gate_up's halves). Biases: [1, n] raw bits, or [1, 0] for none."""
+        kind; scales, shifts: the raw bits of their (scale, min) for int8, each padded to whole tiles of rows:
+        only the first features count, inter for gate_up's halves). Biases: [1, n] raw bits, or [1, 0] for none."""
         N, H = x.shape
         B, Tq = pad_index.shape
         hkv, D = kv.shape[3], kv.shape[4]
@@ -159,7 +132,7 @@ if numba is not None:
         for n in range(N):
             _norm_row(x32, n, in_norm, eps, bf16, h, n)
         y = np.empty((N, qkv.shape[0]), np.float32)
-        _dense(h, qkv, scales[0], y, kind)
+        _dense(h, qkv, scales[0], shifts[0], y, kind)
         for n in range(N):
             for j in range(qs + 2 * ks):
                 y[n, j] = _rnd(y[n, j] + _load(qkv_b, 0, j, bf16) if qkv_b.shape[1] else y[n, j], bf16)
@@ -201,7 +174,7 @@ if numba is not None:
                 for d in range(D):
                     a2[n, hh * D + d] = _rnd(att[b, t, hh, d], bf16)
         y = np.empty((N, H), np.float32)
-        _dense(a2, o, scales[1], y, kind)
+        _dense(a2, o, scales[1], shifts[1], y, kind)
         for n in range(N):
             for j in range(H):
                 v = _rnd(y[n, j] + _load(o_b, 0, j, bf16) if o_b.shape[1] else y[n, j], bf16)
@@ -210,7 +183,7 @@ if numba is not None:
             _norm_row(x32, n, post_norm, eps, bf16, h, n)
         half_i = inter
         g = np.empty((N, gate_up.shape[0]), np.float32)
-        _dense(h, gate_up, scales[2], g, kind)
+        _dense(h, gate_up, scales[2], shifts[2], g, kind)
         act = np.empty((N, half_i), np.float32)
         for n in range(N):
             for i in range(half_i):
@@ -219,7 +192,7 @@ if numba is not None:
                           else g[n, half_i + i], bf16)
                 act[n, i] = _silu_mul(gv, uv, bf16)
         y = np.empty((N, H), np.float32)
-        _dense(act, down, scales[3], y, kind)
+        _dense(act, down, scales[3], shifts[3], y, kind)
         for n in range(N):
             for j in range(H):
                 v = _rnd(y[n, j] + _load(down_b, 0, j, bf16) if down_b.shape[1] else y[n, j], bf16)
@@ -300,11 +273,11 @@ def _bias(b: torch.Tensor | None, dtype: torch.dtype) -> np.ndarray:
     return np.zeros((1, 0), np.uint16 if dtype == torch.bfloat16 else np.uint32)
 
 
-def _matrix(m) -> tuple[np.ndarray, np.ndarray]:
-    """A matrix as the product kernel takes it: (raw bits or int8 codes, their float32 scales or none)."""
+def _matrix(m) -> tuple[np.ndarray, np.ndarray, int]:
+    """A matrix as the product kernel takes it: (raw bits or int8 codes, their scales' raw bits or none, shift)."""
     if isinstance(m, torch.Tensor):
-        return _raw(m.contiguous()), NO_SCALES
-    return m.q.contiguous().numpy(), m.sz.to(torch.float32).contiguous().numpy()
+        return _raw(m.contiguous()), NO_SCALES, 0
+    return (m.q.contiguous().numpy(), *_bits(m.sz.contiguous()))
 
 
 def decoder_layer(x: torch.Tensor, mats: tuple, norms: tuple[torch.Tensor, torch.Tensor], eps: float,
@@ -322,11 +295,11 @@ def decoder_layer(x: torch.Tensor, mats: tuple, norms: tuple[torch.Tensor, torch
     dt = x.dtype
     slot_blocks, slot_offsets, table, mask, pad_index, unpad = (t.contiguous().numpy() for t in index)
     norms = tuple(n.to(dt).contiguous() for n in norms)
-    (wq, sq), (wo, so), (wg, sg), (wd, sd) = (_matrix(m) for m in (qkv, o, gu, down))
+    (wq, sq, tq), (wo, so, to), (wg, sg, tg), (wd, sd, td) = (_matrix(m) for m in (qkv, o, gu, down))
     kind = INT8 if _int8(qkv) else DENSE_KIND[qkv.dtype]
     inter = (gu.out_features if _int8(gu) else gu.shape[0]) // 2
     _layer(_raw(x), _raw(norms[0]), wq, _bias(qkv_b, dt), wo, _bias(o_b, dt), _raw(norms[1]), wg, _bias(gu_b, dt),
-           wd, _bias(down_b, dt), (sq, so, sg, sd), inter, float(eps), _raw(cos.contiguous()), _raw(sin.contiguous()),
-           _raw(kv, keep=True), slot_blocks, slot_offsets, table, mask, pad_index, unpad, heads, float(scale), kind,
-           dt == torch.bfloat16, _raw(out))
+           wd, _bias(down_b, dt), (sq, so, sg, sd), (tq, to, tg, td), inter, float(eps), _raw(cos.contiguous()),
+           _raw(sin.contiguous()), _raw(kv, keep=True), slot_blocks, slot_offsets, table, mask, pad_index, unpad,
+           heads, float(scale), kind, dt == torch.bfloat16, _raw(out))
     return out

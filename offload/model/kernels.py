@@ -37,8 +37,11 @@ import numpy as np
 import torch
 
 try:  # an install dependency; its absence only costs row invariance and the verify pass's speed
+    import llvmlite.ir as llvm_ir
     import numba
     from numba import njit, prange
+    from numba.core import types
+    from numba.extending import intrinsic
 except ImportError:  # pragma: no cover - exercised only on an install without numba
     numba = None
 if os.environ.get("OFFLOAD_CPU_KERNELS", "invariant") == "library":  # measure the library path (benchmarks)
@@ -55,6 +58,31 @@ if numba is not None:
     # reassociation (vectorised reductions: the order is the compiled loop's, the same for every row) and FMA
     # contraction, but no "no infinities / NaNs" assumption: masked keys and fp16 infinities are real values
     _jit = njit(parallel=True, fastmath={"reassoc", "contract", "nsz"}, cache=True, nogil=True)
+
+    @intrinsic
+    def _f32_bits(typingctx, f):  # pragma: no cover - compiled
+        """A float32's bits as uint32 (a register move)."""
+        if f != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], llvm_ir.IntType(32))
+        return types.uint32(types.float32), codegen
+
+    @intrinsic
+    def _bits_f32(typingctx, bits):  # pragma: no cover - compiled
+        """Integer bits (the low 32) as the float32 they encode (a register move)."""
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            v = args[0]
+            if bits.bitwidth > 32:
+                v = builder.trunc(v, llvm_ir.IntType(32))
+            elif bits.bitwidth < 32:
+                v = builder.zext(v, llvm_ir.IntType(32))
+            return builder.bitcast(v, llvm_ir.FloatType())
+        return types.float32(bits), codegen
 
     @njit(inline="always")
     def _widen_bf16(src, dst):  # pragma: no cover - compiled
@@ -101,23 +129,24 @@ if numba is not None:
                 out[r, n + j] = a
 
     @njit(inline="always")
-    def _widen_int8(w, row, buf, j, sm):  # pragma: no cover - compiled
-        """8-bit codes of row `row` -> buf[j] = code * scale + min (float32), one (scale, min) per group of sm
-        [rows, G, 2]. (Indexed from the matrices, bytes via int32: row slices or uint8 -> float stop LLVM
-        vectorising this: 8x slower.)"""
-        G = sm.shape[1]
+    def _widen_int8(w, row, buf, j, sz, shift):  # pragma: no cover - compiled
+        """8-bit codes of row `row` -> buf[j] = code * scale + min (float32), one (scale, min) per group of sz
+        [rows, G, 2] (raw bits, widened by `shift`, in registers). (Indexed from the matrices, bytes via int32, no
+        store through another view in the loop: otherwise LLVM does not vectorise this, 8x slower.)"""
+        G = sz.shape[1]
         gs = w.shape[1] // G
         for gi in range(G):
-            s, m = sm[row, gi, 0], sm[row, gi, 1]
+            s = _bits_f32(np.uint32(sz[row, gi, 0]) << np.uint32(shift))
+            m = _bits_f32(np.uint32(sz[row, gi, 1]) << np.uint32(shift))
             for k in range(gs):
                 buf[j, gi * gs + k] = np.float32(np.int32(w[row, gi * gs + k])) * s + m
 
     @njit(inline="always")
-    def _widen(w, row, bits, buf, j, kind, sm):  # pragma: no cover - compiled
+    def _widen(w, row, bits, buf, j, kind, sz, shift):  # pragma: no cover - compiled
         """Weight row `row` -> float32 in buffer row j (bits / buf: the buffer's two views): kind 0 float32 bits
-        (copied), 1 bf16 bits, 2 fp16 bits, 3 int8 codes with sm [rows, G, 2] (scale, min) float32."""
+        (copied), 1 bf16 bits, 2 fp16 bits, 3 int8 codes with sz [rows, G, 2] (scale, min) raw bits (`_bits`)."""
         if kind == 3:
-            _widen_int8(w, row, buf, j, sm)
+            _widen_int8(w, row, buf, j, sz, shift)
         elif kind == 1:
             _widen_bf16(w[row], bits[j])
         elif kind == 2:
@@ -126,11 +155,11 @@ if numba is not None:
             _copy_bits(w[row], bits[j])
 
     @_jit
-    def _dense(x, w, sm, out, kind):  # pragma: no cover - compiled
-        """x [R, K] f32, w [N, K] of `kind` (`_widen`; sm its int8 scales, else unused) -> out [R, N] f32: 8 weight
-        rows at a time widened exactly into a float32 buffer (read from DRAM once, from L1 by every row), then
-        `_dot8` for each row of x. (One function with a kind, not one closure per dtype: numba's cache does not keep
-        closures.)"""
+    def _dense(x, w, sz, shift, out, kind):  # pragma: no cover - compiled
+        """x [R, K] f32, w [N, K] of `kind` (`_widen`; sz, shift: its int8 scales, else unused) -> out [R, N] f32:
+        8 weight rows at a time widened exactly into a float32 buffer (read from DRAM once, from L1 by every row),
+        then `_dot8` for each row of x. (One function with a kind, not one closure per dtype: numba's cache does not
+        keep closures.)"""
         R, K = x.shape
         N = w.shape[0]
         for c in prange((N + _CHUNK - 1) // _CHUNK):
@@ -139,7 +168,7 @@ if numba is not None:
             end = min(N, c * _CHUNK + _CHUNK)
             for n in range(c * _CHUNK, end, 8):
                 for j in range(8):
-                    _widen(w, min(n + j, end - 1), bits, buf, j, kind, sm)
+                    _widen(w, min(n + j, end - 1), bits, buf, j, kind, sz, shift)
                 for r in range(R):
                     _dot8(x, r, buf, n, min(8, end - n), out)
 
@@ -235,7 +264,7 @@ if numba is not None:
 #: The dense kernel's weight kinds (`_widen`): a dense matrix's dtype, and INT8 (codes with their scales).
 DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is not None else {}
 INT8 = 3
-NO_SCALES = np.zeros((0, 1, 2), np.float32)  # the scales argument of a dense (not int8) product
+NO_SCALES = np.zeros((0, 1, 2), np.uint16)  # the scales argument of a dense (not int8) product
 
 
 #: multiply-adds below which a kernel runs on one thread (a parallel region costs more than it saves). SmolLM2-135M
@@ -282,7 +311,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     x2 = x.reshape(-1, K).to(torch.float32).contiguous()
     y = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
     if y.numel():
-        _dense(x2.numpy(), _as_numpy(w.contiguous()), NO_SCALES, y.numpy(), DENSE_KIND[w.dtype])
+        _dense(x2.numpy(), _as_numpy(w.contiguous()), NO_SCALES, 0, y.numpy(), DENSE_KIND[w.dtype])
     if bias is not None:
         y += bias
     return (y if x.dtype == torch.float32 else y.to(x.dtype)).reshape(*lead, w.shape[0])
@@ -320,7 +349,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Ten
     x32 = x.to(torch.float32).contiguous()
     out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
     if out.numel():
-        _dense(x32.numpy(), q.contiguous().numpy(), sz.to(torch.float32).contiguous().numpy(), out.numpy(), INT8)
+        bits, shift = _bits(sz.contiguous())
+        _dense(x32.numpy(), q.contiguous().numpy(), bits, shift, out.numpy(), INT8)
     return out
 
 
