@@ -13,8 +13,8 @@ repeats is reported, and the load average is recorded beside every number):
   library    the same with OFFLOAD_CPU_KERNELS=library (torch's GEMMs, attention padded to the batch): what the
              row-invariant kernels cost or save
   llama.cpp  llama-bench: pp64 and tg32 (built by shared/peers/llama_cpp.sh from the registry's source package)
-  streamed   Offload with its weights on disk and a device tier of a quarter of them + 64 MiB of workspace
-             (`--streamed` formats)
+  streamed   Offload with its weights on disk and a device tier of a quarter of them, the ring's three layers
+             and 64 MiB of workspace (`--streamed` formats)
   verify     a verify pass over k+1 tokens (one sequence) over a plain decode step, for each k in `--verify`
 Writes OUT/cpu-vs-llama.json and OUT/cpu-vs-llama.md (OUT defaults to scripts/results/), the command line included.
 """
@@ -239,12 +239,19 @@ def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) ->
         if fmt in args.streamed:
             store = cache / "stores" / f"{model.name}-{QUANT[fmt]}"
             ensure_store(model, store, QUANT[fmt])
-            quarter = f"{max(1, row['bytes'] // 4 // 2**20) + WORKSPACE_MIB}MiB"  # a quarter of the weights + room
+            from offload.model.checkpoint import Checkpoint
+
+            layers = Checkpoint(model).config.num_layers
+            # a quarter of the weights, the ring's three layers' slots and the workspace
+            quarter = f"{(row['bytes'] // 4 + 3 * row['bytes'] // layers) // 2**20 + WORKSPACE_MIB}MiB"
             streamed = config | {"tiers": {"gpu": {"capacity": quarter}, "cpu": {"capacity": "0MiB"},
                                            "disk": {"path": str(store)}}, "kv_cache": {"gpu_blocks": 16}}
-            s = run_worker("offload", {"config": streamed, "prompt": args.prompt, "new": args.new})
-            row["streamed"] = s | {"decode_tok_s": 1000 / s["decode_ms"], "device_tier": quarter,
-                                   "tokens_equal_resident": s["tokens"] == off["tokens"]}
+            try:
+                s = run_worker("offload", {"config": streamed, "prompt": args.prompt, "new": args.new})
+                row["streamed"] = s | {"decode_tok_s": 1000 / s["decode_ms"], "device_tier": quarter,
+                                       "tokens_equal_resident": s["tokens"] == off["tokens"]}
+            except RuntimeError as e:  # recorded in its row: the resident rows above still count
+                row["streamed"] = {"error": str(e).strip().splitlines()[-1], "device_tier": quarter}
         rows.append(row)
         print(f"{name} {fmt}: offload {off['decode_tok_s']:.1f} tok/s"
               + (f", llama.cpp {row['llama']['decode_tok_s']:.1f}" if "llama" in row else ""), file=sys.stderr)
@@ -269,7 +276,7 @@ def fmt_row(r: dict) -> str:
              num(lib and lib["decode_tok_s"]), num(lib and lib["prefill_tok_s"]),
              str(r["tokens_equal_library"]) if lib else "-",
              f"{r['plan']['predicted_step_ms']:.0f} / {o['decode_ms']:.0f} ({r['prediction_error']:+.0%})",
-             num(r["streamed"]["decode_tok_s"]) if "streamed" in r else "-",
+             num(r["streamed"].get("decode_tok_s")) if "streamed" in r else "-",
              " ".join(f"{k}: {x:.2f}" for k, x in v.items() if k != "plain_ms") or "-"]
     return "| " + " | ".join(cells) + " |"
 
