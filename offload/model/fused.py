@@ -113,8 +113,7 @@ if numba is not None:
 
     @njit(nogil=True, cache=True)
     def _layer(x, in_norm, qkv, qkv_b, o, o_b, post_norm, gate_up, gu_b, down, down_b, scales, shifts, inter, eps,
-               cos,
-               sin, kv, slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq, scale, kind, bf16,
+               cos, sin, kv, slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq, scale, kind, bf16,
                out):  # pragma: no cover - compiled
         """One decoder layer of a Llama-family model on flat rows x [N, H] (raw bits), every op as
         `functional.decoder_layer` does it on a CPU (the same kernels and roundings: the same bits), in one
