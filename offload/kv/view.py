@@ -41,13 +41,22 @@ class LayerKV:
         """What a fused layer reads and writes in place: (pool [slots, 2, block_size, Hkv, D], slot_blocks,
         slot_offsets, table, mask); None when a block lies off the device, inputs are kept or attention mass is
         tracked (the op-by-op layer handles those)."""
-        cache, step = self.cache, self.step
-        if step.table is None or self.needs_inputs or cache.settings.eviction == "attention":
+        step = self.step
+        if step.table is None or self.needs_inputs or self.cache.settings.eviction == "attention":
             return None
+        return self._pool(), step.slot_blocks, step.slot_offsets, step.table, self._step_mask(window)
+
+    def _pool(self) -> torch.Tensor:
+        """This layer's plane of the device pool, [slots, 2, block_size, Hkv, D]."""
+        return self.cache.stores["gpu"].arrays["kv"].data[self.plane]
+
+    def _step_mask(self, window: int | None) -> torch.Tensor:
+        """The mask over the step's token-order key layout, built once a step for each window and shared by every
+        layer with it."""
+        step = self.step
         if (mask := step.masks.get(window)) is None:
-            mask = step.masks[window] = self.layout.mask(step.positions, step.valid, window).to(cache.device)
-        data = cache.stores["gpu"].arrays["kv"].data[self.plane]
-        return data, step.slot_blocks, step.slot_offsets, step.table, mask
+            mask = step.masks[window] = self.layout.mask(step.positions, step.valid, window).to(self.cache.device)
+        return mask
 
     @property
     def needs_inputs(self) -> bool:
@@ -65,16 +74,13 @@ class LayerKV:
         """
         cache, step, bs = self.cache, self.step, self.cache.block_size
         track_mass = cache.settings.eviction == "attention"
+        if step.table is not None and not track_mass:  # every block on the device: read in place where a kernel can
+            if (done := M.attend_pool(q, self._pool(), step.table, self._step_mask(window), scale)) is not None:
+                return [done]
         cold = self._cold
         if cold is None and any(g.tier != "gpu" for g in step.groups):
             cold = cache.fetch_cold(self.layer, step)[0]
         split = cache.settings.cpu_attention and any(g.tier != "gpu" for g in step.groups)
-        if step.table is not None and not track_mass:  # every block on the device: read in place where a kernel can
-            if (mask := step.masks.get(window)) is None:
-                mask = step.masks[window] = self.layout.mask(step.positions, step.valid, window).to(cache.device)
-            data = cache.stores["gpu"].arrays["kv"].data[self.plane]  # [slots, 2, block_size, Hkv, D]
-            if (done := M.attend_pool(q, data, step.table, mask, scale)) is not None:
-                return [done]
         if not split:
             kvs = [(g, self._kv(g, cold, restore).to(cache.device)) for g in step.groups]
             padded = torch.zeros(q.shape[0], step.cols, *kvs[0][1].shape[1:], dtype=kvs[0][1].dtype,
@@ -97,10 +103,7 @@ class LayerKV:
             B, cols = padded.shape[:2]
             k = padded[:, :, 0].reshape(B, cols * bs, *padded.shape[-2:])
             v = padded[:, :, 1].reshape(B, cols * bs, *padded.shape[-2:])
-            if split:
-                mask = self.layout.mask(positions, valid, window).to(dev)
-            elif (mask := step.masks.get(window)) is None:  # the same for every layer with this window
-                mask = step.masks[window] = self.layout.mask(positions, valid, window).to(dev)
+            mask = self.layout.mask(positions, valid, window).to(dev) if split else self._step_mask(window)
             if self.layout.row_groups is not None and not track_mass and not split:
                 out, lse = M.attend_columns(q.to(dev), k, v, mask, scale, self.layout.column_keys(bs))
                 block_lse = None

@@ -180,6 +180,10 @@ class KVView(Protocol):
                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Padded queries q [B, Tq, Hq, D] -> [(out [B, Tq, Hq, D], lse [B, Tq, Hq])], one per group of blocks."""
 
+    def paged(self, window: int | None) -> tuple[torch.Tensor, ...] | None:
+        """(pool [slots, 2, block_size, Hkv, D], slot_blocks, slot_offsets, table [B, cols], mask) for a layer that
+        writes and reads the blocks where they lie (`fused.decoder_layer`); None where it cannot."""
+
 
 # ----------------------------------------------------------------------------- math
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -314,7 +318,7 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     mats = (w.qkv, w.qkv_bias, w.o, w.o_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias)
     if w.moe is None and w.q_norm is None and cfg.clip_qkv is None and fused.layer_supported(x, mats) \
-            and (paged := getattr(kv, "paged", lambda _: None)(window)) is not None and paged[0].dtype == x.dtype:
+            and (paged := kv.paged(window)) is not None and paged[0].dtype == x.dtype:
         pool, slot_blocks, slot_offsets, table, mask = paged  # one compiled call: ~40 fewer ops a layer
         return fused.decoder_layer(x, mats, (w.input_norm, w.post_norm), cfg.rms_norm_eps, *rope, pool,
                                      (slot_blocks, slot_offsets, table, mask, layout.pad_index, layout.unpad_index),

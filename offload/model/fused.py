@@ -4,9 +4,9 @@ A Llama-family layer is ~40 tensor ops and numba calls op by op (`functional.dec
 microseconds, which at batch 1 is as much as the products themselves (SmolLM2-135M, 30 layers). `decoder_layer`
 runs the whole layer as one call: RMSNorm, the row-invariant products of `offload.model.kernels`, RoPE, the K/V
 write into the paged pool, attention over it, SwiGLU and the residuals, each op rounded to the activations' dtype
-as torch rounds it (bf16: to nearest even after every op). `rms_norm`, `silu_mul` and `rope` are the same formulas
-for the op-by-op layer, so a layer gives the same bits either way (tests/test_batch_invariance.py). Knows nothing
-about models, tiers or files.
+as torch rounds it (bf16: to nearest even after every op). `rms_norm` and `silu_mul` are the same formulas for the
+op-by-op layer (its RoPE is torch's, whose roundings the layer repeats), so a layer gives the same bits either way
+(tests/test_batch_invariance.py). Knows nothing about models, tiers or files.
 """
 
 from __future__ import annotations
@@ -43,24 +43,16 @@ if numba is not None:
         a[i, j] = _f32_bits(f)
         return f
 
-    @njit(nogil=True, cache=True)
-    def _rope(x, cos, sin, bf16, out):  # pragma: no cover - compiled
-        """x [N * heads, D] raw bits, cos / sin [N, D] -> out [N * heads, D]: `x * cos + rotate_half(x) * sin`,
-        each product and the sum rounded to the dtype as torch's elementwise ops round (no fused multiply-add)."""
-        R, D = x.shape
-        heads, half = R // cos.shape[0], D // 2
-        for i in range(R):
-            n = i // heads
-            for d in range(D):
-                rot = -_load(x, i, d + half, bf16) if d < half else _load(x, i, d - half, bf16)
-                a = _store(out, i, d, _load(x, i, d, bf16) * _load(cos, n, d, bf16), bf16)
-                b = _store(out, i, d, rot * _load(sin, n, d, bf16), bf16)
-                _store(out, i, d, a + b, bf16)
-
     @njit(inline="always")
     def _rnd(f, bf16):  # pragma: no cover - compiled
         """f rounded to the activations' dtype (bf16: to nearest even, as torch rounds an op's float result)."""
         return _bits_f32(np.uint32(_bf16_bits(f)) << np.uint32(16)) if bf16 else f
+
+    @njit(inline="always")
+    def _biased(y, b, j, bf16):  # pragma: no cover - compiled
+        """A product's float32 output y (feature j) plus bias bits b [1, n] ([1, 0]: none), rounded to the dtype: what
+        `kernels.dense_linear` returns."""
+        return _rnd(y + _load(b, 0, j, bf16) if b.shape[1] else y, bf16)
 
     @njit(inline="always")
     def _norm_row(x, n, w, eps, bf16, out, m):  # pragma: no cover - compiled
@@ -134,7 +126,7 @@ if numba is not None:
         _dense(h, qkv, scales[0], shifts[0], y, kind)
         for n in range(N):
             for j in range(qs + 2 * ks):
-                y[n, j] = _rnd(y[n, j] + _load(qkv_b, 0, j, bf16) if qkv_b.shape[1] else y[n, j], bf16)
+                y[n, j] = _biased(y[n, j], qkv_b, j, bf16)
         # RoPE on q and k, from y into qk (no fused multiply-add: torch's x * cos + rotate_half(x) * sin)
         qk = np.empty((N, qs + ks), np.float32)
         half = D // 2
@@ -176,26 +168,21 @@ if numba is not None:
         _dense(a2, o, scales[1], shifts[1], y, kind)
         for n in range(N):
             for j in range(H):
-                v = _rnd(y[n, j] + _load(o_b, 0, j, bf16) if o_b.shape[1] else y[n, j], bf16)
-                x32[n, j] = _rnd(x32[n, j] + v, bf16)
+                x32[n, j] = _rnd(x32[n, j] + _biased(y[n, j], o_b, j, bf16), bf16)
         for n in range(N):
             _norm_row(x32, n, post_norm, eps, bf16, h, n)
-        half_i = inter
         g = np.empty((N, gate_up.shape[0]), np.float32)
         _dense(h, gate_up, scales[2], shifts[2], g, kind)
-        act = np.empty((N, half_i), np.float32)
+        act = np.empty((N, inter), np.float32)
         for n in range(N):
-            for i in range(half_i):
-                gv = _rnd(g[n, i] + _load(gu_b, 0, i, bf16) if gu_b.shape[1] else g[n, i], bf16)
-                uv = _rnd(g[n, half_i + i] + _load(gu_b, 0, half_i + i, bf16) if gu_b.shape[1]
-                          else g[n, half_i + i], bf16)
-                act[n, i] = _silu_mul(gv, uv, bf16)
+            for i in range(inter):
+                act[n, i] = _silu_mul(_biased(g[n, i], gu_b, i, bf16),
+                                      _biased(g[n, inter + i], gu_b, inter + i, bf16), bf16)
         y = np.empty((N, H), np.float32)
         _dense(act, down, scales[3], shifts[3], y, kind)
         for n in range(N):
             for j in range(H):
-                v = _rnd(y[n, j] + _load(down_b, 0, j, bf16) if down_b.shape[1] else y[n, j], bf16)
-                _store(out, n, j, _rnd(x32[n, j] + v, bf16), bf16)
+                _store(out, n, j, _rnd(x32[n, j] + _biased(y[n, j], down_b, j, bf16), bf16), bf16)
 
 #: (activation dtype, matrix dtype) pairs the layer takes (a bf16 model computing in float32 widens as it multiplies)
 LAYER_DTYPES = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)} \
@@ -211,7 +198,7 @@ def _raw(t: torch.Tensor, keep: bool = False) -> np.ndarray:
 
 
 def elementwise_supported(x: torch.Tensor) -> bool:
-    """Do `rms_norm`, `silu_mul` and `rope` take x (CPU, bf16 or float32, numba present)?"""
+    """Do `rms_norm` and `silu_mul` take x (CPU, bf16 or float32, numba present)?"""
     return numba is not None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
 
 
@@ -233,16 +220,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
     if out.numel():
         _silu_mul_rows(_raw(gate_up), gate_up.dtype == torch.bfloat16, _raw(out))
-    return out
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`functional.apply_rope` (x [N, heads, D]; cos / sin [N, D] in x's dtype) bit for bit, in one call."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    if x.numel():
-        _rope(_raw(x.view(-1, x.shape[-1])), _raw(cos.contiguous()), _raw(sin.contiguous()), x.dtype == torch.bfloat16,
-              _raw(out.view(-1, x.shape[-1])))
     return out
 
 
