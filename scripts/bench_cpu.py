@@ -41,8 +41,8 @@ from scripts.machine import cpu_flags, load  # noqa: E402
 #: this process slowed llama.cpp's decode 2.6-5x in session 3's table)
 START_ENV = dict(os.environ)
 
-#: Device-tier room beside a streamed run's quarter of the weights: its ring slots' floor, a prefill chunk's logits
-#: and activations, 16 KV blocks (SmolLM2-135M int4: a quarter of its weights is 27 MiB, the smallest plan 69 MiB)
+#: Device-tier room beside a streamed run's quarter of the weights and its ring's three layers: a prefill chunk's
+#: logits and activations, 16 KV blocks (SmolLM2-135M int4: a quarter of its weights is 27 MiB, the smallest plan 69)
 WORKSPACE_MIB = 64
 LLAMA = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
@@ -243,15 +243,15 @@ def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) ->
 
             layers = Checkpoint(model).config.num_layers
             # a quarter of the weights, the ring's three layers' slots and the workspace
-            quarter = f"{(row['bytes'] // 4 + 3 * row['bytes'] // layers) // 2**20 + WORKSPACE_MIB}MiB"
-            streamed = config | {"tiers": {"gpu": {"capacity": quarter}, "cpu": {"capacity": "0MiB"},
+            tier = f"{(row['bytes'] // 4 + 3 * row['bytes'] // layers) // 2**20 + WORKSPACE_MIB}MiB"
+            streamed = config | {"tiers": {"gpu": {"capacity": tier}, "cpu": {"capacity": "0MiB"},
                                            "disk": {"path": str(store)}}, "kv_cache": {"gpu_blocks": 16}}
             try:
                 s = run_worker("offload", {"config": streamed, "prompt": args.prompt, "new": args.new})
-                row["streamed"] = s | {"decode_tok_s": 1000 / s["decode_ms"], "device_tier": quarter,
+                row["streamed"] = s | {"decode_tok_s": 1000 / s["decode_ms"], "device_tier": tier,
                                        "tokens_equal_resident": s["tokens"] == off["tokens"]}
             except RuntimeError as e:  # recorded in its row: the resident rows above still count
-                row["streamed"] = {"error": str(e).strip().splitlines()[-1], "device_tier": quarter}
+                row["streamed"] = {"error": str(e).strip().splitlines()[-1], "device_tier": tier}
         rows.append(row)
         print(f"{name} {fmt}: offload {off['decode_tok_s']:.1f} tok/s"
               + (f", llama.cpp {row['llama']['decode_tok_s']:.1f}" if "llama" in row else ""), file=sys.stderr)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from offload.model.kernels import DENSE_KIND, INT8, NO_SCALES, _bits, _threads, numba, packed_supported
+from offload.model.kernels import DENSE_KIND, INT8, NO_SCALES, _as_numpy, _bits, _threads, numba, packed_supported
 
 if numba is not None:
     from numba import njit
@@ -192,9 +192,7 @@ LAYER_DTYPES = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
 def _raw(t: torch.Tensor, keep: bool = False) -> np.ndarray:
     """A bf16 or float32 tensor's bits as a numpy array (uint16 / uint32) over the same memory: 2-D rows of its last
     dimension (a 1-D tensor is one row), or its own shape with `keep`."""
-    t2 = t if keep else t.reshape(-1, t.shape[-1])
-    return t2.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else \
-        t2.view(torch.int32).numpy().view(np.uint32)
+    return _as_numpy(t if keep else t.reshape(-1, t.shape[-1]))
 
 
 def elementwise_supported(x: torch.Tensor) -> bool:

@@ -283,7 +283,7 @@ def _threads(work: int) -> None:
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A weight's raw bits for the dense kernels: uint16 (bf16, fp16) or uint32 (float32)."""
+    """A tensor's raw bits over the same memory, for the kernels: uint16 (bf16, fp16) or uint32 (float32)."""
     if t.dtype in (torch.bfloat16, torch.float16):
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy().view(np.uint32)
@@ -356,9 +356,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Ten
 
 def _bits(t: torch.Tensor) -> tuple[np.ndarray, int]:
     """A float32 or bf16 tensor as raw bits for the kernels: (array, shift that widens it to float32 bits)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16), 16
-    return t.numpy().view(np.uint32), 0
+    return _as_numpy(t), 16 if t.dtype == torch.bfloat16 else 0
 
 
 def attention_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
