@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 ROW_INVARIANT = numba is not None
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
+#: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
+#: 1.7B shape's four bf16 matrices x 2, one thread: whole rows (64-180 KiB buffers, read from L2) -> 512 columns:
+#: 64 rows 195 -> 150 ms, 9 rows 51 -> 42 ms, 1 row 34 -> 25 ms
+_KC = 512
 
 if numba is not None:
     import llvmlite.binding as llvm_binding
@@ -121,14 +125,22 @@ if numba is not None:
                 val = np.inf if (h & np.uint32(0x3FF)) == 0 else np.nan
             row[k] = -val if h & np.uint32(0x8000) else val
 
+    @njit(inline="always")
+    def _put(out, r, n, count, acc, k0):  # pragma: no cover - compiled
+        """out[r, n + j] = acc[j] for the first chunk of k, += for the next ones (j < count)."""
+        for j, a in enumerate(acc):
+            if j < count:
+                out[r, n + j] = a if k0 == 0 else out[r, n + j] + a
+
     @njit(fastmath={"reassoc", "contract", "nsz"}, nogil=True)
-    def _dot8(x, r, buf, n, count, out):  # pragma: no cover - compiled
-        """out[r, n : n + count] = x[r] @ buf[:count].T, buf [8, K] float32 weight rows: 8 outputs share each
-        load of x. Every row of every product goes through this one loop on its own, so a row's bits do not
-        depend on the rows beside it (nor on count: a short group computes 8 and stores `count`)."""
+    def _dot8(x, r, buf, n, count, out, k0, kc):  # pragma: no cover - compiled
+        """out[r, n : n + count] (+)= x[r, k0 : k0 + kc] @ buf[:count, :kc].T, buf [8, kc] float32 weight rows: 8
+        outputs share each load of x. Every row of every product goes through this one loop on its own, so a row's
+        bits do not depend on the rows beside it (nor on count: a short group computes 8 and stores `count`)."""
+        xr = x[r, k0:k0 + kc]  # (a view: an index k0 + k would be checked for wraparound, unvectorised)
         a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-        for k in range(x.shape[1]):
-            xk = x[r, k]
+        for k in range(kc):
+            xk = xr[k]
             a0 += xk * buf[0, k]
             a1 += xk * buf[1, k]
             a2 += xk * buf[2, k]
@@ -137,20 +149,19 @@ if numba is not None:
             a5 += xk * buf[5, k]
             a6 += xk * buf[6, k]
             a7 += xk * buf[7, k]
-        for j, a in enumerate((a0, a1, a2, a3, a4, a5, a6, a7)):
-            if j < count:
-                out[r, n + j] = a
+        _put(out, r, n, count, (a0, a1, a2, a3, a4, a5, a6, a7), k0)
 
     @njit(fastmath={"reassoc", "contract", "nsz"}, nogil=True)
-    def _dot8x3(x, r, buf, n, count, out):  # pragma: no cover - compiled
+    def _dot8x3(x, r, buf, n, count, out, k0, kc):  # pragma: no cover - compiled
         """`_dot8` for rows r, r + 1, r + 2 at once: each weight load of the buffer serves three rows (the products
         beyond one row are bound by loads from L1, not by memory). Every output is the same reduction as in
         `_dot8` (see the interleave setting above), so a row has the same bits in a tile as alone."""
         a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
         b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = np.float32(0.0)
         c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = np.float32(0.0)
-        for k in range(x.shape[1]):
-            xa, xb, xc = x[r, k], x[r + 1, k], x[r + 2, k]
+        xr0, xr1, xr2 = x[r, k0:k0 + kc], x[r + 1, k0:k0 + kc], x[r + 2, k0:k0 + kc]
+        for k in range(kc):
+            xa, xb, xc = xr0[k], xr1[k], xr2[k]
             w = buf[0, k]
             a0 += xa * w
             b0 += xb * w
@@ -183,57 +194,62 @@ if numba is not None:
             a7 += xa * w
             b7 += xb * w
             c7 += xc * w
-        for i, acc in enumerate(((a0, a1, a2, a3, a4, a5, a6, a7), (b0, b1, b2, b3, b4, b5, b6, b7),
-                                 (c0, c1, c2, c3, c4, c5, c6, c7))):
-            for j, a in enumerate(acc):
-                if j < count:
-                    out[r + i, n + j] = a
+        _put(out, r, n, count, (a0, a1, a2, a3, a4, a5, a6, a7), k0)
+        _put(out, r + 1, n, count, (b0, b1, b2, b3, b4, b5, b6, b7), k0)
+        _put(out, r + 2, n, count, (c0, c1, c2, c3, c4, c5, c6, c7), k0)
 
     @njit(inline="always")
-    def _widen_int8(w, row, buf, j, sz, shift):  # pragma: no cover - compiled
-        """8-bit codes of row `row` -> buf[j] = code * scale + min (float32), one (scale, min) per group of sz
-        [rows, G, 2] (raw bits, widened by `shift`, in registers). (Indexed from the matrices, bytes via int32, no
-        store through another view in the loop: otherwise LLVM does not vectorise this, 8x slower.)"""
-        G = sz.shape[1]
-        gs = w.shape[1] // G
-        for gi in range(G):
+    def _widen_int8(w, row, buf, j, sz, shift, k0, kc):  # pragma: no cover - compiled
+        """8-bit codes of row `row`, columns k0 : k0 + kc -> buf[j, :kc] = code * scale + min (float32), one (scale,
+        min) per group of sz [rows, G, 2] (raw bits, widened by `shift`, in registers). (Indexed from the matrices,
+        bytes via int32, no store through another view in the loop, unsigned indices (a signed one is checked for
+        wraparound): otherwise LLVM does not vectorise this, 4-8x slower.)"""
+        gs = w.shape[1] // sz.shape[1]
+        for gi in range(k0 // gs, (k0 + kc - 1) // gs + 1):
             s = _bits_f32(np.uint32(sz[row, gi, 0]) << np.uint32(shift))
             m = _bits_f32(np.uint32(sz[row, gi, 1]) << np.uint32(shift))
-            for k in range(gs):
-                buf[j, gi * gs + k] = np.float32(np.int32(w[row, gi * gs + k])) * s + m
+            lo = np.uint64(max(k0, gi * gs))
+            for k in range(np.uint64(min(k0 + kc, gi * gs + gs)) - lo):
+                buf[j, lo - np.uint64(k0) + k] = np.float32(np.int32(w[row, lo + k])) * s + m
 
     @njit(inline="always")
-    def _widen(w, row, bits, buf, j, kind, sz, shift):  # pragma: no cover - compiled
-        """Weight row `row` -> float32 in buffer row j (bits / buf: the buffer's two views): kind 0 float32 bits
-        (copied), 1 bf16 bits, 2 fp16 bits, 3 int8 codes with sz [rows, G, 2] (scale, min) raw bits (`_bits`)."""
+    def _widen(w, row, bits, buf, j, kind, sz, shift, k0, kc):  # pragma: no cover - compiled
+        """Columns k0 : k0 + kc of weight row `row` -> float32 in buffer row j (bits / buf: the buffer's two views):
+        kind 0 float32 bits (copied), 1 bf16 bits, 2 fp16 bits, 3 int8 codes with sz [rows, G, 2] (scale, min) raw
+        bits (`_bits`)."""
         if kind == 3:
-            _widen_int8(w, row, buf, j, sz, shift)
+            _widen_int8(w, row, buf, j, sz, shift, k0, kc)
         elif kind == 1:
-            _widen_bf16(w[row], bits[j])
+            _widen_bf16(w[row, k0:k0 + kc], bits[j])
         elif kind == 2:
-            _widen_f16(w[row], bits[j])
+            _widen_f16(w[row, k0:k0 + kc], bits[j])
         else:
-            _copy_bits(w[row], bits[j])
+            _copy_bits(w[row, k0:k0 + kc], bits[j])
 
     @_jit
     def _dense(x, w, sz, shift, out, kind):  # pragma: no cover - compiled
-        """x [R, K] f32, w [N, K] of `kind` (`_widen`; sz, shift: its int8 scales, else unused) -> out [R, N] f32:
-        8 weight rows at a time widened exactly into a float32 buffer (read from DRAM once, from L1 by every row),
-        then `_dot8x3` for each three rows of x and `_dot8` for the one or two left. (One function with a kind, not
-        one closure per dtype: numba's cache does not keep closures.)"""
+        """x [R, K] f32, w [N, K] of `kind` (`_widen`; sz, shift: its int8 scales, else unused) -> out [R, N] f32.
+        For 8 weight rows at a time and `_KC` columns at a time, the weights are widened exactly into a float32
+        buffer (read from DRAM once, from L1 by every row: 16 KiB), then `_dot8x3` takes each three rows of x and
+        `_dot8` the one or two left; each chunk's sums are added to the outputs in order. The chunks are the same
+        for every R, so a row's bits are too. (One function with a kind, not one closure per dtype: numba's cache
+        does not keep closures.)"""
         R, K = x.shape
         N = w.shape[0]
         for c in prange((N + _CHUNK - 1) // _CHUNK):
-            buf = np.empty((8, K), np.float32)
+            buf = np.empty((8, min(K, _KC)), np.float32)
             bits = buf.view(np.uint32)
             end = min(N, c * _CHUNK + _CHUNK)
             for n in range(c * _CHUNK, end, 8):
-                for j in range(8):
-                    _widen(w, min(n + j, end - 1), bits, buf, j, kind, sz, shift)
-                for r in range(0, R - R % 3, 3):
-                    _dot8x3(x, r, buf, n, min(8, end - n), out)
-                for r in range(R - R % 3, R):
-                    _dot8(x, r, buf, n, min(8, end - n), out)
+                count = min(8, end - n)
+                for k0 in range(0, K, _KC):
+                    kc = min(_KC, K - k0)
+                    for j in range(8):
+                        _widen(w, min(n + j, end - 1), bits, buf, j, kind, sz, shift, k0, kc)
+                    for r in range(0, R - R % 3, 3):
+                        _dot8x3(x, r, buf, n, count, out, k0, kc)
+                    for r in range(R - R % 3, R):
+                        _dot8(x, r, buf, n, count, out, k0, kc)
 
     @_jit
     def _packed(x, q, sz, shift, out):  # pragma: no cover - compiled
