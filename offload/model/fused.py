@@ -254,6 +254,40 @@ def _matrix(m) -> tuple[np.ndarray, np.ndarray, int]:
     return (m.q.contiguous().numpy(), *_bits(m.sz.contiguous()))
 
 
+def _weights(mats: tuple, norms: tuple[torch.Tensor, torch.Tensor], dt: torch.dtype) -> tuple:
+    """The layer's weight arguments of `_layer` (numpy views of the weights' bytes, norms in the activations'
+    dtype), made once for a set of weight tensors and kept on the first matrix's bytes: ~30 numpy views a layer
+    cost ~0.1 ms, a third of a SmolLM2-135M layer's compute. (The weights' tensors are the same objects step
+    after step: `TieredWeights.views`; a streamed group's slot is refilled with the same bytes.)"""
+    qkv, qkv_b, o, o_b, gu, gu_b, down, down_b = mats
+    anchor = qkv.q if _int8(qkv) else qkv
+    parts = tuple(t for m in (*mats, *norms) for t in ((m.q, m.sz) if _int8(m) else (m,)))  # (a PackedLinear is
+    key = (dt, *map(id, parts))  # made anew each step over the same tensors)
+    got = anchor.__dict__.get("_offload_layer")
+    if got is not None and got[0] == key:
+        return got[1]
+    norms = tuple(n.to(dt).contiguous() for n in norms)
+    (wq, sq, tq), (wo, so, to), (wg, sg, tg), (wd, sd, td) = (_matrix(m) for m in (qkv, o, gu, down))
+    inter = (gu.out_features if _int8(gu) else gu.shape[0]) // 2
+    args = (_raw(norms[0]), wq, _bias(qkv_b, dt), wo, _bias(o_b, dt), _raw(norms[1]), wg, _bias(gu_b, dt), wd,
+            _bias(down_b, dt), (sq, so, sg, sd), (tq, to, tg, td), inter)
+    # the key holds ids, the value views of these tensors' memory: kept only while `anchor` lives (a weight's
+    # tensors live as long as their group's views; a new set of objects makes a new entry)
+    anchor.__dict__["_offload_layer"] = (key, args, parts, norms)  # parts: their ids stay theirs
+    return args
+
+
+def _index(t: torch.Tensor, raw: bool = False) -> np.ndarray:
+    """A step's tensor (built once a step, read by every layer: indices, the mask, cos / sin) as numpy (its raw
+    bits with `raw`), over its memory, made once and kept on it."""
+    if not t.is_contiguous():
+        return _raw(t.contiguous()) if raw else t.contiguous().numpy()
+    got = t.__dict__.get("_offload_numpy")
+    if got is None:
+        got = t.__dict__["_offload_numpy"] = _raw(t) if raw else t.numpy()
+    return got
+
+
 def decoder_layer(x: torch.Tensor, mats: tuple, norms: tuple[torch.Tensor, torch.Tensor], eps: float,
                   cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, index: tuple[torch.Tensor, ...],
                   heads: int, scale: float) -> torch.Tensor:
@@ -262,18 +296,13 @@ def decoder_layer(x: torch.Tensor, mats: tuple, norms: tuple[torch.Tensor, torch
     [N, D], the paged pool kv [slots, 2, block_size, Hkv, D] (this step's K/V are written into it), index
     (slot_blocks, slot_offsets, table, mask, pad_index, unpad_index: `offload.kv` and `BatchLayout`). The same bits
     as the op-by-op layer."""
-    qkv, qkv_b, o, o_b, gu, gu_b, down, down_b = mats
+    qkv = mats[0]
     _threads(x.numel() * qkv.q.shape[0] if _int8(qkv) else x.numel() * qkv.shape[0])
     x = x.contiguous()
     out = torch.empty_like(x)
     dt = x.dtype
-    slot_blocks, slot_offsets, table, mask, pad_index, unpad = (t.contiguous().numpy() for t in index)
-    norms = tuple(n.to(dt).contiguous() for n in norms)
-    (wq, sq, tq), (wo, so, to), (wg, sg, tg), (wd, sd, td) = (_matrix(m) for m in (qkv, o, gu, down))
     kind = INT8 if _int8(qkv) else DENSE_KIND[qkv.dtype]
-    inter = (gu.out_features if _int8(gu) else gu.shape[0]) // 2
-    _layer(_raw(x), _raw(norms[0]), wq, _bias(qkv_b, dt), wo, _bias(o_b, dt), _raw(norms[1]), wg, _bias(gu_b, dt),
-           wd, _bias(down_b, dt), (sq, so, sg, sd), (tq, to, tg, td), inter, float(eps), _raw(cos.contiguous()),
-           _raw(sin.contiguous()), _raw(kv, keep=True), slot_blocks, slot_offsets, table, mask, pad_index, unpad,
-           heads, float(scale), kind, dt == torch.bfloat16, _raw(out))
+    _layer(_raw(x), *_weights(mats, norms, dt), float(eps), _index(cos, raw=True), _index(sin, raw=True),
+           _raw(kv, keep=True),
+           *(_index(t) for t in index), heads, float(scale), kind, dt == torch.bfloat16, _raw(out))
     return out

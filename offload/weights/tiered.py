@@ -60,6 +60,7 @@ class TieredWeights:
         self.fmt.check(ckpt.config)
         self.layouts = model_layouts(ckpt.config, dtype, self.fmt, layers)
         self._views: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (group, address) -> its typed views
+        self._upcast: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # the same, at the compute dtype
         self.scratch = Scratch()  # packed matrices are dequantized here when no fused kernel applies
         self.plan = plan
         embed_group, self._embed_tensor = embedding_source(ckpt.config)
@@ -181,8 +182,12 @@ class TieredWeights:
             views = self._views[key] = self.layouts[group].views(buf)
         if self.compute_dtype != self.dtype:  # upcast after the transfer (dense weights only: see compute_dtype),
             # except the matrices a CPU kernel widens as it multiplies (no float32 copy of them per pass)
-            return {name: t if kernels.widens(t, self.compute_dtype) else t.to(self.compute_dtype)
-                    for name, t in views.items()}
+            if (up := self._upcast.get(key)) is None:
+                up = {name: t if kernels.widens(t, self.compute_dtype) else t.to(self.compute_dtype)
+                      for name, t in views.items()}
+                if all(t.dim() == 1 for name, t in up.items() if t is not views[name]):  # norms, biases: kept
+                    self._upcast[key] = up  # (the same objects each step: the fused layer keeps its arguments)
+            return up
         return weight_views(self.cfg, group, views, self.scratch, self.fmt)
 
     def release(self, group: str) -> None:
@@ -214,6 +219,7 @@ class TieredWeights:
 
     def close(self) -> None:
         self._views.clear()
+        self._upcast.clear()
         if self.cache is not None:
             self.cache.close()
             self.cache = None
