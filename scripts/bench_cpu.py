@@ -329,13 +329,13 @@ def main(argv: list[str] | None = None) -> int:
         args.verify, args.new, args.prompt = [1, 2], 4, 16
     import torch
 
-    from offload.plan.calibrate import calibrate
+    from offload.plan.calibrate import calibrate, load_calibration
 
     cache = args.cache.resolve()
     cache.mkdir(parents=True, exist_ok=True)
     models = ensure_models(args.models, cache, args.quick)
     calibration = cache / "calibration.json"
-    if not calibration.is_file() or args.quick:
+    if not calibration.is_file() or args.quick or load_calibration(calibration).stale:
         calibrate(torch.device("cpu"), torch.bfloat16, cache).save(calibration)
     machine = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                "cpu_flags": cpu_flags(), "load_before": load(), "torch": torch.__version__,

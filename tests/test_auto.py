@@ -14,7 +14,7 @@ import yaml
 
 from offload.cli import auto
 from offload.cli.main import main
-from offload.plan.calibrate import Calibration
+from offload.plan.calibrate import Calibration, _kernels_id
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Sampling
 from offload.runtime.runner import Runner
@@ -34,7 +34,9 @@ def setup(tmp_path, tiny_llama, monkeypatch):
 
     def fake_calibrate(device, dtype, disk):  # measuring takes ~20 s here; what matters is that it runs once
         calls["calibrate"] += 1
-        return Calibration.defaults()
+        cal = Calibration.defaults()
+        cal.meta["kernels"] = _kernels_id()
+        return cal
 
     real_convert = auto.convert
 
@@ -88,6 +90,25 @@ def start_packed(model, disk, fmt, monkeypatch, capsys, lines=("Hello there",)):
     monkeypatch.setattr("sys.stdin", io.StringIO("".join(line + "\n" for line in lines)))
     assert main(["chat", "--auto", str(model), "--disk", str(disk), "--weights", fmt, "--max-new-tokens", "4"]) == 0
     return capsys.readouterr()
+
+
+def test_a_calibration_of_older_cpu_kernels_or_a_broken_one_is_measured_again(setup, monkeypatch, capsys):
+    """The plan's compute times come from the kernels' measured speed: one measured with another version of the
+    kernels (or a file that is not a calibration) is measured again, not trusted."""
+    model, disk, calls = setup
+    start(model, disk, monkeypatch, capsys)
+    path = disk / "calibration.json"
+    data = json.loads(path.read_text())
+    data["kernels"] = "1-invariant"
+    path.write_text(json.dumps(data))
+    second = start(model, disk, monkeypatch, capsys)
+    assert "(it measured older CPU kernels)" in second.err and calls["calibrate"] == 2
+    path.write_text("{not json")
+    third = start(model, disk, monkeypatch, capsys)
+    assert "(it was not a calibration file)" in third.err and calls["calibrate"] == 3
+    assert not Calibration.load(path).stale  # measured again, by these kernels
+    fourth = start(model, disk, monkeypatch, capsys)
+    assert "(reused; no calibration)" in fourth.err and calls["calibrate"] == 3
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

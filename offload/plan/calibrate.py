@@ -92,6 +92,11 @@ class Calibration:
         path.write_text(json.dumps({"version": VERSION, **self.meta, "links": self.links, "compute": self.compute},
                                    indent=2))
 
+    @property
+    def stale(self) -> bool:
+        """Were the CPU kernels this file measured not the ones this install runs (`kernels.VERSION`)?"""
+        return self.source != "defaults" and "cpu" in self.compute and self.meta.get("kernels") != _kernels_id()
+
     def _table(self, device_type: str) -> dict[str, list[float]]:
         return self.compute.get(device_type) or DEFAULTS["compute"]["cuda" if device_type == "cuda" else "cpu"]
 
@@ -268,9 +273,17 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
         if not path.is_file():
             return Calibration.defaults()
     try:
-        return Calibration.load(path)
+        cal = Calibration.load(path)
     except CalibrationError as e:
         raise ConfigError(str(e)) from None
+    if cal.stale and str(path) not in _warned:
+        _warned.add(str(path))
+        log.warning("calibration %s measured other CPU kernels than these: the plan's compute times may be off; "
+                    "run `offload calibrate -o %s` to measure them", path, path)
+    return cal
+
+
+_warned: set[str] = set()  # stale calibration files already named in a warning
 
 
 def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int, ...] = (1, 8, 64, 512),
@@ -356,6 +369,11 @@ def compute_sizes(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat, cal: 
     return sizes
 
 
+def _kernels_id() -> str:
+    """The CPU kernels a run uses: their version and which ones (row-invariant or the library's)."""
+    return f"{kernels.VERSION}-{'invariant' if kernels.ROW_INVARIANT else 'library'}"
+
+
 def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None) -> Calibration:
     links = measure_links(device, disk_path)
     run_dtype = compute_dtype("auto", dtype, device, False)  # what an all-in-memory dense run computes in
@@ -364,6 +382,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None) 
         for scheme in ("int8", "int4"):
             compute[f"cpu/{scheme}"] = measure_compute(device, dtype, (1, 8, 64), quantization=scheme)
     meta = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
+            "kernels": _kernels_id(),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "cpus": os.cpu_count(), "dtype": str(dtype).removeprefix("torch."),
             "compute_dtype": str(run_dtype).removeprefix("torch."),
