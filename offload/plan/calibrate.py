@@ -199,22 +199,18 @@ def measure_cuda_links(device: torch.device, nbytes: int = 256 * 2**20) -> dict[
 
 def measure_links(device: torch.device, disk_path: Path | None, budget: int = 2**30) -> dict[str, float]:
     """Every link this machine has, in bytes per second (defaults for the ones it cannot measure), each probe
-    within `budget` bytes of RAM (memcpy's two buffers, disk's buffer and its page cache, one host buffer)."""
-    links: dict[str, float] = {"memcpy": measure_memcpy(_probe_bytes(budget // 2, 256 * 2**20))}
+    within `budget` bytes of RAM: memcpy's two buffers, disk's buffer and its page cache, CUDA's host buffer."""
+    half = max(budget // 2, 2**20)
+    links: dict[str, float] = {"memcpy": measure_memcpy(min(half, 256 * 2**20))}
     if disk_path is not None:
-        links["disk read"] = measure_disk(disk_path, _probe_bytes(budget // 2, 512 * 2**20))
+        links["disk read"] = measure_disk(disk_path, min(half, 512 * 2**20))
     if device.type == "cuda":
-        links |= measure_cuda_links(device, _probe_bytes(budget, 256 * 2**20))
+        links |= measure_cuda_links(device, min(2 * half, 256 * 2**20))
     else:
         # a CPU compute device reads host memory in place: "copies" to it are memcpy-speed at worst
         links["host->device"] = links["device->host"] = links["host->device pageable"] = links["memcpy"]
         links["device memory"] = links["memcpy"]
     return DEFAULTS["links"] | links
-
-
-def _probe_bytes(room: int, most: int) -> int:
-    """A probe buffer's size: `most`, less where `room` is less (a whole MiB at least, for a stable timing)."""
-    return max(min(room, most), 2**20) // 2**20 * 2**20
 
 
 # ----------------------------------------------------------------------------- the model side
@@ -225,8 +221,9 @@ REFERENCE = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 56
 SMALL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
          "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 32000}
 SPLIT_TOKENS = 8
-#: halvings of REFERENCE's widths a short-of-RAM calibration may use (hidden 1024, then 512: still 20x SMALL's bytes)
+#: halvings of REFERENCE's WIDTHS a short-of-RAM calibration may use (hidden 1024, then 512: still 20x SMALL's bytes)
 SHRINKS = 2
+WIDTHS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 #: the probes (buffers, test layers) take at most this share of the RAM the process may still fill, one at a time
 PROBE_SHARE = 1 / 4
 
@@ -269,23 +266,17 @@ def _cpu_matmul_s(dtype: torch.dtype) -> float:
 
 
 def reference_shape(budget: int, dtype: torch.dtype, compute: torch.dtype) -> dict[str, Any] | None:
-    """REFERENCE, or its widths halved up to SHRINKS times, the largest whose test layer fits in `budget` bytes of
-    RAM; None if none does."""
+    """REFERENCE, or its widths halved up to SHRINKS times: the largest whose test layer fits in `budget`, or None."""
     for k in range(SHRINKS + 1):
-        shape = REFERENCE | {"hidden_size": REFERENCE["hidden_size"] >> k,
-                             "intermediate_size": REFERENCE["intermediate_size"] >> k,
-                             "num_attention_heads": REFERENCE["num_attention_heads"] >> k,
-                             "num_key_value_heads": max(REFERENCE["num_key_value_heads"] >> k, 1)}
+        shape = REFERENCE | {key: max(REFERENCE[key] >> k, 1) for key in WIDTHS}
         if layer_probe_bytes(shape, dtype, compute) <= budget:
             return shape
     return None
 
 
 def layer_probe_bytes(shape: dict[str, Any], dtype: torch.dtype, compute: torch.dtype) -> int:
-    """RAM that `measure_compute` takes for a layer of `shape`, at most: three times the layer at the wider of
-    `dtype` and `compute` (the stored layer, its upcast copy, a 512-token pass's activations; measured on a 2-core
-    x86: 1.8 times for REFERENCE in float32). Running a layer at all first costs ~80 MiB more (libraries and kernel
-    workspaces, SMALL's layer too), which the run itself pays anyway: not a probe's."""
+    """RAM `measure_compute` takes for a layer of `shape`: at most three times the layer at the wider of `dtype` and
+    `compute` (stored, upcast, activations; REFERENCE in float32 took 1.8), beside what any layer's run costs."""
     wide = max(dtype, compute, key=lambda d: d.itemsize)
     return 3 * group_layout(ModelConfig.from_dict(shape), "layer.0", wide).nbytes
 
@@ -313,9 +304,9 @@ def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int,
 
     The layer is computed as a run computes it: weights stored in `dtype` (group-wise packed with
     `quantization`), activations and KV in `compute` (default `dtype`). At decode-like token counts (up to
-    SPLIT_TOKENS) two shapes (`shape`, REFERENCE unless RAM is short, and SMALL) give two times
-    t = overhead + bytes / rate, solved for both (a rate alone where timing noise makes the overhead come out
-    negative); past them, where a pass's work grows with its tokens and attention, the large layer's rate alone.
+    SPLIT_TOKENS) two shapes (`shape`: REFERENCE unless RAM is short; SMALL) give two times t = overhead + bytes /
+    rate, solved for both (a rate alone where timing noise makes the overhead come out negative); past them,
+    where a pass's work grows with its tokens and attention, the large layer's rate alone.
     The bytes are a layer's dense bytes at `dtype` whatever the format, so a packed format's table says how fast
     its kernels go through the same matrices (the planner's `compute_sizes` are dense bytes)."""
     big_bytes, big = _layer_seconds(shape, device, dtype, tokens, context, compute or dtype, quantization)
@@ -389,23 +380,17 @@ def compute_sizes(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat, cal: 
 
 
 def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None) -> Calibration:
-    """Measure this machine, every probe sized to PROBE_SHARE of the RAM this process may still fill (its memory
-    cgroup's room if that is less): smaller buffers and test layers where RAM is short, default compute tables
-    (logged) where even the smallest test layer does not fit."""
+    """This machine, each probe (buffers, test layers) within PROBE_SHARE of the RAM the process may still fill."""
     budget = int(ram_available() * PROBE_SHARE)
     links = measure_links(device, disk_path, budget)
     run_dtype = compute_dtype("auto", dtype, device, False)  # what an all-in-memory dense run computes in
-    # a CUDA test layer lives in GPU memory; a CPU one in the RAM the budget shares
-    shape = REFERENCE if device.type == "cuda" else reference_shape(budget, dtype, run_dtype)
-    compute = {}
+    shape = REFERENCE if device.type == "cuda" else reference_shape(budget, dtype, run_dtype)  # CUDA's: GPU memory
+    compute = {} if shape is None else {device.type: measure_compute(device, dtype, compute=run_dtype, shape=shape)}
     if shape is None:
-        log.warning("calibration: %s of RAM is too little for a test layer; the default compute tables stand in",
-                    fmt_bytes(budget / PROBE_SHARE))
-    else:
-        compute[device.type] = measure_compute(device, dtype, compute=run_dtype, shape=shape)
-        if device.type == "cpu":  # packed kernels differ from dense ones there (and multiply in dtype)
-            for scheme in ("int8", "int4"):
-                compute[f"cpu/{scheme}"] = measure_compute(device, dtype, (1, 8, 64), quantization=scheme, shape=shape)
+        log.warning("calibration: a %s probe budget fits no test layer: default compute tables", fmt_bytes(budget))
+    elif device.type == "cpu":  # packed kernels differ from dense ones there (and multiply in dtype)
+        for scheme in ("int8", "int4"):
+            compute[f"cpu/{scheme}"] = measure_compute(device, dtype, (1, 8, 64), quantization=scheme, shape=shape)
     meta = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "cpus": os.cpu_count(), "dtype": str(dtype).removeprefix("torch."),
