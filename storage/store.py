@@ -302,7 +302,8 @@ class Store:
         if state is StoreState.PARTIAL:
             raise StoreError(f"{path}: the conversion into this store was interrupted; run `offload convert` again")
         if state is StoreState.FOREIGN:
-            raise StoreError(f"{path}: not an Offload store (no {MANIFEST}); convert a checkpoint into it first")
+            raise StoreError(f"{path}: not an Offload store (no {MANIFEST}); point at a store, or convert a "
+                             "checkpoint into an empty or new directory")
 
     @classmethod
     def _open(cls, path: Path, page_cache: bool, verify: str, read_threads: int, capacity: int | None,

@@ -143,6 +143,18 @@ def test_auto_weights_other_than_the_kept_yaml_are_refused(setup, monkeypatch, c
     assert "weights.quantization: none" in capsys.readouterr().err and calls["convert"] == 1
 
 
+def test_auto_refuses_a_store_directory_holding_other_files_before_converting(setup, monkeypatch, capsys):
+    model, disk, calls = setup
+    (disk / "store").mkdir(parents=True)
+    (disk / "store" / "notes.txt").write_text("mine")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    assert main(["chat", "--auto", str(model), "--disk", str(disk), "--max-new-tokens", "4"]) == 2
+    out = capsys.readouterr()
+    assert f"tiers.disk.path {disk / 'store'} is a non-empty directory that is not an Offload store" in out.err
+    assert "converting" not in out.out + out.err and calls["convert"] == 0
+    assert [p.name for p in (disk / "store").iterdir()] == ["notes.txt"]
+
+
 def test_run_70b_script_shows_its_usage():
     proc = subprocess.run([str(ROOT / "scripts" / "run_70b.sh")], capture_output=True, text=True)
     assert proc.returncode == 2 and "MODEL_OR_PATH" in proc.stdout

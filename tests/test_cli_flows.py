@@ -22,7 +22,7 @@ from offload.errors import ContextLengthError
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Sampling
 from offload.runtime.runner import Runner
-from storage.store import StoreState, store_state
+from storage.store import MARKER, StoreState, store_state
 from tests.conftest import run_config
 from tests.test_chat_template import CHATML
 
@@ -151,6 +151,27 @@ def test_chat_without_a_template_is_refused_before_converting_or_loading(tmp_pat
     line = one_error_line(offload("chat", "--auto", str(tiny_llama), "--disk", str(tmp_path / "auto"), input=""))
     assert "no chat template" in line
     assert not store.exists() and not (tmp_path / "auto" / "store").exists()
+
+
+def test_a_store_path_holding_other_files_is_refused_before_converting_and_left_as_it_was(tmp_path, tiny_llama):
+    """tiers.disk.path at a non-empty directory that is not a store: one sentence naming it and what to do, no
+    "converting ..." before it, the user's files untouched; a half-written store of ours still resumes."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "holiday.jpg").write_bytes(b"\xff\xd8 a photo")
+    cfg = write_yaml(tmp_path / "run.yaml", streamed(tiny_llama, photos))
+    line = one_error_line(offload("run", "--config", str(cfg), "--prompt", "hi", "--max-new-tokens", "3"))
+    assert line == (f"offload: error: tiers.disk.path {photos} is a non-empty directory that is not an Offload "
+                    "store; point tiers.disk.path at an empty or new directory (or an existing store)")
+    assert [p.name for p in photos.iterdir()] == ["holiday.jpg"]
+    assert (photos / "holiday.jpg").read_bytes() == b"\xff\xd8 a photo"
+    half = tmp_path / "half"  # an interrupted conversion: our marker and a group directory
+    (half / "layer.0").mkdir(parents=True)
+    (half / MARKER).write_text("{}")
+    cfg = write_yaml(tmp_path / "half.yaml", streamed(tiny_llama, half))
+    proc = offload("run", "--config", str(cfg), "--prompt", "hi", "--max-new-tokens", "3")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "converting" in proc.stderr and store_state(half) is StoreState.COMPLETE
 
 
 def test_model_flag_is_a_path_from_here_and_a_miss_names_the_paths_tried(tmp_path, tiny_llama):

@@ -169,6 +169,42 @@ def test_calibration_defaults_and_bad_files(tmp_path, monkeypatch):
         load_calibration(tmp_path / "bad.json")
 
 
+@pytest.mark.parametrize("room, hidden", [(8 << 30, 2048), (600 << 20, 1024), (200 << 20, 512)])
+def test_calibration_probes_fit_in_a_quarter_of_the_ram_the_process_may_fill(tmp_path, monkeypatch, room, hidden):
+    """Inside a 600 MiB memory cgroup the first `chat --auto` was killed calibrating: its probes (a 256 MiB memcpy
+    pair, a 512 MiB disk buffer, TinyLlama's layer in float32) took what the cgroup had. Each now takes at most a
+    quarter of the room (`ram_available`: the cgroup's if that is less), the test layer shrinking to fit."""
+    from offload.plan import calibrate
+
+    budget, probes = room // 4, []
+    monkeypatch.setattr(calibrate, "ram_available", lambda: room)
+    monkeypatch.setattr(calibrate, "measure_memcpy", lambda nbytes: probes.append(("memcpy", 2 * nbytes)) or 5e9)
+    monkeypatch.setattr(calibrate, "measure_disk", lambda d, nbytes: probes.append(("disk", 2 * nbytes)) or 1e9)
+    shapes = []
+
+    def layer_seconds(shape, device, dtype, tokens, context, compute, quantization):
+        if shape is not calibrate.SMALL:
+            shapes.append(shape)
+            probes.append(("layer", calibrate.layer_probe_bytes(shape, dtype, compute)))
+        return (4 << 20, [1e-3] * len(tokens)) if shape is calibrate.SMALL else (64 << 20, [1e-2] * len(tokens))
+    monkeypatch.setattr(calibrate, "_layer_seconds", layer_seconds)
+    cal = calibrate.calibrate(torch.device("cpu"), torch.float32, tmp_path)
+    assert probes and all(n <= budget for _, n in probes), probes
+    assert {"cpu", "cpu/int8", "cpu/int4"} <= cal.compute.keys()  # measured, on a smaller layer where RAM is short
+    assert {s["hidden_size"] for s in shapes} == {hidden} == {cal.meta["reference_hidden_size"]}
+
+
+def test_calibration_with_too_little_ram_for_a_test_layer_keeps_default_compute_tables(tmp_path, monkeypatch, caplog):
+    from offload.plan import calibrate
+
+    monkeypatch.setattr(calibrate, "ram_available", lambda: 40 << 20)
+    monkeypatch.setattr(calibrate, "_layer_seconds", lambda *a: pytest.fail("a test layer was measured"))
+    cal = calibrate.calibrate(torch.device("cpu"), torch.float32, tmp_path)
+    assert cal.compute == {} and cal.links["memcpy"] > 0 and cal.links["disk read"] > 0
+    assert cal.weight_bytes_per_s("cpu", 1) == calibrate.DEFAULTS["compute"]["cpu"]["weight_bytes_per_s"][0]
+    assert [r.message for r in caplog.records if "fits no test layer" in r.message]
+
+
 def test_throughput_interpolates_between_measured_token_counts():
     cal = Calibration({}, {"cpu": {"tokens": [1, 64], "weight_bytes_per_s": [1e9, 4e9]}})
     assert cal.weight_bytes_per_s("cpu", 1) == 1e9 and cal.weight_bytes_per_s("cpu", 64) == 4e9

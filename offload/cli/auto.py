@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from offload.cli.plan import show_plan
+from offload.cli.prepare import store_to_fill
 from offload.config import OffloadConfig, cache_dir, format_size
 from offload.errors import ConfigError
 from offload.model import hub
@@ -35,7 +36,7 @@ from offload.plan.memory import ram_available
 from offload.runtime.device import resolve_dtype
 from offload.weights.convert import convert
 from offload.weights.groups import WeightFormat
-from storage.store import StoreState, store_state
+from storage.store import StoreState
 
 WEIGHT_SCHEMES = ("int8", "int4")
 
@@ -145,7 +146,7 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
     dtype = resolve_dtype(config.dtype, ckpt.config.torch_dtype)
     if config.tiers is not None and config.tiers.disk is not None:
         store = config.tiers.disk.path
-        state = store_state(store)
+        state = store_to_fill(store)
         if state is StoreState.COMPLETE:
             print(f"store: {store} is complete (no conversion)")
         else:

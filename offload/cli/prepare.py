@@ -133,12 +133,23 @@ def plan_for(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device
     return config, Planner(config, cfg, dtype, device, caps, concurrency=concurrency), draft, note
 
 
+def store_to_fill(path: Path) -> StoreState:
+    """The state of the store at tiers.disk.path; something else there (a non-empty directory without our files,
+    a file) is refused before a conversion is announced, as the conversion would refuse to write into it."""
+    state = store_state(path)
+    if state is StoreState.FOREIGN:
+        what = "a non-empty directory" if path.is_dir() else "a file"
+        raise ConfigError(f"tiers.disk.path {path} is {what} that is not an Offload store; point tiers.disk.path "
+                          "at an empty or new directory (or an existing store)")
+    return state
+
+
 def convert_first(config: OffloadConfig) -> None:
     """The first run of a config with a disk tier converts the checkpoint into the store: here, with a
     progress bar on stderr, once the plan is known to fit (a config the runner would refuse converts nothing).
     A complete store is left alone; an interrupted conversion resumes; other processes wait (`open_store`)."""
     disk = config.tiers.disk if config.tiers is not None else None
-    if disk is None or store_state(disk.path) is StoreState.COMPLETE:
+    if disk is None or store_to_fill(disk.path) is StoreState.COMPLETE:
         return
     if config.hub:  # the weights come now, as the runner would fetch them (resumed if interrupted)
         config = config.replace(model=hub.fetch(config.hub))

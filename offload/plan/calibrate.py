@@ -37,11 +37,12 @@ from offload.kv.cache import PagedKVCache
 from offload.model import functional as M
 from offload.model import kernels
 from offload.model.config import ModelConfig
+from offload.plan.memory import ram_available
 from offload.weights.groups import WeightFormat, group_layout, model_layouts, weight_views
 from offload.weights.quant import Scratch
 from storage import io
 from storage.errors import OffloadError
-from storage.units import blocks_for
+from storage.units import blocks_for, fmt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -201,13 +202,15 @@ def measure_cuda_links(device: torch.device, nbytes: int = 256 * 2**20) -> dict[
     return out
 
 
-def measure_links(device: torch.device, disk_path: Path | None) -> dict[str, float]:
-    """Every link this machine has, in bytes per second (defaults for the ones it cannot measure)."""
-    links: dict[str, float] = {"memcpy": measure_memcpy()}
+def measure_links(device: torch.device, disk_path: Path | None, budget: int = 2**30) -> dict[str, float]:
+    """Every link this machine has, in bytes per second (defaults for the ones it cannot measure), each probe
+    within `budget` bytes of RAM: memcpy's two buffers, disk's buffer and its page cache, CUDA's host buffer."""
+    half = max(budget // 2, 2**20)
+    links: dict[str, float] = {"memcpy": measure_memcpy(min(half, 256 * 2**20))}
     if disk_path is not None:
-        links["disk read"] = measure_disk(disk_path)
+        links["disk read"] = measure_disk(disk_path, min(half, 512 * 2**20))
     if device.type == "cuda":
-        links |= measure_cuda_links(device)
+        links |= measure_cuda_links(device, min(2 * half, 256 * 2**20))
     else:
         # a CPU compute device reads host memory in place: "copies" to it are memcpy-speed at worst
         links["host->device"] = links["device->host"] = links["host->device pageable"] = links["memcpy"]
@@ -223,6 +226,11 @@ REFERENCE = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 56
 SMALL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
          "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 32000}
 SPLIT_TOKENS = 8
+#: halvings of REFERENCE's WIDTHS a short-of-RAM calibration may use (hidden 1024, then 512: still 20x SMALL's bytes)
+SHRINKS = 2
+WIDTHS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+#: the probes (buffers, test layers) take at most this share of the RAM the process may still fill, one at a time
+PROBE_SHARE = 1 / 4
 
 
 #: float32 compute is chosen on a CPU that multiplies 64 rows at least this much faster in float32
@@ -262,6 +270,22 @@ def _cpu_matmul_s(dtype: torch.dtype) -> float:
     return best
 
 
+def reference_shape(budget: int, dtype: torch.dtype, compute: torch.dtype) -> dict[str, Any] | None:
+    """REFERENCE, or its widths halved up to SHRINKS times: the largest whose test layer fits in `budget`, or None."""
+    for k in range(SHRINKS + 1):
+        shape = REFERENCE | {key: max(REFERENCE[key] >> k, 1) for key in WIDTHS}
+        if layer_probe_bytes(shape, dtype, compute) <= budget:
+            return shape
+    return None
+
+
+def layer_probe_bytes(shape: dict[str, Any], dtype: torch.dtype, compute: torch.dtype) -> int:
+    """RAM `measure_compute` takes for a layer of `shape`: at most three times the layer at the wider of `dtype` and
+    `compute` (stored, upcast, activations; REFERENCE in float32 took 1.8), beside what any layer's run costs."""
+    wide = max(dtype, compute, key=lambda d: d.itemsize)
+    return 3 * group_layout(ModelConfig.from_dict(shape), "layer.0", wide).nbytes
+
+
 def default_path() -> Path:
     return cache_dir() / "calibration.json"
 
@@ -288,18 +312,17 @@ _warned: set[str] = set()  # stale calibration files already named in a warning
 
 def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int, ...] = (1, 8, 64, 512),
                     context: int = 64, compute: torch.dtype | None = None,
-                    quantization: str = "none") -> dict[str, list[float]]:
+                    quantization: str = "none", shape: dict[str, Any] = REFERENCE) -> dict[str, list[float]]:
     """One decoder layer's time per pass of n tokens, as a fixed cost per layer and weight bytes per second.
 
     The layer is computed as a run computes it: weights stored in `dtype` (group-wise packed with
     `quantization`), activations and KV in `compute` (default `dtype`). At decode-like token counts (up to
-    SPLIT_TOKENS) two shapes (REFERENCE, SMALL) give two times t = overhead + bytes / rate, solved for both
-    (a rate alone where timing noise makes the overhead come out negative); past them, where a pass's work
-    grows with its tokens and attention, the large layer's rate alone, as before. The bytes are a layer's
-    dense bytes at `dtype` whatever the
-    format, so a packed format's table says how fast its kernels go through the same matrices (the planner's
-    `compute_sizes` are dense bytes)."""
-    big_bytes, big = _layer_seconds(REFERENCE, device, dtype, tokens, context, compute or dtype, quantization)
+    SPLIT_TOKENS) two shapes (`shape`: REFERENCE unless RAM is short; SMALL) give two times t = overhead + bytes /
+    rate, solved for both (a rate alone where timing noise makes the overhead come out negative); past them,
+    where a pass's work grows with its tokens and attention, the large layer's rate alone.
+    The bytes are a layer's dense bytes at `dtype` whatever the format, so a packed format's table says how fast
+    its kernels go through the same matrices (the planner's `compute_sizes` are dense bytes)."""
+    big_bytes, big = _layer_seconds(shape, device, dtype, tokens, context, compute or dtype, quantization)
     small_bytes, small = _layer_seconds(SMALL, device, dtype, tokens, context, compute or dtype, quantization)
     rates, overheads = [], []
     for n, tb, ts in zip(tokens, big, small):
@@ -375,16 +398,22 @@ def _kernels_id() -> str:
 
 
 def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None) -> Calibration:
-    links = measure_links(device, disk_path)
+    """This machine, each probe (buffers, test layers) within PROBE_SHARE of the RAM the process may still fill."""
+    budget = int(ram_available() * PROBE_SHARE)
+    links = measure_links(device, disk_path, budget)
     run_dtype = compute_dtype("auto", dtype, device, False)  # what an all-in-memory dense run computes in
-    compute = {device.type: measure_compute(device, dtype, compute=run_dtype)}
-    if device.type == "cpu":  # packed kernels differ from dense ones there (and multiply in dtype)
+    shape = REFERENCE if device.type == "cuda" else reference_shape(budget, dtype, run_dtype)  # CUDA's: GPU memory
+    compute = {} if shape is None else {device.type: measure_compute(device, dtype, compute=run_dtype, shape=shape)}
+    if shape is None:
+        log.warning("calibration: a %s probe budget fits no test layer: default compute tables", fmt_bytes(budget))
+    elif device.type == "cpu":  # packed kernels differ from dense ones there (and multiply in dtype)
         for scheme in ("int8", "int4"):
-            compute[f"cpu/{scheme}"] = measure_compute(device, dtype, (1, 8, 64), quantization=scheme)
+            compute[f"cpu/{scheme}"] = measure_compute(device, dtype, (1, 8, 64), quantization=scheme, shape=shape)
     meta = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
             "kernels": _kernels_id(),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "cpus": os.cpu_count(), "dtype": str(dtype).removeprefix("torch."),
             "compute_dtype": str(run_dtype).removeprefix("torch."),
+            "reference_hidden_size": shape and shape["hidden_size"],
             "disk_path": str(disk_path) if disk_path else None}
     return Calibration(links, compute, "measured", meta)

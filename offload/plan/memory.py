@@ -14,7 +14,6 @@ from offload.config import OffloadConfig, TiersConfig
 from offload.errors import ConfigError
 from offload.kv.blocks import KVSettings
 from offload.model.config import ModelConfig
-from offload.plan.calibrate import load_calibration
 from schedulers.plan import Capacities, Plan
 from storage.errors import CapacityError
 from storage.units import fmt_bytes
@@ -102,8 +101,9 @@ def check_ram(plan: Plan) -> None:
             "cpu_blocks" + ("" if plan.capacities.has_disk else ", or add tiers.disk"))
 
 
-def resolve_kv(config: OffloadConfig, cfg: ModelConfig, device: torch.device) -> KVSettings:
-    """The KV cache's settings with every `auto` resolved and impossible combinations refused."""
+def resolve_kv(config: OffloadConfig, cfg: ModelConfig, device: torch.device, links: dict[str, float]) -> KVSettings:
+    """The KV cache's settings with every `auto` resolved and impossible combinations refused; `links` are the
+    calibrated bytes per second of this machine's links (`Calibration.links`)."""
     kv = config.kv_cache
     restore = config.activations.kv_restore
     if restore == "auto":  # keep whichever is fewer bytes: the layer inputs, or K and V
@@ -122,7 +122,6 @@ def resolve_kv(config: OffloadConfig, cfg: ModelConfig, device: torch.device) ->
     cpu_attention = kv.cpu_attention
     if cpu_attention is None:  # FlexGen's choice: read host blocks where they are when RAM beats the link
         if device.type == "cuda":
-            links = load_calibration(config.calibration).links
             cpu_attention = links["memcpy"] > links["host->device"]
         else:
             cpu_attention = False  # on a CPU device host blocks are attended in place anyway

@@ -143,7 +143,8 @@ class Planner:
         self.concurrency = max(1, concurrency)
         kv_cfg = config.kv_cache
         self.bs = kv_cfg.block_size
-        self.kv = resolve_kv(config, cfg, device)
+        self.cal = load_calibration(config.calibration)
+        self.kv = resolve_kv(config, cfg, device, self.cal.links)
         self.fmt = WeightFormat.from_config(config.weights, cfg)
         # the compute dtype is a property of the machine, not of the placement: every placement computes alike
         # (the same tokens as the all-in-memory run); only a float32 plan that cannot fit falls back (run_plan)
@@ -155,7 +156,6 @@ class Planner:
         rows = {"embed"} | ({"head"} if self.layers.stop < cfg.num_layers else set())
         self.groups = [GroupSpec(name, layout.nbytes, rows_only=name in rows, expert=".expert." in name)
                        for name, layout in model_layouts(cfg, dtype, self.fmt, self.layers).items()]
-        self.cal = load_calibration(config.calibration)
         #: bytes the math reads per group at the compute rate (packed ones scaled by their calibrated speed)
         self.compute_sizes = compute_sizes(cfg, dtype, self.fmt, load_calibration(config.calibration), device.type)
         self.chunks = self._chunk_choices()
