@@ -14,7 +14,7 @@ import yaml
 
 from offload.cli import auto
 from offload.cli.main import main
-from offload.plan.calibrate import Calibration, _kernels_id
+from offload.plan.calibrate import Calibration, kernels_id
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Sampling
 from offload.runtime.runner import Runner
@@ -35,7 +35,7 @@ def setup(tmp_path, tiny_llama, monkeypatch):
     def fake_calibrate(device, dtype, disk):  # measuring takes ~20 s here; what matters is that it runs once
         calls["calibrate"] += 1
         cal = Calibration.defaults()
-        cal.meta["kernels"] = _kernels_id()
+        cal.meta["kernels"] = kernels_id()
         return cal
 
     real_convert = auto.convert

@@ -11,8 +11,9 @@ import torch
 from offload.cli.main import main
 from offload.config import OffloadConfig
 from offload.model.checkpoint import Checkpoint
-from offload.plan.calibrate import Calibration, load_calibration, measure_compute, measure_disk, measure_memcpy
+from offload.plan.calibrate import Calibration, load_calibration, measure_compute
 from offload.plan.costmodel import simulate
+from offload.plan.links import measure_disk, measure_memcpy
 from offload.plan.placement import GroupSpec, make_plan
 from offload.plan.planner import Planner
 from offload.plan.predict import Workload, predict_decode

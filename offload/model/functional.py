@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from offload.model import fused, kernels, moe
+from offload.model import cpu_attention, fused, kernels, moe
 from offload.model.config import ModelConfig
 from offload.model.rope import Rope, apply_rope, rope_inv_freq  # noqa: F401 (the model math's names)
 from offload.model.sdpa import sdpa_with_lse
@@ -211,8 +211,8 @@ def attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     """
     if block is None and q.device.type == "cuda":  # fused kernel: no [heads, Tq, Tk] float32 scores
         return (*sdpa_with_lse(q, k, v, mask, scale), None)
-    if block is None and kernels.attention_supported(q, k):  # each query row on its own: batch-invariant
-        return (*kernels.attend(q, k, v, mask, scale), None)
+    if block is None and cpu_attention.attention_supported(q, k):  # each query row on its own: batch-invariant
+        return (*cpu_attention.attend(q, k, v, mask, scale), None)
     B, Tq, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
@@ -238,8 +238,8 @@ def attend_pool(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, mask: to
     """`attend_group` (and `attend_columns`: each query row on its own) over K/V read where they lie in a paged
     pool, kv [slots, 2, block_size, Hkv, D], table [B, cols] the slot of each sequence's blocks in token order;
     None where no kernel reads a pool in place (the caller gathers the blocks in token order)."""
-    if kernels.attention_supported(q, kv):
-        return kernels.attend_paged(q, kv, table, mask, scale)
+    if cpu_attention.attention_supported(q, kv):
+        return cpu_attention.attend_paged(q, kv, table, mask, scale)
     return None
 
 
@@ -249,8 +249,8 @@ def attend_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     plain decode step at those positions has (a verify pass of speculative decoding; the kernels reduce
     over keys and query rows in an order that depends on both counts). `keys` comes from the host-side
     layout (`BatchLayout.column_keys`): no device sync. The CPU kernel attends each row on its own: one call."""
-    if kernels.attention_supported(q, k):
-        return kernels.attend(q, k, v, mask, scale)
+    if cpu_attention.attention_supported(q, k):
+        return cpu_attention.attend(q, k, v, mask, scale)
     outs, lses = [], []
     for j, n in enumerate(keys):
         out, lse, _ = attend_group(q[:, j : j + 1], k[:, :n], v[:, :n], mask[:, j : j + 1, :n], scale)

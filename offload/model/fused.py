@@ -19,7 +19,8 @@ from offload.model.kernels import DENSE_KIND, INT8, NO_SCALES, _as_numpy, _bits,
 if numba is not None:
     from numba import njit
 
-    from offload.model.kernels import _attend, _bits_f32, _dense, _f32_bits
+    from offload.model.cpu_attention import _attend
+    from offload.model.kernels import _bits_f32, _dense, _f32_bits
 
     @njit(inline="always")
     def _bf16_bits(f):  # pragma: no cover - compiled

@@ -24,7 +24,6 @@ import logging
 import math
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,10 +36,10 @@ from offload.kv.cache import PagedKVCache
 from offload.model import functional as M
 from offload.model import kernels
 from offload.model.config import ModelConfig
+from offload.plan.links import measure_cuda_links, measure_disk, measure_memcpy
 from offload.plan.memory import ram_available
 from offload.weights.groups import WeightFormat, group_layout, model_layouts, weight_views
 from offload.weights.quant import Scratch
-from storage import io
 from storage.errors import OffloadError
 from storage.units import blocks_for, fmt_bytes
 
@@ -96,7 +95,7 @@ class Calibration:
     @property
     def stale(self) -> bool:
         """Were the CPU kernels this file measured not the ones this install runs (`kernels.VERSION`)?"""
-        return self.source != "defaults" and "cpu" in self.compute and self.meta.get("kernels") != _kernels_id()
+        return self.source != "defaults" and "cpu" in self.compute and self.meta.get("kernels") != kernels_id()
 
     def _table(self, device_type: str) -> dict[str, list[float]]:
         return self.compute.get(device_type) or DEFAULTS["compute"]["cuda" if device_type == "cuda" else "cpu"]
@@ -133,75 +132,6 @@ def _interpolate(xs: list[float], ys: list[float], tokens: int) -> float:
 
 
 # ----------------------------------------------------------------------------- measurements
-def measure_disk(directory: Path, nbytes: int = 512 * 2**20, threads: int = 4, piece: int = 8 * 2**20) -> float:
-    """Cold read of a fresh test file with `threads` preadv pieces in flight (the prefetcher's pattern)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / ".offload-calibrate.bin"
-    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            io.pwrite_from(fd, buf, 0, path)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        rates = []
-        for _ in range(2):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                io.drop_page_cache(fd)
-                io.advise_sequential(fd)
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(threads) as pool:
-                    list(pool.map(lambda s, fd=fd: io.preadv_into(fd, buf[s : s + piece], s),
-                                  range(0, nbytes, piece)))
-                rates.append(nbytes / (time.perf_counter() - t0))
-                io.drop_page_cache(fd)
-            finally:
-                os.close(fd)
-        return sum(rates) / len(rates)
-    finally:
-        path.unlink(missing_ok=True)
-
-
-def measure_memcpy(nbytes: int = 256 * 2**20) -> float:
-    a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    a.fill_(1)
-    b.copy_(a)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        b.copy_(a)
-    return 3 * nbytes / (time.perf_counter() - t0)
-
-
-def measure_cuda_links(device: torch.device, nbytes: int = 256 * 2**20) -> dict[str, float]:
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    other = torch.empty_like(dev)
-    other.copy_(dev)
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        other.copy_(dev)
-    end.record()
-    end.synchronize()
-    out = {"device memory": 2 * 3 * nbytes / (start.elapsed_time(end) / 1000)}  # a copy reads and writes
-    for name, pinned, to_device in (("host->device", True, True), ("host->device pageable", False, True),
-                                    ("device->host", True, False)):
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        src, dst = (host, dev) if to_device else (dev, host)
-        dst.copy_(src, non_blocking=pinned)
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            dst.copy_(src, non_blocking=pinned)
-        end.record()
-        end.synchronize()
-        out[name] = 3 * nbytes / (start.elapsed_time(end) / 1000)
-    return out
-
-
 def measure_links(device: torch.device, disk_path: Path | None, budget: int = 2**30) -> dict[str, float]:
     """Every link this machine has, in bytes per second (defaults for the ones it cannot measure), each probe
     within `budget` bytes of RAM: memcpy's two buffers, disk's buffer and its page cache, CUDA's host buffer."""
@@ -392,7 +322,7 @@ def compute_sizes(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat, cal: 
     return sizes
 
 
-def _kernels_id() -> str:
+def kernels_id() -> str:
     """The CPU kernels a run uses: their version and which ones (row-invariant or the library's)."""
     return f"{kernels.VERSION}-{'invariant' if kernels.ROW_INVARIANT else 'library'}"
 
@@ -410,7 +340,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None) 
         for scheme in ("int8", "int4"):
             compute[f"cpu/{scheme}"] = measure_compute(device, dtype, (1, 8, 64), quantization=scheme, shape=shape)
     meta = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
-            "kernels": _kernels_id(),
+            "kernels": kernels_id(),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "cpus": os.cpu_count(), "dtype": str(dtype).removeprefix("torch."),
             "compute_dtype": str(run_dtype).removeprefix("torch."),

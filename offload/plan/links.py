@@ -1,0 +1,82 @@
+"""Link speeds, measured: a cold disk read in the prefetcher's pattern, memcpy, and CUDA's copies (CUDA events).
+`offload.plan.calibrate` sizes the probes and keeps the numbers."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from storage import io
+
+
+def measure_disk(directory: Path, nbytes: int = 512 * 2**20, threads: int = 4, piece: int = 8 * 2**20) -> float:
+    """Cold read of a fresh test file with `threads` preadv pieces in flight (the prefetcher's pattern)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / ".offload-calibrate.bin"
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            io.pwrite_from(fd, buf, 0, path)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        rates = []
+        for _ in range(2):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                io.drop_page_cache(fd)
+                io.advise_sequential(fd)
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(lambda s, fd=fd: io.preadv_into(fd, buf[s : s + piece], s),
+                                  range(0, nbytes, piece)))
+                rates.append(nbytes / (time.perf_counter() - t0))
+                io.drop_page_cache(fd)
+            finally:
+                os.close(fd)
+        return sum(rates) / len(rates)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def measure_memcpy(nbytes: int = 256 * 2**20) -> float:
+    a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    a.fill_(1)
+    b.copy_(a)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        b.copy_(a)
+    return 3 * nbytes / (time.perf_counter() - t0)
+
+
+def measure_cuda_links(device: torch.device, nbytes: int = 256 * 2**20) -> dict[str, float]:
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    other = torch.empty_like(dev)
+    other.copy_(dev)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        other.copy_(dev)
+    end.record()
+    end.synchronize()
+    out = {"device memory": 2 * 3 * nbytes / (start.elapsed_time(end) / 1000)}  # a copy reads and writes
+    for name, pinned, to_device in (("host->device", True, True), ("host->device pageable", False, True),
+                                    ("device->host", True, False)):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        src, dst = (host, dev) if to_device else (dev, host)
+        dst.copy_(src, non_blocking=pinned)
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=pinned)
+        end.record()
+        end.synchronize()
+        out[name] = 3 * nbytes / (start.elapsed_time(end) / 1000)
+    return out
