@@ -52,8 +52,9 @@ log = logging.getLogger(__name__)
 #: Every CPU product of this module keeps rows independent of the batch.
 ROW_INVARIANT = numba is not None
 #: Which CPU kernels a calibration measured (raised when their speed changes: a calibration of older ones is
-#: measured again by `offload chat --auto` and scripts/bench_cpu.py). 2: three-row tiles, 512-column chunks.
-VERSION = 2
+#: measured again by `offload chat --auto` and scripts/bench_cpu.py). 2: three-row tiles, 512-column chunks;
+#: 3: int8 widened by whole groups, attention by KV head.
+VERSION = 3
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
