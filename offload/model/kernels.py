@@ -53,14 +53,19 @@ log = logging.getLogger(__name__)
 ROW_INVARIANT = numba is not None
 #: Which CPU kernels a calibration measured (raised when their speed changes: a calibration of older ones is
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py). 2: three-row tiles, 512-column chunks;
-#: 3: int8 widened by whole groups, attention by KV head.
-VERSION = 3
+#: 3: int8 widened by whole groups, attention by KV head; 4: int8 in 2048-column chunks.
+VERSION = 4
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
 #: 1.7B shape's four bf16 matrices x 2, one thread: whole rows (64-180 KiB buffers, read from L2) -> 512 columns:
-#: 64 rows 195 -> 150 ms, 9 rows 51 -> 42 ms, 1 row 34 -> 25 ms
+#: 64 rows 195 -> 150 ms, 9 rows 51 -> 42 ms, 1 row 34 -> 25 ms. In a 1.7B bf16 run (weights from DRAM) 512 is
+#: best too: a decode layer 7.9 / 10.0 / 11.5 ms at 512 / 1024 / 2048.
 _KC = 512
+#: int8 codes read 512 columns as 512 bytes a row, too short a run for the prefetcher once the weights come from
+#: DRAM: a 1.7B int8 decode layer 11.2 / 8.6 / 8.0 / 7.8 ms at 512 / 1024 / 2048 / 8192 columns (whole rows before
+#: the chunks: 8.3), 64-row prefill 83 / 64 / 73 / 80 ms (whole rows: 144)
+_KC_INT8 = 2048
 
 if numba is not None:
     import llvmlite.binding as llvm_binding
@@ -235,21 +240,22 @@ if numba is not None:
     @_jit
     def _dense(x, w, sz, shift, out, kind):  # pragma: no cover - compiled
         """x [R, K] f32, w [N, K] of `kind` (`_widen`; sz, shift: its int8 scales, else unused) -> out [R, N] f32.
-        For 8 weight rows at a time and `_KC` columns at a time, the weights are widened exactly into a float32
-        buffer (read from DRAM once, from L1 by every row: 16 KiB), then `_dot8x3` takes each three rows of x and
-        `_dot8` the one or two left; each chunk's sums are added to the outputs in order. The chunks are the same
-        for every R, so a row's bits are too. (One function with a kind, not one closure per dtype: numba's cache
-        does not keep closures.)"""
+        For 8 weight rows at a time and `_KC` columns at a time (`_KC_INT8` for int8 codes), the weights are widened
+        exactly into a float32 buffer (read from DRAM once, from L1 or L2 by every row), then `_dot8x3` takes each
+        three rows of x and `_dot8` the one or two left; each chunk's sums are added to the outputs in order. The
+        chunks are the same for every R, so a row's bits are too. (One function with a kind, not one closure per
+        dtype: numba's cache does not keep closures.)"""
         R, K = x.shape
         N = w.shape[0]
         for c in prange((N + _CHUNK - 1) // _CHUNK):
-            buf = np.empty((8, min(K, _KC)), np.float32)
+            step = _KC_INT8 if kind == 3 else _KC
+            buf = np.empty((8, min(K, step)), np.float32)
             bits = buf.view(np.uint32)
             end = min(N, c * _CHUNK + _CHUNK)
             for n in range(c * _CHUNK, end, 8):
                 count = min(8, end - n)
-                for k0 in range(0, K, _KC):
-                    kc = min(_KC, K - k0)
+                for k0 in range(0, K, step):
+                    kc = min(step, K - k0)
                     for j in range(8):
                         _widen(w, min(n + j, end - 1), bits, buf, j, kind, sz, shift, k0, kc)
                     for r in range(0, R - R % 3, 3):
