@@ -53,8 +53,8 @@ log = logging.getLogger(__name__)
 ROW_INVARIANT = numba is not None
 #: Which CPU kernels a calibration measured (raised when their speed changes: a calibration of older ones is
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py). 2: three-row tiles, 512-column chunks;
-#: 3: int8 widened by whole groups, attention by KV head; 4: int8 in 2048-column chunks.
-VERSION = 4
+#: 3: int8 widened by whole groups, attention by KV head; 4-5: int8 by whole rows.
+VERSION = 5
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
@@ -62,10 +62,10 @@ _CHUNK = 16
 #: 64 rows 195 -> 150 ms, 9 rows 51 -> 42 ms, 1 row 34 -> 25 ms. In a 1.7B bf16 run (weights from DRAM) 512 is
 #: best too: a decode layer 7.9 / 10.0 / 11.5 ms at 512 / 1024 / 2048.
 _KC = 512
-#: int8 codes read 512 columns as 512 bytes a row, too short a run for the prefetcher once the weights come from
-#: DRAM: a 1.7B int8 decode layer 11.2 / 8.6 / 8.0 / 7.8 ms at 512 / 1024 / 2048 / 8192 columns (whole rows before
-#: the chunks: 8.3), 64-row prefill 83 / 64 / 73 / 80 ms (whole rows: 144)
-_KC_INT8 = 2048
+#: int8 codes are widened by whole rows: chunks make their reads from DRAM too short a run and cost decode more than
+#: they give prefill. A 1.7B int8 run, decode ms a step, two interleaved runs each: 2048-column chunks 244 / 243,
+#: whole rows 205 / 207 (512-column chunks were slower still), with 512-bit vectors
+_KC_INT8 = 1 << 30
 
 if numba is not None:
     import llvmlite.binding as llvm_binding
