@@ -69,6 +69,7 @@ def worker_offload(spec: dict) -> dict:
         best = None
         for _ in range(spec.get("inner", 2)):
             res = r.generate([ids], max_new_tokens=spec["new"], stop_on_eos=False)[0]
+            assert res.stats.cached_tokens == 0, "the prefill ran from the prefix cache"
             run = {"decode_ms": res.stats.decode_only_ms_per_step, "prefill_s": res.stats.prefill_s,
                    "tokens": res.token_ids}
             if best is not None:  # the best decode and the best prefill, each of its own run
@@ -208,8 +209,9 @@ def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) ->
     rows = []
     gguf = None if args.no_llama else ensure_gguf(model, cache)
     for fmt in args.formats:
+        # no prefix cache: every run repeats the prompt, and a cached prompt is not a prefill
         config = {"model": str(model), "device": "cpu", "dtype": "bfloat16", "calibration": str(calibration),
-                  "weights": {"quantization": QUANT[fmt]}}
+                  "weights": {"quantization": QUANT[fmt]}, "kv_cache": {"prefix_cache": "off"}}
         spec = {"config": config, "prompt": args.prompt, "new": args.new}
         runs: dict[str, list[dict]] = {"offload": [], "library": [], "llama": []}
         for rep in range(args.repeat):  # interleaved: each peer sees the same stretch of this machine's load
@@ -248,7 +250,8 @@ def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) ->
             # a quarter of the weights, the ring's three layers' slots and the workspace
             tier = f"{(row['bytes'] // 4 + 3 * row['bytes'] // layers) // 2**20 + WORKSPACE_MIB}MiB"
             streamed = config | {"tiers": {"gpu": {"capacity": tier}, "cpu": {"capacity": "0MiB"},
-                                           "disk": {"path": str(store)}}, "kv_cache": {"gpu_blocks": 16}}
+                                           "disk": {"path": str(store)}},
+                                 "kv_cache": {"gpu_blocks": 16, "prefix_cache": "off"}}
             try:
                 s = run_worker("offload", {"config": streamed, "prompt": args.prompt, "new": args.new})
                 row["streamed"] = s | {"decode_tok_s": 1000 / s["decode_ms"], "device_tier": tier,
