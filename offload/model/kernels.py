@@ -199,25 +199,17 @@ if numba is not None:
 
     @njit(inline="always")
     def _widen_int8(w, row, buf, j, sz, shift, k0, kc):  # pragma: no cover - compiled
-        """8-bit codes of row `row`, columns k0 : k0 + kc -> buf[j, :kc] = code * scale + min (float32), one (scale,
-        min) per group of sz [rows, G, 2] (raw bits, widened by `shift`, in registers). (Indexed from the matrices,
-        bytes via int32, no store through another view in the loop, unsigned indices (a signed one is checked for
-        wraparound): otherwise LLVM does not vectorise this, 4-8x slower.)"""
+        """8-bit codes of row `row`, columns k0 : k0 + kc (whole groups: int8 is widened by whole rows, `_KC_INT8`)
+        -> buf[j, :kc] = code * scale + min (float32), one (scale, min) per group of sz [rows, G, 2] (raw bits,
+        widened by `shift`, in registers). (Indexed from the matrices and from 0, bytes via int32, no store through
+        another view in the loop: otherwise LLVM does not vectorise this, 4-8x slower.)"""
         gs = w.shape[1] // sz.shape[1]
-        if k0 % gs == 0 and kc % gs == 0:  # whole groups (the usual case: the chunk a multiple of the group size)
-            codes, g0 = w[row, k0:k0 + kc], k0 // gs
-            for gi in range(kc // gs):
-                s = _bits_f32(np.uint32(sz[row, g0 + gi, 0]) << np.uint32(shift))
-                m = _bits_f32(np.uint32(sz[row, g0 + gi, 1]) << np.uint32(shift))
-                for k in range(gs):
-                    buf[j, gi * gs + k] = np.float32(np.int32(codes[gi * gs + k])) * s + m
-            return
-        for gi in range(k0 // gs, (k0 + kc - 1) // gs + 1):
-            s = _bits_f32(np.uint32(sz[row, gi, 0]) << np.uint32(shift))
-            m = _bits_f32(np.uint32(sz[row, gi, 1]) << np.uint32(shift))
-            lo = np.uint64(max(k0, gi * gs))
-            for k in range(np.uint64(min(k0 + kc, gi * gs + gs)) - lo):
-                buf[j, lo - np.uint64(k0) + k] = np.float32(np.int32(w[row, lo + k])) * s + m
+        codes, g0 = w[row, k0:k0 + kc], k0 // gs
+        for gi in range(kc // gs):
+            s = _bits_f32(np.uint32(sz[row, g0 + gi, 0]) << np.uint32(shift))
+            m = _bits_f32(np.uint32(sz[row, g0 + gi, 1]) << np.uint32(shift))
+            for k in range(gs):
+                buf[j, gi * gs + k] = np.float32(np.int32(codes[gi * gs + k])) * s + m
 
     @njit(inline="always")
     def _widen(w, row, bits, buf, j, kind, sz, shift, k0, kc):  # pragma: no cover - compiled
