@@ -335,17 +335,13 @@ def main(argv: list[str] | None = None) -> int:
         args.verify, args.new, args.prompt = [1, 2], 4, 16
     import torch
 
-    from offload.plan.calibrate import Calibration, CalibrationError, calibrate
+    from offload.plan.calibrate import calibrate, why_measure
 
     cache = args.cache.resolve()
     cache.mkdir(parents=True, exist_ok=True)
     models = ensure_models(args.models, cache, args.quick)
     calibration = cache / "calibration.json"
-    try:  # measured again when its kernels are not these (`Calibration.stale`)
-        stale = Calibration.load(calibration).stale
-    except CalibrationError:
-        stale = True
-    if stale or args.quick:
+    if why_measure(calibration) or args.quick:
         calibrate(torch.device("cpu"), torch.bfloat16, cache).save(calibration)
     machine = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                "cpu_flags": cpu_flags(), "load_before": load(), "torch": torch.__version__,

@@ -31,7 +31,7 @@ from offload.errors import ConfigError
 from offload.model import hub
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
-from offload.plan.calibrate import Calibration, CalibrationError, calibrate
+from offload.plan.calibrate import calibrate, why_measure
 from offload.plan.memory import ram_available
 from offload.runtime.device import resolve_dtype
 from offload.weights.convert import convert
@@ -157,16 +157,12 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
             convert(ckpt, store, dtype, capacity=config.tiers.disk.capacity, progress=True, fmt=fmt).close()
             print(f"store: converted in {time.perf_counter() - t0:.1f}s")
     cal_path = config.calibration or root / "calibration.json"
-    why = ", once"
-    if cal_path.is_file():
-        try:
-            why = " (it measured older CPU kernels)" if Calibration.load(cal_path).stale else ""
-        except CalibrationError:
-            why = " (it was not a calibration file)"
-    if not why:
+    why = why_measure(cal_path)
+    if why is None:
         print(f"calibration: {cal_path} (reused; no calibration)")
     else:
         device = torch.device("cuda" if config.device.startswith("cuda") else "cpu")
+        why = ", once" if why == "there is none" else f" ({why})"
         print(f"calibration: measuring this machine's disk, copies and layer kernels{why} -> {cal_path}")
         t0 = time.perf_counter()
         calibrate(device, dtype, config.tiers.disk.path.parent if config.tiers and config.tiers.disk else root) \

@@ -237,6 +237,17 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
     return cal
 
 
+
+def why_measure(path: Path) -> str | None:
+    """Why the calibration file at `path` is to be measured (again): missing, not a calibration, or measured with
+    other CPU kernels than these (`Calibration.stale`); None when it can be reused."""
+    if not path.is_file():
+        return "there is none"
+    try:
+        return "it measured older CPU kernels" if Calibration.load(path).stale else None
+    except CalibrationError:
+        return "it was not a calibration file"
+
 _warned: set[str] = set()  # stale calibration files already named in a warning
 
 
