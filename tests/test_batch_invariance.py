@@ -35,14 +35,16 @@ def prompts(vocab: int) -> list[list[int]]:
 @pytest.mark.parametrize("K", [576, 583, 2048, 17])
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16", "int8"])
 def test_a_products_row_has_the_same_bits_at_any_place_in_any_pass(K, kind):
-    """The dense kernel computes three rows at a time and the one or two left alone: a row must come out the same
-    whichever way it went (every pass size 1-10, every offset), also when K is not a multiple of the vector width."""
+    """The kernels compute three rows at a time and the one or two left alone (int8: up to two rows converting the
+    codes as they read them, more from a buffer): a row must come out the same whichever way it went (every pass
+    size 1-10, every offset), also when K or an int8 group is not a multiple of the vector width."""
     g = torch.Generator().manual_seed(K)
     x = torch.randn(11, K, generator=g)
-    if kind == "int8":
+    if kind == "int8":  # groups of 64 / 53 / 128 / 17 columns (some not whole 16s), scales in float32 or bf16
+        gs = {576: 64, 583: 53, 2048: 128, 17: 17}[K]
         q = torch.randint(0, 256, (37, K), dtype=torch.uint8, generator=g)
-        sz = torch.rand(37, 1, 2, generator=g).bfloat16()
-        w = q * sz[:, 0, :1].float() + sz[:, 0, 1:].float()
+        sz = torch.rand(37, K // gs, 2, generator=g).to(torch.float32 if K % 2 == 0 else torch.bfloat16)
+        w = (q.view(37, K // gs, gs) * sz[..., :1].float() + sz[..., 1:].float()).view(37, K)
         product, ref = (lambda v: kernels.int8_linear(v, q, sz)), x @ w.T
     else:
         w = torch.randn(37, K, generator=g).to(getattr(torch, kind))

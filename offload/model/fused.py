@@ -20,7 +20,7 @@ if numba is not None:
     from numba import njit
 
     from offload.model.cpu_attention import _attend
-    from offload.model.kernels import _bits_f32, _dense, _f32_bits
+    from offload.model.kernels import _bits_f32, _f32_bits, _product
 
     @njit(inline="always")
     def _bf16_bits(f):  # pragma: no cover - compiled
@@ -124,7 +124,7 @@ if numba is not None:
         for n in range(N):
             _norm_row(x32, n, in_norm, eps, bf16, h, n)
         y = np.empty((N, qkv.shape[0]), np.float32)
-        _dense(h, qkv, scales[0], shifts[0], y, kind)
+        _product(h, qkv, scales[0], shifts[0], y, kind)
         for n in range(N):
             for j in range(qs + 2 * ks):
                 y[n, j] = _biased(y[n, j], qkv_b, j, bf16)
@@ -166,21 +166,21 @@ if numba is not None:
                 for d in range(D):
                     a2[n, hh * D + d] = _rnd(att[b, t, hh, d], bf16)
         y = np.empty((N, H), np.float32)
-        _dense(a2, o, scales[1], shifts[1], y, kind)
+        _product(a2, o, scales[1], shifts[1], y, kind)
         for n in range(N):
             for j in range(H):
                 x32[n, j] = _rnd(x32[n, j] + _biased(y[n, j], o_b, j, bf16), bf16)
         for n in range(N):
             _norm_row(x32, n, post_norm, eps, bf16, h, n)
         g = np.empty((N, gate_up.shape[0]), np.float32)
-        _dense(h, gate_up, scales[2], shifts[2], g, kind)
+        _product(h, gate_up, scales[2], shifts[2], g, kind)
         act = np.empty((N, inter), np.float32)
         for n in range(N):
             for i in range(inter):
                 act[n, i] = _silu_mul(_biased(g[n, i], gu_b, i, bf16),
                                       _biased(g[n, inter + i], gu_b, inter + i, bf16), bf16)
         y = np.empty((N, H), np.float32)
-        _dense(act, down, scales[3], shifts[3], y, kind)
+        _product(act, down, scales[3], shifts[3], y, kind)
         for n in range(N):
             for j in range(H):
                 _store(out, n, j, _rnd(x32[n, j] + _biased(y[n, j], down_b, j, bf16), bf16), bf16)

@@ -17,8 +17,8 @@ all its rows (the weights read once), not one product per column.
     int4     the group-wise tile layout of `offload.weights.quant`: torch's `_weight_int4pack_mm_for_cpu` where
              it is vectorised (bf16 scales; each row accumulates along k in order, so rows are independent by
              construction), else the numba kernel below on the same bytes.
-    int8     row-major codes with a (scale, min) per group: the dense kernel, its 8 rows dequantized into the
-             L1 buffer (code * scale + min in float32, each byte once).
+    int8     row-major codes with a (scale, min) per group: `offload.model.cpu_int8` (each weight made as
+             fma(code, scale, min) in explicit 16-lane vectors as it is read, or once into an L1 buffer for many rows).
 
     layer    `offload.model.fused`: a whole decoder layer in one compiled call over these kernels.
 
@@ -37,11 +37,8 @@ import numpy as np
 import torch
 
 try:  # an install dependency; its absence only costs row invariance and the verify pass's speed
-    import llvmlite.ir as llvm_ir
     import numba
     from numba import njit, prange
-    from numba.core import types
-    from numba.extending import intrinsic
 except ImportError:  # pragma: no cover - exercised only on an install without numba
     numba = None
 if os.environ.get("OFFLOAD_CPU_KERNELS", "invariant") == "library":  # measure the library path (benchmarks)
@@ -53,8 +50,8 @@ log = logging.getLogger(__name__)
 ROW_INVARIANT = numba is not None
 #: Which CPU kernels a calibration measured (raised when their speed changes: a calibration of older ones is
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py). 2: three-row tiles, 512-column chunks;
-#: 3: int8 widened by whole groups, attention by KV head; 4-5: int8 by whole rows.
-VERSION = 5
+#: 3: int8 widened by whole groups, attention by KV head; 4-5: int8 by whole rows; 6: int8 in explicit lanes.
+VERSION = 6
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
@@ -62,13 +59,40 @@ _CHUNK = 16
 #: 64 rows 195 -> 150 ms, 9 rows 51 -> 42 ms, 1 row 34 -> 25 ms. In a 1.7B bf16 run (weights from DRAM) 512 is
 #: best too: a decode layer 7.9 / 10.0 / 11.5 ms at 512 / 1024 / 2048.
 _KC = 512
-#: int8 codes are widened by whole rows: chunks make their reads from DRAM too short a run and cost decode more than
-#: they give prefill. A 1.7B int8 run, decode ms a step, two interleaved runs each: 2048-column chunks 244 / 243,
-#: whole rows 205 / 207 (512-column chunks were slower still), with 512-bit vectors
-_KC_INT8 = 1 << 30
+
+#: The files whose compiled code numba's cache keeps for this package (see `_stamp_kernel_sources`).
+_SOURCES = ("kernels.py", "cpu_int8.py", "cpu_attention.py", "fused.py", "simd.py")
+
+
+def _stamp_kernel_sources() -> None:
+    """numba checks a cached function against its own file only, and a function's cache holds the kernels it calls
+    compiled in: after a change to cpu_int8.py alone (a `git pull` touching only it) the fused layer would keep
+    running the old int8 kernel from its cache. Every cached function of this package's kernels is stamped with all
+    their files instead. (numba's locator API is private: where it differs, only this guard is lost.)"""
+    import hashlib
+
+    from numba.core import caching
+    mixin = getattr(caching, "_SourceFileBackedLocatorMixin", None)
+    if mixin is None or getattr(mixin.get_source_stamp, "offload", False):
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(f.read())
+    stamp_all, own = digest.hexdigest(), mixin.get_source_stamp
+
+    def get_source_stamp(self):
+        stamp = own(self)
+        return (stamp, stamp_all) if os.path.dirname(os.path.abspath(self._py_file)) == here else stamp
+    get_source_stamp.offload = True
+    mixin.get_source_stamp = get_source_stamp
+
 
 if numba is not None:
     import llvmlite.binding as llvm_binding
+
+    _stamp_kernel_sources()
 
     # A row's bits must not depend on which loop computes it: `_dot8` (one row) and `_dot8x3` (three rows at once)
     # each reduce along k in VF lanes, then sum the lanes, then add the tail in order. LLVM picks the interleave
@@ -85,30 +109,11 @@ if numba is not None:
     # contraction, but no "no infinities / NaNs" assumption: masked keys and fp16 infinities are real values
     _jit = njit(parallel=True, fastmath={"reassoc", "contract", "nsz"}, cache=True, nogil=True)
 
-    @intrinsic
-    def _f32_bits(typingctx, f):  # pragma: no cover - compiled
-        """A float32's bits as uint32 (a register move)."""
-        if f != types.float32:
-            return None
+    from numba.core import types
+    from numba.extending import overload
 
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], llvm_ir.IntType(32))
-        return types.uint32(types.float32), codegen
-
-    @intrinsic
-    def _bits_f32(typingctx, bits):  # pragma: no cover - compiled
-        """Integer bits (the low 32) as the float32 they encode (a register move)."""
-        if not isinstance(bits, types.Integer):
-            return None
-
-        def codegen(context, builder, signature, args):
-            v = args[0]
-            if bits.bitwidth > 32:
-                v = builder.trunc(v, llvm_ir.IntType(32))
-            elif bits.bitwidth < 32:
-                v = builder.zext(v, llvm_ir.IntType(32))
-            return builder.bitcast(v, llvm_ir.FloatType())
-        return types.float32(bits), codegen
+    from offload.model.cpu_int8 import _int8
+    from offload.model.simd import _bits_f32, _f32_bits  # noqa: F401 - the fused layer's too
 
     @njit(inline="always")
     def _widen_f16(src, dst):  # pragma: no cover - compiled
@@ -198,27 +203,10 @@ if numba is not None:
         _put(out, r + 2, n, count, (c0, c1, c2, c3, c4, c5, c6, c7), k0)
 
     @njit(inline="always")
-    def _widen_int8(w, row, buf, j, sz, shift, k0, kc):  # pragma: no cover - compiled
-        """8-bit codes of row `row`, columns k0 : k0 + kc (whole groups: int8 is widened by whole rows, `_KC_INT8`)
-        -> buf[j, :kc] = code * scale + min (float32), one (scale, min) per group of sz [rows, G, 2] (raw bits,
-        widened by `shift`, in registers). (Indexed from the matrices and from 0, bytes via int32, no store through
-        another view in the loop: otherwise LLVM does not vectorise this, 4-8x slower.)"""
-        gs = w.shape[1] // sz.shape[1]
-        codes, g0 = w[row, k0:k0 + kc], k0 // gs
-        for gi in range(kc // gs):
-            s = _bits_f32(np.uint32(sz[row, g0 + gi, 0]) << np.uint32(shift))
-            m = _bits_f32(np.uint32(sz[row, g0 + gi, 1]) << np.uint32(shift))
-            for k in range(gs):
-                buf[j, gi * gs + k] = np.float32(np.int32(codes[gi * gs + k])) * s + m
-
-    @njit(inline="always")
-    def _widen(w, row, bits, buf, j, kind, sz, shift, k0, kc):  # pragma: no cover - compiled
+    def _widen(w, row, bits, buf, j, kind, k0, kc):  # pragma: no cover - compiled
         """Columns k0 : k0 + kc of weight row `row` -> float32 in buffer row j (bits / buf: the buffer's two views):
-        kind 0 float32 bits (copied), 1 bf16 bits, 2 fp16 bits, 3 int8 codes with sz [rows, G, 2] (scale, min) raw
-        bits (`_bits`)."""
-        if kind == 3:
-            _widen_int8(w, row, buf, j, sz, shift, k0, kc)
-        elif kind == 1:
+        kind 0 float32 bits (copied), 1 bf16 bits, 2 fp16 bits."""
+        if kind == 1:
             src = w[row, k0:k0 + kc]  # (stored through the 2-D buffer, not a row view of it: ~10% faster)
             for k in range(kc):
                 bits[j, k] = np.uint32(src[k]) << 16
@@ -231,8 +219,8 @@ if numba is not None:
 
     @_jit
     def _dense(x, w, sz, shift, out, kind):  # pragma: no cover - compiled
-        """x [R, K] f32, w [N, K] of `kind` (`_widen`; sz, shift: its int8 scales, else unused) -> out [R, N] f32.
-        For 8 weight rows at a time and `_KC` columns at a time (`_KC_INT8` for int8 codes), the weights are widened
+        """x [R, K] f32, w [N, K] of `kind` (`_widen`; sz, shift: unused, the int8 kernel's) -> out [R, N] f32.
+        For 8 weight rows at a time and `_KC` columns at a time, the weights are widened
         exactly into a float32 buffer (read from DRAM once, from L1 or L2 by every row), then `_dot8x3` takes each
         three rows of x and `_dot8` the one or two left; each chunk's sums are added to the outputs in order. The
         chunks are the same for every R, so a row's bits are too. (One function with a kind, not one closure per
@@ -240,20 +228,29 @@ if numba is not None:
         R, K = x.shape
         N = w.shape[0]
         for c in prange((N + _CHUNK - 1) // _CHUNK):
-            step = _KC_INT8 if kind == 3 else _KC
-            buf = np.empty((8, min(K, step)), np.float32)
+            buf = np.empty((8, min(K, _KC)), np.float32)
             bits = buf.view(np.uint32)
             end = min(N, c * _CHUNK + _CHUNK)
             for n in range(c * _CHUNK, end, 8):
                 count = min(8, end - n)
-                for k0 in range(0, K, step):
-                    kc = min(step, K - k0)
+                for k0 in range(0, K, _KC):
+                    kc = min(_KC, K - k0)
                     for j in range(8):
-                        _widen(w, min(n + j, end - 1), bits, buf, j, kind, sz, shift, k0, kc)
+                        _widen(w, min(n + j, end - 1), bits, buf, j, kind, k0, kc)
                     for r in range(0, R - R % 3, 3):
                         _dot8x3(x, r, buf, n, count, out, k0, kc)
                     for r in range(R - R % 3, R):
                         _dot8(x, r, buf, n, count, out, k0, kc)
+
+    def _product(x, w, sz, shift, out, kind):
+        """out = x @ w.T for compiled callers: int8 codes (uint8) by `cpu_int8`, other weights by `_dense` (chosen by
+        type when the caller compiles, so neither is compiled for the other's weights)."""
+
+    @overload(_product)
+    def _product_by_type(x, w, sz, shift, out, kind):  # pragma: no cover - compiled
+        if w.dtype == types.uint8:
+            return lambda x, w, sz, shift, out, kind: _int8(x, w, sz, shift, out)
+        return lambda x, w, sz, shift, out, kind: _dense(x, w, sz, shift, out, kind)
 
     @_jit
     def _packed(x, q, sz, shift, out):  # pragma: no cover - compiled
@@ -383,7 +380,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Ten
     out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
     if out.numel():
         bits, shift = _bits(sz.contiguous())
-        _dense(x32.numpy(), q.contiguous().numpy(), bits, shift, out.numpy(), INT8)
+        _int8(x32.numpy(), q.contiguous().numpy(), bits, shift, out.numpy())
     return out
 
 

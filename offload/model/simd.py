@@ -1,0 +1,164 @@
+"""Sixteen float32 lanes as a numba value, for kernels whose arithmetic order must be the source's, not the compiler's.
+
+LLVM vectorises a reduction by its own cost model (lanes, accumulators, where the lanes are summed), so two loops
+over the same data can round differently, and a reduction that must be scaled group by group (int8 codes with a
+scale per group) is summed across lanes once per group, which is slower than the memory. With these operations a
+kernel says which lanes hold what and in which order they are added: every instruction is emitted as written, with
+no fast-math flags (`llvm.fma` is one rounding; the sum of the lanes is a fixed tree). On AVX-512 a value is one
+register; elsewhere LLVM splits it, with the same results.
+
+    vzero()              all lanes 0
+    vsplat(f)            all lanes f
+    vload(a, i)          a[i : i + 16] of a C-contiguous 1-D array, float32, or uint8 converted exactly to float32
+    vstore(a, i, v)      a[i : i + 16] = v (float32)
+    vfma(a, b, c)        a * b + c, rounded once, lane by lane
+    vsum(v)              the lanes' sum: halves added (8 + 8, 4 + 4, 2 + 2, 1 + 1)
+    fma(a, b, c)         the scalar a * b + c, rounded once
+
+Bounds are the caller's: vload and vstore do not check them. A kernel using these is compiled without fastmath
+(numba gives its flags to every float operation that has none, `vsum`'s adds included). Also the bit moves between
+float32 and uint32 that the kernels round with (`_f32_bits`, `_bits_f32`).
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic, models, register_model
+
+LANES = 16
+_F = ir.FloatType()
+_VT = ir.VectorType(_F, LANES)
+
+
+class F32x16(types.Type):
+    """Sixteen float32 lanes (an LLVM <16 x float>)."""
+
+    def __init__(self):
+        super().__init__(name="f32x16")
+
+
+f32x16 = F32x16()
+
+
+@register_model(F32x16)
+class _F32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VT)
+
+
+def _ptr(context, builder, aty, arr, i):
+    """The address of element i of a 1-D array, as a pointer to 16 of its elements."""
+    data = context.make_array(aty)(context, builder, arr).data
+    elem = data.type.pointee
+    return builder.bitcast(builder.gep(data, [i]), ir.VectorType(elem, LANES).as_pointer())
+
+
+def _contiguous(a, dtypes) -> bool:
+    return isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype in dtypes
+
+
+@intrinsic
+def vzero(typingctx):  # pragma: no cover - compiled
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VT, [0.0] * LANES)
+    return f32x16(), codegen
+
+
+@intrinsic
+def vsplat(typingctx, f):  # pragma: no cover - compiled
+    if f != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        one = builder.insert_element(ir.Constant(_VT, ir.Undefined), args[0], ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(one, ir.Constant(_VT, ir.Undefined), ir.Constant(
+            ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+    return f32x16(f), codegen
+
+
+@intrinsic
+def vload(typingctx, a, i):  # pragma: no cover - compiled
+    if not _contiguous(a, (types.float32, types.uint8)) or not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_ptr(context, builder, sig.args[0], args[0], args[1]), align=1)
+        return v if sig.args[0].dtype == types.float32 else builder.uitofp(v, _VT)
+    return f32x16(a, i), codegen
+
+
+@intrinsic
+def vstore(typingctx, a, i, v):  # pragma: no cover - compiled
+    if not _contiguous(a, (types.float32,)) or not isinstance(i, types.Integer) or v != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _ptr(context, builder, sig.args[0], args[0], args[1]), align=1)
+        return context.get_dummy_value()
+    return types.none(a, i, v), codegen
+
+
+@intrinsic
+def vfma(typingctx, a, b, c):  # pragma: no cover - compiled
+    if not (a == b == c == f32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VT, [_VT] * 3), "llvm.fma.v16f32")
+        return builder.call(fn, args)
+    return f32x16(a, b, c), codegen
+
+
+@intrinsic
+def vsum(typingctx, v):  # pragma: no cover - compiled
+    if v != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        x, width = args[0], LANES
+        while width > 1:
+            half = width // 2
+            lo = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(ir.IntType(32), half), list(range(half))))
+            hi = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(ir.IntType(32), half),
+                                                          list(range(half, width))))
+            x, width = builder.fadd(lo, hi), half
+        return builder.extract_element(x, ir.Constant(ir.IntType(32), 0))
+    return types.float32(v), codegen
+
+
+@intrinsic
+def fma(typingctx, a, b, c):  # pragma: no cover - compiled
+    if not (a == b == c == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fma(*args)
+    return types.float32(a, b, c), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, f):  # pragma: no cover - compiled
+    """A float32's bits as uint32 (a register move)."""
+    if f != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, bits):  # pragma: no cover - compiled
+    """Integer bits (the low 32) as the float32 they encode (a register move)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if bits.bitwidth > 32:
+            v = builder.trunc(v, ir.IntType(32))
+        elif bits.bitwidth < 32:
+            v = builder.zext(v, ir.IntType(32))
+        return builder.bitcast(v, _F)
+    return types.float32(bits), codegen

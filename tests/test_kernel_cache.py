@@ -1,0 +1,36 @@
+"""numba's cache of a compiled kernel is checked against every kernel file, not only its own."""
+
+import hashlib
+import os
+
+import pytest
+
+from offload.model import kernels
+
+pytestmark = pytest.mark.skipif(kernels.numba is None, reason="needs numba")
+
+
+def _stamp(func, path):
+    from numba.core import caching
+    return caching.InTreeCacheLocator(func, path).get_source_stamp()
+
+
+def test_a_cached_layer_is_stamped_with_the_int8_kernel_it_compiles_in():
+    """The fused layer's cache holds the int8 kernel compiled into it: its stamp must change when cpu_int8.py does,
+    although the layer lives in fused.py (a `git pull` touching one file must not leave the old kernel running)."""
+    from offload.model import fused
+    here = os.path.dirname(kernels.__file__)
+    digest = hashlib.sha256()
+    for name in kernels._SOURCES:
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(f.read())
+    own, everything = _stamp(fused._layer.py_func, fused.__file__)
+    assert everything == digest.hexdigest() and "cpu_int8.py" in kernels._SOURCES
+    with open(fused.__file__, "rb") as f:
+        assert own == hashlib.sha256(f.read()).digest()  # numba's own stamp of the file, kept beside
+
+
+def test_functions_of_other_packages_keep_numbas_stamp():
+    stamp = _stamp(test_functions_of_other_packages_keep_numbas_stamp, __file__)
+    with open(__file__, "rb") as f:
+        assert stamp == hashlib.sha256(f.read()).digest()
