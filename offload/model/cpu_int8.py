@@ -26,12 +26,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from offload.model.simd import LANES, _bits_f32, fma, vfma, vload, vsplat, vstore, vsum
+from offload.model.simd import LANES, _bits_f32, fma, prefetch, vfma, vload, vsplat, vstore, vsum
 
 #: Weight rows per register tile.
 _TILE = 8
 #: Rows of x up to which the codes are converted as they are read (beyond: once, into a buffer).
 _DIRECT = 2
+#: Bytes ahead of the one being read at which the direct path asks for each code row (software prefetch).
+_AHEAD = 512
 #: Output rows per parallel work item.
 _ROWS = 16
 #: Columns of a pass over many rows at a time: eight float32 weight rows of it stay in L1 (16 KiB).
@@ -178,6 +180,10 @@ def _int8(x, w, sz, shift, out):  # pragma: no cover - compiled
                 _widen(w[rows[j], nv:], S, Z, j, gs, nv, tail[j])
             A[:] = 0
             if direct:
+                if n + _TILE <= last:  # the next tile's rows, while this one computes
+                    for j in range(n + _TILE, min(n + 2 * _TILE, last + 1)):
+                        for k in range(0, K, 64):
+                            prefetch(w[j], k)
                 for r in range(R):
                     _direct(x[r], w[rows[0]], w[rows[1]], w[rows[2]], w[rows[3]], w[rows[4]], w[rows[5]], w[rows[6]],
                             w[rows[7]], S, Z, gs, A[r])

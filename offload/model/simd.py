@@ -162,3 +162,20 @@ def _bits_f32(typingctx, bits):  # pragma: no cover - compiled
             v = builder.zext(v, ir.IntType(32))
         return builder.bitcast(v, _F)
     return types.float32(bits), codegen
+
+
+@intrinsic
+def prefetch(typingctx, a, i):  # pragma: no cover - compiled
+    """A hint to bring the cache line of a[i] (a C-contiguous 1-D array) into the caches; no bounds needed."""
+    if not isinstance(a, types.Array) or a.ndim != 1 or a.layout != "C" or not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [
+            ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(32), ir.IntType(32)]), "llvm.prefetch.p0i8")
+        i32 = ir.IntType(32)
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.none(a, i), codegen
