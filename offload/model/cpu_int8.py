@@ -32,8 +32,6 @@ from offload.model.simd import LANES, _bits_f32, fma, prefetch, vfma, vload, vsp
 _TILE = 8
 #: Rows of x up to which the codes are converted as they are read (beyond: once, into a buffer).
 _DIRECT = 2
-#: Bytes ahead of the one being read at which the direct path asks for each code row (software prefetch).
-_AHEAD = 512
 #: Output rows per parallel work item.
 _ROWS = 16
 #: Columns of a pass over many rows at a time: eight float32 weight rows of it stay in L1 (16 KiB).
