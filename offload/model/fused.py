@@ -262,19 +262,19 @@ def _weights(mats: tuple, norms: tuple[torch.Tensor, torch.Tensor], dt: torch.dt
     after step: `TieredWeights.views`; a streamed group's slot is refilled with the same bytes.)"""
     qkv, qkv_b, o, o_b, gu, gu_b, down, down_b = mats
     anchor = qkv.q if _int8(qkv) else qkv
-    parts = tuple(t for m in (*mats, *norms) for t in ((m.q, m.sz) if _int8(m) else (m,)))  # (a PackedLinear is
-    key = (dt, *map(id, parts))  # made anew each step over the same tensors)
-    got = anchor.__dict__.get("_offload_layer")
+    key = (dt, *map(id, mats), *map(id, norms))  # (a group's weight objects are the same step after step:
+    got = anchor.__dict__.get("_offload_layer")  # `TieredWeights.views`)
     if got is not None and got[0] == key:
         return got[1]
+    kept = (mats, norms)  # the objects whose ids make the key: theirs while the entry lives
     norms = tuple(n.to(dt).contiguous() for n in norms)
     (wq, sq, tq), (wo, so, to), (wg, sg, tg), (wd, sd, td) = (_matrix(m) for m in (qkv, o, gu, down))
     inter = (gu.out_features if _int8(gu) else gu.shape[0]) // 2
     args = (_raw(norms[0]), wq, _bias(qkv_b, dt), wo, _bias(o_b, dt), _raw(norms[1]), wg, _bias(gu_b, dt), wd,
             _bias(down_b, dt), (sq, so, sg, sd), (tq, to, tg, td), inter)
-    # the key holds ids, the value views of these tensors' memory: kept only while `anchor` lives (a weight's
-    # tensors live as long as their group's views; a new set of objects makes a new entry)
-    anchor.__dict__["_offload_layer"] = (key, args, parts, norms)  # parts: their ids stay theirs
+    # the value holds views of these tensors' memory: kept only while `anchor` lives (a new set of weight objects
+    # makes a new entry)
+    anchor.__dict__["_offload_layer"] = (key, args, kept, norms)
     return args
 
 

@@ -61,6 +61,7 @@ class TieredWeights:
         self.layouts = model_layouts(ckpt.config, dtype, self.fmt, layers)
         self._views: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (group, address) -> its typed views
         self._upcast: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # the same, at the compute dtype
+        self._packed: dict[tuple[str, int], dict] = {}  # the same, packed matrices as their weight objects
         self.scratch = Scratch()  # packed matrices are dequantized here when no fused kernel applies
         self.plan = plan
         embed_group, self._embed_tensor = embedding_source(ckpt.config)
@@ -188,7 +189,9 @@ class TieredWeights:
                 if all(t.dim() == 1 for name, t in up.items() if t is not views[name]):  # norms, biases: kept
                     self._upcast[key] = up  # (the same objects each step: the fused layer keeps its arguments)
             return up
-        return weight_views(self.cfg, group, views, self.scratch, self.fmt)
+        if (packed := self._packed.get(key)) is None:  # the same weight objects each step (the fused layer keeps
+            packed = self._packed[key] = weight_views(self.cfg, group, views, self.scratch, self.fmt)  # its args)
+        return packed
 
     def release(self, group: str) -> None:
         self.prefetcher.release(group)
@@ -220,6 +223,7 @@ class TieredWeights:
     def close(self) -> None:
         self._views.clear()
         self._upcast.clear()
+        self._packed.clear()
         if self.cache is not None:
             self.cache.close()
             self.cache = None
