@@ -149,12 +149,12 @@ def test_the_throughput_mode_gives_each_request_its_tokens_alone_at_any_batch(wi
 
 
 @pytest.mark.parametrize("family,quantization", [("llama", "none"), ("qwen2", "none"), ("mistral", "none"),
-                                                  ("llama", "int8")])
+                                                  ("llama", "int8"), ("llama", "int4")])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_fused_cpu_layer_gives_the_op_by_op_layers_bits(model_factory, family, quantization, dtype, monkeypatch):
     """A CPU layer runs as one compiled call (`fused.decoder_layer`) where it can and op by op where it cannot
     (cold KV blocks, MoE, q/k norms): both give the same bits, so a step's tokens do not depend on which ran (a
-    prompt chunk and decode rows in one pass, biases (Qwen2), a sliding window (Mistral), int8 matrices)."""
+    prompt chunk and decode rows in one pass, biases (Qwen2), a sliding window (Mistral), int8 and int4 matrices)."""
     model = model_factory(family, dtype=dtype, overrides={"sliding_window": 4} if family == "mistral" else {})
     calls = []
     monkeypatch.setattr(fused, "decoder_layer", lambda *a, real=fused.decoder_layer: (calls.append(1), real(*a))[1])

@@ -104,6 +104,11 @@ if numba is not None:
             for i in range(half):
                 _store(out, n, i, _silu_mul(_load(gu, n, i, bf16), _load(gu, n, half + i, bf16), bf16), bf16)
 
+    @njit(inline="always")
+    def _width(w):  # pragma: no cover - compiled
+        """A matrix's output rows (padded): int4 tiles [rows / 64, K, 32], else [rows, K]."""
+        return w.shape[0] * 64 if w.ndim == 3 else w.shape[0]
+
     @njit(nogil=True, cache=True)
     def _layer(x, in_norm, qkv, qkv_b, o, o_b, post_norm, gate_up, gu_b, down, down_b, scales, shifts, inter, eps,
                cos, sin, kv, slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq, scale, kind, bf16,
@@ -111,9 +116,10 @@ if numba is not None:
         """One decoder layer of a Llama-family model on flat rows x [N, H] (raw bits), every op as
         `functional.decoder_layer` does it on a CPU (the same kernels and roundings: the same bits), in one
         call: norms, products (parallel), RoPE, the K/V write into the paged pool kv, attention over it, the
-        SwiGLU MLP, the residuals -> out [N, H] raw bits. Matrices: raw bits or int8 codes (`kernels._dense`'s
-        kind; scales, shifts: the raw bits of their (scale, min) for int8, each padded to whole tiles of rows:
-        only the first features count, inter for gate_up's halves). Biases: [1, n] raw bits, or [1, 0] for none."""
+        SwiGLU MLP, the residuals -> out [N, H] raw bits. Matrices: raw bits, int8 codes or int4 tiles
+        (`kernels._product`; kind: `kernels._dense`'s; scales, shifts: the raw bits of packed matrices' (scale,
+        min / zero) pairs, each padded to whole tiles of rows: only the first features count, inter for gate_up's
+        halves). Biases: [1, n] raw bits, or [1, 0] for none."""
         N, H = x.shape
         B, Tq = pad_index.shape
         hkv, D = kv.shape[3], kv.shape[4]
@@ -123,7 +129,7 @@ if numba is not None:
         h = np.empty((N, H), np.float32)
         for n in range(N):
             _norm_row(x32, n, in_norm, eps, bf16, h, n)
-        y = np.empty((N, qkv.shape[0]), np.float32)
+        y = np.empty((N, _width(qkv)), np.float32)
         _product(h, qkv, scales[0], shifts[0], y, kind)
         for n in range(N):
             for j in range(qs + 2 * ks):
@@ -172,7 +178,7 @@ if numba is not None:
                 x32[n, j] = _rnd(x32[n, j] + _biased(y[n, j], o_b, j, bf16), bf16)
         for n in range(N):
             _norm_row(x32, n, post_norm, eps, bf16, h, n)
-        g = np.empty((N, gate_up.shape[0]), np.float32)
+        g = np.empty((N, _width(gate_up)), np.float32)
         _product(h, gate_up, scales[2], shifts[2], g, kind)
         act = np.empty((N, inter), np.float32)
         for n in range(N):
@@ -222,20 +228,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _int8(m) -> bool:
-    """Is m a packed int8 matrix the CPU kernel multiplies (`quant.PackedLinear`: codes and their scales)?"""
-    return getattr(m, "bits", None) == 8 and m.q.device.type == "cpu" and packed_supported(m.sz)
+def _packed(m) -> bool:
+    """Is m a packed int8 or int4 matrix the CPU kernels multiply (`quant.PackedLinear`: codes and their scales)?"""
+    return getattr(m, "bits", None) in (4, 8) and m.q.device.type == "cpu" and packed_supported(m.sz)
 
 
 def layer_supported(x: torch.Tensor, mats: tuple) -> bool:
     """Does `decoder_layer` take this layer: a CPU, numba, its four matrices dense tensors of one dtype that goes with
-    x's (`LAYER_DTYPES`) or all packed int8, its biases (where it has them) in x's dtype on the CPU?"""
+    x's (`LAYER_DTYPES`) or all packed (int8, int4), its biases (where it has them) in x's dtype on the CPU?"""
     if not elementwise_supported(x):
         return False
     matrices, biases = mats[0::2], [b for b in mats[1::2] if b is not None]
     if not all(b.dtype == x.dtype and b.device.type == "cpu" for b in biases):
         return False
-    if all(_int8(m) for m in matrices):
+    if all(_packed(m) for m in matrices):
         return True
     kind = getattr(matrices[0], "dtype", None)
     return (x.dtype, kind) in LAYER_DTYPES and all(isinstance(m, torch.Tensor) and m.dtype == kind and m.dim() == 2
@@ -249,9 +255,13 @@ def _bias(b: torch.Tensor | None, dtype: torch.dtype) -> np.ndarray:
 
 
 def _matrix(m) -> tuple[np.ndarray, np.ndarray, int]:
-    """A matrix as the product kernel takes it: (raw bits or int8 codes, their scales' raw bits or none, shift)."""
+    """A matrix as the product kernels take it (`kernels._product`): (raw bits, int8 codes [rows, K] or int4 tiles
+    [rows / 64, K, 32]; their scales' raw bits or none; shift)."""
     if isinstance(m, torch.Tensor):
         return _raw(m.contiguous()), NO_SCALES, 0
+    if m.bits == 4:
+        _, rows, half = m.q.shape
+        return (m.q.contiguous().view(rows // 64, 2 * half, 32).numpy(), *_bits(m.sz[0].contiguous()))
     return (m.q.contiguous().numpy(), *_bits(m.sz.contiguous()))
 
 
@@ -261,7 +271,7 @@ def _weights(mats: tuple, norms: tuple[torch.Tensor, torch.Tensor], dt: torch.dt
     cost ~0.1 ms, a third of a SmolLM2-135M layer's compute. (The weights' tensors are the same objects step
     after step: `TieredWeights.views`; a streamed group's slot is refilled with the same bytes.)"""
     qkv, qkv_b, o, o_b, gu, gu_b, down, down_b = mats
-    anchor = qkv.q if _int8(qkv) else qkv
+    anchor = qkv.q if _packed(qkv) else qkv
     key = (dt, *map(id, mats), *map(id, norms))  # (a group's weight objects are the same step after step:
     got = anchor.__dict__.get("_offload_layer")  # `TieredWeights.views`)
     if got is not None and got[0] == key:
@@ -269,7 +279,7 @@ def _weights(mats: tuple, norms: tuple[torch.Tensor, torch.Tensor], dt: torch.dt
     kept = (mats, norms)  # the objects whose ids make the key: theirs while the entry lives
     norms = tuple(n.to(dt).contiguous() for n in norms)
     (wq, sq, tq), (wo, so, to), (wg, sg, tg), (wd, sd, td) = (_matrix(m) for m in (qkv, o, gu, down))
-    inter = (gu.out_features if _int8(gu) else gu.shape[0]) // 2
+    inter = (gu.out_features if _packed(gu) else gu.shape[0]) // 2
     args = (_raw(norms[0]), wq, _bias(qkv_b, dt), wo, _bias(o_b, dt), _raw(norms[1]), wg, _bias(gu_b, dt), wd,
             _bias(down_b, dt), (sq, so, sg, sd), (tq, to, tg, td), inter)
     # the value holds views of these tensors' memory: kept only while `anchor` lives (a new set of weight objects
@@ -298,11 +308,11 @@ def decoder_layer(x: torch.Tensor, mats: tuple, norms: tuple[torch.Tensor, torch
     (slot_blocks, slot_offsets, table, mask, pad_index, unpad_index: `offload.kv` and `BatchLayout`). The same bits
     as the op-by-op layer."""
     qkv = mats[0]
-    _threads(x.numel() * qkv.q.shape[0] if _int8(qkv) else x.numel() * qkv.shape[0])
+    _threads(x.numel() * (qkv.out_features if _packed(qkv) else qkv.shape[0]))
     x = x.contiguous()
     out = torch.empty_like(x)
     dt = x.dtype
-    kind = INT8 if _int8(qkv) else DENSE_KIND[qkv.dtype]
+    kind = INT8 if _packed(qkv) else DENSE_KIND[qkv.dtype]
     _layer(_raw(x), *_weights(mats, norms, dt), float(eps), _index(cos, raw=True), _index(sin, raw=True),
            _raw(kv, keep=True),
            *(_index(t) for t in index), heads, float(scale), kind, dt == torch.bfloat16, _raw(out))

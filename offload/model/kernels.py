@@ -14,9 +14,9 @@ all its rows (the weights read once), not one product per column.
              2-core AVX-512 machine, SmolLM2-135M's bf16 matrices, 30 layers' worth (212 MB, beyond the cache):
              this layout 14-16 GB/s at batch 1 against 7-9 GB/s for the earlier 4-row-padded blocking and
              13 GB/s for torch's bf16 F.linear; at 9 rows 7.8 against 5.5 and 3.6.
-    int4     the group-wise tile layout of `offload.weights.quant`: torch's `_weight_int4pack_mm_for_cpu` where
-             it is vectorised (bf16 scales; each row accumulates along k in order, so rows are independent by
-             construction), else the numba kernel below on the same bytes.
+    int4     the group-wise tile layout of `offload.weights.quant` (torch's CPU int4 packing):
+             `offload.model.cpu_int4`, across the 64 rows of a tile in explicit 16-lane vectors, each output
+             accumulating along k in order (torch's `_weight_int4pack_mm_for_cpu` only without numba).
     int8     row-major codes with a (scale, min) per group: `offload.model.cpu_int8` (each weight made as
              fma(code, scale, min) in explicit 16-lane vectors as it is read, or once into an L1 buffer for many rows).
 
@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 ROW_INVARIANT = numba is not None
 #: Which CPU kernels a calibration measured (raised when their speed changes: a calibration of older ones is
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py). 2: three-row tiles, 512-column chunks;
-#: 3: int8 widened by whole groups, attention by KV head; 4-5: int8 by whole rows; 6: int8 in explicit lanes.
-VERSION = 6
+#: 3: int8 widened by whole groups, attention by KV head; 4-5: int8 by whole rows; 6: int8 in explicit lanes;
+#: 7: int4 in explicit lanes.
+VERSION = 7
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
@@ -61,7 +62,7 @@ _CHUNK = 16
 _KC = 512
 
 #: The files whose compiled code numba's cache keeps for this package (see `_stamp_kernel_sources`).
-_SOURCES = ("kernels.py", "cpu_int8.py", "cpu_attention.py", "fused.py", "simd.py")
+_SOURCES = ("kernels.py", "cpu_int4.py", "cpu_int8.py", "cpu_attention.py", "fused.py", "simd.py")
 
 
 def _stamp_kernel_sources() -> None:
@@ -112,6 +113,7 @@ if numba is not None:
     from numba.core import types
     from numba.extending import overload
 
+    from offload.model.cpu_int4 import _int4
     from offload.model.cpu_int8 import _int8
     from offload.model.simd import _bits_f32, _f32_bits  # noqa: F401 - the fused layer's too
 
@@ -243,53 +245,17 @@ if numba is not None:
                         _dot8(x, r, buf, n, count, out, k0, kc)
 
     def _product(x, w, sz, shift, out, kind):
-        """out = x @ w.T for compiled callers: int8 codes (uint8) by `cpu_int8`, other weights by `_dense` (chosen by
-        type when the caller compiles, so neither is compiled for the other's weights)."""
+        """out = x @ w.T for compiled callers: int4 tiles (uint8 [rows / 64, K, 32]) by `cpu_int4`, int8 codes (uint8
+        [rows, K]) by `cpu_int8`, other weights by `_dense` (chosen by type when the caller compiles, so none is
+        compiled for another's weights)."""
 
     @overload(_product)
     def _product_by_type(x, w, sz, shift, out, kind):  # pragma: no cover - compiled
+        if w.dtype == types.uint8 and w.ndim == 3:
+            return lambda x, w, sz, shift, out, kind: _int4(x, w, sz, shift, out)
         if w.dtype == types.uint8:
             return lambda x, w, sz, shift, out, kind: _int8(x, w, sz, shift, out)
         return lambda x, w, sz, shift, out, kind: _dense(x, w, sz, shift, out, kind)
-
-    @_jit
-    def _packed(x, q, sz, shift, out):  # pragma: no cover - compiled
-        """x [R, K] f32; q uint8 [P, rows / 64, K, 32] (tile order, see quant); sz [P, K / g, rows, 2] (scale,
-        zero) as raw bits, uint16 (bf16, shift 16) or uint32 (float32, shift 0), w = (nibble - 8) * scale + zero
-        per plane, planes summed (int8 is two) -> out [R, rows] f32.
-        Vectorised across the 64 rows of a tile; every output accumulates along k in order."""
-        P, B, K, _ = q.shape
-        G = sz.shape[1]
-        gs = K // G
-        R = x.shape[0]
-        for b in prange(B):
-            acc = np.zeros((R, 64), np.float32)
-            w = np.empty(64, np.float32)
-            sbits = np.empty((P, 64), np.uint32)
-            zbits = np.empty((P, 64), np.uint32)
-            s, z = sbits.view(np.float32), zbits.view(np.float32)
-            for gi in range(G):
-                for p in range(P):
-                    for j in range(64):
-                        sbits[p, j] = np.uint32(sz[p, gi, b * 64 + j, 0]) << shift
-                        zbits[p, j] = np.uint32(sz[p, gi, b * 64 + j, 1]) << shift
-                    for j in range(64):
-                        z[p, j] -= 8 * s[p, j]
-                for k in range(gi * gs, (gi + 1) * gs):
-                    for j in range(64):
-                        w[j] = 0.0
-                    for p in range(P):
-                        for j in range(32):
-                            byte = q[p, b, k, j]
-                            w[j] += np.float32(byte & 15) * s[p, j] + z[p, j]
-                            w[j + 32] += np.float32(byte >> 4) * s[p, j + 32] + z[p, j + 32]
-                    for r in range(R):
-                        xr = x[r, k]
-                        for j in range(64):
-                            acc[r, j] += xr * w[j]
-            for r in range(R):
-                for j in range(64):
-                    out[r, b * 64 + j] = acc[r, j]
 
 #: The dense kernel's weight kinds (`_widen`): a dense matrix's dtype, and INT8 (codes with their scales).
 DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is not None else {}
@@ -352,20 +318,18 @@ def packed_supported(sz: torch.Tensor) -> bool:
 
 
 def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ the packed planes (q uint8 [P, rows, K/2] in tile order, sz [P, K/g, rows, 2] bf16 or float32)
-    -> [M, rows] float32, every row independent of the others."""
-    _threads(x.numel() * q.shape[1] * q.shape[0])
+    """x [M, K] @ the packed int4 plane (q uint8 [1, rows, K/2] in tile order, sz [1, K/g, rows, 2] bf16 or float32)
+    -> [M, rows] float32, every row independent of the others (`offload.model.cpu_int4`)."""
+    _threads(x.numel() * q.shape[1])
     P, rows, half = q.shape
     K = 2 * half
-    if x.shape[-1] != K or sz.shape[1] == 0 or K % sz.shape[1] or rows % 64:
+    if P != 1 or x.shape[-1] != K or sz.shape[1] == 0 or K % sz.shape[1] or rows % 64:
         raise ValueError(f"x {tuple(x.shape)} does not fit packed planes {tuple(q.shape)} / {tuple(sz.shape)}")
     x32 = x.to(torch.float32).contiguous()
     out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
-    bits = sz.view(torch.int16).numpy().view(np.uint16) if sz.dtype == torch.bfloat16 else \
-        sz.numpy().view(np.uint32)
     if x32.shape[0]:
-        _packed(x32.numpy(), q.view(P, rows // 64, K, 32).numpy(), bits, 16 if sz.dtype == torch.bfloat16 else 0,
-                out.numpy())
+        bits, shift = _bits(sz[0].contiguous())
+        _int4(x32.numpy(), q.contiguous().view(rows // 64, K, 32).numpy(), bits, shift, out.numpy())
     return out
 
 

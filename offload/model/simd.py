@@ -11,9 +11,11 @@ register; elsewhere LLVM splits it, with the same results.
     vsplat(f)            all lanes f
     vload(a, i)          a[i : i + 16] of a C-contiguous 1-D array, float32, or uint8 converted exactly to float32
     vstore(a, i, v)      a[i : i + 16] = v (float32)
+    vlo(a, i), vhi(a, i) the low / high nibbles of the bytes a[i : i + 16] as float32 (0..15, exact)
     vfma(a, b, c)        a * b + c, rounded once, lane by lane
     vsum(v)              the lanes' sum: halves added (8 + 8, 4 + 4, 2 + 2, 1 + 1)
     fma(a, b, c)         the scalar a * b + c, rounded once
+    prefetch(a, i)       a hint to bring a[i]'s cache line in
 
 Bounds are the caller's: vload and vstore do not check them. A kernel using these is compiled without fastmath
 (numba gives its flags to every float operation that has none, `vsum`'s adds included). Also the bit moves between
@@ -179,3 +181,80 @@ def prefetch(typingctx, a, i):  # pragma: no cover - compiled
         builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
     return types.none(a, i), codegen
+
+
+def _nibbles(high: bool):
+    def typer(typingctx, a, i):
+        if not _contiguous(a, (types.uint8,)) or not isinstance(i, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v = builder.load(_ptr(context, builder, sig.args[0], args[0], args[1]), align=1)
+            v8 = ir.VectorType(ir.IntType(8), LANES)
+            v = builder.lshr(v, ir.Constant(v8, [4] * LANES)) if high else \
+                builder.and_(v, ir.Constant(v8, [15] * LANES))
+            return builder.uitofp(v, _VT)
+        return f32x16(a, i), codegen
+    return typer
+
+
+#: vlo(a, i) / vhi(a, i): the low / high nibbles of the bytes a[i : i + 16] (uint8) as float32 lanes (0..15, exact)
+vlo = intrinsic(_nibbles(False))
+vhi = intrinsic(_nibbles(True))
+
+
+def _avx512() -> bool:
+    """Does numba compile for a CPU with AVX-512 (its features, or the host's)?"""
+    import llvmlite.binding as llvm
+    from numba import config
+    features = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    return "+avx512f" in features.split(",")
+
+
+@intrinsic
+def vnibbles(typingctx, a, i):  # pragma: no cover - compiled
+    """(low, high) nibbles of the bytes a[i : i + 16] (uint8) as float32 lanes (0..15, exact): with AVX-512 a table
+    lookup (vpermps: no conversion instruction), else a conversion."""
+    if not _contiguous(a, (types.uint8,)) or not isinstance(i, types.Integer):
+        return None
+    ret = types.UniTuple(f32x16, 2)
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_ptr(context, builder, sig.args[0], args[0], args[1]), align=1)
+        i32 = ir.VectorType(ir.IntType(32), LANES)
+        w = builder.zext(v, i32)
+        hi = builder.lshr(w, ir.Constant(i32, [4] * LANES))
+        if _avx512():
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VT, [_VT, i32]),
+                                                "llvm.x86.avx512.permvar.sf.512")
+            table = ir.Constant(_VT, [float(n) for n in range(LANES)])
+            lo_f, hi_f = builder.call(fn, [table, w]), builder.call(fn, [table, hi])  # (index: the low 4 bits)
+        else:
+            lo_f = builder.uitofp(builder.and_(w, ir.Constant(i32, [15] * LANES)), _VT)
+            hi_f = builder.uitofp(hi, _VT)
+        return context.make_tuple(builder, ret, [lo_f, hi_f])
+    return ret(a, i), codegen
+
+
+@intrinsic
+def vpairs(typingctx, a, i):  # pragma: no cover - compiled
+    """The 16 (first, second) pairs of a[i : i + 32] as two float32 lane vectors: raw bf16 bits (uint16) or float32
+    bits (uint32), as (scale, zero) pairs are stored."""
+    if not _contiguous(a, (types.uint16, types.uint32)) or not isinstance(i, types.Integer):
+        return None
+    ret = types.UniTuple(f32x16, 2)
+
+    def codegen(context, builder, sig, args):
+        bits = sig.args[0].dtype.bitwidth
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.VectorType(ir.IntType(bits), 2 * LANES).as_pointer())
+        v = builder.load(ptr, align=1)
+        i32, idx = ir.VectorType(ir.IntType(32), LANES), ir.VectorType(ir.IntType(32), LANES)
+        out = []
+        for first in (0, 1):
+            half = builder.shuffle_vector(v, v, ir.Constant(idx, list(range(first, 2 * LANES, 2))))
+            if bits == 16:
+                half = builder.shl(builder.zext(half, i32), ir.Constant(i32, [16] * LANES))
+            out.append(builder.bitcast(half, _VT))
+        return context.make_tuple(builder, ret, out)
+    return ret(a, i), codegen

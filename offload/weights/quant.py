@@ -17,8 +17,8 @@ one multiply-add a weight (it was two int4 planes, two products). Rows are padde
 multiple of 64. Where the kernel is missing (CUDA, other
 group sizes) a matrix is dequantized into a reused scratch buffer and multiplied densely.
 
-On a CPU a packed matrix multiplies through `offload.model.kernels` (row-invariant: torch's kernel above
-with bf16 scales, a numba kernel on the same bytes otherwise). Knows nothing about models, groups or files.
+On a CPU a packed matrix multiplies through `offload.model.kernels` (row-invariant numba kernels on these
+bytes; torch's kernel above where numba is missing). Knows nothing about models, groups or files.
 """
 
 from __future__ import annotations
@@ -192,10 +192,10 @@ class PackedLinear:
         x2 = x.reshape(-1, x.shape[-1])
         if self.bits == 8 and kernels.packed_supported(self.sz):
             y = kernels.int8_linear(x2, self.q, self.sz)
-        elif self.fused:
-            y = _FUSED(x2.to(self.sz.dtype).contiguous(), self.q[0], self.group_size, self.sz[0])
         elif kernels.packed_supported(self.sz):
             y = kernels.packed_linear(x2, self.q, self.sz)
+        elif self.fused:
+            y = _FUSED(x2.to(self.sz.dtype).contiguous(), self.q[0], self.group_size, self.sz[0])
         else:
             return F.linear(x, self.dense().to(x.dtype), bias)
         y = y[:, : self.out_features].to(x.dtype)
