@@ -16,6 +16,7 @@ from offload.model import fused, kernels
 from offload.runtime.engine import Engine, Request, Sampling
 from offload.runtime.executor import ForwardBatch
 from offload.runtime.runner import Runner
+from offload.weights import quant
 from tests.conftest import run_config
 
 pytestmark = pytest.mark.skipif(not kernels.ROW_INVARIANT, reason="row-invariant CPU kernels need numba")
@@ -55,6 +56,25 @@ def test_a_products_row_has_the_same_bits_at_any_place_in_any_pass(K, kind):
         for start in range(11 - rows + 1):
             assert torch.equal(product(x[start:start + rows]).view(torch.int32),
                                full[start:start + rows].view(torch.int32)), f"rows {start}:{start + rows}"
+
+
+@pytest.mark.parametrize("K,group", [(576, 64), (2048, 128), (40, 20)])
+@pytest.mark.parametrize("scales", ["bfloat16", "float32"])
+def test_an_int4_products_row_has_the_same_bits_at_any_place_in_any_pass(K, group, scales):
+    """The int4 kernel converts the nibbles as it reads them for one or two rows and into a buffer for more, and
+    takes three rows at a time from it: a row comes out the same whichever way it went (every pass size 1-10, every
+    offset), whole 16-column runs in a group or not."""
+    g = torch.Generator().manual_seed(K)
+    packed = quant.quantize(torch.randn(70, K, generator=g), 4, group, getattr(torch, scales))
+    x = torch.randn(11, K, generator=g)
+    full = kernels.packed_linear(x, packed["q"], packed["sz"])
+    ref = x.double() @ quant.dequantize(packed["q"], packed["sz"].float()).double().T
+    torch.testing.assert_close(full.double()[:, :70], ref[:, :70], rtol=1e-4, atol=1e-4 * K ** 0.5)
+    for rows in range(1, 11):
+        for start in range(11 - rows + 1):
+            got = kernels.packed_linear(x[start:start + rows], packed["q"], packed["sz"])
+            assert torch.equal(got.view(torch.int32), full[start:start + rows].view(torch.int32)), \
+                f"rows {start}:{start + rows}"
 
 
 @pytest.fixture(scope="module")

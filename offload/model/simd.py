@@ -11,7 +11,8 @@ register; elsewhere LLVM splits it, with the same results.
     vsplat(f)            all lanes f
     vload(a, i)          a[i : i + 16] of a C-contiguous 1-D array, float32, or uint8 converted exactly to float32
     vstore(a, i, v)      a[i : i + 16] = v (float32)
-    vlo(a, i), vhi(a, i) the low / high nibbles of the bytes a[i : i + 16] as float32 (0..15, exact)
+    vnibbles(a, i)       (low, high) nibbles of the bytes a[i : i + 16] as float32 (0..15, exact)
+    vpairs(a, i)         the 16 (first, second) pairs of a[i : i + 32], raw bf16 or float32 bits, as float32
     vfma(a, b, c)        a * b + c, rounded once, lane by lane
     vsum(v)              the lanes' sum: halves added (8 + 8, 4 + 4, 2 + 2, 1 + 1)
     fma(a, b, c)         the scalar a * b + c, rounded once
@@ -181,26 +182,6 @@ def prefetch(typingctx, a, i):  # pragma: no cover - compiled
         builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
     return types.none(a, i), codegen
-
-
-def _nibbles(high: bool):
-    def typer(typingctx, a, i):
-        if not _contiguous(a, (types.uint8,)) or not isinstance(i, types.Integer):
-            return None
-
-        def codegen(context, builder, sig, args):
-            v = builder.load(_ptr(context, builder, sig.args[0], args[0], args[1]), align=1)
-            v8 = ir.VectorType(ir.IntType(8), LANES)
-            v = builder.lshr(v, ir.Constant(v8, [4] * LANES)) if high else \
-                builder.and_(v, ir.Constant(v8, [15] * LANES))
-            return builder.uitofp(v, _VT)
-        return f32x16(a, i), codegen
-    return typer
-
-
-#: vlo(a, i) / vhi(a, i): the low / high nibbles of the bytes a[i : i + 16] (uint8) as float32 lanes (0..15, exact)
-vlo = intrinsic(_nibbles(False))
-vhi = intrinsic(_nibbles(True))
 
 
 def _avx512() -> bool:
