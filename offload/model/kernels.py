@@ -78,9 +78,12 @@ def _stamp_kernel_sources() -> None:
         return
     here = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha256()
-    for name in _SOURCES:
-        with open(os.path.join(here, name), "rb") as f:
-            digest.update(f.read())
+    try:
+        for name in _SOURCES:
+            with open(os.path.join(here, name), "rb") as f:
+                digest.update(f.read())
+    except OSError:  # not files on a disk (a zipped install): numba does not cache there either
+        return
     stamp_all, own = digest.hexdigest(), mixin.get_source_stamp
 
     def get_source_stamp(self):
