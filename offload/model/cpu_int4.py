@@ -165,11 +165,10 @@ def _dot3(xa, xb, xc, Xa, Xb, Xc, g, W, S, Z, A, B, C):  # pragma: no cover - co
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _int4(x, q, sz, shift, out):  # pragma: no cover - compiled
+def _int4(x, q, sz, out):  # pragma: no cover - compiled
     """x [R, K] float32 @ the packed plane q uint8 [rows / 64, K, 32] (tile order) with sz [K / gs, rows, 2]
     (scale, zero) raw bits, bf16 (uint16) or float32 (uint32) -> out [R, rows] float32 (see the module doc).
-    (`shift` is the int8 kernel's argument: here the bits' dtype says it.) Compiled without fastmath: the order is
-    the source's."""
+    Compiled without fastmath: the order is the source's."""
     R, K = x.shape
     nb, G = q.shape[0], sz.shape[0]
     gs = K // G

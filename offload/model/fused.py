@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from offload.model.kernels import DENSE_KIND, INT8, NO_SCALES, _as_numpy, _bits, _threads, numba, packed_supported
+from offload.model.kernels import DENSE_KIND, INT8, NO_SCALES, _as_numpy, _threads, numba, packed_args, packed_supported
 
 if numba is not None:
     from numba import njit
@@ -259,10 +259,7 @@ def _matrix(m) -> tuple[np.ndarray, np.ndarray, int]:
     [rows / 64, K, 32]; their scales' raw bits or none; shift)."""
     if isinstance(m, torch.Tensor):
         return _raw(m.contiguous()), NO_SCALES, 0
-    if m.bits == 4:
-        _, rows, half = m.q.shape
-        return (m.q.contiguous().view(rows // 64, 2 * half, 32).numpy(), *_bits(m.sz[0].contiguous()))
-    return (m.q.contiguous().numpy(), *_bits(m.sz.contiguous()))
+    return packed_args(m.q, m.sz)
 
 
 def _weights(mats: tuple, norms: tuple[torch.Tensor, torch.Tensor], dt: torch.dtype) -> tuple:

@@ -29,6 +29,7 @@ Knows nothing about models, tiers or files.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -70,8 +71,6 @@ def _stamp_kernel_sources() -> None:
     compiled in: after a change to cpu_int8.py alone (a `git pull` touching only it) the fused layer would keep
     running the old int8 kernel from its cache. Every cached function of this package's kernels is stamped with all
     their files instead. (numba's locator API is private: where it differs, only this guard is lost.)"""
-    import hashlib
-
     from numba.core import caching
     mixin = getattr(caching, "_SourceFileBackedLocatorMixin", None)
     if mixin is None or getattr(mixin.get_source_stamp, "offload", False):
@@ -223,13 +222,12 @@ if numba is not None:
                 bits[j, k] = src[k]
 
     @_jit
-    def _dense(x, w, sz, shift, out, kind):  # pragma: no cover - compiled
-        """x [R, K] f32, w [N, K] of `kind` (`_widen`; sz, shift: unused, the int8 kernel's) -> out [R, N] f32.
-        For 8 weight rows at a time and `_KC` columns at a time, the weights are widened
-        exactly into a float32 buffer (read from DRAM once, from L1 or L2 by every row), then `_dot8x3` takes each
-        three rows of x and `_dot8` the one or two left; each chunk's sums are added to the outputs in order. The
-        chunks are the same for every R, so a row's bits are too. (One function with a kind, not one closure per
-        dtype: numba's cache does not keep closures.)"""
+    def _dense(x, w, out, kind):  # pragma: no cover - compiled
+        """x [R, K] f32, w [N, K] of `kind` (`_widen`) -> out [R, N] f32. For 8 weight rows at a time and `_KC`
+        columns at a time, the weights are widened exactly into a float32 buffer (read from DRAM once, from L1 by
+        every row: 16 KiB), then `_dot8x3` takes each three rows of x and `_dot8` the one or two left; each chunk's
+        sums are added to the outputs in order. The chunks are the same for every R, so a row's bits are too. (One
+        function with a kind, not one closure per dtype: numba's cache does not keep closures.)"""
         R, K = x.shape
         N = w.shape[0]
         for c in prange((N + _CHUNK - 1) // _CHUNK):
@@ -254,11 +252,11 @@ if numba is not None:
 
     @overload(_product)
     def _product_by_type(x, w, sz, shift, out, kind):  # pragma: no cover - compiled
-        if w.dtype == types.uint8 and w.ndim == 3:
-            return lambda x, w, sz, shift, out, kind: _int4(x, w, sz, shift, out)
+        if w.dtype == types.uint8 and w.ndim == 3:  # (int4 scales' dtype says their shift)
+            return lambda x, w, sz, shift, out, kind: _int4(x, w, sz, out)
         if w.dtype == types.uint8:
             return lambda x, w, sz, shift, out, kind: _int8(x, w, sz, shift, out)
-        return lambda x, w, sz, shift, out, kind: _dense(x, w, sz, shift, out, kind)
+        return lambda x, w, sz, shift, out, kind: _dense(x, w, out, kind)
 
 #: The dense kernel's weight kinds (`_widen`): a dense matrix's dtype, and INT8 (codes with their scales).
 DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is not None else {}
@@ -310,7 +308,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     x2 = x.reshape(-1, K).to(torch.float32).contiguous()
     y = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
     if y.numel():
-        _dense(x2.numpy(), _as_numpy(w.contiguous()), NO_SCALES, 0, y.numpy(), DENSE_KIND[w.dtype])
+        _dense(x2.numpy(), _as_numpy(w.contiguous()), y.numpy(), DENSE_KIND[w.dtype])
     if bias is not None:
         y += bias
     return (y if x.dtype == torch.float32 else y.to(x.dtype)).reshape(*lead, w.shape[0])
@@ -331,8 +329,8 @@ def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.T
     x32 = x.to(torch.float32).contiguous()
     out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
     if x32.shape[0]:
-        bits, shift = _bits(sz[0].contiguous())
-        _int4(x32.numpy(), q.contiguous().view(rows // 64, K, 32).numpy(), bits, shift, out.numpy())
+        tiles, bits, _ = packed_args(q, sz)
+        _int4(x32.numpy(), tiles, bits, out.numpy())
     return out
 
 
@@ -346,9 +344,18 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Ten
     x32 = x.to(torch.float32).contiguous()
     out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
     if out.numel():
-        bits, shift = _bits(sz.contiguous())
-        _int8(x32.numpy(), q.contiguous().numpy(), bits, shift, out.numpy())
+        _int8(x32.numpy(), *packed_args(q, sz), out.numpy())
     return out
+
+
+def packed_args(q: torch.Tensor, sz: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
+    """A packed matrix as the compiled kernels take it: (int8 codes [rows, K], or int4 tiles [rows / 64, K, 32] of
+    the plane; the raw bits of the (scale, min / zero) pairs, [rows, K / g, 2] for int8 and [K / g, rows, 2] for
+    int4; the shift that widens those bits to float32)."""
+    if q.dim() == 2:
+        return (q.contiguous().numpy(), *_bits(sz.contiguous()))
+    _, rows, half = q.shape
+    return (q.contiguous().view(rows // 64, 2 * half, 32).numpy(), *_bits(sz[0].contiguous()))
 
 
 def _bits(t: torch.Tensor) -> tuple[np.ndarray, int]:

@@ -25,7 +25,9 @@ float32 and uint32 that the kernels round with (`_f32_bits`, `_bits_f32`).
 
 from __future__ import annotations
 
+import llvmlite.binding as llvm
 import llvmlite.ir as ir
+from numba import config
 from numba.core import cgutils, types
 from numba.extending import intrinsic, models, register_model
 
@@ -186,8 +188,6 @@ def prefetch(typingctx, a, i):  # pragma: no cover - compiled
 
 def _avx512() -> bool:
     """Does numba compile for a CPU with AVX-512 (its features, or the host's)?"""
-    import llvmlite.binding as llvm
-    from numba import config
     features = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
     return "+avx512f" in features.split(",")
 
