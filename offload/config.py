@@ -208,7 +208,8 @@ class WeightsConfig:
                              "quantized (asymmetric round-to-nearest along the input dimension)", "none")
     group_size: int = _opt(_int(2), "input columns sharing one scale and zero (must divide every input dim)", 64)
     keep: tuple[str, ...] = _opt(_names("qkv", "o", "gate_up", "down", "lm_head"),
-                                 "matrices kept in the compute dtype", ("lm_head",))
+                                 "matrices kept in the compute dtype (the LM head, when packed, is int8 even in an "
+                                 "int4 format, as llama.cpp keeps its output matrix at 6-8 bits)", ())
 
 
 @dataclass(frozen=True)

@@ -115,11 +115,13 @@ class Prefetcher:
         return self.ring[load.slot][:size]
 
     @interrupts.deferring
-    def release(self, group: str) -> None:
+    def release(self, group: str, span: tuple[float, float] | None = None) -> None:
+        """Compute is done with the group. span: when its computation ran (timeline times), where the caller timed it
+        itself (layers in one call, each timed inside it); else from its acquire to now."""
         load, start, start_marker = self._current.pop(group)
         self.side.advance()
         done = self.engine.mark_compute()
-        self._record_compute(group, start, start_marker, done, load)
+        self._record_compute(group, start, start_marker, done, load, span)
         if load is None:
             return
         with self._cond:
@@ -150,7 +152,7 @@ class Prefetcher:
         return self.engine.mark_compute() if self.engine.device.type == "cuda" else None
 
     def _record_compute(self, group: str, start: float, start_marker: Marker | None, done: Marker,
-                        load: Load | None) -> None:
+                        load: Load | None, span: tuple[float, float] | None = None) -> None:
         if not self.timeline.enabled:
             return
         slot, args = (None, {}) if load is None else (load.slot, {"k": load.k})
@@ -158,7 +160,8 @@ class Prefetcher:
             self.timeline.add_cuda("compute", group, start_marker.event, done.event, slot=slot,  # type: ignore
                                    device=self.engine.device, **args)
         else:
-            self.timeline.add("compute", group, start, self.timeline.now(), slot=slot, **args)
+            start, end = span or (start, self.timeline.now())
+            self.timeline.add("compute", group, start, end, slot=slot, **args)
 
     def _home_view(self, group: str) -> torch.Tensor:
         tier = self.tiers[self.plan.homes[group]]

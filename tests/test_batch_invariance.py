@@ -15,6 +15,7 @@ import torch
 from offload.model import fused, kernels
 from offload.runtime.engine import Engine, Request, Sampling
 from offload.runtime.executor import ForwardBatch
+from offload.runtime.resident import ResidentLayers
 from offload.runtime.runner import Runner
 from offload.weights import quant
 from tests.conftest import run_config
@@ -43,9 +44,11 @@ def test_a_products_row_has_the_same_bits_at_any_place_in_any_pass(K, kind):
     x = torch.randn(11, K, generator=g)
     if kind == "int8":  # groups of 64 / 53 / 128 / 17 columns (some not whole 16s), scales in float32 or bf16
         gs = {576: 64, 583: 53, 2048: 128, 17: 17}[K]
-        q = torch.randint(0, 256, (37, K), dtype=torch.uint8, generator=g)
-        sz = torch.rand(37, K // gs, 2, generator=g).to(torch.float32 if K % 2 == 0 else torch.bfloat16)
-        w = (q.view(37, K // gs, gs) * sz[..., :1].float() + sz[..., 1:].float()).view(37, K)
+        codes = torch.randint(0, 256, (128, K), dtype=torch.uint8, generator=g)  # two 64-row tiles
+        sz = torch.rand(K // gs, 128, 2, generator=g).to(torch.float32 if K % 2 == 0 else torch.bfloat16)
+        pairs = sz.transpose(0, 1).float()  # [rows, groups, 2]
+        w = (codes.view(128, K // gs, gs) * pairs[..., :1] + pairs[..., 1:]).view(128, K)
+        q = codes.view(2, 64, K).transpose(1, 2).contiguous()  # [tiles, K, 64]
         product, ref = (lambda v: kernels.int8_linear(v, q, sz)), x @ w.T
     else:
         w = torch.randn(37, K, generator=g).to(getattr(torch, kind))
@@ -172,14 +175,20 @@ def test_the_throughput_mode_gives_each_request_its_tokens_alone_at_any_batch(wi
                                                   ("llama", "int8"), ("llama", "int4")])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_fused_cpu_layer_gives_the_op_by_op_layers_bits(model_factory, family, quantization, dtype, monkeypatch):
-    """A CPU layer runs as one compiled call (`fused.decoder_layer`) where it can and op by op where it cannot
-    (cold KV blocks, MoE, q/k norms): both give the same bits, so a step's tokens do not depend on which ran (a
-    prompt chunk and decode rows in one pass, biases (Qwen2), a sliding window (Mistral), int8 and int4 matrices)."""
+    """A CPU pass runs its resident layers back to back in one compiled call (`fused.LayerRun`), else each layer as
+    one call (`fused.decoder_layer`) where it can and op by op where it cannot (cold KV blocks, MoE, q/k norms): all
+    three give the same bits, so a step's tokens do not depend on which ran (a prompt chunk and decode rows in one
+    pass, biases (Qwen2), a sliding window (Mistral), int8 and int4 matrices)."""
     model = model_factory(family, dtype=dtype, overrides={"sliding_window": 4} if family == "mistral" else {})
-    calls = []
-    monkeypatch.setattr(fused, "decoder_layer", lambda *a, real=fused.decoder_layer: (calls.append(1), real(*a))[1])
+    calls = {"run": 0, "layer": 0}
+    monkeypatch.setattr(fused, "decoder_layer", lambda *a, real=fused.decoder_layer: (
+        calls.__setitem__("layer", calls["layer"] + 1), real(*a))[1])
+    real_run = fused.LayerRun.__call__
+    monkeypatch.setattr(fused.LayerRun, "__call__", lambda *a: (calls.__setitem__("run", calls["run"] + 1),
+                                                               real_run(*a))[1])
 
     def passes() -> list[torch.Tensor]:
+        calls.update(run=0, layer=0)
         weights = {"quantization": quantization, "group_size": 8}  # (8 divides the tiny model's 344)
         cfg = run_config(model, dtype=dtype, compute_dtype=dtype, weights=weights)
         with Runner.from_config(cfg) as r, torch.inference_mode():
@@ -190,10 +199,13 @@ def test_the_fused_cpu_layer_gives_the_op_by_op_layers_bits(model_factory, famil
             out.append(r.target.forward(ForwardBatch.every_token(sids, [[4], [5, 6], [1, 2, 3]])))  # mixed
             return out
 
-    got = passes()
-    assert calls, "the fused layer did not run"
+    whole = passes()
+    assert calls == {"run": 3, "layer": 0}, "the pass did not run its layers in one call"
+    monkeypatch.setattr(ResidentLayers, "possible", False)
+    by_layer = passes()
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    assert calls == {"run": 0, "layer": 3 * layers}
     monkeypatch.setattr(fused, "layer_supported", lambda *a: False)
-    calls.clear()
-    want = passes()
-    assert not calls
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    op_by_op = passes()
+    assert calls == {"run": 0, "layer": 0}
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(whole, by_layer, op_by_op))

@@ -15,8 +15,8 @@ def _stamp(func, path):
     return caching.InTreeCacheLocator(func, path).get_source_stamp()
 
 
-def test_a_cached_layer_is_stamped_with_the_int8_kernel_it_compiles_in():
-    """The fused layer's cache holds the int8 kernel compiled into it: its stamp must change when cpu_int8.py does,
+def test_a_cached_layer_is_stamped_with_the_packed_kernels_it_compiles_in():
+    """The fused layer's cache holds the int8 kernel compiled into it: its stamp must change when cpu_packed.py does,
     although the layer lives in fused.py (a `git pull` touching one file must not leave the old kernel running)."""
     from offload.model import fused
     here = os.path.dirname(kernels.__file__)
@@ -25,7 +25,7 @@ def test_a_cached_layer_is_stamped_with_the_int8_kernel_it_compiles_in():
         with open(os.path.join(here, name), "rb") as f:
             digest.update(f.read())
     own, everything = _stamp(fused._layer.py_func, fused.__file__)
-    assert everything == digest.hexdigest() and "cpu_int8.py" in kernels._SOURCES
+    assert everything == digest.hexdigest() and "cpu_packed.py" in kernels._SOURCES
     with open(fused.__file__, "rb") as f:
         assert own == hashlib.sha256(f.read()).digest()  # numba's own stamp of the file, kept beside
 

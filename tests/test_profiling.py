@@ -120,6 +120,27 @@ def test_framework_hooks_show_our_ranges_in_torch_profiler(tiny_llama, store):
     assert any(n.startswith("offload/disk-read/") for n in names)
 
 
+def test_layers_run_in_one_call_still_get_a_compute_span_each_in_order(tiny_llama, monkeypatch):
+    """All resident on a CPU, a pass's layers run in one compiled call (`fused.LayerRun`); each layer still gets its
+    own compute span (timed inside the call), in layer order, one after the other, inside the call."""
+    from offload.model import fused
+
+    ran, real = [], fused.LayerRun.__call__
+    monkeypatch.setattr(fused.LayerRun, "__call__", lambda *a: (ran.append(1), real(*a))[1])
+    with Runner.from_config(run_config(tiny_llama)) as r:
+        r.generate([[1, 5, 9]], max_new_tokens=4, stop_on_eos=False)
+        layers = r.cfg.num_layers
+        spans = [s for s in r.timeline.spans if s.track == "compute"]
+    assert len(ran) == 4  # the prompt and three decode steps
+    steps = sorted({s.step for s in spans})
+    assert len(steps) == 4
+    for step in steps:
+        mine = [s for s in spans if s.step == step]
+        assert [s.name for s in mine] == [f"layer.{i}" for i in range(layers)] + ["head"]
+        assert all(s.end >= s.start for s in mine)
+        assert all(a.end <= b.start + 1e-9 for a, b in zip(mine, mine[1:]))
+
+
 def test_no_spans_when_the_timeline_is_off(tiny_llama, store):
     from schedulers.timeline import Timeline
 

@@ -60,17 +60,20 @@ def test_tile_order_round_trips_and_torch_kernel_reads_it_only_where_torch_packs
         assert quant._torch_packs_like_us() == alike
 
 
-def test_int8_is_one_byte_a_weight_row_major_and_multiplies_as_one_product():
-    """int8 is not two int4 planes (two products): its codes are the matrix's bytes, row by row."""
+def test_int8_is_one_byte_a_weight_in_64_row_tiles():
+    """int8 is not two int4 planes (two products): one byte a weight, a column's 64 bytes the 64 rows of a tile (the
+    kernel reads a tile as one stream), the scales group-major as int4's."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(100, 128, generator=g)
     packed = quant.quantize(w, 8, 64, torch.bfloat16)
-    assert quant.packed_shapes(100, 128, 8, 64) == {"q": (128, 128), "sz": (128, 2, 2)}
-    assert packed["q"].shape == (128, 128) and packed["sz"].shape == (128, 2, 2)
+    assert quant.packed_shapes(100, 128, 8, 64) == {"q": (2, 128, 64), "sz": (2, 128, 2)}
+    assert packed["q"].shape == (2, 128, 64) and packed["sz"].shape == (2, 128, 2)
     lo = w.view(100, 2, 64).amin(-1)
     scale = (w.view(100, 2, 64).amax(-1) - lo) / 255
     codes = ((w.view(100, 2, 64) - lo[..., None]) / scale[..., None]).round().view(100, 128)
-    assert torch.equal(packed["q"][:100].float(), codes)
+    rows = packed["q"].transpose(1, 2).reshape(128, 128)  # tile b, column k, byte j: row 64 b + j
+    assert torch.equal(rows[:100].float(), codes)
+    assert torch.equal(packed["sz"][:, :100].float(), torch.stack([scale.T, lo.T], -1).bfloat16().float())
 
 
 @pytest.mark.parametrize("bits,group,rows", [(4, 64, 128), (8, 64, 100), (4, 32, 70), (8, 8, 64), (4, 16, 3)])
@@ -121,15 +124,21 @@ def hf_with(path, fmt: WeightFormat):
                 for m in mods:
                     m.weight.data = torch.from_numpy(reference_rtn(m.weight.data.numpy(), fmt.bits,
                                                                    fmt.group_size)).float()
-    if packs["lm_head"]:
-        model.lm_head.weight.data = torch.from_numpy(
-            reference_rtn(model.lm_head.weight.data.numpy(), fmt.bits, fmt.group_size)).float()
+    if packs["lm_head"]:  # at 8 bits in any format; a new parameter: a tied model's embedding rows stay dense
+        model.lm_head.weight = torch.nn.Parameter(torch.from_numpy(
+            reference_rtn(model.lm_head.weight.data.numpy(), fmt.tensor_bits("lm_head"), fmt.group_size)).float())
     return model
 
 
-@pytest.mark.parametrize("quantization,group,keep", [("int8", 64, ["lm_head"]), ("int4", 64, []),
-                                                     ("int4", 32, ["lm_head", "down"]), ("int8", 8, [])])
-def test_quantized_model_matches_transformers_on_the_dequantized_weights(model, quantization, group, keep):
+@pytest.mark.parametrize("quantization,group,keep,tied", [
+    ("int8", 64, ["lm_head"], False), ("int4", 64, [], False), ("int4", 32, ["lm_head", "down"], False),
+    ("int8", 8, [], False), ("int4", 64, [], True), ("int8", 32, ["lm_head"], True)])
+def test_quantized_model_matches_transformers_on_the_dequantized_weights(model, model_factory, quantization, group,
+                                                                         keep, tied):
+    """Packed matrices as the reference dequantizes them; the LM head at int8 in any format (a tied one too: its
+    embedding rows stay dense)."""
+    if tied:
+        model = model_factory("llama", tie=True, overrides={"intermediate_size": 384})
     weights = {"quantization": quantization, "group_size": group, "keep": keep}
     hf = hf_with(model, WeightFormat(quantization, group, tuple(keep)))
     with Runner.from_config(run_config(model, weights=weights)) as r:

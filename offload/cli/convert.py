@@ -26,8 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("--weights", choices=("none", "int8", "int4"), default="none",
                       help="store the weight matrices group-wise quantized (must match the run's weights.quantization)")
     conv.add_argument("--group-size", type=int, default=64, help="input columns per scale/zero (weights.group_size)")
-    conv.add_argument("--keep", nargs="*", choices=LINEARS, default=["lm_head"],
-                      help="matrices kept in the compute dtype (weights.keep)")
+    conv.add_argument("--keep", nargs="*", choices=LINEARS, default=[],
+                      help="matrices kept in the compute dtype (weights.keep; a packed LM head is int8)")
     conv.add_argument("--model-impl", choices=("auto", "native", "transformers"), default="auto",
                       help="the run's model_impl: its groups are laid out for it (must match the run's)")
     conv.add_argument("--force", action="store_true", help="replace a complete store")

@@ -46,6 +46,11 @@ class LayerKV:
             return None
         return self._pool(), step.slot_blocks, step.slot_offsets, step.table, self._step_mask(window)
 
+    def planes(self, n: int) -> torch.Tensor:
+        """The device pool's planes of n layers from this one, [n, slots, 2, block_size, Hkv, D] (layers that run
+        in one call: `offload.model.fused.LayerRun`)."""
+        return self.cache.stores["gpu"].arrays["kv"].data[self.plane : self.plane + n]
+
     def _pool(self) -> torch.Tensor:
         """This layer's plane of the device pool, [slots, 2, block_size, Hkv, D]."""
         return self.cache.stores["gpu"].arrays["kv"].data[self.plane]

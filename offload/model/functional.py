@@ -9,7 +9,7 @@ sequence using the step's `BatchLayout`. This module knows nothing about tiers o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -349,6 +349,22 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
         return x + linear(fused.silu_mul(gate_up), w.down, w.down_bias, groups)
     gate, up = gate_up.chunk(2, dim=-1)
     return x + linear(F.silu(gate) * up, w.down, w.down_bias, groups)
+
+
+def layer_run(x: torch.Tensor, ws: Sequence[LayerWeights], cfg: ModelConfig) -> fused.LayerRun | None:
+    """Decoder layers with weights ws, run back to back in one compiled call (`fused.LayerRun`: called with the
+    pass's cos / sin, the layers' pool planes and the step's indices, the same bits as `decoder_layer` on each), or
+    None where one of them does not take the fused layer."""
+    if cfg.clip_qkv is not None or any(w.moe is not None or w.q_norm is not None for w in ws):
+        return None
+    layers = [((w.qkv, w.qkv_bias, w.o, w.o_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias),
+               (w.input_norm, w.post_norm)) for w in ws]
+    if not fused.LayerRun.supported(x, layers):
+        return None
+    try:
+        return fused.LayerRun(layers, x.dtype)
+    except TypeError:  # arguments of more than one numba type (one list holds them): layer by layer
+        return None
 
 
 def head(x: torch.Tensor, w: HeadWeights, cfg: ModelConfig,

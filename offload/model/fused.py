@@ -14,13 +14,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from offload.model.kernels import DENSE_KIND, INT8, NO_SCALES, _as_numpy, _threads, numba, packed_args, packed_supported
+from offload.model.kernels import (
+    DENSE_KIND,
+    NO_SCALES,
+    PACKED,
+    _as_numpy,
+    _threads,
+    numba,
+    packed_args,
+    packed_supported,
+)
 
 if numba is not None:
     from numba import njit
 
     from offload.model.cpu_attention import _attend
     from offload.model.kernels import _bits_f32, _f32_bits, _product
+    from offload.model.simd import cycles
 
     @njit(inline="always")
     def _bf16_bits(f):  # pragma: no cover - compiled
@@ -116,7 +126,7 @@ if numba is not None:
         """One decoder layer of a Llama-family model on flat rows x [N, H] (raw bits), every op as
         `functional.decoder_layer` does it on a CPU (the same kernels and roundings: the same bits), in one
         call: norms, products (parallel), RoPE, the K/V write into the paged pool kv, attention over it, the
-        SwiGLU MLP, the residuals -> out [N, H] raw bits. Matrices: raw bits, int8 codes or int4 tiles
+        SwiGLU MLP, the residuals -> out [N, H] raw bits. Matrices: raw bits, or int8 or int4 tiles
         (`kernels._product`; kind: `kernels._dense`'s; scales, shifts: the raw bits of packed matrices' (scale,
         min / zero) pairs, each padded to whole tiles of rows: only the first features count, inter for gate_up's
         halves). Biases: [1, n] raw bits, or [1, 0] for none."""
@@ -191,6 +201,22 @@ if numba is not None:
             for j in range(H):
                 _store(out, n, j, _rnd(x32[n, j] + _biased(y[n, j], down_b, j, bf16), bf16), bf16)
 
+    @njit(nogil=True, cache=True)
+    def _layers(x, layers, kv, eps, cos, sin, slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq, scale,
+                kind, bf16, tmp, out, stamps):  # pragma: no cover - compiled
+        """Decoder layers back to back, each `_layer` with its weight arguments layers[i] (`_weights`) and plane i
+        of the pool kv [layers, slots, 2, block_size, Hkv, D]: x -> out, through tmp. stamps[0] = the cycle
+        counter at the start, stamps[i + 1] when layer i is done (`simd.cycles`)."""
+        n = len(layers)
+        stamps[0] = cycles()
+        src = x
+        for i in range(n):
+            dst = out if (n - 1 - i) % 2 == 0 else tmp  # the last layer writes out
+            _layer(src, *layers[i], eps, cos, sin, kv[i], slot_blocks, slot_offsets, table, mask, pad_index, unpad,
+                   hq, scale, kind, bf16, dst)
+            src = dst
+            stamps[i + 1] = cycles()
+
 #: (activation dtype, matrix dtype) pairs the layer takes (a bf16 model computing in float32 widens as it multiplies)
 LAYER_DTYPES = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)} \
     if numba is not None else set()
@@ -255,8 +281,8 @@ def _bias(b: torch.Tensor | None, dtype: torch.dtype) -> np.ndarray:
 
 
 def _matrix(m) -> tuple[np.ndarray, np.ndarray, int]:
-    """A matrix as the product kernels take it (`kernels._product`): (raw bits, int8 codes [rows, K] or int4 tiles
-    [rows / 64, K, 32]; their scales' raw bits or none; shift)."""
+    """A matrix as the product kernels take it (`kernels._product`): (raw bits, or int8 / int4 tiles [rows / 64, K,
+    64 / 32]; their scales' raw bits or none; shift)."""
     if isinstance(m, torch.Tensor):
         return _raw(m.contiguous()), NO_SCALES, 0
     return packed_args(m.q, m.sz)
@@ -309,8 +335,43 @@ def decoder_layer(x: torch.Tensor, mats: tuple, norms: tuple[torch.Tensor, torch
     x = x.contiguous()
     out = torch.empty_like(x)
     dt = x.dtype
-    kind = INT8 if _packed(qkv) else DENSE_KIND[qkv.dtype]
+    kind = PACKED if _packed(qkv) else DENSE_KIND[qkv.dtype]
     _layer(_raw(x), *_weights(mats, norms, dt), float(eps), _index(cos, raw=True), _index(sin, raw=True),
            _raw(kv, keep=True),
            *(_index(t) for t in index), heads, float(scale), kind, dt == torch.bfloat16, _raw(out))
     return out
+
+
+class LayerRun:
+    """Decoder layers back to back in one compiled call (`_layers`), for a run of layers whose weights stay where
+    they are (resident): per layer, the Python of a call (~0.1 ms: arguments, checks, numba's dispatch of ~30 of
+    them) is as much as a small model's products. Made once for a set of weight objects (`_weights` of each
+    layer: mats, norms as `decoder_layer` takes them); the same bits as calling `decoder_layer` layer by layer."""
+
+    def __init__(self, layers: list[tuple[tuple, tuple]], dt: torch.dtype) -> None:
+        from numba import typed
+
+        self.dt, self.size = dt, len(layers)
+        self.args = typed.List([_weights(mats, norms, dt) for mats, norms in layers])  # one numba type: or TypeError
+        qkv = layers[0][0][0]
+        self.width = qkv.out_features if _packed(qkv) else qkv.shape[0]
+        self.kind = PACKED if _packed(qkv) else DENSE_KIND[qkv.dtype]
+
+    @staticmethod
+    def supported(x: torch.Tensor, layers: list[tuple[tuple, tuple]]) -> bool:
+        """Does every layer take `decoder_layer`, all with matrices of one kind (one compiled loop)?"""
+        kinds = {(type(m[0]), getattr(m[0], "bits", None), getattr(m[0], "dtype", None)) for m, _ in layers}
+        return bool(layers) and len(kinds) == 1 and all(layer_supported(x, m) for m, _ in layers)
+
+    def __call__(self, x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                 index: tuple[torch.Tensor, ...], heads: int, scale: float) -> tuple[torch.Tensor, np.ndarray]:
+        """x [N, H] through the layers (kv: the pool's planes of these layers, [layers, slots, 2, block_size, Hkv,
+        D]; the rest as `decoder_layer`'s) -> (out [N, H], the cycle counter at the start and after each layer)."""
+        _threads(x.numel() * self.width)
+        x = x.contiguous()
+        out, tmp = torch.empty_like(x), torch.empty_like(x)
+        stamps = np.zeros(self.size + 1, np.int64)
+        _layers(_raw(x), self.args, _raw(kv, keep=True), float(eps), _index(cos, raw=True), _index(sin, raw=True),
+                *(_index(t) for t in index), heads, float(scale), self.kind, self.dt == torch.bfloat16, _raw(tmp),
+                _raw(out), stamps)
+        return out, stamps

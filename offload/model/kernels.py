@@ -14,11 +14,10 @@ all its rows (the weights read once), not one product per column.
              2-core AVX-512 machine, SmolLM2-135M's bf16 matrices, 30 layers' worth (212 MB, beyond the cache):
              this layout 14-16 GB/s at batch 1 against 7-9 GB/s for the earlier 4-row-padded blocking and
              13 GB/s for torch's bf16 F.linear; at 9 rows 7.8 against 5.5 and 3.6.
-    int4     the group-wise tile layout of `offload.weights.quant` (torch's CPU int4 packing):
-             `offload.model.cpu_int4`, across the 64 rows of a tile in explicit 16-lane vectors, each output
-             accumulating along k in order (torch's `_weight_int4pack_mm_for_cpu` only without numba).
-    int8     row-major codes with a (scale, min) per group: `offload.model.cpu_int8` (each weight made as
-             fma(code, scale, min) in explicit 16-lane vectors as it is read, or once into an L1 buffer for many rows).
+    int4     the group-wise tile layouts of `offload.weights.quant` (int4: torch's CPU int4 packing; int8: one
+    int8     byte a weight in the same 64-row tiles): `offload.model.cpu_packed`, across the 64 rows of a tile
+             in explicit 16-lane vectors, each output accumulating along k in order, scaled once a group
+             (torch's `_weight_int4pack_mm_for_cpu` only without numba).
 
     layer    `offload.model.fused`: a whole decoder layer in one compiled call over these kernels.
 
@@ -52,8 +51,8 @@ ROW_INVARIANT = numba is not None
 #: Which CPU kernels a calibration measured (raised when their speed changes: a calibration of older ones is
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py). 2: three-row tiles, 512-column chunks;
 #: 3: int8 widened by whole groups, attention by KV head; 4-5: int8 by whole rows; 6: int8 in explicit lanes;
-#: 7: int4 in explicit lanes.
-VERSION = 7
+#: 7: int4 in explicit lanes; 8: int8 in int4's tiles.
+VERSION = 8
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
@@ -63,13 +62,13 @@ _CHUNK = 16
 _KC = 512
 
 #: The files whose compiled code numba's cache keeps for this package (see `_stamp_kernel_sources`).
-_SOURCES = ("kernels.py", "cpu_int4.py", "cpu_int8.py", "cpu_attention.py", "fused.py", "simd.py")
+_SOURCES = ("kernels.py", "cpu_packed.py", "cpu_attention.py", "fused.py", "simd.py")
 
 
 def _stamp_kernel_sources() -> None:
     """numba checks a cached function against its own file only, and a function's cache holds the kernels it calls
-    compiled in: after a change to cpu_int8.py alone (a `git pull` touching only it) the fused layer would keep
-    running the old int8 kernel from its cache. Every cached function of this package's kernels is stamped with all
+    compiled in: after a change to cpu_packed.py alone (a `git pull` touching only it) the fused layer would keep
+    running the old packed kernels from its cache. Every cached function of this package's kernels is stamped with all
     their files instead. (numba's locator API is private: where it differs, only this guard is lost.)"""
     from numba.core import caching
     mixin = getattr(caching, "_SourceFileBackedLocatorMixin", None)
@@ -115,8 +114,7 @@ if numba is not None:
     from numba.core import types
     from numba.extending import overload
 
-    from offload.model.cpu_int4 import _int4
-    from offload.model.cpu_int8 import _int8
+    from offload.model.cpu_packed import _int4, _int8, packed
     from offload.model.simd import _bits_f32, _f32_bits  # noqa: F401 - the fused layer's too
 
     @njit(inline="always")
@@ -246,21 +244,19 @@ if numba is not None:
                         _dot8(x, r, buf, n, count, out, k0, kc)
 
     def _product(x, w, sz, shift, out, kind):
-        """out = x @ w.T for compiled callers: int4 tiles (uint8 [rows / 64, K, 32]) by `cpu_int4`, int8 codes (uint8
-        [rows, K]) by `cpu_int8`, other weights by `_dense` (chosen by type when the caller compiles, so none is
-        compiled for another's weights)."""
+        """out = x @ w.T for compiled callers: int8 / int4 tiles (uint8 [rows / 64, K, 64 / 32]) by `cpu_packed`
+        (the width chosen at run time), other weights by `_dense` (chosen by type when the caller compiles, so none
+        is compiled for another's weights)."""
 
     @overload(_product)
     def _product_by_type(x, w, sz, shift, out, kind):  # pragma: no cover - compiled
-        if w.dtype == types.uint8 and w.ndim == 3:  # (int4 scales' dtype says their shift)
-            return lambda x, w, sz, shift, out, kind: _int4(x, w, sz, out)
-        if w.dtype == types.uint8:
-            return lambda x, w, sz, shift, out, kind: _int8(x, w, sz, shift, out)
+        if w.dtype == types.uint8:  # (the scales' dtype says their shift)
+            return lambda x, w, sz, shift, out, kind: packed(x, w, sz, out)
         return lambda x, w, sz, shift, out, kind: _dense(x, w, out, kind)
 
-#: The dense kernel's weight kinds (`_widen`): a dense matrix's dtype, and INT8 (codes with their scales).
+#: The dense kernel's weight kinds (`_widen`) by a dense matrix's dtype; PACKED: a packed matrix's (not read).
 DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is not None else {}
-INT8 = 3
+PACKED = 3
 NO_SCALES = np.zeros((0, 1, 2), np.uint16)  # the scales argument of a dense (not int8) product
 
 
@@ -320,7 +316,7 @@ def packed_supported(sz: torch.Tensor) -> bool:
 
 def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ the packed int4 plane (q uint8 [1, rows, K/2] in tile order, sz [1, K/g, rows, 2] bf16 or float32)
-    -> [M, rows] float32, every row independent of the others (`offload.model.cpu_int4`)."""
+    -> [M, rows] float32, every row independent of the others (`offload.model.cpu_packed`)."""
     _threads(x.numel() * q.shape[1])
     P, rows, half = q.shape
     K = 2 * half
@@ -335,24 +331,25 @@ def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.T
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ the int8 codes (q uint8 [rows, K], row-major; sz [rows, K/g, 2] (scale, min), bf16 or float32)
-    -> [M, rows] float32, every row independent of the others."""
-    _threads(x.numel() * q.shape[0])
-    rows, K = q.shape
-    if x.shape[-1] != K or sz.shape[1] == 0 or K % sz.shape[1] or sz.shape[0] != rows:
-        raise ValueError(f"x {tuple(x.shape)} does not fit int8 codes {tuple(q.shape)} / {tuple(sz.shape)}")
+    """x [M, K] @ the int8 tiles (q uint8 [rows / 64, K, 64]; sz [K/g, rows, 2] (scale, min), bf16 or float32)
+    -> [M, rows] float32, every row independent of the others (`offload.model.cpu_packed`)."""
+    nb, K, width = q.shape
+    _threads(x.numel() * nb * width)
+    if width != 64 or x.shape[-1] != K or sz.shape[0] == 0 or K % sz.shape[0] or sz.shape[1] != nb * width:
+        raise ValueError(f"x {tuple(x.shape)} does not fit int8 tiles {tuple(q.shape)} / {tuple(sz.shape)}")
     x32 = x.to(torch.float32).contiguous()
-    out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
+    out = torch.empty(x32.shape[0], nb * width, dtype=torch.float32)
     if out.numel():
-        _int8(x32.numpy(), *packed_args(q, sz), out.numpy())
+        tiles, bits, _ = packed_args(q, sz)
+        _int8(x32.numpy(), tiles, bits, out.numpy())
     return out
 
 
 def packed_args(q: torch.Tensor, sz: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
-    """A packed matrix as the compiled kernels take it: (int8 codes [rows, K], or int4 tiles [rows / 64, K, 32] of
-    the plane; the raw bits of the (scale, min / zero) pairs, [rows, K / g, 2] for int8 and [K / g, rows, 2] for
-    int4; the shift that widens those bits to float32)."""
-    if q.dim() == 2:
+    """A packed matrix as the compiled kernels take it: (its tiles, uint8 [rows / 64, K, 64] for int8 and the int4
+    plane's [rows / 64, K, 32]; the raw bits of the (scale, min / zero) pairs [K / g, rows, 2]; the shift that widens
+    those bits to float32)."""
+    if sz.dim() == 3:  # int8 (`quant.is_int8`)
         return (q.contiguous().numpy(), *_bits(sz.contiguous()))
     _, rows, half = q.shape
     return (q.contiguous().view(rows // 64, 2 * half, 32).numpy(), *_bits(sz[0].contiguous()))

@@ -17,6 +17,7 @@ register; elsewhere LLVM splits it, with the same results.
     vsum(v)              the lanes' sum: halves added (8 + 8, 4 + 4, 2 + 2, 1 + 1)
     fma(a, b, c)         the scalar a * b + c, rounded once
     prefetch(a, i)       a hint to bring a[i]'s cache line in
+    cycles()             the CPU's time-stamp counter (x86-64; elsewhere 0): where a compiled loop's steps end
 
 Bounds are the caller's: vload and vstore do not check them. A kernel using these is compiled without fastmath
 (numba gives its flags to every float operation that has none, `vsum`'s adds included). Also the bit moves between
@@ -24,6 +25,8 @@ float32 and uint32 that the kernels round with (`_f32_bits`, `_bits_f32`).
 """
 
 from __future__ import annotations
+
+import platform
 
 import llvmlite.binding as llvm
 import llvmlite.ir as ir
@@ -184,6 +187,24 @@ def prefetch(typingctx, a, i):  # pragma: no cover - compiled
         builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
     return types.none(a, i), codegen
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+@intrinsic
+def cycles(typingctx):  # pragma: no cover - compiled
+    """The time-stamp counter (`rdtsc`, constant-rate on the CPUs that have `constant_tsc`) as an int64: spans inside
+    one compiled call, placed on the timeline against the host clock read around it. 0 off x86-64 (another
+    architecture's cycle counter may trap in user mode)."""
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        if not _x86():
+            return ir.Constant(i64, 0)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, []), "llvm.readcyclecounter")
+        return builder.call(fn, [])
+    return types.int64(), codegen
 
 
 def _avx512() -> bool:

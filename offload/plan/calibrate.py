@@ -326,11 +326,16 @@ def compute_sizes(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat, cal: 
     packed format's layers scaled by how much slower (or faster) its kernels went than the dense ones at one
     token, where the calibration measured the format (`compute["cpu/int4"]`); else at dense speed."""
     sizes = {name: layout.nbytes for name, layout in model_layouts(cfg, dtype).items()}
-    key = f"{device_type}/{fmt.quantization}"
-    if fmt.prequant is None and key in cal.compute and device_type in cal.compute:
-        factor = cal.weight_bytes_per_s(device_type, 1) / cal.weight_bytes_per_s(key, 1)
-        sizes = {g: int(n * factor) if g.startswith("layer.") else n for g, n in sizes.items()}
-    return sizes
+    if fmt.prequant is not None or fmt.quantization == "none" or device_type not in cal.compute:
+        return sizes
+
+    def factor(bits: int) -> float:
+        key = f"{device_type}/int{bits}"
+        return cal.weight_bytes_per_s(device_type, 1) / cal.weight_bytes_per_s(key, 1) if key in cal.compute else 1.0
+
+    layers, head = factor(fmt.bits), factor(fmt.tensor_bits("lm_head")) if fmt.packs(cfg, "lm_head") else 1.0
+    return {g: int(n * layers) if g.startswith("layer.") else int(n * head) if g == "head" else n
+            for g, n in sizes.items()}
 
 
 def kernels_id() -> str:

@@ -32,20 +32,20 @@ import logging
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from offload.config import OffloadConfig
-from offload.kv.blocks import StepKV
 from offload.kv.cache import PagedKVCache
 from offload.kv.view import LayerKV
 from offload.model import functional as M
 from offload.model.checkpoint import Checkpoint
 from offload.plan.planner import Planner, pass_tokens, resolve_capacities
 from offload.runtime.device import DTYPES, resolve_device, resolve_dtype  # noqa: F401 (re-exported)
+from offload.runtime.passes import ForwardBatch, LayerPass, PromptChunk  # noqa: F401 (re-exported)
+from offload.runtime.resident import ResidentLayers
 from offload.weights.groups import WeightFormat, check_tensors
 from offload.weights.tiered import TieredWeights
 from schedulers.plan import Capacities
@@ -67,7 +67,8 @@ class WeightSource(Protocol):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [N] (CPU) -> [N, H] on the device, compute dtype
     def acquire(self, group: str) -> dict[str, M.Weight]: ...  # the group's tensors (packed matrices as PackedWeight)
-    def release(self, group: str) -> None: ...  # its slot may be reused
+    # its slot may be reused; span: when its compute ran (timeline times), where the caller timed it itself
+    def release(self, group: str, span: tuple[float, float] | None = None) -> None: ...
     def experts(self, layer: int) -> Any: ...  # a MoE layer's ExpertSource (offload.weights.experts)
     def expert_stats(self) -> dict[str, Any]: ...  # the expert cache's hits, misses, prediction accuracy
     def abort_pass(self) -> None: ...  # a pass stopped half way: start the next one cleanly
@@ -78,76 +79,6 @@ class WeightSource(Protocol):
     def submit_side(self, jobs: Mapping[str, Callable[[], tuple[Any, int]]]) -> None: ...
     def side_result(self, group: str) -> Any: ...
     def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class ForwardBatch:
-    """The rows of one pass: the new `tokens[b]` of sequence `sids[b]` (ids in the executor's KV pool), and
-    which logits come back:
-
-        default          each sequence's last new token                              [B, V]
-        every=True       every new token                                             [sum(len(t)), V]
-        keep=(k0, ...)   the last keep[b] tokens of each sequence, each token column multiplied as a plain
-                         decode step would (speculative verification)                [sum(keep), V]
-                         lanes[b]: the tree branch sequence b verifies (-1: a prompt chunk riding along)
-    """
-
-    sids: tuple[int, ...]
-    tokens: tuple[tuple[int, ...], ...]
-    every: bool = False
-    keep: tuple[int, ...] | None = None
-    lanes: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        set_ = functools.partial(object.__setattr__, self)
-        set_("sids", tuple(self.sids))
-        set_("tokens", tuple(tuple(t) for t in self.tokens))
-        if len(self.sids) != len(self.tokens) or not all(self.tokens):
-            raise ValueError("a ForwardBatch has one non-empty token list per sequence")
-        if self.keep is not None:
-            set_("keep", tuple(self.keep))
-            set_("lanes", tuple(self.lanes) if self.lanes is not None else (0,) * len(self.sids))
-            if self.every or len(self.keep) != len(self.sids) or len(self.lanes) != len(self.sids) or any(
-                    not 0 < k <= len(t) for k, t in zip(self.keep, self.tokens)):
-                raise ValueError("verification keeps 1..len(tokens[b]) logits of each sequence, one lane each")
-        elif self.lanes is not None:
-            raise ValueError("lanes go with keep (speculative verification)")
-
-    @classmethod
-    def last(cls, sids: Sequence[int], tokens: Sequence[Sequence[int]]) -> ForwardBatch:
-        return cls(sids, tokens)  # type: ignore[arg-type]  (made tuples by __post_init__)
-
-    @classmethod
-    def every_token(cls, sids: Sequence[int], tokens: Sequence[Sequence[int]]) -> ForwardBatch:
-        return cls(sids, tokens, every=True)  # type: ignore[arg-type]
-
-    @classmethod
-    def verify(cls, sids: Sequence[int], tokens: Sequence[Sequence[int]], keep: Sequence[int],
-               lanes: Sequence[int] | None = None) -> ForwardBatch:
-        return cls(sids, tokens, keep=keep, lanes=lanes)  # type: ignore[arg-type]
-
-    @property
-    def q_lens(self) -> list[int]:
-        return [len(t) for t in self.tokens]
-
-
-@dataclass(frozen=True)
-class LayerPass:
-    """What every layer of one pass shares (made by `Executor.begin_pass`)."""
-
-    batch: ForwardBatch
-    ids: torch.Tensor  # [N] int64 (CPU): the new tokens, flat in row order
-    layout: M.BatchLayout  # where each row's tokens sit among the KV positions
-    step: StepKV  # this pass's block tables per tier (from `PagedKVCache.prepare`)
-    cos_sin: tuple[torch.Tensor, torch.Tensor]  # RoPE at every new token's position, [N, D] each
-    rope_table: M.Rope | None  # only when the KV cache rebuilds cold blocks from their layer inputs
-    cold: bool  # some blocks live in cold tiers: each layer's fetch rides with its weights
-
-
-class PromptChunk(NamedTuple):
-    sid: int
-    tokens: list[int]
-    start: int  # position of tokens[0] in the prompt
 
 
 class _Resources:
@@ -193,6 +124,7 @@ class Executor:
         self.traffic = Traffic()  # bytes moved by weights and KV blocks, per route
         self.layers = range(self.cfg.num_layers) if layers is None else layers  # the slice a pass runs
         self.layer_groups = tuple(f"layer.{i}" for i in range(self.cfg.num_layers))
+        self.resident = ResidentLayers(self)  # a CPU pass's resident layers in one compiled call
         caps = capacities if capacities is not None else resolve_capacities(config.tiers, self.device)
         run_plan = Planner(config, self.cfg, self.dtype, self.device, caps, self.layers, concurrency).run_plan()
         self.batch = run_plan.batch  # sequences the device KV pool keeps decoding together (None: sized per request)
@@ -291,8 +223,12 @@ class Executor:
         try:
             self._start_cold_fetch(p)
             x = self.weights.embed(p.ids) if hidden is None else hidden  # [N, H]
-            for i in self.layers:
-                x = self.layer(i, x, p)
+            ran = self.resident(x, p)
+            if ran is not None:
+                x = ran
+            else:
+                for i in self.layers:
+                    x = self.layer(i, x, p)
             out = self.head_logits(x, p) if self.has_head else x
         except BaseException:
             self.weights.abort_pass()

@@ -40,6 +40,7 @@ Sources = list[tuple[str, tuple[int, ...]]]
 #: Tensors that are matrices multiplied by activations: the ones a quantized format packs (the MoE router is
 #: not: it is small, and routing decisions flip with its rounding).
 LINEARS = ("qkv", "o", "gate_up", "down", "lm_head", "shared_gate_up", "shared_down")
+HEAD_BITS = 8  # the fewest bits an LM head is packed at (`WeightFormat.tensor_bits`)
 
 
 @dataclass(frozen=True)
@@ -49,22 +50,31 @@ class WeightFormat:
 
     quantization: str = "none"  # none | int8 | int4 | gptq | awq
     group_size: int = 64  # input columns per (scale, zero); must divide every packed matrix's input dim
-    keep: tuple[str, ...] = ("lm_head",)  # matrices kept dense (names of LINEARS)
+    keep: tuple[str, ...] = ()  # matrices kept dense (names of LINEARS)
     prequant: gptq.PrequantFormat | None = None  # a GPTQ/AWQ checkpoint's format: its bytes are kept as they are
 
     @property
     def bits(self) -> int:
         return {"int8": 8, "int4": 4}[self.quantization]
 
+    def tensor_bits(self, tensor: str) -> int:
+        """A packed tensor's bits: the format's, but the LM head never below 8 (the logits are what sampling reads;
+        llama.cpp's 4-bit files keep their output matrix at 6 or 8 bits too)."""
+        return max(self.bits, HEAD_BITS) if tensor == "lm_head" else self.bits
+
     def packs(self, cfg: ModelConfig, tensor: str) -> bool:
-        """Is this group tensor stored packed? A tied LM head doubles as the embedding table: never."""
+        """Is this group tensor stored packed? (A tied LM head packed leaves the embedding rows a dense `embed`
+        group of their own: `separate_embed`.)"""
         if cfg.impl == "transformers":  # the blocks' matrices, by their checkpoint names (keep: not theirs)
             return self.quantization in ("int8", "int4") and tensor in cfg.tensors.matrices
         if self.prequant is not None:  # GPTQ/AWQ checkpoints quantize the decoder layers' linears
             return tensor in LINEARS and tensor != "lm_head"
-        if self.quantization == "none" or tensor not in LINEARS or tensor in self.keep:
-            return False
-        return not (tensor == "lm_head" and cfg.tie_word_embeddings)
+        return self.quantization != "none" and tensor in LINEARS and tensor not in self.keep
+
+    def separate_embed(self, cfg: ModelConfig) -> bool:
+        """Are the token embeddings a group of their own (`embed`)? Untied: always; tied: when the head is packed
+        (the rows stay dense; the head's matrix is the same checkpoint tensor, quantized)."""
+        return not cfg.tie_word_embeddings or (cfg.impl != "transformers" and self.packs(cfg, "lm_head"))
 
     def scheme(self, cfg: ModelConfig, tensor: str) -> str:
         """What the manifest records for a tensor: `dense`, e.g. `int4-g64-asym-rtn`, or e.g. `gptq-4bit-g128`."""
@@ -73,7 +83,7 @@ class WeightFormat:
         if self.prequant is not None:
             p = self.prequant
             return f"{p.method}-{p.bits}bit-g{p.group_size or 'all'}" + ("-act-order" if p.act_order else "")
-        return f"{self.quantization}-g{self.group_size}-asym-rtn"
+        return f"int{self.tensor_bits(tensor)}-g{self.group_size}-asym-rtn"
 
     @classmethod
     def from_config(cls, w: WeightsConfig, cfg: ModelConfig) -> WeightFormat:
@@ -134,22 +144,22 @@ def expert_groups(cfg: ModelConfig, layer: int) -> list[str]:
     return [f"layer.{layer}.expert.{e}" for e in range(cfg.num_experts)] if cfg.moe_layers[layer] else []
 
 
-def group_names(cfg: ModelConfig) -> list[str]:
+def group_names(cfg: ModelConfig, fmt: WeightFormat | None = None) -> list[str]:
     """Groups in the order a forward pass uses them (a MoE layer's experts right after the layer)."""
-    embed = [] if cfg.tie_word_embeddings else ["embed"]
+    embed = ["embed"] if (fmt or DENSE).separate_embed(cfg) else []
     layers = [g for i in range(cfg.num_layers) for g in (f"layer.{i}", *expert_groups(cfg, i))]
     return embed + layers + ["head"]
 
 
-def stage_groups(cfg: ModelConfig, layers: range) -> list[str]:
+def stage_groups(cfg: ModelConfig, layers: range, fmt: WeightFormat | None = None) -> list[str]:
     """The groups a pipeline stage over `layers` reads, in pass order: the first stage the token embeddings
     (read by rows; with tied embeddings the `head` group), its layers (and their experts), the last the head."""
     first, last = layers.start == 0, layers.stop == cfg.num_layers
-    embed, _ = embedding_source(cfg)
+    embed, _ = embedding_source(cfg, fmt)
     keep = {f"layer.{i}" for i in layers} | {g for i in layers for g in expert_groups(cfg, i)}
     keep |= {embed} if first else set()
     keep |= {"head"} if last else set()
-    return [g for g in group_names(cfg) if g in keep]
+    return [g for g in group_names(cfg, fmt) if g in keep]
 
 
 def stacked_experts(ckpt: Checkpoint) -> bool:
@@ -182,11 +192,11 @@ def stacked_sources(cfg: ModelConfig, layer: int) -> Sources:
     return [(p + "gate_up_proj", (E, 2 * I, H)), (p + "down_proj", (E, H, I))]
 
 
-def embedding_source(cfg: ModelConfig) -> tuple[str, str]:
+def embedding_source(cfg: ModelConfig, fmt: WeightFormat | None = None) -> tuple[str, str]:
     """(group, tensor) whose rows are the token embeddings."""
     if cfg.impl == "transformers":
         return ("head", LM_HEAD) if cfg.tie_word_embeddings else ("embed", cfg.tensors.embed[0])
-    return ("head", "lm_head") if cfg.tie_word_embeddings else ("embed", "embed_tokens")
+    return ("embed", "embed_tokens") if (fmt or DENSE).separate_embed(cfg) else ("head", "lm_head")
 
 
 def generic_sources(tensors: GenericTensors, group: str) -> list[tuple[str, Sources]]:
@@ -277,7 +287,7 @@ def group_layout(cfg: ModelConfig, group: str, dtype: torch.dtype, fmt: WeightFo
         if fmt.prequant is not None and fmt.packs(cfg, tensor):
             entries += [(f"{tensor}.{part}", dt, shp) for part, _, dt, shp in prequant_sources(sources, fmt.prequant)]
         elif fmt.packs(cfg, tensor):
-            shapes = quant.packed_shapes(shape[0], shape[1], fmt.bits, fmt.group_size)
+            shapes = quant.packed_shapes(shape[0], shape[1], fmt.tensor_bits(tensor), fmt.group_size)
             entries += [(f"{tensor}.q", "uint8", shapes["q"]), (f"{tensor}.sz", dtype_name(dtype), shapes["sz"])]
         else:
             entries.append((tensor, dtype_name(dtype), shape))
@@ -287,7 +297,7 @@ def group_layout(cfg: ModelConfig, group: str, dtype: torch.dtype, fmt: WeightFo
 def model_layouts(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat = DENSE,
                   layers: range | None = None) -> dict[str, GroupLayout]:
     """Every group's layout, or (`layers`) those of one pipeline stage (`stage_groups`)."""
-    names = group_names(cfg) if layers is None else stage_groups(cfg, layers)
+    names = group_names(cfg, fmt) if layers is None else stage_groups(cfg, layers, fmt)
     return {g: group_layout(cfg, g, dtype, fmt) for g in names}
 
 
@@ -308,7 +318,7 @@ def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor, fmt: We
             row += shape[0]
         if packed:
             sz = views[f"{tensor}.sz"]
-            for name, t in quant.quantize(dest, fmt.bits, fmt.group_size, sz.dtype).items():
+            for name, t in quant.quantize(dest, fmt.tensor_bits(tensor), fmt.group_size, sz.dtype).items():
                 views[f"{tensor}.{name}"].copy_(t)
 
 
@@ -321,7 +331,7 @@ def check_tensors(ckpt: Checkpoint, fmt: WeightFormat) -> None:
             for short, shape in stacked_sources(cfg, layer):
                 ckpt.entry(short, shape)
     _check_routing(ckpt, stacked)
-    for group in group_names(cfg):
+    for group in group_names(cfg, fmt):
         for tensor, sources in group_sources(cfg, group, stacked):
             if fmt.prequant is not None and fmt.packs(cfg, tensor):
                 for short, (n, k) in sources:

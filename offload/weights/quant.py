@@ -11,11 +11,12 @@ copy: one *plane* q [1, rows, k/2] with `(scale, zero)` pairs sz [1, k/g, rows, 
 dtype, with the kernel's meaning `w = (nibble - 8) * scale + zero` (scale = s, zero = min + 8 s).
 Tile order of the plane (torch's CPU int4 packing): output rows in blocks of 64; inside a block,
 for each input column k, 32 bytes whose byte j holds row j (low nibble) and row j + 32 (high
-nibble). int8 is one byte a weight, row-major, q [rows, k], with sz [rows, k/g, 2] = (scale, min)
-and `w = q * scale + min`: its CPU kernel (`kernels.int8_linear`) reads each row's bytes in order,
-one multiply-add a weight (it was two int4 planes, two products). Rows are padded with zeros to a
-multiple of 64. Where the kernel is missing (CUDA, other
-group sizes) a matrix is dequantized into a reused scratch buffer and multiplied densely.
+nibble). int8 is one byte a weight in the same tiles, a column's 64 bytes the 64 rows': q [rows / 64,
+k, 64], with sz [k/g, rows, 2] = (scale, min) and `w = q * scale + min` (its CPU kernel reads a block
+as one stream, across the rows, as int4's does: `offload.model.cpu_packed`). The scales' shape tells
+the formats apart: int4's has the plane's leading 1. Rows are padded with zeros to a multiple of 64.
+Where the kernel is missing (CUDA, numba absent) a matrix is dequantized into a reused scratch
+buffer and multiplied densely.
 
 On a CPU a packed matrix multiplies through `offload.model.kernels` (row-invariant numba kernels on these
 bytes; torch's kernel above where numba is missing). Knows nothing about models, groups or files.
@@ -53,11 +54,6 @@ def _torch_packs_like_us() -> bool:
     return torch.equal(convert(nib, 1), pack_tiles(nib))
 
 
-def planes(bits: int) -> int:
-    """4-bit planes of the tile layout (int8 has none: its bytes are row-major)."""
-    return {4: 1, 8: 0}[bits]
-
-
 def padded_rows(n: int) -> int:
     return -(-n // TILE_ROWS) * TILE_ROWS
 
@@ -66,7 +62,7 @@ def packed_shapes(n: int, k: int, bits: int, group_size: int) -> dict[str, tuple
     """Shapes of the packed tensors of one [n, k] matrix: codes (uint8) and (scale, zero) pairs."""
     rows = padded_rows(n)
     if bits == 8:
-        return {"q": (rows, k), "sz": (rows, k // group_size, 2)}
+        return {"q": (rows // TILE_ROWS, k, TILE_ROWS), "sz": (k // group_size, rows, 2)}
     return {"q": (1, rows, k // 2), "sz": (1, k // group_size, rows, 2)}
 
 
@@ -106,21 +102,34 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype) ->
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = ((g - lo[..., None]) / safe[..., None]).round_().clamp_(0, levels).to(torch.int32).view(rows, k)
     if bits == 8:
-        return {"q": q.to(torch.uint8), "sz": torch.stack([scale, lo], dim=-1).to(dtype)}
+        tiles = q.to(torch.uint8).view(rows // TILE_ROWS, TILE_ROWS, k).transpose(1, 2).contiguous()
+        return {"q": tiles, "sz": torch.stack([scale.T, lo.T], dim=-1).to(dtype)}
     sz = torch.stack([scale.T, (lo + 8 * scale).T], dim=-1).to(dtype)
     return {"q": pack_tiles(q)[None], "sz": sz[None]}
 
 
+def is_int8(sz: torch.Tensor) -> bool:
+    """Which format packed a matrix, by its scales' shape: int8 [k/g, rows, 2], int4 [1, k/g, rows, 2]."""
+    return sz.dim() == 3
+
+
+def packed_rows_cols(q: torch.Tensor, sz: torch.Tensor) -> tuple[int, int]:
+    """(padded rows, k) of a packed matrix."""
+    if is_int8(sz):
+        return q.shape[0] * q.shape[2], q.shape[1]
+    return q.shape[1], 2 * q.shape[2]
+
+
 def dequantize(q: torch.Tensor, sz: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Packed codes -> dense [rows, k] in sz's dtype (padded rows included), into `out` when given."""
-    int8 = q.dim() == 2
-    rows, k = (q.shape[0], q.shape[1]) if int8 else (q.shape[1], 2 * q.shape[2])
-    groups = sz.shape[1]
+    int8 = is_int8(sz)
+    rows, k = packed_rows_cols(q, sz)
+    pairs = (sz if int8 else sz[0]).transpose(0, 1)  # [rows, groups, 2]
+    groups = pairs.shape[1]
     if out is None:
         out = torch.empty(rows, k, dtype=sz.dtype, device=q.device)
-    pairs = sz if int8 else sz[0].transpose(0, 1)  # [rows, groups, 2]
     if int8:
-        out.copy_(q)
+        out.view(rows // TILE_ROWS, TILE_ROWS, k).copy_(q.transpose(1, 2))
     else:
         unpack_tiles(q[0], out)
     d = out.view(rows, groups, k // groups)
@@ -154,18 +163,18 @@ class Scratch:
 class PackedLinear:
     """A packed [out_features, k] weight; `linear(x)` is `x @ W.T` (+ bias) without a resident dense W."""
 
-    q: torch.Tensor  # int4: uint8 [1, rows, k / 2], tile order; int8: uint8 [rows, k], row-major
-    sz: torch.Tensor  # int4: [1, k / group, rows, 2] (scale, zero); int8: [rows, k / group, 2] (scale, min)
+    q: torch.Tensor  # int4: uint8 [1, rows, k / 2], tile order; int8: uint8 [rows / 64, k, 64] tiles
+    sz: torch.Tensor  # int4: [1, k / group, rows, 2] (scale, zero); int8: [k / group, rows, 2] (scale, min)
     out_features: int  # rows before padding to a multiple of 64
     scratch: Scratch | None  # where to dequantize when no fused kernel applies
 
     @property
     def bits(self) -> int:
-        return 8 if self.q.dim() == 2 else 4
+        return 8 if is_int8(self.sz) else 4
 
     @property
     def group_size(self) -> int:
-        return self.q.shape[1] // self.sz.shape[1] if self.bits == 8 else 2 * self.q.shape[2] // self.sz.shape[1]
+        return packed_rows_cols(self.q, self.sz)[1] // self.sz.shape[-3]
 
     @property
     def fused(self) -> bool:
@@ -180,7 +189,7 @@ class PackedLinear:
 
     def dense(self) -> torch.Tensor:
         """The dequantized weight [out_features, k] (in the scratch buffer when there is one)."""
-        rows, k = (self.q.shape[0], self.q.shape[1]) if self.bits == 8 else (self.q.shape[1], 2 * self.q.shape[2])
+        rows, k = packed_rows_cols(self.q, self.sz)
         if self.scratch is None:
             return dequantize(self.q, self.sz)[: self.out_features]
         buf = self.scratch.take(rows * k, self.sz.dtype, self.q.device).view(rows, k)

@@ -64,7 +64,7 @@ class TieredWeights:
         self._packed: dict[tuple[str, int], dict] = {}  # the same, packed matrices as their weight objects
         self.scratch = Scratch()  # packed matrices are dequantized here when no fused kernel applies
         self.plan = plan
-        embed_group, self._embed_tensor = embedding_source(ckpt.config)
+        embed_group, self._embed_tensor = embedding_source(ckpt.config, self.fmt)
         log.info("%s", self.plan.describe())
         self.store: Store | None = None
         tiers_cfg = config.tiers
@@ -193,8 +193,8 @@ class TieredWeights:
             packed = self._packed[key] = weight_views(self.cfg, group, views, self.scratch, self.fmt)  # its args)
         return packed
 
-    def release(self, group: str) -> None:
-        self.prefetcher.release(group)
+    def release(self, group: str, span: tuple[float, float] | None = None) -> None:
+        self.prefetcher.release(group, span)
 
     def experts(self, layer: int) -> PlanOrderExperts | CachedExperts:
         """Layer `layer`'s routed experts for this pass (its group acquired); the source releases that group."""
