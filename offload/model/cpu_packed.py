@@ -20,9 +20,9 @@ in explicit lanes (`offload.model.simd`), so the order is the source's:
 
 A code is the same float either way and every output runs the same operations in the same order, so a row's bits
 do not depend on the rows beside it. int8 in this layout replaced row-major codes made into weights as they were
-read (fma(code, scale, min), then the product: two multiply-adds a weight, eight rows' streams at once): 1.7B
-shape, one [2048, 8192] matrix from L3, one thread, 8.0 -> see README Gweights/s. Knows nothing about models,
-tiers or files.
+read (fma(code, scale, min), then the product: two multiply-adds a weight, eight rows' streams at once): one
+[2048, 8192] matrix from L3, one row, one thread, 8.0 -> 20.9 Gweights/s (int4: 22.8); from L2 ([256, 2048])
+13.0 -> 21.1. Knows nothing about models, tiers or files.
 """
 
 from __future__ import annotations
