@@ -196,7 +196,7 @@ def test_calibration_probes_fit_in_a_quarter_of_the_ram_the_process_may_fill(tmp
     """Inside a 600 MiB memory cgroup the first `chat --auto` was killed calibrating: its probes (a 256 MiB memcpy
     pair, a 512 MiB disk buffer, TinyLlama's layer in float32) took what the cgroup had. Each now takes at most a
     quarter of the room (`ram_available`: the cgroup's if that is less), the test layer shrinking to fit."""
-    from offload.plan import calibrate
+    from offload.plan import calibrate, probe
 
     budget, probes = room // 4, []
     monkeypatch.setattr(calibrate, "ram_available", lambda: room)
@@ -204,12 +204,15 @@ def test_calibration_probes_fit_in_a_quarter_of_the_ram_the_process_may_fill(tmp
     monkeypatch.setattr(calibrate, "measure_disk", lambda d, nbytes: probes.append(("disk", 2 * nbytes)) or 1e9)
     shapes = []
 
-    def layer_seconds(shape, device, dtype, tokens, context, compute, quantization):
+    def layer_seconds(shape, device, dtype, tokens, context, compute, quantization, cold_bytes):
         if shape is not calibrate.SMALL:
             shapes.append(shape)
-            probes.append(("layer", calibrate.layer_probe_bytes(shape, dtype, compute)))
-        return (4 << 20, [1e-3] * len(tokens)) if shape is calibrate.SMALL else (64 << 20, [1e-2] * len(tokens))
-    monkeypatch.setattr(calibrate, "_layer_seconds", layer_seconds)
+            layer = calibrate.layer_probe_bytes(shape, dtype, compute)  # the cold rate's copies: one layer more
+            probes.append(("layer", layer + cold_bytes))
+        if shape is calibrate.SMALL:
+            return 4 << 20, [1e-3] * len(tokens), None
+        return 64 << 20, [1e-2] * len(tokens), [2e-2] * len(tokens)
+    monkeypatch.setattr(probe, "_layer_seconds", layer_seconds)
     cal = calibrate.calibrate(torch.device("cpu"), torch.float32, tmp_path)
     assert probes and all(n <= budget for _, n in probes), probes
     assert {"cpu", "cpu/int8", "cpu/int4"} <= cal.compute.keys()  # measured, on a smaller layer where RAM is short
@@ -217,14 +220,38 @@ def test_calibration_probes_fit_in_a_quarter_of_the_ram_the_process_may_fill(tmp
 
 
 def test_calibration_with_too_little_ram_for_a_test_layer_keeps_default_compute_tables(tmp_path, monkeypatch, caplog):
-    from offload.plan import calibrate
+    from offload.plan import calibrate, probe
 
     monkeypatch.setattr(calibrate, "ram_available", lambda: 40 << 20)
-    monkeypatch.setattr(calibrate, "_layer_seconds", lambda *a: pytest.fail("a test layer was measured"))
+    monkeypatch.setattr(probe, "_layer_seconds", lambda *a: pytest.fail("a test layer was measured"))
     cal = calibrate.calibrate(torch.device("cpu"), torch.float32, tmp_path)
     assert cal.compute == {} and cal.links["memcpy"] > 0 and cal.links["disk read"] > 0
     assert cal.weight_bytes_per_s("cpu", 1) == calibrate.DEFAULTS["compute"]["cpu"]["weight_bytes_per_s"][0]
     assert [r.message for r in caplog.records if "fits no test layer" in r.message]
+
+
+def test_a_pass_larger_than_the_cache_is_planned_at_the_cold_rate():
+    """The probe times layers from the cache and from DRAM (`offload.plan.probe`); a pass whose weights fit in
+    CACHE_SHARE of the last-level cache is planned at the cached rate, a larger one at the cold rate."""
+    from offload.plan.calibrate import CACHE_SHARE
+
+    table = {"tokens": [1, 64], "weight_bytes_per_s": [30e9, 8e9], "cold_weight_bytes_per_s": [15e9, 7e9]}
+    cal = Calibration({}, {"cpu": table}, "measured", {"llc_bytes": 100 << 20})
+    fits = int(CACHE_SHARE * (100 << 20))
+    assert cal.weight_bytes_per_s("cpu", 1, fits) == 30e9 and cal.weight_bytes_per_s("cpu", 1, fits + 1) == 15e9
+    assert cal.weight_bytes_per_s("cpu", 64, 10 << 30) == 7e9 and cal.weight_bytes_per_s("cpu", 1) == 30e9
+    no_cold = Calibration({}, {"cpu": {"tokens": [1], "weight_bytes_per_s": [30e9]}}, "measured", {"llc_bytes": 1})
+    assert no_cold.weight_bytes_per_s("cpu", 1, 10 << 30) == 30e9  # an older file: the one rate it has
+
+
+def test_the_probe_measures_a_cold_rate_through_copies_beyond_the_cache_no_faster_than_the_cached_one():
+    from offload.plan.probe import SMALL, measure_compute
+
+    shape = SMALL | {"hidden_size": 256, "intermediate_size": 512}
+    table = measure_compute(torch.device("cpu"), torch.float32, (1, 8), shape=shape, cold_bytes=16 << 20)
+    assert len(table["cold_weight_bytes_per_s"]) == 2
+    assert all(0 < c <= h for c, h in zip(table["cold_weight_bytes_per_s"], table["weight_bytes_per_s"]))
+    assert "cold_weight_bytes_per_s" not in measure_compute(torch.device("cpu"), torch.float32, (1,), shape=shape)
 
 
 def test_throughput_interpolates_between_measured_token_counts():

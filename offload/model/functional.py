@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -183,6 +183,9 @@ class KVView(Protocol):
     def paged(self, window: int | None) -> tuple[torch.Tensor, ...] | None:
         """(pool [slots, 2, block_size, Hkv, D], slot_blocks, slot_offsets, table [B, cols], mask) for a layer that
         writes and reads the blocks where they lie (`fused.decoder_layer`); None where it cannot."""
+
+    def planes(self, n: int) -> torch.Tensor:
+        """The pool's planes of n layers from this one, [n, slots, 2, block_size, Hkv, D] (`run_layers`)."""
 
 
 # ----------------------------------------------------------------------------- math
@@ -365,6 +368,21 @@ def layer_run(x: torch.Tensor, ws: Sequence[LayerWeights], cfg: ModelConfig) -> 
         return fused.LayerRun(layers, x.dtype)
     except TypeError:  # arguments of more than one numba type (one list holds them): layer by layer
         return None
+
+
+def run_layers(run: fused.LayerRun, x: torch.Tensor, kv: KVView, layout: BatchLayout,
+               rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig, window: int | None,
+               ) -> tuple[torch.Tensor, Any] | None:
+    """x through the layers of a `layer_run` (kv: the first one's view; the others' are the pool's next planes):
+    (out, the cycle counter at the start and after each layer), or None where the view has no paged pool of x's
+    dtype for the fused layer (then layer by layer)."""
+    paged = kv.paged(window)
+    if paged is None or paged[0].dtype != x.dtype:
+        return None
+    _, slot_blocks, slot_offsets, table, mask = paged
+    return run(x, cfg.rms_norm_eps, *rope, kv.planes(run.size),
+               (slot_blocks, slot_offsets, table, mask, layout.pad_index, layout.unpad_index), cfg.num_heads,
+               cfg.head_dim**-0.5)
 
 
 def head(x: torch.Tensor, w: HeadWeights, cfg: ModelConfig,

@@ -32,16 +32,14 @@ import torch
 
 from offload.config import cache_dir
 from offload.errors import ConfigError
-from offload.kv.cache import PagedKVCache
-from offload.model import functional as M
 from offload.model import kernels
 from offload.model.config import ModelConfig
 from offload.plan.links import measure_cuda_links, measure_disk, measure_memcpy
 from offload.plan.memory import ram_available
-from offload.weights.groups import WeightFormat, group_layout, model_layouts, weight_views
-from offload.weights.quant import Scratch
+from offload.plan.probe import REFERENCE, SMALL, SPLIT_TOKENS, llc_bytes, measure_compute  # noqa: F401 (re-exported)
+from offload.weights.groups import WeightFormat, group_layout, model_layouts
 from storage.errors import OffloadError
-from storage.units import blocks_for, fmt_bytes
+from storage.units import fmt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +98,16 @@ class Calibration:
     def _table(self, device_type: str) -> dict[str, list[float]]:
         return self.compute.get(device_type) or DEFAULTS["compute"]["cuda" if device_type == "cuda" else "cpu"]
 
-    def weight_bytes_per_s(self, device_type: str, tokens: int) -> float:
-        """Layer-kernel throughput for a pass of `tokens` rows, interpolated in log(tokens)."""
+    def weight_bytes_per_s(self, device_type: str, tokens: int, reads: float | None = None) -> float:
+        """Layer-kernel throughput for a pass of `tokens` rows, interpolated in log(tokens). `reads`: the weight
+        bytes a pass reads; where they exceed CACHE_SHARE of the last-level cache and the table measured layers
+        beyond it (`offload.plan.probe`), the cold rate (from DRAM), else the cached one."""
         table = self._table(device_type)
-        return _interpolate(table["tokens"], table["weight_bytes_per_s"], tokens)
+        key = "weight_bytes_per_s"
+        if reads is not None and "cold_weight_bytes_per_s" in table and \
+                reads > CACHE_SHARE * self.meta.get("llc_bytes", 0):
+            key = "cold_weight_bytes_per_s"
+        return _interpolate(table["tokens"], table[key], tokens)
 
     def layer_overhead_s(self, device_type: str, tokens: int) -> float:
         """Seconds a decoder layer costs whatever its size at a pass of `tokens` rows (0 in files without it)."""
@@ -149,13 +153,11 @@ def measure_links(device: torch.device, disk_path: Path | None, budget: int = 2*
 
 
 # ----------------------------------------------------------------------------- the model side
-REFERENCE = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32,
-             "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": 32000}
-#: a tiny layer (1/300 of REFERENCE's bytes, its time nearly all fixed cost): with REFERENCE, splits a layer's
-#: time into a fixed cost and a byte rate at pass sizes up to SPLIT_TOKENS tokens
-SMALL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
-         "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 32000}
-SPLIT_TOKENS = 8
+#: the share of the last-level cache a pass's weights may fill and still be read from it the next pass (other
+#: data and other processes take the rest; a cyclic pass over more than the cache finds none of it there). A
+#: 2-core VM's 260 MB L3, SmolLM2-135M decode: int4 (85 MB a pass) ran at the cached rate, int8 (143 MB) near
+#: the cold one.
+CACHE_SHARE = 0.4
 #: halvings of REFERENCE's WIDTHS a short-of-RAM calibration may use (hidden 1024, then 512: still 20x SMALL's bytes)
 SHRINKS = 2
 WIDTHS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
@@ -251,75 +253,6 @@ def why_measure(path: Path) -> str | None:
 _warned: set[str] = set()  # stale calibration files already named in a warning
 
 
-def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int, ...] = (1, 8, 64, 512),
-                    context: int = 64, compute: torch.dtype | None = None,
-                    quantization: str = "none", shape: dict[str, Any] = REFERENCE) -> dict[str, list[float]]:
-    """One decoder layer's time per pass of n tokens, as a fixed cost per layer and weight bytes per second.
-
-    The layer is computed as a run computes it: weights stored in `dtype` (group-wise packed with
-    `quantization`), activations and KV in `compute` (default `dtype`). At decode-like token counts (up to
-    SPLIT_TOKENS) two shapes (`shape`: REFERENCE unless RAM is short; SMALL) give two times t = overhead + bytes /
-    rate, solved for both (a rate alone where timing noise makes the overhead come out negative); past them,
-    where a pass's work grows with its tokens and attention, the large layer's rate alone.
-    The bytes are a layer's dense bytes at `dtype` whatever the format, so a packed format's table says how fast
-    its kernels go through the same matrices (the planner's `compute_sizes` are dense bytes)."""
-    big_bytes, big = _layer_seconds(shape, device, dtype, tokens, context, compute or dtype, quantization)
-    small_bytes, small = _layer_seconds(SMALL, device, dtype, tokens, context, compute or dtype, quantization)
-    rates, overheads = [], []
-    for n, tb, ts in zip(tokens, big, small):
-        rate = (big_bytes - small_bytes) / (tb - ts) if tb > ts else big_bytes / tb
-        overhead = ts - small_bytes / rate
-        if overhead <= 0 or n > SPLIT_TOKENS:
-            rate, overhead = big_bytes / tb, 0.0
-        rates.append(rate)
-        overheads.append(overhead)
-    return {"tokens": list(tokens), "weight_bytes_per_s": rates, "layer_overhead_s": overheads}
-
-
-def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tokens: tuple[int, ...],
-                   context: int, compute: torch.dtype, quantization: str) -> tuple[int, list[float]]:
-    """(the layer's dense bytes at `dtype`, the best of 5 times of one layer of `shape` at each token count)."""
-    cfg = ModelConfig.from_dict(shape)
-    fmt = WeightFormat(quantization)
-    layout = group_layout(cfg, "layer.0", dtype, fmt)
-    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-    views = layout.views(buf)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    for name, t in views.items():
-        if t.dtype == torch.uint8:  # packed codes
-            t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
-        elif name.endswith(".sz"):  # (scale, zero) pairs of weights ~ N(0, 1 / in)
-            t.copy_((torch.rand(t.shape, generator=g) * 0.01).to(dtype))
-        else:
-            t.copy_((torch.randn(t.shape, generator=g) / max(t.shape[-1], 1) ** 0.5).to(dtype))
-    # upcast after the transfer as the run does: all but the matrices a CPU kernel widens as it multiplies
-    views = {k: v if v.dtype == torch.uint8 or kernels.widens(v, compute) else v.to(compute) for k, v in views.items()}
-    w = M.LayerWeights.from_views(weight_views(cfg, "layer.0", views, Scratch(), fmt))
-    rope = M.Rope(cfg, device, compute)
-    seconds = []
-    for n in tokens:
-        batch = max(1, min(n, 8)) if n <= 8 else 1  # decode-like for small n, one prefill chunk for large
-        per_seq = n // batch
-        kv = PagedKVCache(cfg, 16, batch * blocks_for(context + per_seq, 16), compute, device)
-        sids = [kv.add_sequence() for _ in range(batch)]
-        kv.prepare(sids, [context] * batch)
-        times = []
-        for _ in range(5):
-            for s in sids:
-                kv.seqs[s].length = context
-            layout_, step = kv.prepare(sids, [per_seq] * batch)
-            x = torch.randn(batch * per_seq, cfg.hidden_size, generator=g).to(device=device, dtype=compute)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            M.decoder_layer(x, w, kv.view(0, layout_, step), layout_, rope(layout_.positions), cfg, None)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        seconds.append(min(times))
-    return group_layout(cfg, "layer.0", dtype).nbytes, seconds
-
-
 def compute_sizes(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat, cal: Calibration,
                   device_type: str) -> dict[str, int]:
     """Per group, the dense bytes at `dtype` that the cost model divides by the calibrated compute rate, a
@@ -329,9 +262,14 @@ def compute_sizes(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat, cal: 
     if fmt.prequant is not None or fmt.quantization == "none" or device_type not in cal.compute:
         return sizes
 
+    stored = model_layouts(cfg, dtype, fmt)  # the bytes a pass reads, as stored: from the cache where they fit
+    reads = sum(layout.nbytes for g, layout in stored.items() if g != "embed")
+
     def factor(bits: int) -> float:
         key = f"{device_type}/int{bits}"
-        return cal.weight_bytes_per_s(device_type, 1) / cal.weight_bytes_per_s(key, 1) if key in cal.compute else 1.0
+        if key not in cal.compute:
+            return 1.0
+        return cal.weight_bytes_per_s(device_type, 1, reads) / cal.weight_bytes_per_s(key, 1, reads)
 
     layers, head = factor(fmt.bits), factor(fmt.tensor_bits("lm_head")) if fmt.packs(cfg, "lm_head") else 1.0
     return {g: int(n * layers) if g.startswith("layer.") else int(n * head) if g == "head" else n
@@ -349,16 +287,21 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None) 
     links = measure_links(device, disk_path, budget)
     run_dtype = compute_dtype("auto", dtype, device, False)  # what an all-in-memory dense run computes in
     shape = REFERENCE if device.type == "cuda" else reference_shape(budget, dtype, run_dtype)  # CUDA's: GPU memory
-    compute = {} if shape is None else {device.type: measure_compute(device, dtype, compute=run_dtype, shape=shape)}
+    llc = llc_bytes()  # distinct test layers beyond the cache, beside the probe layer, where the budget has room
+    cold = min(2 * llc, budget - layer_probe_bytes(shape, dtype, run_dtype)) if device.type == "cpu" and shape else 0
+    cold = cold if cold >= llc else 0
+    compute = {} if shape is None else {device.type: measure_compute(device, dtype, compute=run_dtype, shape=shape,
+                                                                     cold_bytes=cold)}
     if shape is None:
         log.warning("calibration: a %s probe budget fits no test layer: default compute tables", fmt_bytes(budget))
     elif device.type == "cpu":  # packed kernels differ from dense ones there (and multiply in dtype)
         for scheme in ("int8", "int4"):
-            compute[f"cpu/{scheme}"] = measure_compute(device, dtype, (1, 8, 64), quantization=scheme, shape=shape)
+            compute[f"cpu/{scheme}"] = measure_compute(device, dtype, (1, 8, 64), quantization=scheme, shape=shape,
+                                                       cold_bytes=cold)
     meta = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
             "kernels": kernels_id(),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "cpus": os.cpu_count(), "dtype": str(dtype).removeprefix("torch."),
+            "cpus": os.cpu_count(), "llc_bytes": llc, "dtype": str(dtype).removeprefix("torch."),
             "compute_dtype": str(run_dtype).removeprefix("torch."),
             "reference_hidden_size": shape and shape["hidden_size"],
             "disk_path": str(disk_path) if disk_path else None}

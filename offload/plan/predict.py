@@ -35,9 +35,10 @@ def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type:
     `sizes`: the groups' bytes at the compute dtype when they differ from the moved bytes (packed
     int8/int4 weights move fewer bytes but multiply at the dense rate); default the plan's sizes.
     """
-    thr = cal.weight_bytes_per_s(device_type, tokens)
+    reads = sum(n for g, n in plan.sizes.items() if g not in plan.rows_only)  # a pass's weight bytes: from the
+    thr = cal.weight_bytes_per_s(device_type, tokens, reads)  # cache where they fit in it, else from DRAM
     share = routed_share(cfg, tokens)  # an expert computes only when routed; on the host when the plan says so
-    host_thr = cal.weight_bytes_per_s("cpu", tokens)
+    host_thr = cal.weight_bytes_per_s("cpu", tokens, reads)
     kv_bytes = batch * context * 2 * cfg.kv_size * dtype_bytes  # one layer's K and V, read by attention
     out = {}
     for g, size in plan.sizes.items():
@@ -49,7 +50,7 @@ def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type:
             out[g] = (size / thr + cal.layer_overhead_s(device_type, tokens)
                       + kv_bytes / cal.links.get("device memory", cal.links["memcpy"]))
         elif g == "head":  # only each sequence's last token goes through the LM head
-            out[g] = size / cal.weight_bytes_per_s(device_type, min(tokens, batch))
+            out[g] = size / cal.weight_bytes_per_s(device_type, min(tokens, batch), reads)
     return out
 
 

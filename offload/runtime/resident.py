@@ -43,8 +43,8 @@ class ResidentLayers:
         ex = self.ex
         if not self.possible or p.cold:
             return None
-        first = ex.kv_view(ex.layers[0], p)
-        paged = first.paged(ex.cfg.sliding_windows[ex.layers[0]])
+        first, window = ex.kv_view(ex.layers[0], p), ex.cfg.sliding_windows[ex.layers[0]]
+        paged = first.paged(window)
         if paged is None or paged[0].dtype != x.dtype:
             return None
         groups = [ex.layer_groups[i] for i in ex.layers]
@@ -58,13 +58,12 @@ class ResidentLayers:
             for g in groups:
                 ex.weights.release(g)
             return None
-        _, slot_blocks, slot_offsets, table, mask = paged
         timeline = ex.timeline
         start = timeline.now()
         with timeline.range("offload/compute/layers"):
-            x, stamps = run(x, ex.cfg.rms_norm_eps, *p.cos_sin, first.planes(len(groups)),
-                            (slot_blocks, slot_offsets, table, mask, p.layout.pad_index, p.layout.unpad_index),
-                            ex.cfg.num_heads, ex.cfg.head_dim**-0.5)
+            ran = M.run_layers(run, x, first, p.layout, p.cos_sin, ex.cfg, window)
+        assert ran is not None  # (the view was checked above)
+        x, stamps = ran
         spans = spans_of(stamps, start, timeline.now()) if timeline.enabled else [None] * len(groups)
         for g, span in zip(groups, spans):
             ex.weights.release(g, span)

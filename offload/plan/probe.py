@@ -1,0 +1,159 @@
+"""The compute probe of a calibration: test decoder layers timed as a run computes them.
+
+A layer's time at a pass of n tokens is split into a fixed cost (`layer_overhead_s`) and weight bytes per second,
+from two shapes (`REFERENCE`, or a smaller one where RAM is short, and `SMALL`). On a CPU a resident pass runs its
+layers back to back in one call (`offload.runtime.resident`), so the probe does too, and it times the rate twice:
+
+    weight_bytes_per_s        copies of one layer (its bytes stay in the CPU's caches after the first): what a
+                              model whose layers fit in the last-level cache sees
+    cold_weight_bytes_per_s   distinct copies beyond the last-level cache (`llc_bytes`): what a model larger
+                              than the cache sees, every byte from DRAM
+
+The planner picks one by the bytes a pass reads (`Calibration.weight_bytes_per_s`). Knows the model math and the
+KV pool it runs the layers over; not files or plans.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload.kv.cache import PagedKVCache
+from offload.model import functional as M
+from offload.model import kernels
+from offload.model.config import ModelConfig
+from offload.weights.groups import WeightFormat, group_layout, weight_views
+from offload.weights.quant import Scratch
+from storage.units import blocks_for
+
+REFERENCE = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32,
+             "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": 32000}
+#: a tiny layer (1/300 of REFERENCE's bytes, its time nearly all fixed cost): with REFERENCE, splits a layer's
+#: time into a fixed cost and a byte rate at pass sizes up to SPLIT_TOKENS tokens
+SMALL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 32000}
+SPLIT_TOKENS = 8
+#: copies of a test layer a CPU probe runs in one call for the cached rate, as a resident pass runs its layers
+RUN_LAYERS = 4
+#: the most distinct copies the cold rate runs through (a small test layer on a large cache)
+MAX_COPIES = 64
+#: where the size of the last-level cache is not known
+DEFAULT_LLC = 32 * 2**20
+
+
+def llc_bytes() -> int:
+    """The CPU's last-level cache in bytes (Linux sysfs; `DEFAULT_LLC` where it says nothing)."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        try:
+            best = max(best, int(size.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return best or DEFAULT_LLC
+
+
+def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int, ...] = (1, 8, 64, 512),
+                    context: int = 64, compute: torch.dtype | None = None,
+                    quantization: str = "none", shape: dict[str, Any] = REFERENCE,
+                    cold_bytes: int = 0) -> dict[str, list[float]]:
+    """One decoder layer's time per pass of n tokens, as a fixed cost per layer and weight bytes per second.
+
+    The layer is computed as a run computes it: weights stored in `dtype` (group-wise packed with
+    `quantization`), activations and KV in `compute` (default `dtype`). At decode-like token counts (up to
+    SPLIT_TOKENS) two shapes (`shape`: REFERENCE unless RAM is short; SMALL) give two times t = overhead + bytes /
+    rate, solved for both (a rate alone where timing noise makes the overhead come out negative); past them,
+    where a pass's work grows with its tokens and attention, the large layer's rate alone. With `cold_bytes` (a
+    CPU), the large layer is also timed through distinct copies of about that many bytes in all: the cold rate.
+    The bytes are a layer's dense bytes at `dtype` whatever the format, so a packed format's table says how fast
+    its kernels go through the same matrices (the planner's `compute_sizes` are dense bytes)."""
+    big_bytes, big, cold = _layer_seconds(shape, device, dtype, tokens, context, compute or dtype, quantization,
+                                          cold_bytes)
+    small_bytes, small, _ = _layer_seconds(SMALL, device, dtype, tokens, context, compute or dtype, quantization, 0)
+    rates, overheads, colds = [], [], []
+    for i, (n, tb, ts) in enumerate(zip(tokens, big, small)):
+        rate = (big_bytes - small_bytes) / (tb - ts) if tb > ts else big_bytes / tb
+        overhead = ts - small_bytes / rate
+        if overhead <= 0 or n > SPLIT_TOKENS:
+            rate, overhead = big_bytes / tb, 0.0
+        rates.append(rate)
+        overheads.append(overhead)
+        if cold:  # the same fixed cost; the rest of a layer's time at DRAM's pace (never faster than cached)
+            colds.append(min(rate, big_bytes / max(cold[i] - overhead, 1e-9)))
+    table = {"tokens": list(tokens), "weight_bytes_per_s": rates, "layer_overhead_s": overheads}
+    return table | ({"cold_weight_bytes_per_s": colds} if cold else {})
+
+
+def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tokens: tuple[int, ...],
+                   context: int, compute: torch.dtype, quantization: str,
+                   cold_bytes: int = 0) -> tuple[int, list[float], list[float] | None]:
+    """(the layer's dense bytes at `dtype`, the best of 5 times of a layer of `shape` at each token count (a CPU:
+    per layer of a run of `RUN_LAYERS` copies of it), the same through distinct copies of about `cold_bytes`
+    (None without: not a CPU, or no cold bytes asked))."""
+    cfg = ModelConfig.from_dict(shape)
+    fmt = WeightFormat(quantization)
+    layout = group_layout(cfg, "layer.0", dtype, fmt)
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for name, t in layout.views(buf).items():
+        if t.dtype == torch.uint8:  # packed codes
+            t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
+        elif name.endswith(".sz"):  # (scale, zero) pairs of weights ~ N(0, 1 / in)
+            t.copy_((torch.rand(t.shape, generator=g) * 0.01).to(dtype))
+        else:
+            t.copy_((torch.randn(t.shape, generator=g) / max(t.shape[-1], 1) ** 0.5).to(dtype))
+
+    def weights(b: torch.Tensor) -> M.LayerWeights:  # upcast after the transfer as the run does: all but the
+        views = layout.views(b)  # matrices a CPU kernel widens as it multiplies
+        views = {k: v if v.dtype == torch.uint8 or kernels.widens(v, compute) else v.to(compute)
+                 for k, v in views.items()}
+        return M.LayerWeights.from_views(weight_views(cfg, "layer.0", views, Scratch(), fmt))
+
+    w = weights(buf)
+    probe = torch.zeros(1, cfg.hidden_size, dtype=compute, device=device)
+    run = M.layer_run(probe, [w] * RUN_LAYERS, cfg) if device.type == "cpu" else None
+    # the copies beside w: together at most cold_bytes
+    copies = min(MAX_COPIES, math.ceil(cold_bytes / layout.nbytes)) if run is not None else 0
+    copies = copies if copies >= 2 else 0
+    cold_run = M.layer_run(probe, [w] + [weights(buf.clone()) for _ in range(copies - 1)], cfg) if copies else None
+    rope = M.Rope(cfg, device, compute)
+    hot, cold = [], []
+    for n in tokens:
+        batch = max(1, min(n, 8)) if n <= 8 else 1  # decode-like for small n, one prefill chunk for large
+        per_seq = n // batch
+        planes = ModelConfig.from_dict(shape | {"num_hidden_layers": max(RUN_LAYERS, copies)})
+        kv = PagedKVCache(planes, 16, batch * blocks_for(context + per_seq, 16), compute, device)
+        sids = [kv.add_sequence() for _ in range(batch)]
+        kv.prepare(sids, [context] * batch)
+        for which, times in ((run, hot), (cold_run, cold)):
+            if which is None and times is cold:
+                continue
+            best = math.inf
+            for _ in range(5):
+                for s in sids:
+                    kv.seqs[s].length = context
+                layout_, step = kv.prepare(sids, [per_seq] * batch)
+                x = torch.randn(batch * per_seq, cfg.hidden_size, generator=g).to(device=device, dtype=compute)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0, view = time.perf_counter(), kv.view(0, layout_, step)
+                if which is not None and M.run_layers(which, x, view, layout_, rope(layout_.positions), cfg,
+                                                      None) is not None:
+                    best = min(best, (time.perf_counter() - t0) / which.size)
+                    continue
+                M.decoder_layer(x, w, view, layout_, rope(layout_.positions), cfg, None)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                best = min(best, time.perf_counter() - t0)
+            times.append(best)
+    return group_layout(cfg, "layer.0", dtype).nbytes, hot, cold if cold_run is not None else None
