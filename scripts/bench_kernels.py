@@ -7,7 +7,8 @@ and 9 rows, the best and median time of each product, with all threads (wall clo
 (CPU time of the thread, which a shared machine's other processes disturb less), and the weight bytes per
 second it reaches. The bound is this machine's read bandwidth (a parallel numba sum over 512 MiB).
 
-    int8              offload's row-major int8 kernel: float32 activations, each byte widened in the loop
+    int8              offload's int8 kernel on its 64-row tiles: float32 activations, each byte converted in the
+                      loop, the group's scale applied once a group
     int8 x int8 (i32) the alternative: activations quantized per row to int8 on the fly, int32 products, the
                       same group scales applied after (kept here, not in Offload: it is not faster enough to pay
                       for the activations' rounding error, see the results)
@@ -106,11 +107,12 @@ def main() -> None:
     del big
     i8, i4 = quant.quantize(w, 8, 64, torch.bfloat16), quant.quantize(w, 4, 64, torch.bfloat16)
     sz32 = i8["sz"].float()
+    codes, pairs = i8["q"].transpose(1, 2).reshape(-1, K).contiguous(), sz32.transpose(0, 1).contiguous()  # by row
     l8, l4 = (quant.PackedLinear(p["q"], p["sz"], N, None) for p in (i8, i4))
     wb = w.bfloat16()
     products = {
         "int8": (lambda x: l8.linear(x), i8["q"].numel() + i8["sz"].numel() * 2),
-        "int8 x int8 (i32)": (lambda x: i8i8_linear(x, i8["q"], sz32), i8["q"].numel() + i8["sz"].numel() * 2),
+        "int8 x int8 (i32)": (lambda x: i8i8_linear(x, codes, pairs), i8["q"].numel() + i8["sz"].numel() * 2),
         "int4": (lambda x: l4.linear(x), i4["q"].numel() + i4["sz"].numel() * 2),
         "bf16 (offload)": (lambda x: kernels.dense_linear(x, wb), wb.numel() * 2),
         "F.linear bf16": (lambda x: torch.nn.functional.linear(x.bfloat16(), wb), wb.numel() * 2),
