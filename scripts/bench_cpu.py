@@ -202,10 +202,16 @@ def ensure_store(model: Path, store: Path, quant: str) -> None:
     import torch
 
     from offload.model.checkpoint import Checkpoint
-    from offload.weights.convert import open_store
+    from offload.weights.convert import convert, open_store
     from offload.weights.groups import WeightFormat
+    from storage.errors import StoreError
 
-    open_store(Checkpoint(model), store, torch.bfloat16, fmt=WeightFormat(quant)).close()
+    ckpt, fmt = Checkpoint(model), WeightFormat(quant)
+    try:
+        open_store(ckpt, store, torch.bfloat16, fmt=fmt).close()
+    except StoreError as e:  # converted by an older version or in another format: this benchmark's own, rebuilt
+        print(f"{store}: {e}; converting again", file=sys.stderr)
+        convert(ckpt, store, torch.bfloat16, force=True, fmt=fmt).close()
 
 
 def layer_bytes(model: Path, quant: str) -> int:
