@@ -165,6 +165,7 @@ class Executor:
 
     def close(self) -> None:
         """Stop and join every thread, close files and release memory; safe to call twice."""
+        self.resident.forget()
         self._finalizer()
 
     # -- the KV pool ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ call by the cycle counter. Knows the executor's seam (weights, KV view, timeline
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -23,8 +24,13 @@ class ResidentLayers:
     """`__call__(x, p)`: the pass's layers on x in one call, or None where they cannot run so (then layer by layer)."""
 
     def __init__(self, ex: Any) -> None:
-        self.ex = ex  # the `offload.runtime.executor.Executor` (its seam: weights, KV view, timeline)
-        self._run: tuple | None = None  # (its weights' key, `M.layer_run`)
+        # the `offload.runtime.executor.Executor` (its seam: weights, KV view, timeline); a proxy, not a cycle
+        self.ex = weakref.proxy(ex)
+        self._run: tuple | None = None  # (its weights' key, `M.layer_run`: it holds views of the weights' memory)
+
+    def forget(self) -> None:
+        """Drop the compiled run's arguments (views of the weights: the executor closes, their memory goes)."""
+        self._run = None
 
     @functools.cached_property
     def possible(self) -> bool:
