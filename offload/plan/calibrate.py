@@ -109,12 +109,13 @@ class Calibration:
             key = "cold_weight_bytes_per_s"
         return _interpolate(table["tokens"], table[key], tokens)
 
-    def layer_overhead_s(self, device_type: str, tokens: int) -> float:
-        """Seconds a decoder layer costs whatever its size at a pass of `tokens` rows (0 in files without it)."""
+    def layer_overhead_s(self, device_type: str, tokens: int, key: str = "layer_overhead_s") -> float:
+        """Seconds a decoder layer costs whatever its size at a pass of `tokens` rows (0 in files without it); with
+        key `pass_overhead_s`, what a pass costs beside its layers (its KV step, RoPE: `offload.plan.probe`)."""
         table = self._table(device_type)
-        if "layer_overhead_s" not in table:
+        if key not in table:
             return 0.0
-        xs, ys = table["tokens"], table["layer_overhead_s"]
+        xs, ys = table["tokens"], table[key]
         for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):  # linear in log(tokens), flat outside
             if x0 <= tokens <= x1:
                 w = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))

@@ -51,6 +51,9 @@ def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type:
                       + kv_bytes / cal.links.get("device memory", cal.links["memcpy"]))
         elif g == "head":  # only each sequence's last token goes through the LM head
             out[g] = size / cal.weight_bytes_per_s(device_type, min(tokens, batch), reads)
+    first = next((g for g in plan.order if g.startswith("layer.") and g in out), None)
+    if first is not None:  # the pass's own bookkeeping (its KV step, RoPE) before its first layer
+        out[first] += cal.layer_overhead_s(device_type, tokens, "pass_overhead_s")
     return out
 
 

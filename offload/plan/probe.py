@@ -90,8 +90,34 @@ def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int,
         overheads.append(overhead)
         if cold:  # the same fixed cost; the rest of a layer's time at DRAM's pace (never faster than cached)
             colds.append(min(rate, big_bytes / max(cold[i] - overhead, 1e-9)))
-    table = {"tokens": list(tokens), "weight_bytes_per_s": rates, "layer_overhead_s": overheads}
+    table = {"tokens": list(tokens), "weight_bytes_per_s": rates, "layer_overhead_s": overheads,
+             "pass_overhead_s": pass_seconds(device, compute or dtype, tokens, context)}
     return table | ({"cold_weight_bytes_per_s": colds} if cold else {})
+
+
+def pass_seconds(device: torch.device, compute: torch.dtype, tokens: tuple[int, ...], context: int = 64) -> list[float]:
+    """A pass's fixed cost beside its layers at each token count: the KV pool's step for its sequences (blocks,
+    block tables, the mask: `PagedKVCache.prepare`), RoPE at the new positions and the token ids, as the executor's
+    `begin_pass` makes them (SMALL's shape: the cost is bookkeeping, not bytes); the best of 5."""
+    cfg = ModelConfig.from_dict(SMALL)
+    rope = M.Rope(cfg, device, compute)
+    out = []
+    for n in tokens:
+        batch = max(1, min(n, 8)) if n <= 8 else 1
+        per_seq = n // batch
+        kv = PagedKVCache(cfg, 16, batch * blocks_for(context + 6 * per_seq, 16), compute, device)
+        sids = [kv.add_sequence() for _ in range(batch)]
+        kv.prepare(sids, [context] * batch)
+        best = math.inf
+        for _ in range(5):
+            t0 = time.perf_counter()
+            layout_, step = kv.prepare(sids, [per_seq] * batch)
+            rope(layout_.positions)
+            torch.tensor([1] * (batch * per_seq), dtype=torch.long)
+            kv.view(0, layout_, step).paged(None)  # the step's mask
+            best = min(best, time.perf_counter() - t0)
+        out.append(best)
+    return out
 
 
 def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tokens: tuple[int, ...],
