@@ -149,17 +149,23 @@ def test_quantized_model_matches_transformers_on_the_dequantized_weights(model, 
             torch.testing.assert_close(ours[i, : len(p)], ref, rtol=1e-3, atol=1e-3)
 
 
-def test_quantized_tokens_are_the_same_in_every_placement(model, tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantized_tokens_are_the_same_in_every_placement(model, model_factory, tmp_path, tied):
+    """Streamed from disk or resident, the same tokens; a tied model's packed head leaves its embedding rows in a
+    dense group of their own, read by rows from wherever it lies."""
+    if tied:
+        model = model_factory("llama", tie=True, overrides={"intermediate_size": 384})
     weights = {"quantization": "int4", "group_size": 64, "keep": []}
     with Runner.from_config(run_config(model, weights=weights)) as r:
         want = r.generate(PROMPTS, max_new_tokens=8, stop_on_eos=False)
-    streamed = run_config(model, weights=weights, tiers={"gpu": {"capacity": "900KiB"}, "cpu": {"capacity": "128KiB"},
+    gpu = "1.1MiB" if tied else "900KiB"  # (the tied tiny model's vocabulary is larger)
+    streamed = run_config(model, weights=weights, tiers={"gpu": {"capacity": gpu}, "cpu": {"capacity": "128KiB"},
                                                          "disk": {"path": str(tmp_path / "s")}},
                           kv_cache={"gpu_blocks": 8}, prefetch={"depth": 1},
                           activations={"prefill_chunk": 16})
     with Runner.from_config(streamed) as r:
         got = r.generate(PROMPTS, max_new_tokens=8, stop_on_eos=False)
-        assert "disk" in r.plan.homes.values()
+        assert "disk" in r.plan.homes.values() and "embed" in r.plan.homes  # tied too: its rows, dense
         read = r.timeline.bytes_on("disk-read", set(range(1000)))
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     dense = model_layouts(Checkpoint(model).config, torch.float32)
