@@ -25,8 +25,11 @@ from offload.model.kernels import (
     packed_supported,
 )
 
+#: Columns of SiLU x up a parallel work item computes (one exp each).
+_SILU_RUN = 512
+
 if numba is not None:
-    from numba import njit
+    from numba import njit, prange
 
     from offload.model.cpu_attention import _attend
     from offload.model.kernels import _bits_f32, _f32_bits, _product
@@ -105,14 +108,29 @@ if numba is not None:
             _norm_row(xf, n, w, eps, bf16, o, n)
         _store_rows(o, bf16, out)
 
-    @njit(nogil=True, cache=True)
+    @njit(parallel=True, nogil=True, cache=True)
     def _silu_mul_rows(gu, bf16, out):  # pragma: no cover - compiled
-        """gu [N, 2I] raw bits (gate | up) -> out [N, I]: `_silu_mul`."""
+        """gu [N, 2I] raw bits (gate | up) -> out [N, I]: `_silu_mul`, in parallel runs of `_SILU_RUN` columns
+        (elementwise: the same bits however the work is split)."""
         N, I2 = gu.shape
         half = I2 // 2
-        for n in range(N):
-            for i in range(half):
+        runs = (half + _SILU_RUN - 1) // _SILU_RUN
+        for c in prange(N * runs):
+            n, i0 = c // runs, (c % runs) * _SILU_RUN
+            for i in range(i0, min(half, i0 + _SILU_RUN)):
                 _store(out, n, i, _silu_mul(_load(gu, n, i, bf16), _load(gu, n, half + i, bf16), bf16), bf16)
+
+    @njit(parallel=True, nogil=True, cache=True)
+    def _silu_mul_act(g, b, inter, bf16, act):  # pragma: no cover - compiled
+        """act [N, inter] = `_silu_mul` of the gate_up product's float32 rows g [N, >= 2 inter] plus bias bits b
+        (`_biased`), in parallel runs of `_SILU_RUN` columns (one exp a column: 1536 of them a SmolLM2 row, ~0.75 ms a
+        layer for a 64-token prompt on one thread)."""
+        N = g.shape[0]
+        runs = (inter + _SILU_RUN - 1) // _SILU_RUN
+        for c in prange(N * runs):
+            n, i0 = c // runs, (c % runs) * _SILU_RUN
+            for i in range(i0, min(inter, i0 + _SILU_RUN)):
+                act[n, i] = _silu_mul(_biased(g[n, i], b, i, bf16), _biased(g[n, inter + i], b, inter + i, bf16), bf16)
 
     @njit(inline="always")
     def _width(w):  # pragma: no cover - compiled
@@ -191,10 +209,7 @@ if numba is not None:
         g = np.empty((N, _width(gate_up)), np.float32)
         _product(h, gate_up, scales[2], shifts[2], g, kind)
         act = np.empty((N, inter), np.float32)
-        for n in range(N):
-            for i in range(inter):
-                act[n, i] = _silu_mul(_biased(g[n, i], gu_b, i, bf16),
-                                      _biased(g[n, inter + i], gu_b, inter + i, bf16), bf16)
+        _silu_mul_act(g, gu_b, inter, bf16, act)
         y = np.empty((N, H), np.float32)
         _product(act, down, scales[3], shifts[3], y, kind)
         for n in range(N):
