@@ -314,34 +314,33 @@ def packed_supported(sz: torch.Tensor) -> bool:
     return numba is not None and sz.device.type == "cpu" and sz.dtype in (torch.bfloat16, torch.float32)
 
 
+def is_int8(sz: torch.Tensor) -> bool:
+    """Which format packed a matrix (`offload.weights.quant`), by its scales' shape: int8 [K/g, rows, 2], int4's
+    plane [1, K/g, rows, 2]."""
+    return sz.dim() == 3
+
+
+def packed_rows_cols(q: torch.Tensor, sz: torch.Tensor) -> tuple[int, int]:
+    """(padded rows, K) of a packed matrix."""
+    return (q.shape[0] * q.shape[2], q.shape[1]) if is_int8(sz) else (q.shape[1], 2 * q.shape[2])
+
+
 def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ the packed int4 plane (q uint8 [1, rows, K/2] in tile order, sz [1, K/g, rows, 2] bf16 or float32)
+    """x [M, K] @ a packed matrix: int8 tiles (q uint8 [rows / 64, K, 64], sz [K/g, rows, 2] (scale, min)) or the
+    int4 plane (q uint8 [1, rows, K/2] in tile order, sz [1, K/g, rows, 2] (scale, zero)), scales bf16 or float32
     -> [M, rows] float32, every row independent of the others (`offload.model.cpu_packed`)."""
-    _threads(x.numel() * q.shape[1])
-    P, rows, half = q.shape
-    K = 2 * half
-    if P != 1 or x.shape[-1] != K or sz.shape[1] == 0 or K % sz.shape[1] or rows % 64:
-        raise ValueError(f"x {tuple(x.shape)} does not fit packed planes {tuple(q.shape)} / {tuple(sz.shape)}")
+    int8 = is_int8(sz)
+    rows, K = packed_rows_cols(q, sz)
+    G = sz.shape[-3]
+    if (q.shape[2] != 64 if int8 else q.shape[0] != 1) or rows % 64 or x.shape[-1] != K or G == 0 or K % G \
+            or sz.shape[-2] != rows:
+        raise ValueError(f"x {tuple(x.shape)} does not fit packed codes {tuple(q.shape)} / {tuple(sz.shape)}")
+    _threads(x.numel() * rows)
     x32 = x.to(torch.float32).contiguous()
     out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
-    if x32.shape[0]:
-        tiles, bits, _ = packed_args(q, sz)
-        _int4(x32.numpy(), tiles, bits, out.numpy())
-    return out
-
-
-def int8_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ the int8 tiles (q uint8 [rows / 64, K, 64]; sz [K/g, rows, 2] (scale, min), bf16 or float32)
-    -> [M, rows] float32, every row independent of the others (`offload.model.cpu_packed`)."""
-    nb, K, width = q.shape
-    _threads(x.numel() * nb * width)
-    if width != 64 or x.shape[-1] != K or sz.shape[0] == 0 or K % sz.shape[0] or sz.shape[1] != nb * width:
-        raise ValueError(f"x {tuple(x.shape)} does not fit int8 tiles {tuple(q.shape)} / {tuple(sz.shape)}")
-    x32 = x.to(torch.float32).contiguous()
-    out = torch.empty(x32.shape[0], nb * width, dtype=torch.float32)
     if out.numel():
         tiles, bits, _ = packed_args(q, sz)
-        _int8(x32.numpy(), tiles, bits, out.numpy())
+        (_int8 if int8 else _int4)(x32.numpy(), tiles, bits, out.numpy())
     return out
 
 
@@ -349,7 +348,7 @@ def packed_args(q: torch.Tensor, sz: torch.Tensor) -> tuple[np.ndarray, np.ndarr
     """A packed matrix as the compiled kernels take it: (its tiles, uint8 [rows / 64, K, 64] for int8 and the int4
     plane's [rows / 64, K, 32]; the raw bits of the (scale, min / zero) pairs [K / g, rows, 2]; the shift that widens
     those bits to float32)."""
-    if sz.dim() == 3:  # int8 (`quant.is_int8`)
+    if is_int8(sz):
         return (q.contiguous().numpy(), *_bits(sz.contiguous()))
     _, rows, half = q.shape
     return (q.contiguous().view(rows // 64, 2 * half, 32).numpy(), *_bits(sz[0].contiguous()))

@@ -108,22 +108,10 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype) ->
     return {"q": pack_tiles(q)[None], "sz": sz[None]}
 
 
-def is_int8(sz: torch.Tensor) -> bool:
-    """Which format packed a matrix, by its scales' shape: int8 [k/g, rows, 2], int4 [1, k/g, rows, 2]."""
-    return sz.dim() == 3
-
-
-def packed_rows_cols(q: torch.Tensor, sz: torch.Tensor) -> tuple[int, int]:
-    """(padded rows, k) of a packed matrix."""
-    if is_int8(sz):
-        return q.shape[0] * q.shape[2], q.shape[1]
-    return q.shape[1], 2 * q.shape[2]
-
-
 def dequantize(q: torch.Tensor, sz: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Packed codes -> dense [rows, k] in sz's dtype (padded rows included), into `out` when given."""
-    int8 = is_int8(sz)
-    rows, k = packed_rows_cols(q, sz)
+    int8 = kernels.is_int8(sz)
+    rows, k = kernels.packed_rows_cols(q, sz)
     pairs = (sz if int8 else sz[0]).transpose(0, 1)  # [rows, groups, 2]
     groups = pairs.shape[1]
     if out is None:
@@ -170,11 +158,11 @@ class PackedLinear:
 
     @property
     def bits(self) -> int:
-        return 8 if is_int8(self.sz) else 4
+        return 8 if kernels.is_int8(self.sz) else 4
 
     @property
     def group_size(self) -> int:
-        return packed_rows_cols(self.q, self.sz)[1] // self.sz.shape[-3]
+        return kernels.packed_rows_cols(self.q, self.sz)[1] // self.sz.shape[-3]
 
     @property
     def fused(self) -> bool:
@@ -189,7 +177,7 @@ class PackedLinear:
 
     def dense(self) -> torch.Tensor:
         """The dequantized weight [out_features, k] (in the scratch buffer when there is one)."""
-        rows, k = packed_rows_cols(self.q, self.sz)
+        rows, k = kernels.packed_rows_cols(self.q, self.sz)
         if self.scratch is None:
             return dequantize(self.q, self.sz)[: self.out_features]
         buf = self.scratch.take(rows * k, self.sz.dtype, self.q.device).view(rows, k)
@@ -199,9 +187,7 @@ class PackedLinear:
         """x [..., k] -> [..., out_features] in x's dtype."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if self.bits == 8 and kernels.packed_supported(self.sz):
-            y = kernels.int8_linear(x2, self.q, self.sz)
-        elif kernels.packed_supported(self.sz):
+        if kernels.packed_supported(self.sz):
             y = kernels.packed_linear(x2, self.q, self.sz)
         elif self.fused:
             y = _FUSED(x2.to(self.sz.dtype).contiguous(), self.q[0], self.group_size, self.sz[0])
