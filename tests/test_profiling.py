@@ -10,8 +10,10 @@ import torch
 
 from offload.cli.main import main
 from offload.config import OffloadConfig
+from offload.model import fused
 from offload.model.checkpoint import Checkpoint
-from offload.plan.calibrate import Calibration, load_calibration, measure_compute
+from offload.plan import calibrate, probe
+from offload.plan.calibrate import CACHE_SHARE, Calibration, load_calibration, measure_compute
 from offload.plan.costmodel import simulate
 from offload.plan.links import measure_disk, measure_memcpy
 from offload.plan.placement import GroupSpec, make_plan
@@ -123,8 +125,6 @@ def test_framework_hooks_show_our_ranges_in_torch_profiler(tiny_llama, store):
 def test_layers_run_in_one_call_still_get_a_compute_span_each_in_order(tiny_llama, monkeypatch):
     """All resident on a CPU, a pass's layers run in one compiled call (`fused.LayerRun`); each layer still gets its
     own compute span (timed inside the call), in layer order, one after the other, inside the call."""
-    from offload.model import fused
-
     ran, real = [], fused.LayerRun.__call__
     monkeypatch.setattr(fused.LayerRun, "__call__", lambda *a: (ran.append(1), real(*a))[1])
     with Runner.from_config(run_config(tiny_llama)) as r:
@@ -196,8 +196,6 @@ def test_calibration_probes_fit_in_a_quarter_of_the_ram_the_process_may_fill(tmp
     """Inside a 600 MiB memory cgroup the first `chat --auto` was killed calibrating: its probes (a 256 MiB memcpy
     pair, a 512 MiB disk buffer, TinyLlama's layer in float32) took what the cgroup had. Each now takes at most a
     quarter of the room (`ram_available`: the cgroup's if that is less), the test layer shrinking to fit."""
-    from offload.plan import calibrate, probe
-
     budget, probes = room // 4, []
     monkeypatch.setattr(calibrate, "ram_available", lambda: room)
     monkeypatch.setattr(calibrate, "measure_memcpy", lambda nbytes: probes.append(("memcpy", 2 * nbytes)) or 5e9)
@@ -220,8 +218,6 @@ def test_calibration_probes_fit_in_a_quarter_of_the_ram_the_process_may_fill(tmp
 
 
 def test_calibration_with_too_little_ram_for_a_test_layer_keeps_default_compute_tables(tmp_path, monkeypatch, caplog):
-    from offload.plan import calibrate, probe
-
     monkeypatch.setattr(calibrate, "ram_available", lambda: 40 << 20)
     monkeypatch.setattr(probe, "_layer_seconds", lambda *a: pytest.fail("a test layer was measured"))
     cal = calibrate.calibrate(torch.device("cpu"), torch.float32, tmp_path)
@@ -233,8 +229,6 @@ def test_calibration_with_too_little_ram_for_a_test_layer_keeps_default_compute_
 def test_a_pass_larger_than_the_cache_is_planned_at_the_cold_rate():
     """The probe times layers from the cache and from DRAM (`offload.plan.probe`); a pass whose weights fit in
     CACHE_SHARE of the last-level cache is planned at the cached rate, a larger one at the cold rate."""
-    from offload.plan.calibrate import CACHE_SHARE
-
     table = {"tokens": [1, 64], "weight_bytes_per_s": [30e9, 8e9], "cold_weight_bytes_per_s": [15e9, 7e9]}
     cal = Calibration({}, {"cpu": table}, "measured", {"llc_bytes": 100 << 20})
     fits = int(CACHE_SHARE * (100 << 20))
@@ -245,9 +239,7 @@ def test_a_pass_larger_than_the_cache_is_planned_at_the_cold_rate():
 
 
 def test_the_probe_measures_a_cold_rate_through_copies_beyond_the_cache_no_faster_than_the_cached_one():
-    from offload.plan.probe import SMALL, measure_compute
-
-    shape = SMALL | {"hidden_size": 256, "intermediate_size": 512}
+    shape = probe.SMALL | {"hidden_size": 256, "intermediate_size": 512}
     table = measure_compute(torch.device("cpu"), torch.float32, (1, 8), shape=shape, cold_bytes=16 << 20)
     assert len(table["cold_weight_bytes_per_s"]) == 2
     assert all(0 < c <= h for c, h in zip(table["cold_weight_bytes_per_s"], table["weight_bytes_per_s"]))

@@ -321,7 +321,7 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     mats = (w.qkv, w.qkv_bias, w.o, w.o_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias)
     if w.moe is None and w.q_norm is None and cfg.clip_qkv is None and fused.layer_supported(x, mats) \
-            and (paged := kv.paged(window)) is not None and paged[0].dtype == x.dtype:
+            and (paged := paged_pool(kv, window, x)) is not None:
         pool, slot_blocks, slot_offsets, table, mask = paged  # one compiled call: ~40 fewer ops a layer
         return fused.decoder_layer(x, mats, (w.input_norm, w.post_norm), cfg.rms_norm_eps, *rope, pool,
                                      (slot_blocks, slot_offsets, table, mask, layout.pad_index, layout.unpad_index),
@@ -370,15 +370,18 @@ def layer_run(x: torch.Tensor, ws: Sequence[LayerWeights], cfg: ModelConfig) -> 
         return None
 
 
-def run_layers(run: fused.LayerRun, x: torch.Tensor, kv: KVView, layout: BatchLayout,
-               rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig, window: int | None,
-               ) -> tuple[torch.Tensor, Any] | None:
-    """x through the layers of a `layer_run` (kv: the first one's view; the others' are the pool's next planes):
-    (out, the cycle counter at the start and after each layer), or None where the view has no paged pool of x's
-    dtype for the fused layer (then layer by layer)."""
+def paged_pool(kv: KVView, window: int | None, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """`kv.paged(window)` where its pool holds x's dtype (what a fused layer reads and writes in place), else None
+    (then op by op)."""
     paged = kv.paged(window)
-    if paged is None or paged[0].dtype != x.dtype:
-        return None
+    return paged if paged is not None and paged[0].dtype == x.dtype else None
+
+
+def run_layers(run: fused.LayerRun, x: torch.Tensor, kv: KVView, paged: tuple[torch.Tensor, ...],
+               layout: BatchLayout, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig,
+               ) -> tuple[torch.Tensor, Any]:
+    """x through the layers of a `layer_run` (kv: the first one's view, paged its `paged_pool`; the others' are the
+    pool's next planes): (out, the cycle counter at the start and after each layer)."""
     _, slot_blocks, slot_offsets, table, mask = paged
     return run(x, cfg.rms_norm_eps, *rope, kv.planes(run.size),
                (slot_blocks, slot_offsets, table, mask, layout.pad_index, layout.unpad_index), cfg.num_heads,

@@ -108,17 +108,13 @@ if numba is not None:
             _norm_row(xf, n, w, eps, bf16, o, n)
         _store_rows(o, bf16, out)
 
-    @njit(parallel=True, nogil=True, cache=True)
+    @njit(nogil=True, cache=True)
     def _silu_mul_rows(gu, bf16, out):  # pragma: no cover - compiled
-        """gu [N, 2I] raw bits (gate | up) -> out [N, I]: `_silu_mul`, in parallel runs of `_SILU_RUN` columns
-        (elementwise: the same bits however the work is split)."""
-        N, I2 = gu.shape
-        half = I2 // 2
-        runs = (half + _SILU_RUN - 1) // _SILU_RUN
-        for c in prange(N * runs):
-            n, i0 = c // runs, (c % runs) * _SILU_RUN
-            for i in range(i0, min(half, i0 + _SILU_RUN)):
-                _store(out, n, i, _silu_mul(_load(gu, n, i, bf16), _load(gu, n, half + i, bf16), bf16), bf16)
+        """gu [N, 2I] raw bits (gate | up) -> out [N, I]: `_silu_mul_act` on the rows widened (the values are the
+        dtype's already: no bias, the roundings change nothing), stored back in the dtype."""
+        act = np.empty((gu.shape[0], gu.shape[1] // 2), np.float32)
+        _silu_mul_act(_rows_f32(gu, bf16), np.zeros((1, 0), gu.dtype), act.shape[1], bf16, act)
+        _store_rows(act, bf16, out)
 
     @njit(parallel=True, nogil=True, cache=True)
     def _silu_mul_act(g, b, inter, bf16, act):  # pragma: no cover - compiled
@@ -134,7 +130,7 @@ if numba is not None:
 
     @njit(inline="always")
     def _width(w):  # pragma: no cover - compiled
-        """A matrix's output rows (padded): int4 tiles [rows / 64, K, 32], else [rows, K]."""
+        """A matrix's output rows (padded): int8 / int4 tiles [rows / 64, K, 64 / 32], else [rows, K]."""
         return w.shape[0] * 64 if w.ndim == 3 else w.shape[0]
 
     @njit(nogil=True, cache=True)

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,9 +110,16 @@ class Calibration:
             key = "cold_weight_bytes_per_s"
         return _interpolate(table["tokens"], table[key], tokens)
 
-    def layer_overhead_s(self, device_type: str, tokens: int, key: str = "layer_overhead_s") -> float:
-        """Seconds a decoder layer costs whatever its size at a pass of `tokens` rows (0 in files without it); with
-        key `pass_overhead_s`, what a pass costs beside its layers (its KV step, RoPE: `offload.plan.probe`)."""
+    def layer_overhead_s(self, device_type: str, tokens: int) -> float:
+        """Seconds a decoder layer costs whatever its size at a pass of `tokens` rows (0 in files without it)."""
+        return self._overhead(device_type, tokens, "layer_overhead_s")
+
+    def pass_overhead_s(self, device_type: str, tokens: int) -> float:
+        """Seconds a pass of `tokens` rows costs beside its layers: its KV step, RoPE (`offload.plan.probe`; 0 in
+        files without it)."""
+        return self._overhead(device_type, tokens, "pass_overhead_s")
+
+    def _overhead(self, device_type: str, tokens: int, key: str) -> float:
         table = self._table(device_type)
         if key not in table:
             return 0.0
@@ -255,16 +263,16 @@ _warned: set[str] = set()  # stale calibration files already named in a warning
 
 
 def compute_sizes(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat, cal: Calibration,
-                  device_type: str) -> dict[str, int]:
+                  device_type: str, groups: Sequence[Any] = ()) -> dict[str, int]:
     """Per group, the dense bytes at `dtype` that the cost model divides by the calibrated compute rate, a
     packed format's layers scaled by how much slower (or faster) its kernels went than the dense ones at one
-    token, where the calibration measured the format (`compute["cpu/int4"]`); else at dense speed."""
+    token, where the calibration measured the format (`compute["cpu/int4"]`); else at dense speed. `groups`: the
+    run's `GroupSpec`s, whose bytes a pass reads as stored say which rates (cached or from DRAM:
+    `Calibration.weight_bytes_per_s`); none: the cached ones."""
     sizes = {name: layout.nbytes for name, layout in model_layouts(cfg, dtype).items()}
     if fmt.prequant is not None or fmt.quantization == "none" or device_type not in cal.compute:
         return sizes
-
-    stored = model_layouts(cfg, dtype, fmt)  # the bytes a pass reads, as stored: from the cache where they fit
-    reads = sum(layout.nbytes for g, layout in stored.items() if g != "embed")
+    reads = sum(g.nbytes for g in groups if not g.rows_only) if groups else None
 
     def factor(bits: int) -> float:
         key = f"{device_type}/int{bits}"

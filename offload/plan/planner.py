@@ -157,7 +157,7 @@ class Planner:
         self.groups = [GroupSpec(name, layout.nbytes, rows_only=name in rows, expert=".expert." in name)
                        for name, layout in model_layouts(cfg, dtype, self.fmt, self.layers).items()]
         #: bytes the math reads per group at the compute rate (packed ones scaled by their calibrated speed)
-        self.compute_sizes = compute_sizes(cfg, dtype, self.fmt, load_calibration(config.calibration), device.type)
+        self.compute_sizes = compute_sizes(cfg, dtype, self.fmt, self.cal, device.type, self.groups)
         self.chunks = self._chunk_choices()
 
     def _set_compute(self, dtype: torch.dtype) -> None:

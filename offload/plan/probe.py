@@ -153,17 +153,16 @@ def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dty
     copies = copies if copies >= 2 else 0
     cold_run = M.layer_run(probe, [w] + [weights(buf.clone()) for _ in range(copies - 1)], cfg) if copies else None
     rope = M.Rope(cfg, device, compute)
-    hot, cold = [], []
+    planes = ModelConfig.from_dict(shape | {"num_hidden_layers": max(RUN_LAYERS, copies)})  # the KV pool's layers
+    hot: list[float] = []
+    cold: list[float] | None = [] if cold_run is not None else None
     for n in tokens:
         batch = max(1, min(n, 8)) if n <= 8 else 1  # decode-like for small n, one prefill chunk for large
         per_seq = n // batch
-        planes = ModelConfig.from_dict(shape | {"num_hidden_layers": max(RUN_LAYERS, copies)})
         kv = PagedKVCache(planes, 16, batch * blocks_for(context + per_seq, 16), compute, device)
         sids = [kv.add_sequence() for _ in range(batch)]
         kv.prepare(sids, [context] * batch)
-        for which, times in ((run, hot), (cold_run, cold)):
-            if which is None and times is cold:
-                continue
+        for which, times in ((run, hot), (cold_run, cold)) if cold is not None else ((run, hot),):
             best = math.inf
             for _ in range(5):
                 for s in sids:
@@ -173,8 +172,9 @@ def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dty
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0, view = time.perf_counter(), kv.view(0, layout_, step)
-                if which is not None and M.run_layers(which, x, view, layout_, rope(layout_.positions), cfg,
-                                                      None) is not None:
+                paged = M.paged_pool(view, None, x) if which is not None else None
+                if paged is not None:  # as a resident CPU pass runs: per layer of the run
+                    M.run_layers(which, x, view, paged, layout_, rope(layout_.positions), cfg)
                     best = min(best, (time.perf_counter() - t0) / which.size)
                     continue
                 M.decoder_layer(x, w, view, layout_, rope(layout_.positions), cfg, None)
@@ -182,4 +182,4 @@ def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dty
                     torch.cuda.synchronize(device)
                 best = min(best, time.perf_counter() - t0)
             times.append(best)
-    return group_layout(cfg, "layer.0", dtype).nbytes, hot, cold if cold_run is not None else None
+    return group_layout(cfg, "layer.0", dtype).nbytes, hot, cold

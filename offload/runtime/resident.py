@@ -33,13 +33,17 @@ class ResidentLayers:
         self._run = None
 
     @functools.cached_property
+    def groups(self) -> list[str]:
+        """The pass's layer groups, in order."""
+        return [self.ex.layer_groups[i] for i in self.ex.layers]
+
+    @functools.cached_property
     def possible(self) -> bool:
         """A CPU, every layer group resident (read in place, never streamed), no mixture-of-experts layer, one
         attention window."""
         ex = self.ex
-        groups = [ex.layer_groups[i] for i in ex.layers]
-        return (ex.device.type == "cpu" and isinstance(ex.weights, TieredWeights) and len(groups) > 1
-                and all(ex.plan.is_resident(g) for g in groups)
+        return (ex.device.type == "cpu" and isinstance(ex.weights, TieredWeights) and len(self.groups) > 1
+                and all(ex.plan.is_resident(g) for g in self.groups)
                 and not any(ex.cfg.moe_layers[i] for i in ex.layers)
                 and len({ex.cfg.sliding_windows[i] for i in ex.layers}) == 1)
 
@@ -49,11 +53,11 @@ class ResidentLayers:
         ex = self.ex
         if not self.possible or p.cold:
             return None
-        first, window = ex.kv_view(ex.layers[0], p), ex.cfg.sliding_windows[ex.layers[0]]
-        paged = first.paged(window)
-        if paged is None or paged[0].dtype != x.dtype:
+        first = ex.kv_view(ex.layers[0], p)
+        paged = M.paged_pool(first, ex.cfg.sliding_windows[ex.layers[0]], x)
+        if paged is None:
             return None
-        groups = [ex.layer_groups[i] for i in ex.layers]
+        groups = self.groups
         views = [ex.weights.acquire(g) for g in groups]
         key = (x.dtype, *map(id, views))  # resident groups' views are the same objects pass after pass
         if self._run is None or self._run[0] != key:
@@ -67,9 +71,7 @@ class ResidentLayers:
         timeline = ex.timeline
         start = timeline.now()
         with timeline.range("offload/compute/layers"):
-            ran = M.run_layers(run, x, first, p.layout, p.cos_sin, ex.cfg, window)
-        assert ran is not None  # (the view was checked above)
-        x, stamps = ran
+            x, stamps = M.run_layers(run, x, first, paged, p.layout, p.cos_sin, ex.cfg)
         spans = spans_of(stamps, start, timeline.now()) if timeline.enabled else [None] * len(groups)
         for g, span in zip(groups, spans):
             ex.weights.release(g, span)
