@@ -251,3 +251,15 @@ def test_on_cuda_packed_matrices_dequantize_into_the_scratch_and_give_the_cpu_to
         with Runner.from_config(run_config(model, device=device, weights=weights)) as r:
             out[device] = [g.token_ids for g in r.generate(PROMPTS, max_new_tokens=8, stop_on_eos=False)]
     assert out["cpu"] == out["cuda"]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantizing_into_the_store_a_block_of_rows_at_a_time_gives_the_whole_matrix_bytes(bits, monkeypatch):
+    """Conversion quantizes a large matrix (an LM head) a few tiles of rows at a time, to bound its temporaries:
+    the bytes are those of quantizing it whole, the last block's padded rows included."""
+    w = torch.randn(200, 128, generator=torch.Generator().manual_seed(bits))
+    whole = quant.quantize(w, bits, 32, torch.bfloat16)
+    q, sz = torch.full_like(whole["q"], 7), torch.full_like(whole["sz"], 3.0)
+    monkeypatch.setattr(quant, "QUANTIZE_BLOCK_BYTES", 64 * 4 * 128)  # one tile of rows a block: four blocks
+    quant.quantize_into(w, bits, 32, q, sz)
+    assert torch.equal(q, whole["q"]) and torch.equal(sz, whole["sz"])

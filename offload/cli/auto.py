@@ -76,11 +76,10 @@ def config_yaml(model: str, m: Machine, weights: WeightFormat | None) -> str:
     if m.device == "cuda":
         memory = ("  gpu:  {capacity: auto}          # free GPU memory at start (x0.9): homes, ring, KV, workspace\n"
                   "  cpu:  {capacity: auto}          # available RAM at start (x0.8): pinned homes of layers\n")
-    else:  # on a CPU device `auto` would mean all of RAM for the device tier: split what is free now
-        memory = (f"  gpu:  {{capacity: {m.ram_available // 4 // 2**20}MiB}}   # CPU run: the compute device's share "
-                  "of RAM (1/4 of what was free)\n"
-                  f"  cpu:  {{capacity: {m.ram_available // 2 // 2**20}MiB}}   # layers homed in RAM (1/2 of what "
-                  "was free)\n")
+    else:  # a CPU device: the two tiers are one RAM, sized at each start (numbers fixed at the first start refused
+        # the next one in a 600 MiB cgroup, the store and calibration it had made taking part of the room)
+        memory = ("  gpu:  {capacity: auto}          # CPU run: RAM this process may fill at start (x0.8), the layers\n"
+                  "  cpu:  {capacity: auto}          # homed there computed in place; the rest streamed from disk\n")
     lines = [
         f"# Written by `offload chat --auto` on {time.strftime('%Y-%m-%d %H:%M')} for {model}.",
         "# Edit freely: later starts read this file and never overwrite it.",

@@ -317,9 +317,8 @@ def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor, fmt: We
             ckpt.read_into(short, dest[row : row + shape[0]])
             row += shape[0]
         if packed:
-            sz = views[f"{tensor}.sz"]
-            for name, t in quant.quantize(dest, fmt.tensor_bits(tensor), fmt.group_size, sz.dtype).items():
-                views[f"{tensor}.{name}"].copy_(t)
+            quant.quantize_into(dest, fmt.tensor_bits(tensor), fmt.group_size, views[f"{tensor}.q"],
+                                views[f"{tensor}.sz"])
 
 
 def check_tensors(ckpt: Checkpoint, fmt: WeightFormat) -> None:

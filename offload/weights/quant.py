@@ -108,6 +108,26 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype) ->
     return {"q": pack_tiles(q)[None], "sz": sz[None]}
 
 
+#: float32 bytes of a matrix `quantize_into` quantizes at a time (quantize's temporaries are a few times its input)
+QUANTIZE_BLOCK_BYTES = 32 << 20
+
+
+def quantize_into(w: torch.Tensor, bits: int, group_size: int, q: torch.Tensor, sz: torch.Tensor) -> None:
+    """`quantize(w)` written into the packed tensors q, sz (`packed_shapes`), whole tiles of 64 rows at a time: a
+    large matrix (an LM head: 49152 x 576 float32 is 113 MB) costs its blocks' temporaries, not five copies of it
+    (a 600 MiB machine was killed converting SmolLM2's). The same bytes: the scheme is row by row."""
+    block = max(TILE_ROWS, QUANTIZE_BLOCK_BYTES // (4 * w.shape[1]) // TILE_ROWS * TILE_ROWS)
+    for r0 in range(0, w.shape[0], block):
+        part = quantize(w[r0 : r0 + block], bits, group_size, sz.dtype)
+        r1 = r0 + part["sz"].shape[-2]  # (the last block's padded rows are the matrix's)
+        if bits == 8:
+            q[r0 // TILE_ROWS : r1 // TILE_ROWS].copy_(part["q"])
+            sz[:, r0:r1].copy_(part["sz"])
+        else:
+            q[0, r0:r1].copy_(part["q"][0])
+            sz[0, :, r0:r1].copy_(part["sz"][0])
+
+
 def dequantize(q: torch.Tensor, sz: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Packed codes -> dense [rows, k] in sz's dtype (padded rows included), into `out` when given."""
     int8 = kernels.is_int8(sz)
