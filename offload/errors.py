@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from storage.errors import CapacityError, OffloadError, StoreError
+from storage.errors import CapacityError, OffloadError, StaleStoreError, StoreError
 
 
 class ConfigError(OffloadError):
@@ -26,4 +26,5 @@ class ContextLengthError(ConfigError):
         return self.prompt_tokens >= self.context
 
 
-__all__ = ["OffloadError", "ConfigError", "CheckpointError", "ContextLengthError", "StoreError", "CapacityError"]
+__all__ = ["OffloadError", "ConfigError", "CheckpointError", "ContextLengthError", "StoreError", "StaleStoreError",
+           "CapacityError"]

@@ -19,6 +19,11 @@ class StoreError(OffloadError):
     """A store on disk is missing, half-written, corrupt, foreign or cannot be written."""
 
 
+class StaleStoreError(StoreError):
+    """A complete, intact store that holds other bytes than the run reads: another checkpoint, dtype, weight format,
+    layout or store version. Nothing in it is damaged; converting again (`--force`) replaces it."""
+
+
 def convert_again(store: str | PathLike, command: str | None = None) -> str:
     """How a damaged store is rebuilt, as the end of an error's sentence: `command` (the exact `offload convert`
     line of the run that opened it, which only the caller knows) or its shape with the store's path."""

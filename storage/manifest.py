@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage.errors import StoreError, convert_again
+from storage.errors import StaleStoreError, StoreError, convert_again
 from storage.layout import GroupLayout, check_name
 
 FORMAT = "offload-store"
@@ -56,13 +56,13 @@ def read_manifest(file: Path, remedy: str | None = None) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "groups" not in manifest:
         raise StoreError(f"{file}: unreadable or not an Offload manifest; {again}")
     if manifest.get("version") == 1:
-        raise StoreError(
+        raise StaleStoreError(
             f"{file.parent}: this store has format version 1, from before quantized weights (this Offload reads "
             f"version {VERSION}); {again}"
         )
     if manifest.get("version") != VERSION:
-        raise StoreError(f"{file.parent}: store format version {str(manifest.get('version'))[:20]} is not {VERSION}, "
-                         f"the one this Offload reads; {again}")
+        raise StaleStoreError(f"{file.parent}: store format version {str(manifest.get('version'))[:20]} is not "
+                              f"{VERSION}, the one this Offload reads; {again}")
     groups, meta = manifest["groups"], manifest.get("meta")
     if not isinstance(meta, dict):
         raise bad("meta", "is not an object")

@@ -8,6 +8,7 @@ import sys
 
 from offload.cli.main import main
 from offload.runtime.runner import Runner
+from storage.manifest import VERSION as STORE_VERSION
 from tests.conftest import run_config
 
 
@@ -76,3 +77,36 @@ def test_demo_generates_its_model_once_and_runs(tmp_path, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert "generating" not in captured.err  # reused, not regenerated
     assert json.loads(captured.out)["results"][0]["token_ids"] == first["results"][0]["token_ids"]
+
+
+def test_demo_reads_a_store_of_an_earlier_version_or_converts_its_own_again(tmp_path, monkeypatch, capsys):
+    """The demo's cache outlives an upgrade (CI keeps ~/.cache): a dense store converted with another `keep` list
+    holds the same bytes and is read; one of another store version is the demo's own cache and is converted again.
+    A store the user pointed the demo config at is theirs: refused with the command, not replaced."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("OFFLOAD_CACHE", str(cache))
+    assert main(["demo", "--max-new-tokens", "4", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)["results"][0]["token_ids"]
+    manifest = cache / "small-llama-store" / "manifest.json"
+
+    def edit(change):
+        m = json.loads(manifest.read_text())
+        change(m)
+        manifest.write_text(json.dumps(m))
+
+    edit(lambda m: m["meta"]["weights"].update(keep=["lm_head"]))  # what the earlier default `keep` wrote
+    assert main(["demo", "--max-new-tokens", "4", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "converting" not in captured.err and json.loads(captured.out)["results"][0]["token_ids"] == first
+    edit(lambda m: m.update(version=m["version"] + 1))
+    assert main(["demo", "--max-new-tokens", "4", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "converting it again" in captured.err and json.loads(captured.out)["results"][0]["token_ids"] == first
+    assert json.loads(manifest.read_text())["version"] == STORE_VERSION  # rewritten, not patched
+    moved = cache / "mine"
+    (cache / "small-llama-store").rename(moved)
+    (cache / "demo.yaml").write_text((cache / "demo.yaml").read_text().replace("small-llama-store", "mine"))
+    edit_moved = json.loads((moved / "manifest.json").read_text())
+    (moved / "manifest.json").write_text(json.dumps(edit_moved | {"version": edit_moved["version"] + 1}))
+    assert main(["demo", "--max-new-tokens", "4", "--json"]) == 2
+    assert "offload convert" in capsys.readouterr().err and (moved / "manifest.json").is_file()

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
 
 from offload.cli.run import add_generation_args, check_sampling_args, read_prompts, run_prompts
 from offload.config import OffloadConfig, cache_dir
+from offload.errors import StaleStoreError
 from offload.testing.make_model import make_model
 
 log = logging.getLogger(__name__)
 
 DEMO_PROMPT = "The kettle on Larkspur Lane"
+DEMO_STORE = "small-llama-store"  # the demo config's disk tier, in the cache directory
 
 #: The embedded default configuration. Its capacities are chosen so the small model (113 MB
 #: in bf16: eight 12.6 MB layers, a 6.3 MB embedding and LM head) lives in all three tiers.
@@ -72,4 +75,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config_path = ensure_demo_config(root)
     print(f"offload demo: config {config_path}", file=sys.stderr)
     prompts = read_prompts(args, default=DEMO_PROMPT)
-    return run_prompts(OffloadConfig.load(config_path), prompts, args)
+    config = OffloadConfig.load(config_path)
+    try:
+        return run_prompts(config, prompts, args)
+    except StaleStoreError as e:  # e.g. written by an earlier Offload: the demo's own store is a cache, rebuilt
+        store = config.tiers.disk.path if config.tiers is not None and config.tiers.disk is not None else None
+        if store is None or Path(store).resolve() != (root / DEMO_STORE).resolve():
+            raise  # a store the user pointed the demo at is theirs: the error says how to convert it
+        print(f"offload demo: {e}\noffload demo: that store is the demo's own cache; converting it again",
+              file=sys.stderr)
+        stale = Path(store).with_name(f"{DEMO_STORE}.stale-{os.getpid()}")
+        Path(store).rename(stale)  # readers that have it open keep their files; the new one is written beside it
+        shutil.rmtree(stale, ignore_errors=True)
+        return run_prompts(config, prompts, args)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from offload.errors import StoreError
+from offload.errors import StaleStoreError
 from offload.model.checkpoint import Checkpoint
 from offload.version import __version__
 from offload.weights.groups import DENSE, WeightFormat, check_tensors, fill_group, group_sources, model_layouts
@@ -110,27 +110,27 @@ def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capa
     meta = store.meta
     if meta.get("checkpoint_fingerprint") != ckpt.fingerprint():
         store.close()
-        raise StoreError(
+        raise StaleStoreError(
             f"{store_dir} was converted from a different checkpoint ({meta.get('checkpoint')}); run "
             f"`{again}` or point tiers.disk.path elsewhere"
         )
     if meta.get("dtype") != dtype_name(dtype):
         store.close()
-        raise StoreError(
+        raise StaleStoreError(
             f"{store_dir} holds {meta.get('dtype')} weights but the run asks for {dtype_name(dtype)}; set dtype: "
             f"{meta.get('dtype')} or convert again with `{again}`"
         )
     have = {k: v for k, v in meta.get("weights", {}).items() if k != "tensors"}
-    if have != fmt.to_json():
+    if not fmt.stored_as(have):
         store.close()
-        raise StoreError(
+        raise StaleStoreError(
             f"{store_dir} holds weights stored as {have} but the run asks for {fmt.to_json()}; set `weights:` to "
             f"match, or convert again with `{again}`"
         )
     expected = model_layouts(ckpt.config, dtype, fmt)
     if {n: g.layout for n, g in store.groups.items()} != expected:
         store.close()
-        raise StoreError(f"{store_dir}: its group layouts differ from this run's (another Offload version, or "
+        raise StaleStoreError(f"{store_dir}: its group layouts differ from this run's (another Offload version, or "
                          f"model_impl {ckpt.config.impl} where it was converted for the other); convert again with "
                          f"`{again}`")
     return store
@@ -140,7 +140,9 @@ def convert_command(checkpoint: Path, store_dir: Path, dtype: torch.dtype, fmt: 
                     impl: str = "native") -> str:
     """The `offload convert` command that writes the store a run of this dtype, weight format and model_impl reads."""
     cmd = f"offload convert {shlex.quote(str(checkpoint))} {shlex.quote(str(store_dir))} --dtype {dtype_name(dtype)}"
-    if fmt.prequant is None:  # a GPTQ/AWQ checkpoint's format is its own
+    if fmt.prequant is None and fmt.quantization == "none":
+        cmd += " --weights none"
+    elif fmt.prequant is None:  # a GPTQ/AWQ checkpoint's format is its own
         cmd += f" --weights {fmt.quantization} --group-size {fmt.group_size} --keep" + "".join(
             f" {k}" for k in sorted(fmt.keep))
     return cmd + f" --model-impl {impl} --force"

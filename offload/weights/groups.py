@@ -101,6 +101,13 @@ class WeightFormat:
             return self.prequant.to_json()
         return {"quantization": self.quantization, "group_size": self.group_size, "keep": sorted(self.keep)}
 
+    def stored_as(self, stored: dict) -> bool:
+        """Does a store whose manifest records `stored` (a `to_json` of the format it was converted with) hold this
+        format's bytes? Dense weights are the same whatever group size or keep list they were converted with."""
+        if self.quantization == "none" and self.prequant is None:
+            return stored.get("quantization") == "none"
+        return stored == self.to_json()
+
     def check(self, cfg: ModelConfig) -> None:
         """Refuse, before anything is converted, a group size that does not divide a packed matrix's input dim."""
         if self.quantization == "none" or self.prequant is not None:
