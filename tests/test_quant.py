@@ -14,7 +14,6 @@ import torch
 from offload.cli.main import main
 from offload.config import OffloadConfig
 from offload.errors import ConfigError, StoreError
-from offload.model import kernels
 from offload.model.checkpoint import Checkpoint
 from offload.plan.planner import Planner
 from offload.runtime.runner import Runner
@@ -267,20 +266,3 @@ def test_quantizing_into_the_store_a_block_of_rows_at_a_time_gives_the_whole_mat
     monkeypatch.setattr(quant, "QUANTIZE_BLOCK_BYTES", 64 * 4 * 128)  # one tile of rows a block: four blocks
     quant.quantize_into(w, bits, 32, q, sz)
     assert torch.equal(q, whole["q"]) and torch.equal(sz, whole["sz"])
-
-
-def test_packed_products_split_x_into_int16_without_overflow_and_keep_nan_and_zero_rows_to_themselves():
-    """The int16 split (`cpu_packed._split`) at its edges: a group as large as int32 allows (512 columns of the
-    largest int8 code against the largest |x|: the step shrinks instead of the sum wrapping), a row of zeros gives
-    exact zeros, and a NaN in one row makes that row NaN and leaves the others' bits as they are alone."""
-    K = 512
-    q = torch.full((1, K, 64), 255, dtype=torch.uint8)  # one 64-row tile, every code 255
-    sz = torch.stack([torch.ones(1, 64), torch.zeros(1, 64)], dim=-1)  # one group: scale 1, min 0
-    x = torch.ones(3, K)
-    x[1] = 0.0
-    x[2, 7] = float("nan")
-    out = kernels.packed_linear(x, q, sz)
-    torch.testing.assert_close(out[0], torch.full((64,), 255.0 * K), rtol=1e-5, atol=0)  # a wrap would be < 0
-    assert torch.equal(out[1], torch.zeros(64))
-    assert bool(out[2].isnan().all())
-    assert torch.equal(kernels.packed_linear(x[:1], q, sz), out[:1])

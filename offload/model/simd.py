@@ -264,8 +264,8 @@ def vpairs(typingctx, a, i):  # pragma: no cover - compiled
 
 # ----------------------------------------------------------------------------- 16 int32 lanes: integer products
 # A lane holds two int16 (the codes of one output row at input columns k and k + 1, or x at k and k + 1, split to
-# 16 bits); `vdot` multiplies the pairs and adds both products to the lane: AVX-512 VNNI's vpdpwssds, pmaddwd +
-# add elsewhere. Integer sums are exact, so no order is chosen: the result is the same on every machine.
+# 16 bits); `vdot` multiplies the pairs and adds both products to the lane: AVX-512 VNNI's vpdpwssd, pmaddwd + add
+# elsewhere. Integer sums are exact, so no order is chosen: the result is the same on every machine.
 _I32 = ir.IntType(32)
 _IT = ir.VectorType(_I32, LANES)
 _I16x32 = ir.VectorType(ir.IntType(16), 2 * LANES)
@@ -343,17 +343,16 @@ def _avx512bw() -> bool:
 
 @intrinsic
 def vdot(typingctx, acc, w, x):  # pragma: no cover - compiled
-    """acc + w[2j] * x[2j] + w[2j + 1] * x[2j + 1] in lane j, the lanes' int16 halves multiplied exactly. The
-    caller keeps every sum within int32 (no lane wraps or saturates: then all three forms below agree)."""
+    """acc + w[2j] * x[2j] + w[2j + 1] * x[2j + 1] in lane j, the lanes' int16 halves multiplied exactly (products
+    of codes 0..255 with int16: no pair overflows)."""
     if not (acc == w == x == i32x16):
         return None
 
     def codegen(context, builder, sig, args):
         a, wv, xv = args
-        if _x86() and _vnni():  # the saturating form: LLVM splits half of a chain of the wrapping one into pmaddwd +
-            # paddd (two instructions); the callers' sums never reach int32's limits, so both give the same lanes
+        if _x86() and _vnni():
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_IT, [_IT] * 3),
-                                                "llvm.x86.avx512.vpdpwssds.512")
+                                                "llvm.x86.avx512.vpdpwssd.512")
             return builder.call(fn, [a, wv, xv])
         w16, x16 = builder.bitcast(wv, _I16x32), builder.bitcast(xv, _I16x32)
         if _x86() and _avx512bw():
