@@ -51,8 +51,8 @@ ROW_INVARIANT = numba is not None
 #: Which CPU kernels a calibration measured (raised when their speed changes: a calibration of older ones is
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py). 2: three-row tiles, 512-column chunks;
 #: 3: int8 widened by whole groups, attention by KV head; 4-5: int8 by whole rows; 6: int8 in explicit lanes;
-#: 7: int4 in explicit lanes; 8: int8 in int4's tiles; 9: x in int16, integer products (VNNI).
-VERSION = 9
+#: 7: int4 in explicit lanes; 8: int8 in int4's tiles.
+VERSION = 8
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
@@ -333,7 +333,7 @@ def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.T
     rows, K = packed_rows_cols(q, sz)
     G = sz.shape[-3]
     if (q.shape[2] != 64 if int8 else q.shape[0] != 1) or rows % 64 or x.shape[-1] != K or G == 0 or K % G \
-            or (K // G) % 2 or sz.shape[-2] != rows:  # (the kernel pairs columns: groups are even, as quant's)
+            or sz.shape[-2] != rows:
         raise ValueError(f"x {tuple(x.shape)} does not fit packed codes {tuple(q.shape)} / {tuple(sz.shape)}")
     _threads(x.numel() * rows)
     x32 = x.to(torch.float32).contiguous()
