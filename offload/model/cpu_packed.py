@@ -135,8 +135,14 @@ def _direct(xr, Xr, qb, S, Z, gs, A, wide):  # pragma: no cover - compiled
 def _widen(qb, g, gs, W, wide):  # pragma: no cover - compiled
     """W [gs * 64] = the block's codes of group g's columns as float32 (the values `_direct` converts). (Flat arrays
     and offsets in the loops: a view made in a loop costs two atomic reference counts an iteration.)"""
+    ahead = gs * (_BLOCK if wide else _BLOCK // 2)  # the next group's codes, while this group's rows compute
     for i in range(gs):
-        c0, c1, c2, c3 = _column(qb, g * gs + i, wide)
+        k = g * gs + i
+        if wide:  # a cache line is one int8 column, two int4 ones
+            prefetch(qb, 64 * k + ahead)
+        elif k % 2 == 0:
+            prefetch(qb, 32 * k + ahead)
+        c0, c1, c2, c3 = _column(qb, k, wide)
         vstore(W, _BLOCK * i, c0)
         vstore(W, _BLOCK * i + LANES, c1)
         vstore(W, _BLOCK * i + 2 * LANES, c2)
