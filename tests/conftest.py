@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,14 @@ def run_config(model: Path, **overrides) -> dict:
     cfg = {"model": str(model), "device": "cpu", "dtype": "float32"}
     cfg.update(overrides)
     return cfg
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _sigint_handled():
+    """A runner that starts the suite in the background (a non-interactive shell's `cmd &`) hands it SIGINT
+    ignored, which every command a test starts inherits, and Offload honours an ignored SIGINT (`signals.install`):
+    the Ctrl-C tests would wait for an interrupt that never comes. The suite takes SIGINT as a terminal gives it
+    (Python's handler; a child starts with the default action)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield

@@ -138,8 +138,10 @@ def chat_session(config: Path, rng: random.Random, replies: int, last: int) -> l
             start = len(proc.out)
             proc.p.stdin.write(" ".join(rng.sample(WORDS, 6)).encode() + b"\n")
             proc.p.stdin.flush()
-            while len(proc.out) <= start:  # wait for the reply to stream
-                assert proc.p.poll() is None, proc.tail()
+            deadline = time.monotonic() + 120
+            while len(proc.out) <= start:  # wait for the reply to stream (bounded: a reply that never starts
+                assert proc.p.poll() is None, proc.tail()  # must fail the test, not hang CI)
+                assert time.monotonic() < deadline, "no reply within 120 s: " + proc.tail()
                 time.sleep(0.01)
         delay = rng.uniform(0.0, 0.4)
         time.sleep(delay)
