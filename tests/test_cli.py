@@ -89,10 +89,10 @@ def test_demo_reads_a_store_of_an_earlier_version_or_converts_its_own_again(tmp_
     first = json.loads(capsys.readouterr().out)["results"][0]["token_ids"]
     manifest = cache / "small-llama-store" / "manifest.json"
 
-    def edit(change):
-        m = json.loads(manifest.read_text())
+    def edit(change, file=manifest):
+        m = json.loads(file.read_text())
         change(m)
-        manifest.write_text(json.dumps(m))
+        file.write_text(json.dumps(m))
 
     edit(lambda m: m["meta"]["weights"].update(keep=["lm_head"]))  # what the earlier default `keep` wrote
     assert main(["demo", "--max-new-tokens", "4", "--json"]) == 0
@@ -106,7 +106,6 @@ def test_demo_reads_a_store_of_an_earlier_version_or_converts_its_own_again(tmp_
     moved = cache / "mine"
     (cache / "small-llama-store").rename(moved)
     (cache / "demo.yaml").write_text((cache / "demo.yaml").read_text().replace("small-llama-store", "mine"))
-    edit_moved = json.loads((moved / "manifest.json").read_text())
-    (moved / "manifest.json").write_text(json.dumps(edit_moved | {"version": edit_moved["version"] + 1}))
+    edit(lambda m: m.update(version=m["version"] + 1), moved / "manifest.json")
     assert main(["demo", "--max-new-tokens", "4", "--json"]) == 2
     assert "offload convert" in capsys.readouterr().err and (moved / "manifest.json").is_file()

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import sys
 from pathlib import Path
 
+from offload.cli.prepare import convert_first
 from offload.cli.run import add_generation_args, check_sampling_args, read_prompts, run_prompts
 from offload.config import OffloadConfig, cache_dir
 from offload.errors import StaleStoreError
@@ -32,7 +32,7 @@ dtype: bfloat16
 tiers:
   gpu:  {capacity: 64MiB}          # 3 ring slots + KV + workspace, then 1 layer and the LM head
   cpu:  {capacity: 32MiB}          # 2 layers
-  disk: {path: small-llama-store}  # the rest, streamed from a zarr store converted on first run
+""" + f"  disk: {{path: {DEMO_STORE}}}  # the rest, streamed from a zarr store converted on first run\n" + """\
 kv_cache: {block_size: 16, gpu_blocks: 32}
 prefetch: {depth: 2}
 activations: {prefill_chunk: 64}
@@ -84,7 +84,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise  # a store the user pointed the demo at is theirs: the error says how to convert it
         print(f"offload demo: {e}\noffload demo: that store is the demo's own cache; converting it again",
               file=sys.stderr)
-        stale = Path(store).with_name(f"{DEMO_STORE}.stale-{os.getpid()}")
-        Path(store).rename(stale)  # readers that have it open keep their files; the new one is written beside it
-        shutil.rmtree(stale, ignore_errors=True)
+        convert_first(config, replace=True)
         return run_prompts(config, prompts, args)

@@ -36,7 +36,7 @@ from offload.runtime.device import resolve_device, resolve_dtype
 from offload.runtime.ranks import launched
 from offload.runtime.requests import Context
 from offload.runtime.speculative import auto_gain, draft_config, draft_model_config
-from offload.weights.convert import open_store
+from offload.weights.convert import convert, open_store
 from offload.weights.groups import WeightFormat
 from storage.store import StoreState, store_state
 
@@ -144,12 +144,13 @@ def store_to_fill(path: Path) -> StoreState:
     return state
 
 
-def convert_first(config: OffloadConfig) -> None:
+def convert_first(config: OffloadConfig, replace: bool = False) -> None:
     """The first run of a config with a disk tier converts the checkpoint into the store: here, with a
     progress bar on stderr, once the plan is known to fit (a config the runner would refuse converts nothing).
-    A complete store is left alone; an interrupted conversion resumes; other processes wait (`open_store`)."""
+    A complete store is left alone (`replace`: converted again, as `offload convert --force` would: for a store
+    the caller owns, such as the demo's cache); an interrupted conversion resumes; other processes wait."""
     disk = config.tiers.disk if config.tiers is not None else None
-    if disk is None or store_to_fill(disk.path) is StoreState.COMPLETE:
+    if disk is None or (store_to_fill(disk.path) is StoreState.COMPLETE and not replace):
         return
     if config.hub:  # the weights come now, as the runner would fetch them (resumed if interrupted)
         config = config.replace(model=hub.fetch(config.hub))
@@ -157,9 +158,12 @@ def convert_first(config: OffloadConfig) -> None:
     dtype, device = resolve_dtype(config.dtype, ckpt.config.torch_dtype), resolve_device(config.device)
     if not launched():  # under torchrun each rank plans its own slice when the run starts
         plan_for(config, ckpt.config, dtype, device)[1].run_plan()  # CapacityError / ConfigError, as the runner's
+    fmt = WeightFormat.from_config(config.weights, ckpt.config)
+    if replace:  # under the store's lock: a process reading it is waited for
+        print(f"offload: converting {ckpt.path} into the store {disk.path} again", file=sys.stderr)
+        convert(ckpt, disk.path, dtype, force=True, capacity=disk.capacity, progress=True, fmt=fmt).close()
+        return
     print(f"offload: converting {ckpt.path} into the store {disk.path} (first run only; later runs reuse it)",
           file=sys.stderr)
     open_store(ckpt, disk.path, dtype, capacity=disk.capacity, page_cache=disk.page_cache, verify=disk.verify,
-               direct_io=disk.direct_io and not disk.page_cache, fmt=WeightFormat.from_config(config.weights,
-                                                                                          ckpt.config),
-               progress=True).close()
+               direct_io=disk.direct_io and not disk.page_cache, fmt=fmt, progress=True).close()
