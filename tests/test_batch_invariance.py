@@ -18,7 +18,7 @@ from offload.runtime.executor import ForwardBatch
 from offload.runtime.resident import ResidentLayers
 from offload.runtime.runner import Runner
 from offload.weights import quant
-from tests.conftest import run_config
+from tests.conftest import run_config, within_int16_split
 
 pytestmark = pytest.mark.skipif(not kernels.ROW_INVARIANT, reason="row-invariant CPU kernels need numba")
 
@@ -78,6 +78,52 @@ def test_an_int4_products_row_has_the_same_bits_at_any_place_in_any_pass(K, grou
             got = kernels.packed_linear(x[start:start + rows], packed["q"], packed["sz"])
             assert torch.equal(got.view(torch.int32), full[start:start + rows].view(torch.int32)), \
                 f"rows {start}:{start + rows}"
+
+
+@pytest.mark.parametrize("bits,K,group", [(4, 576, 64), (4, 2048, 128), (4, 40, 20), (8, 576, 64), (8, 584, 146),
+                                          (8, 18, 18)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_packed_products_of_bf16_activations_are_int16_steps_and_rows_keep_their_bits(bits, K, group, dtype):
+    """bf16 activations are multiplied in int16 steps: within what the steps change of the exact product, and a row
+    comes out the same at any place in any pass (every size 1-10, every offset: the direct, three-row and one-row
+    paths). fp16 activations (more significant bits than the steps keep) as float32 ones."""
+    g = torch.Generator().manual_seed(K)
+    packed = quant.quantize(torch.randn(70, K, generator=g), bits, group, torch.bfloat16)
+    x = torch.randn(11, K, generator=g).to(getattr(torch, dtype))
+    w = quant.dequantize(packed["q"], packed["sz"].float())
+    full = kernels.packed_linear(x, packed["q"], packed["sz"])
+    as_float32 = kernels.packed_linear(x.float(), packed["q"], packed["sz"])
+    if dtype == "bfloat16":
+        within_int16_split(full, x.float(), w, group)
+        assert not torch.equal(full, as_float32)
+    else:
+        assert torch.equal(full, as_float32)
+    for rows in range(1, 11):
+        for start in range(11 - rows + 1):
+            got = kernels.packed_linear(x[start:start + rows], packed["q"], packed["sz"])
+            assert torch.equal(got.view(torch.int32), full[start:start + rows].view(torch.int32)), \
+                f"rows {start}:{start + rows}"
+
+
+def test_the_int16_split_does_not_overflow_and_keeps_zero_and_nan_rows_to_themselves():
+    """The int16 split (`cpu_packed._split`) at its edges: a group as large as int32 allows (512 columns of the
+    largest int8 code against the largest |x|: the step grows instead of the sum wrapping), a row of zeros gives
+    exact zeros, and a NaN in one row makes that row NaN and leaves the others' bits as they are alone. Tiles with
+    odd groups (not quantization's, which pairs columns) multiply in float32."""
+    K = 512
+    q = torch.full((1, K, 64), 255, dtype=torch.uint8)  # one 64-row tile, every code 255
+    sz = torch.stack([torch.ones(1, 64), torch.zeros(1, 64)], dim=-1)  # one group: scale 1, min 0
+    x = torch.ones(3, K, dtype=torch.bfloat16)
+    x[1] = 0.0
+    x[2, 7] = float("nan")
+    out = kernels.packed_linear(x, q, sz)
+    torch.testing.assert_close(out[0], torch.full((64,), 255.0 * K), rtol=1e-5, atol=0)  # a wrap would be < 0
+    assert torch.equal(out[1], torch.zeros(64))
+    assert bool(out[2].isnan().all())
+    assert torch.equal(kernels.packed_linear(x[:1], q, sz), out[:1])
+    odd = torch.rand(3, 64, 2).to(torch.bfloat16)  # 51 columns in groups of 17
+    x = torch.randn(4, 51).to(torch.bfloat16)
+    assert torch.equal(kernels.packed_linear(x, q[:, :51], odd), kernels.packed_linear(x.float(), q[:, :51], odd))
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ import torch
 from offload.model.kernels import (
     DENSE_KIND,
     NO_SCALES,
-    PACKED,
     _as_numpy,
     _threads,
     numba,
     packed_args,
+    packed_kind,
     packed_supported,
 )
 
@@ -141,9 +141,9 @@ if numba is not None:
         `functional.decoder_layer` does it on a CPU (the same kernels and roundings: the same bits), in one
         call: norms, products (parallel), RoPE, the K/V write into the paged pool kv, attention over it, the
         SwiGLU MLP, the residuals -> out [N, H] raw bits. Matrices: raw bits, or int8 or int4 tiles
-        (`kernels._product`; kind: `kernels._dense`'s; scales, shifts: the raw bits of packed matrices' (scale,
-        min / zero) pairs, each padded to whole tiles of rows: only the first features count, inter for gate_up's
-        halves). Biases: [1, n] raw bits, or [1, 0] for none."""
+        (`kernels._product`; kind: `kernels._dense`'s, or `kernels.packed_kind`'s for tiles; scales, shifts: the
+        raw bits of packed matrices' (scale, min / zero) pairs, each padded to whole tiles of rows: only the first
+        features count, inter for gate_up's halves). Biases: [1, n] raw bits, or [1, 0] for none."""
         N, H = x.shape
         B, Tq = pad_index.shape
         hkv, D = kv.shape[3], kv.shape[4]
@@ -346,7 +346,7 @@ def decoder_layer(x: torch.Tensor, mats: tuple, norms: tuple[torch.Tensor, torch
     x = x.contiguous()
     out = torch.empty_like(x)
     dt = x.dtype
-    kind = PACKED if _packed(qkv) else DENSE_KIND[qkv.dtype]
+    kind = packed_kind(dt) if _packed(qkv) else DENSE_KIND[qkv.dtype]
     _layer(_raw(x), *_weights(mats, norms, dt), float(eps), _index(cos, raw=True), _index(sin, raw=True),
            _raw(kv, keep=True),
            *(_index(t) for t in index), heads, float(scale), kind, dt == torch.bfloat16, _raw(out))
@@ -366,7 +366,7 @@ class LayerRun:
         self.args = typed.List([_weights(mats, norms, dt) for mats, norms in layers])  # one numba type: or TypeError
         qkv = layers[0][0][0]
         self.width = qkv.out_features if _packed(qkv) else qkv.shape[0]
-        self.kind = PACKED if _packed(qkv) else DENSE_KIND[qkv.dtype]
+        self.kind = packed_kind(self.dt) if _packed(qkv) else DENSE_KIND[qkv.dtype]
 
     @staticmethod
     def supported(x: torch.Tensor, layers: list[tuple[tuple, tuple]]) -> bool:

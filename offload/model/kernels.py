@@ -51,8 +51,8 @@ ROW_INVARIANT = numba is not None
 #: Which CPU kernels a calibration measured (raised when their speed changes: a calibration of older ones is
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py). 2: three-row tiles, 512-column chunks;
 #: 3: int8 widened by whole groups, attention by KV head; 4-5: int8 by whole rows; 6: int8 in explicit lanes;
-#: 7: int4 in explicit lanes; 8: int8 in int4's tiles.
-VERSION = 8
+#: 7: int4 in explicit lanes; 8: int8 in int4's tiles; 9: packed products of 16-bit activations in int16 (VNNI).
+VERSION = 9
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
@@ -114,7 +114,7 @@ if numba is not None:
     from numba.core import types
     from numba.extending import overload
 
-    from offload.model.cpu_packed import _int4, _int8, packed
+    from offload.model.cpu_packed import packed
     from offload.model.simd import _bits_f32, _f32_bits  # noqa: F401 - the fused layer's too
 
     @njit(inline="always")
@@ -251,12 +251,20 @@ if numba is not None:
     @overload(_product)
     def _product_by_type(x, w, sz, shift, out, kind):  # pragma: no cover - compiled
         if w.dtype == types.uint8:  # (the scales' dtype says their shift)
-            return lambda x, w, sz, shift, out, kind: packed(x, w, sz, out)
+            return lambda x, w, sz, shift, out, kind: packed(x, w, sz, out, kind == PACKED_INT16)
         return lambda x, w, sz, shift, out, kind: _dense(x, w, out, kind)
 
-#: The dense kernel's weight kinds (`_widen`) by a dense matrix's dtype; PACKED: a packed matrix's (not read).
+#: The dense kernel's weight kinds (`_widen`) by a dense matrix's dtype; PACKED: a packed matrix's, x in float32;
+#: PACKED_INT16: a packed matrix's, x (bf16 activations) in int16 steps (`cpu_packed`).
 DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is not None else {}
-PACKED = 3
+PACKED, PACKED_INT16 = 3, 4
+
+
+def packed_kind(activations: torch.dtype) -> int:
+    """How a packed matrix multiplies activations of this dtype: bf16 in int16 steps (twice float32's multiply-adds
+    an instruction; bf16's 8 significant bits kept wherever an entry is within 2^7 of its group's largest), float32
+    and fp16 (11 significant bits, more than the steps keep) in float32."""
+    return PACKED_INT16 if activations == torch.bfloat16 else PACKED
 NO_SCALES = np.zeros((0, 1, 2), np.uint16)  # the scales argument of a dense (not int8) product
 
 
@@ -328,7 +336,8 @@ def packed_rows_cols(q: torch.Tensor, sz: torch.Tensor) -> tuple[int, int]:
 def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ a packed matrix: int8 tiles (q uint8 [rows / 64, K, 64], sz [K/g, rows, 2] (scale, min)) or the
     int4 plane (q uint8 [1, rows, K/2] in tile order, sz [1, K/g, rows, 2] (scale, zero)), scales bf16 or float32
-    -> [M, rows] float32, every row independent of the others (`offload.model.cpu_packed`)."""
+    -> [M, rows] float32, every row independent of the others (`offload.model.cpu_packed`; bf16 x in int16 steps:
+    `packed_kind`)."""
     int8 = is_int8(sz)
     rows, K = packed_rows_cols(q, sz)
     G = sz.shape[-3]
@@ -340,7 +349,7 @@ def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.T
     out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
     if out.numel():
         tiles, bits, _ = packed_args(q, sz)
-        (_int8 if int8 else _int4)(x32.numpy(), tiles, bits, out.numpy())
+        packed(x32.numpy(), tiles, bits, out.numpy(), packed_kind(x.dtype) == PACKED_INT16)
     return out
 
 
