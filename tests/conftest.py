@@ -61,7 +61,7 @@ def _sigint_handled():
 
 
 def within_int16_split(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group: int) -> None:
-    """The packed kernels multiply bf16 activations split into int16 steps per group (`cpu_packed._split`):
+    """The packed kernels multiply bf16 activations split into int16 steps per group (`cpu_packed16._split`):
     each x[k] is off by at most half its group's step, max |x| over the group / 32767, so a product by at most
     sum_k |w[n, k]| * that, plus float32 rounding. Asserts got (the kernel's [M, n]) is x @ w.T within that bound."""
     M, K = x.shape

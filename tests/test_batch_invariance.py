@@ -106,7 +106,7 @@ def test_packed_products_of_bf16_activations_are_int16_steps_and_rows_keep_their
 
 
 def test_the_int16_split_does_not_overflow_and_keeps_zero_and_nan_rows_to_themselves():
-    """The int16 split (`cpu_packed._split`) at its edges: a group as large as int32 allows (512 columns of the
+    """The int16 split (`cpu_packed16._split`) at its edges: a group as large as int32 allows (512 columns of the
     largest int8 code against the largest |x|: the step grows instead of the sum wrapping), a row of zeros gives
     exact zeros, and a NaN in one row makes that row NaN and leaves the others' bits as they are alone. Tiles with
     odd groups (not quantization's, which pairs columns) multiply in float32."""

@@ -26,6 +26,9 @@ def test_a_cached_layer_is_stamped_with_the_packed_kernels_it_compiles_in():
             digest.update(f.read())
     own, everything = _stamp(fused._layer.py_func, fused.__file__)
     assert everything == digest.hexdigest() and "cpu_packed.py" in kernels._SOURCES
+    compiled = {name for name in os.listdir(here) if name.endswith(".py")  # every file of compiled kernels
+                and "from numba" in open(os.path.join(here, name), encoding="utf-8").read()}
+    assert compiled == set(kernels._SOURCES), "kernels._SOURCES must name every file numba compiles code from"
     with open(fused.__file__, "rb") as f:
         assert own == hashlib.sha256(f.read()).digest()  # numba's own stamp of the file, kept beside
 

@@ -24,15 +24,8 @@ read (fma(code, scale, min), then the product: two multiply-adds a weight, eight
 [2048, 8192] matrix from L3, one row, one thread, 8.0 -> 20.9 Gweights/s (int4: 22.8); from L2 ([256, 2048])
 13.0 -> 21.1.
 
-bf16 activations (a bf16 run) are multiplied in int16 instead (`_tiles16`, below; the caller chooses by the
-activations' dtype, never by the batch): the same tiles and order of blocks, x split per group into int16 steps and
-summed against the codes exactly in int32, twice float32's multiply-adds an instruction. Past a few rows float32
-products are bound by multiply-adds, not bytes, so this is what makes prefill and a verify pass cheap. A step is
-2^-15 of the group's largest |x|: bf16's 8 significant bits are kept wherever an entry is within 2^7 of that
-largest. On the trained SmolLM2-135M in bf16 (12 prompts, against transformers in float32 on the same dequantized
-weights) the mean |logit difference| goes 0.21 -> 0.26 (int4) and 0.28 -> 0.30 (int8); the same split in a
-float32 run would move the logits 1e-2 where float32 products stay within 1e-4, so float32 (and fp16) activations
-keep float32 products. Knows nothing about models, tiers or files.
+bf16 activations are multiplied in int16 instead (`offload.model.cpu_packed16`, whose `packed` chooses). Knows
+nothing about models, tiers or files.
 """
 
 from __future__ import annotations
@@ -42,17 +35,8 @@ from numba import njit, prange
 
 from offload.model.simd import (
     LANES,
-    _bits_f32,
     prefetch,
-    vcodes4,
-    vcodes8,
-    vdot,
     vfma,
-    viload,
-    visplat,
-    vistore,
-    vitof,
-    vizero,
     vload,
     vnibbles,
     vpairs,
@@ -71,8 +55,6 @@ _AHEAD = 2048
 #: [8192, 2048] int4 matrix, 2 threads, 3 / 4 rows: 0.91 / 1.17 ms at 2, 1.05 / 1.38 ms at 4; 2 rows: 0.72 ms at 2,
 #: 0.88 at 1.
 _DIRECT = 2
-#: Rows of x from which they are split into int16 in parallel.
-_SPLIT_PARALLEL = 16
 
 
 @njit(inline="always")
@@ -253,197 +235,6 @@ def _tiles(x, q, sz, out, wide):  # pragma: no cover - compiled
             out[r, b * _BLOCK:(b + 1) * _BLOCK] = A[r]
 
 
-# ----------------------------------------------------------------------------- x in int16: integer products
-# The same tiles and block order; x is split per group into int16 steps and multiplied by the codes exactly in int32
-# (two columns a lane: `simd.vdot`, AVX-512 VNNI's vpdpwssds, 32 multiply-adds an instruction against float32's 16),
-# then the group's scales apply in float32:
-#
-#     acc[n] = fma(zero'[n, g], step * sum of xq over g, fma(scale[n, g], step * t[n], acc[n]))
-#
-# An integer sum has no order, so a row's bits depend on nothing but the row. Used for bf16 activations
-# (`packed(..., ints=True)`): their 8 significant bits are kept wherever an entry is within 2^7 of its group's
-# largest, and a smaller entry is off by at most 2^-16 of that largest.
-
-
-@njit(nogil=True)
-def _split(xr, gs, cmax, xq, step, xs):  # pragma: no cover - compiled
-    """Row xr in int16, a step per group of gs columns: xq[k] = round(x[k] / step[g]) with step[g] = the group's
-    largest |x| / qmax, and xs[g] = step[g] * the (exact) sum of xq over g. qmax is 32767, or less where a group's
-    products with codes up to cmax could pass int32. A group with a NaN or infinity gets step NaN (its outputs NaN,
-    as a float product's would be). (The largest |x| as the largest of the bits without the sign, NaN and infinity
-    above every number: integer loops, which LLVM vectorises without fast-math.)"""
-    qmax = min(32767, 2147483647 // (gs * cmax))
-    bits = xr.view(np.uint32)
-    for g in range(step.shape[0]):
-        k0 = g * gs
-        top = np.uint32(0)
-        for k in range(k0, k0 + gs):
-            top = max(top, bits[k] & np.uint32(0x7FFFFFFF))
-        if top >= np.uint32(0x7F800000):
-            xq[k0:k0 + gs] = 0
-            step[g], xs[g] = np.float32(np.nan), np.float32(np.nan)
-            continue
-        amax = _bits_f32(top)
-        inv = np.float32(qmax) / amax if amax > 0 else np.float32(0.0)
-        total, lo, hi = np.int32(0), np.int32(-qmax), np.int32(qmax)
-        for k in range(k0, k0 + gs):
-            v = min(max(np.int32(np.rint(xr[k] * inv)), lo), hi)
-            xq[k] = v
-            total += v
-        step[g] = amax / np.float32(qmax)
-        xs[g] = np.float32(total) * step[g]
-
-
-@njit(inline="always")
-def _scale16(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, step, xs):  # pragma: no cover - compiled
-    """`_scale` for a group's exact integer sums t: a = fma(scale, step * t, a) then fma(zero', xs, a)."""
-    sv, z = vsplat(step), vzero()
-    return _scale(a0, a1, a2, a3, vfma(vitof(t0), sv, z), vfma(vitof(t1), sv, z), vfma(vitof(t2), sv, z),
-                  vfma(vitof(t3), sv, z), Sg, Zg, xs)
-
-
-@njit(inline="always")
-def _close16(A, t0, t1, t2, t3, Sg, Zg, step, xs):  # pragma: no cover - compiled
-    """A [64] = `_scale16` of A with a group's sums t."""
-    a0, a1, a2, a3 = _scale16(vload(A, 0), vload(A, LANES), vload(A, 2 * LANES), vload(A, 3 * LANES), t0, t1, t2,
-                              t3, Sg, Zg, step, xs)
-    vstore(A, 0, a0)
-    vstore(A, LANES, a1)
-    vstore(A, 2 * LANES, a2)
-    vstore(A, 3 * LANES, a3)
-
-
-@njit(inline="always")
-def _pair_codes(qb, p, wide):  # pragma: no cover - compiled
-    """Columns 2p, 2p + 1 of a block's codes qb as four int16-pair vectors of 16 rows (0-15, 16-31, 32-47, 48-63):
-    int8 (`wide`) 128 bytes, int4 64."""
-    if wide:
-        return vcodes8(qb, 128 * p)
-    return vcodes4(qb, 64 * p)
-
-
-@njit(inline="always")
-def _pair_prefetch(qb, p, ahead, wide):  # pragma: no cover - compiled
-    """Ask for the codes `ahead` bytes past column pair p's (int8: two cache lines a pair, int4: one)."""
-    if wide:
-        prefetch(qb, 128 * p + ahead)
-        prefetch(qb, 128 * p + ahead + 64)
-    else:
-        prefetch(qb, 64 * p + ahead)
-
-
-@njit(inline="always")
-def _direct16(xp, step, xs, qb, S, Z, gs, A, wide):  # pragma: no cover - compiled
-    """`_direct` in integers: one row (its int16 pairs xp, steps and sums) against a block's codes qb, converted as
-    they are read."""
-    a0, a1, a2, a3 = vload(A, 0), vload(A, LANES), vload(A, 2 * LANES), vload(A, 3 * LANES)
-    half = gs // 2
-    for g in range(S.shape[0]):
-        t0 = t1 = t2 = t3 = vizero()
-        for p in range(g * half, g * half + half):
-            _pair_prefetch(qb, p, _AHEAD, wide)
-            xv = visplat(xp, p)
-            c0, c1, c2, c3 = _pair_codes(qb, p, wide)
-            t0 = vdot(t0, c0, xv)
-            t1 = vdot(t1, c1, xv)
-            t2 = vdot(t2, c2, xv)
-            t3 = vdot(t3, c3, xv)
-        a0, a1, a2, a3 = _scale16(a0, a1, a2, a3, t0, t1, t2, t3, S[g], Z[g], step[g], xs[g])
-    vstore(A, 0, a0)
-    vstore(A, LANES, a1)
-    vstore(A, 2 * LANES, a2)
-    vstore(A, 3 * LANES, a3)
-
-
-@njit(inline="always")
-def _widen16(qb, g, half, W, wide):  # pragma: no cover - compiled
-    """W [half * 64] = the block's codes of group g's column pairs as int16 pairs (the values `_direct16` makes),
-    the next group's codes asked for meanwhile."""
-    ahead = 2 * half * (_BLOCK if wide else _BLOCK // 2)
-    for i in range(half):
-        p = g * half + i
-        _pair_prefetch(qb, p, ahead, wide)
-        c0, c1, c2, c3 = _pair_codes(qb, p, wide)
-        vistore(W, _BLOCK * i, c0)
-        vistore(W, _BLOCK * i + LANES, c1)
-        vistore(W, _BLOCK * i + 2 * LANES, c2)
-        vistore(W, _BLOCK * i + 3 * LANES, c3)
-
-
-@njit(inline="always")
-def _dot1_16(xp, step, xs, g, W, S, Z, A):  # pragma: no cover - compiled
-    """`_direct16`'s group g for one row against the buffered codes W."""
-    half = W.shape[0] // _BLOCK
-    p0 = g * half
-    t0 = t1 = t2 = t3 = vizero()
-    for i in range(half):
-        j, xv = _BLOCK * i, visplat(xp, p0 + i)
-        t0 = vdot(t0, viload(W, j), xv)
-        t1 = vdot(t1, viload(W, j + LANES), xv)
-        t2 = vdot(t2, viload(W, j + 2 * LANES), xv)
-        t3 = vdot(t3, viload(W, j + 3 * LANES), xv)
-    _close16(A, t0, t1, t2, t3, S[g], Z[g], step[g], xs[g])
-
-
-@njit(inline="always")
-def _dot3_16(xa, xb, xc, sa, sb, sc, ya, yb, yc, g, W, S, Z, A, B, C):  # pragma: no cover - compiled
-    """`_dot1_16` for three rows at once: each load of the codes serves three."""
-    half = W.shape[0] // _BLOCK
-    p0 = g * half
-    t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = v0 = v1 = v2 = v3 = vizero()
-    for i in range(half):
-        j = _BLOCK * i
-        xv, yv, zv = visplat(xa, p0 + i), visplat(xb, p0 + i), visplat(xc, p0 + i)
-        c = viload(W, j)
-        t0, u0, v0 = vdot(t0, c, xv), vdot(u0, c, yv), vdot(v0, c, zv)
-        c = viload(W, j + LANES)
-        t1, u1, v1 = vdot(t1, c, xv), vdot(u1, c, yv), vdot(v1, c, zv)
-        c = viload(W, j + 2 * LANES)
-        t2, u2, v2 = vdot(t2, c, xv), vdot(u2, c, yv), vdot(v2, c, zv)
-        c = viload(W, j + 3 * LANES)
-        t3, u3, v3 = vdot(t3, c, xv), vdot(u3, c, yv), vdot(v3, c, zv)
-    _close16(A, t0, t1, t2, t3, S[g], Z[g], sa[g], ya[g])
-    _close16(B, u0, u1, u2, u3, S[g], Z[g], sb[g], yb[g])
-    _close16(C, v0, v1, v2, v3, S[g], Z[g], sc[g], yc[g])
-
-
-@njit(inline="always")
-def _tiles16(x, q, sz, out, wide):  # pragma: no cover - compiled
-    """`_tiles` with x in int16 steps (even groups)."""
-    R, K = x.shape
-    nb, G = q.shape[0], sz.shape[0]
-    gs = K // G
-    sz = sz.reshape(G, sz.shape[1] * 2)
-    XP = np.empty((R, K // 2), np.int32)  # x's int16, a pair of columns an int32
-    step, xs = np.empty((R, G), np.float32), np.empty((R, G), np.float32)
-    cmax = 255 if wide else 15
-    if R >= _SPLIT_PARALLEL:
-        for r in prange(R):
-            _split(x[r], gs, cmax, XP[r].view(np.int16), step[r], xs[r])
-    else:  # (a parallel region costs more than splitting a few rows)
-        for r in range(R):
-            _split(x[r], gs, cmax, XP[r].view(np.int16), step[r], xs[r])
-    for b in prange(nb):
-        S, Z = np.empty((G, _BLOCK), np.float32), np.empty((G, _BLOCK), np.float32)
-        _scales(sz, b, nb, S, Z, wide)
-        A = np.zeros((R, _BLOCK), np.float32)
-        qb = q[b].reshape(q.shape[1] * q.shape[2])
-        if R <= _DIRECT:
-            for r in range(R):
-                _direct16(XP[r], step[r], xs[r], qb, S, Z, gs, A[r], wide)
-        else:
-            W = np.empty(gs // 2 * _BLOCK, np.int32)
-            for g in range(G):
-                _widen16(qb, g, gs // 2, W, wide)
-                for r in range(0, R - R % 3, 3):
-                    _dot3_16(XP[r], XP[r + 1], XP[r + 2], step[r], step[r + 1], step[r + 2], xs[r], xs[r + 1],
-                             xs[r + 2], g, W, S, Z, A[r], A[r + 1], A[r + 2])
-                for r in range(R - R % 3, R):
-                    _dot1_16(XP[r], step[r], xs[r], g, W, S, Z, A[r])
-        for r in range(R):
-            out[r, b * _BLOCK:(b + 1) * _BLOCK] = A[r]
-
-
 @njit(parallel=True, cache=True, nogil=True)
 def _int4(x, q, sz, out):  # pragma: no cover - compiled
     """x [R, K] float32 @ int4 tiles q uint8 [rows / 64, K, 32] (torch's packing) -> out [R, rows] float32.
@@ -456,31 +247,3 @@ def _int8(x, q, sz, out):  # pragma: no cover - compiled
     """x [R, K] float32 @ int8 tiles q uint8 [rows / 64, K, 64] -> out [R, rows] float32. Compiled without fastmath:
     the order is the source's."""
     _tiles(x, q, sz, out, True)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _int4_16(x, q, sz, out):  # pragma: no cover - compiled
-    """`_int4` with x in int16 steps (`_tiles16`)."""
-    _tiles16(x, q, sz, out, False)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _int8_16(x, q, sz, out):  # pragma: no cover - compiled
-    """`_int8` with x in int16 steps (`_tiles16`)."""
-    _tiles16(x, q, sz, out, True)
-
-
-@njit(nogil=True)
-def packed(x, q, sz, out, ints):  # pragma: no cover - compiled
-    """x [R, K] float32 @ int8 or int4 tiles (by their width) -> out [R, rows] float32: x in int16 steps (`ints`, for
-    bf16 activations) where the groups are even, else in float32. One numba type for every case:
-    compiled callers choose at run time."""
-    if ints and (x.shape[1] // sz.shape[0]) % 2 == 0:
-        if q.shape[2] == _BLOCK:
-            _int8_16(x, q, sz, out)
-        else:
-            _int4_16(x, q, sz, out)
-    elif q.shape[2] == _BLOCK:
-        _int8(x, q, sz, out)
-    else:
-        _int4(x, q, sz, out)

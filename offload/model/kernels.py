@@ -62,7 +62,8 @@ _CHUNK = 16
 _KC = 512
 
 #: The files whose compiled code numba's cache keeps for this package (see `_stamp_kernel_sources`).
-_SOURCES = ("kernels.py", "cpu_packed.py", "cpu_attention.py", "fused.py", "simd.py")
+_SOURCES = ("kernels.py", "cpu_packed.py", "cpu_packed16.py", "cpu_attention.py", "fused.py", "simd.py",
+            "simd_int.py")
 
 
 def _stamp_kernel_sources() -> None:
@@ -114,7 +115,7 @@ if numba is not None:
     from numba.core import types
     from numba.extending import overload
 
-    from offload.model.cpu_packed import packed
+    from offload.model.cpu_packed16 import packed
     from offload.model.simd import _bits_f32, _f32_bits  # noqa: F401 - the fused layer's too
 
     @njit(inline="always")

@@ -1,0 +1,173 @@
+"""Sixteen int32 lanes as a numba value, for integer products (exact: no order to choose), beside
+`offload.model.simd`'s float32 lanes:
+
+    vizero()             all lanes 0
+    visplat(a, i)        all lanes a[i] of an int32 array (two int16: x at a pair of columns)
+    viload(a, i)         a[i : i + 16] of an int32 array; vistore(a, i, v) stores them
+    vdot(acc, w, x)      acc + w[2j] x[2j] + w[2j + 1] x[2j + 1] in lane j, int16 halves (AVX-512 VNNI's vpdpwssds)
+    vitof(v)             the lanes as float32
+    vcodes8(a, i)        int8 tiles: columns k, k + 1 of a 64-row block as four vectors of (code, code) int16 pairs
+    vcodes4(a, i)        the same from int4 tiles (torch's packing)
+
+A lane holds two int16 (the codes of one output row at input columns k and k + 1, or x at k and k + 1, split to 16
+bits); `vdot` multiplies the pairs and adds both products to the lane: AVX-512 VNNI's vpdpwssds, pmaddwd + add
+elsewhere. Integer sums are exact, so the result is the same on every machine. Bounds are the caller's.
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic, models, register_model
+
+from offload.model.simd import _VT, LANES, _contiguous, _has, _ptr, _x86, f32x16
+
+_I32 = ir.IntType(32)
+_IT = ir.VectorType(_I32, LANES)
+_I16x32 = ir.VectorType(ir.IntType(16), 2 * LANES)
+
+
+class I32x16(types.Type):
+    """Sixteen int32 lanes (an LLVM <16 x i32>), each two int16 to `vdot` or one int32 sum."""
+
+    def __init__(self):
+        super().__init__(name="i32x16")
+
+
+i32x16 = I32x16()
+
+
+@register_model(I32x16)
+class _I32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _IT)
+
+
+@intrinsic
+def vizero(typingctx):  # pragma: no cover - compiled
+    """All sixteen int32 lanes 0."""
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_IT, [0] * LANES)
+    return i32x16(), codegen
+
+
+@intrinsic
+def visplat(typingctx, a, i):  # pragma: no cover - compiled
+    """All lanes a[i] of a C-contiguous int32 array (e.g. x's int16 pair at columns 2i, 2i + 1)."""
+    if not _contiguous(a, (types.int32,)) or not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]]))
+        one = builder.insert_element(ir.Constant(_IT, ir.Undefined), v, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(one, ir.Constant(_IT, ir.Undefined), ir.Constant(_IT, [0] * LANES))
+    return i32x16(a, i), codegen
+
+
+@intrinsic
+def viload(typingctx, a, i):  # pragma: no cover - compiled
+    """a[i : i + 16] of a C-contiguous int32 array."""
+    if not _contiguous(a, (types.int32,)) or not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_ptr(context, builder, sig.args[0], args[0], args[1]), align=1)
+    return i32x16(a, i), codegen
+
+
+@intrinsic
+def vistore(typingctx, a, i, v):  # pragma: no cover - compiled
+    """a[i : i + 16] = v, a C-contiguous int32 array."""
+    if not _contiguous(a, (types.int32,)) or not isinstance(i, types.Integer) or v != i32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _ptr(context, builder, sig.args[0], args[0], args[1]), align=1)
+        return context.get_dummy_value()
+    return types.none(a, i, v), codegen
+
+
+@intrinsic
+def vdot(typingctx, acc, w, x):  # pragma: no cover - compiled
+    """acc + w[2j] * x[2j] + w[2j + 1] * x[2j + 1] in lane j, the lanes' int16 halves multiplied exactly. The
+    caller keeps every sum within int32 (no lane wraps or saturates: then all three forms below agree)."""
+    if not (acc == w == x == i32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a, wv, xv = args
+        if _x86() and _has("avx512vnni"):  # the saturating form: LLVM splits half of a chain of the wrapping one
+            # into pmaddwd + paddd (two instructions); the callers' sums never reach int32's limits: the same lanes
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_IT, [_IT] * 3),
+                                                "llvm.x86.avx512.vpdpwssds.512")
+            return builder.call(fn, [a, wv, xv])
+        w16, x16 = builder.bitcast(wv, _I16x32), builder.bitcast(xv, _I16x32)
+        if _x86() and _has("avx512bw"):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_IT, [_I16x32] * 2),
+                                                "llvm.x86.avx512.pmaddw.d.512")
+            return builder.add(a, builder.call(fn, [w16, x16]))
+        wide = ir.VectorType(_I32, 2 * LANES)
+        p = builder.mul(builder.sext(w16, wide), builder.sext(x16, wide))
+        even = builder.shuffle_vector(p, p, ir.Constant(_IT, list(range(0, 2 * LANES, 2))))
+        odd = builder.shuffle_vector(p, p, ir.Constant(_IT, list(range(1, 2 * LANES, 2))))
+        return builder.add(a, builder.add(even, odd))
+    return i32x16(acc, w, x), codegen
+
+
+@intrinsic
+def vitof(typingctx, v):  # pragma: no cover - compiled
+    """The int32 lanes as float32 (round to nearest even beyond 2**24)."""
+    if v != i32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], _VT)
+    return f32x16(v), codegen
+
+
+def _pairs(builder, v, lo, hi):
+    """Bytes v[lo + j] and v[hi + j] interleaved, j = 0..15, each widened to int16: a lane of `vdot` per row j."""
+    idx = [x for j in range(LANES) for x in (lo + j, hi + j)]
+    b = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 2 * LANES), idx))
+    return builder.bitcast(builder.zext(b, _I16x32), _IT)
+
+
+@intrinsic
+def vcodes8(typingctx, a, i):  # pragma: no cover - compiled
+    """int8 tiles: from a[i : i + 128] (columns k, k + 1 of a 64-row block, 64 bytes each) the four lane vectors of
+    rows 0-15, 16-31, 32-47, 48-63, lane j holding (code[row, k], code[row, k + 1]) as int16."""
+    if not _contiguous(a, (types.uint8,)) or not isinstance(i, types.Integer):
+        return None
+    ret = types.UniTuple(i32x16, 4)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.VectorType(ir.IntType(8), 128).as_pointer())
+        v = builder.load(ptr, align=1)
+        out = [_pairs(builder, v, 16 * r, 64 + 16 * r) for r in range(4)]
+        return context.make_tuple(builder, ret, out)
+    return ret(a, i), codegen
+
+
+@intrinsic
+def vcodes4(typingctx, a, i):  # pragma: no cover - compiled
+    """int4 tiles (torch's packing): from a[i : i + 64] (columns k, k + 1 of a 64-row block, 32 bytes each, byte j
+    row j's nibble low and row j + 32's high) the four lane vectors of rows 0-15, 16-31, 32-47, 48-63, lane j
+    holding (code[row, k], code[row, k + 1]) as int16."""
+    if not _contiguous(a, (types.uint8,)) or not isinstance(i, types.Integer):
+        return None
+    ret = types.UniTuple(i32x16, 4)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.VectorType(ir.IntType(8), 64).as_pointer())
+        v = builder.load(ptr, align=1)
+        low, high = ir.Constant(_IT, [0x000F000F] * LANES), ir.Constant(_IT, [4] * LANES)
+        out = []
+        for half in (0, 16):
+            b = _pairs(builder, v, half, 32 + half)  # rows half..half+15 low, +32 high: int16 bytes 0..255
+            out.append(builder.and_(b, low))
+            out.append(builder.and_(builder.lshr(b, high), low))
+        lo0, hi0, lo1, hi1 = out
+        return context.make_tuple(builder, ret, [lo0, lo1, hi0, hi1])
+    return ret(a, i), codegen
