@@ -51,8 +51,9 @@ ROW_INVARIANT = numba is not None
 #: Which CPU kernels a calibration measured (raised when their speed changes: a calibration of older ones is
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py). 2: three-row tiles, 512-column chunks;
 #: 3: int8 widened by whole groups, attention by KV head; 4-5: int8 by whole rows; 6: int8 in explicit lanes;
-#: 7: int4 in explicit lanes; 8: int8 in int4's tiles; 9: packed products of 16-bit activations in int16 (VNNI).
-VERSION = 9
+#: 7: int4 in explicit lanes; 8: int8 in int4's tiles; 9: packed products of 16-bit activations in int16 (VNNI);
+#: 10: the dense kernel prefetches the columns its next pass widens.
+VERSION = 10
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
@@ -116,7 +117,7 @@ if numba is not None:
     from numba.extending import overload
 
     from offload.model.cpu_packed16 import packed
-    from offload.model.simd import _bits_f32, _f32_bits  # noqa: F401 - the fused layer's too
+    from offload.model.simd import _bits_f32, _f32_bits, prefetch  # noqa: F401 - the fused layer's too
 
     @njit(inline="always")
     def _widen_f16(src, dst):  # pragma: no cover - compiled
@@ -239,6 +240,12 @@ if numba is not None:
                     kc = min(_KC, K - k0)
                     for j in range(8):
                         _widen(w, min(n + j, end - 1), bits, buf, j, kind, k0, kc)
+                        # the columns the next pass widens, while these compute
+                        pr, pk = (n + j, k0 + kc) if k0 + kc < K else (n + 8 + j, 0)
+                        if pr < N:
+                            nxt = w[pr]
+                            for e in range(pk, min(K, pk + _KC), 64 // w.itemsize):
+                                prefetch(nxt, e)
                     for r in range(0, R - R % 3, 3):
                         _dot8x3(x, r, buf, n, count, out, k0, kc)
                     for r in range(R - R % 3, R):
