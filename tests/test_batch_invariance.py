@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +60,58 @@ def test_a_products_row_has_the_same_bits_at_any_place_in_any_pass(K, kind):
         for start in range(11 - rows + 1):
             assert torch.equal(product(x[start:start + rows]).view(torch.int32),
                                full[start:start + rows].view(torch.int32)), f"rows {start}:{start + rows}"
+
+
+def _bf16_pairs_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T of bf16 x [R, K] and w [N, K] in float32, rounded as `offload.model.cpu_bf16` says, with numpy's
+    float32 (a product of two bf16 is exact, every add rounded once): lane j of each 32 columns adds column 2j + 1's
+    product, then column 2j's; the 16 lanes are summed 8 + 8, 4 + 4, 2 + 2, 1 + 1; then the columns past the last
+    whole 32 in pairs, the second first, and a lone last column."""
+    xf, wf = x.float().numpy(), w.float().numpy()
+    (R, K), N = xf.shape, wf.shape[0]
+    K32 = K - K % 32
+    acc = np.zeros((R, N, 16), np.float32)
+    for k in range(0, K32, 32):
+        xs, ws = xf[:, None, k:k + 32].reshape(R, 1, 16, 2), wf[None, :, k:k + 32].reshape(1, N, 16, 2)
+        acc = acc + xs[..., 1] * ws[..., 1]
+        acc = acc + xs[..., 0] * ws[..., 0]
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    s = acc[..., 0]
+    for k in range(K32, K - 1, 2):
+        s = s + xf[:, None, k + 1] * wf[None, :, k + 1]
+        s = s + xf[:, None, k] * wf[None, :, k]
+    if (K - K32) % 2:
+        s = s + xf[:, None, K - 1] * wf[None, :, K - 1]
+    return torch.from_numpy(s)
+
+
+@pytest.mark.parametrize("K", [576, 583, 2048, 17, 64])
+def test_bf16_products_of_bf16_activations_round_as_pairs_and_rows_keep_their_bits(K):
+    """bf16 x times bf16 w multiply as bf16 pairs (AVX-512 BF16's vdpbf16ps where the CPU has it, two fused
+    multiply-adds elsewhere): every output has exactly the roundings the reference spells out, on this machine's
+    path, and a row the same bits in every pass size and offset (three rows at a time, one or two left alone)."""
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(11, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(37, K, generator=g) * 3).to(torch.bfloat16)
+    assert kernels.dense_kind(torch.bfloat16, torch.bfloat16) == kernels.DENSE_BF16
+    assert kernels.dense_kind(torch.bfloat16, torch.float32) == kernels.DENSE_KIND[torch.bfloat16]
+
+    def product(v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(v.shape[0], w.shape[0])
+        kernels._dense(v.float().numpy(), kernels._as_numpy(w), out.numpy(), kernels.DENSE_BF16)
+        return out
+
+    full = product(x)
+    ref = _bf16_pairs_reference(x, w)
+    assert torch.equal(full.view(torch.int32), ref.view(torch.int32)), (full - ref).abs().max()
+    for rows in range(1, 11):
+        for start in range(11 - rows + 1):
+            assert torch.equal(product(x[start:start + rows]).view(torch.int32),
+                               full[start:start + rows].view(torch.int32)), f"rows {start}:{start + rows}"
+    # the public product rounds the same sums to bf16
+    assert torch.equal(kernels.dense_linear(x, w), full.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("K,group", [(576, 64), (2048, 128), (40, 20)])

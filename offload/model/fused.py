@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from offload.model.kernels import (
-    DENSE_KIND,
     NO_SCALES,
     _as_numpy,
     _threads,
+    dense_kind,
     numba,
     packed_args,
     packed_kind,
@@ -346,7 +346,7 @@ def decoder_layer(x: torch.Tensor, mats: tuple, norms: tuple[torch.Tensor, torch
     x = x.contiguous()
     out = torch.empty_like(x)
     dt = x.dtype
-    kind = packed_kind(dt) if _packed(qkv) else DENSE_KIND[qkv.dtype]
+    kind = packed_kind(dt) if _packed(qkv) else dense_kind(qkv.dtype, dt)
     _layer(_raw(x), *_weights(mats, norms, dt), float(eps), _index(cos, raw=True), _index(sin, raw=True),
            _raw(kv, keep=True),
            *(_index(t) for t in index), heads, float(scale), kind, dt == torch.bfloat16, _raw(out))
@@ -366,7 +366,7 @@ class LayerRun:
         self.args = typed.List([_weights(mats, norms, dt) for mats, norms in layers])  # one numba type: or TypeError
         qkv = layers[0][0][0]
         self.width = qkv.out_features if _packed(qkv) else qkv.shape[0]
-        self.kind = packed_kind(self.dt) if _packed(qkv) else DENSE_KIND[qkv.dtype]
+        self.kind = packed_kind(self.dt) if _packed(qkv) else dense_kind(qkv.dtype, self.dt)
 
     @staticmethod
     def supported(x: torch.Tensor, layers: list[tuple[tuple, tuple]]) -> bool:

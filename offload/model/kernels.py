@@ -52,8 +52,8 @@ ROW_INVARIANT = numba is not None
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py). 2: three-row tiles, 512-column chunks;
 #: 3: int8 widened by whole groups, attention by KV head; 4-5: int8 by whole rows; 6: int8 in explicit lanes;
 #: 7: int4 in explicit lanes; 8: int8 in int4's tiles; 9: packed products of 16-bit activations in int16 (VNNI);
-#: 10: the dense kernel prefetches the columns its next pass widens.
-VERSION = 10
+#: 10: the dense kernel prefetches the columns its next pass widens; 11: bf16 by bf16 in pairs (`cpu_bf16`).
+VERSION = 11
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
@@ -63,8 +63,8 @@ _CHUNK = 16
 _KC = 512
 
 #: The files whose compiled code numba's cache keeps for this package (see `_stamp_kernel_sources`).
-_SOURCES = ("kernels.py", "cpu_packed.py", "cpu_packed16.py", "cpu_attention.py", "fused.py", "simd.py",
-            "simd_int.py")
+_SOURCES = ("kernels.py", "cpu_bf16.py", "cpu_packed.py", "cpu_packed16.py", "cpu_attention.py", "fused.py",
+            "simd.py", "simd_int.py")
 
 
 def _stamp_kernel_sources() -> None:
@@ -116,6 +116,7 @@ if numba is not None:
     from numba.core import types
     from numba.extending import overload
 
+    from offload.model.cpu_bf16 import bf16_bits, rows_bf16
     from offload.model.cpu_packed16 import packed
     from offload.model.simd import _bits_f32, _f32_bits, prefetch  # noqa: F401 - the fused layer's too
 
@@ -230,6 +231,11 @@ if numba is not None:
         function with a kind, not one closure per dtype: numba's cache does not keep closures.)"""
         R, K = x.shape
         N = w.shape[0]
+        if kind == DENSE_BF16:  # bf16 x and w: multiplied as bf16 pairs (`cpu_bf16`)
+            xb = bf16_bits(x)
+            for c in prange((N + _CHUNK - 1) // _CHUNK):
+                rows_bf16(xb, w, out, c * _CHUNK, min(N, c * _CHUNK + _CHUNK))
+            return
         for c in prange((N + _CHUNK - 1) // _CHUNK):
             buf = np.empty((8, min(K, _KC)), np.float32)
             bits = buf.view(np.uint32)
@@ -263,9 +269,16 @@ if numba is not None:
         return lambda x, w, sz, shift, out, kind: _dense(x, w, out, kind)
 
 #: The dense kernel's weight kinds (`_widen`) by a dense matrix's dtype; PACKED: a packed matrix's, x in float32;
-#: PACKED_INT16: a packed matrix's, x (bf16 activations) in int16 steps (`cpu_packed`).
+#: PACKED_INT16: a packed matrix's, x (bf16 activations) in int16 steps (`cpu_packed`); DENSE_BF16: a bf16 matrix's
+#: with bf16 activations, multiplied as bf16 pairs (`cpu_bf16`; x holds bf16 values).
 DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is not None else {}
-PACKED, PACKED_INT16 = 3, 4
+PACKED, PACKED_INT16, DENSE_BF16 = 3, 4, 5
+
+
+def dense_kind(weights: torch.dtype, activations: torch.dtype) -> int:
+    """How `_dense` multiplies a dense matrix by activations of this dtype: bf16 by bf16 in pairs (no widening, the
+    products exact), anything else widened to float32 (`_widen`)."""
+    return DENSE_BF16 if weights == activations == torch.bfloat16 else DENSE_KIND[weights]
 
 
 def packed_kind(activations: torch.dtype) -> int:
@@ -320,7 +333,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     x2 = x.reshape(-1, K).to(torch.float32).contiguous()
     y = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
     if y.numel():
-        _dense(x2.numpy(), _as_numpy(w.contiguous()), y.numpy(), DENSE_KIND[w.dtype])
+        _dense(x2.numpy(), _as_numpy(w.contiguous()), y.numpy(), dense_kind(w.dtype, x.dtype))
     if bias is not None:
         y += bias
     return (y if x.dtype == torch.float32 else y.to(x.dtype)).reshape(*lead, w.shape[0])

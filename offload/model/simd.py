@@ -15,8 +15,9 @@ register; elsewhere LLVM splits it, with the same results.
     vpairs(a, i)         the 16 (first, second) pairs of a[i : i + 32], raw bf16 or float32 bits, as float32
     vfma(a, b, c)        a * b + c, rounded once, lane by lane
     vsum(v)              the lanes' sum: halves added (8 + 8, 4 + 4, 2 + 2, 1 + 1)
+    vsum8(a, ..., h)     eight vectors' vsums (the same adds), side by side
     fma(a, b, c)         the scalar a * b + c, rounded once
-    prefetch(a, i)       a hint to bring a[i]'s cache line in
+    prefetch(a, i)       a hint to bring a[i]'s cache line in (or byte i's at an integer address a)
     cycles()             the CPU's time-stamp counter (x86-64; elsewhere 0): where a compiled loop's steps end
 
 (Sixteen int32 lanes for integer products: `offload.model.simd_int`.)
@@ -66,6 +67,14 @@ def _ptr(context, builder, aty, arr, i):
 
 def _contiguous(a, dtypes) -> bool:
     return isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype in dtypes
+
+
+def _at(context, builder, aty, a, i, elem):
+    """A pointer to element i of a 1-D array, or of the `elem` values at the integer address a (an array's
+    `ctypes.data`, kept alive by the caller: no array in the callee, so no reference count to keep)."""
+    if isinstance(aty, types.Integer):
+        return builder.gep(builder.inttoptr(a, elem.as_pointer()), [i])
+    return builder.gep(context.make_array(aty)(context, builder, a).data, [i])
 
 
 @intrinsic
@@ -138,6 +147,34 @@ def vsum(typingctx, v):  # pragma: no cover - compiled
 
 
 @intrinsic
+def vsum8(typingctx, a, b, c, d, e, f, g, h):  # pragma: no cover - compiled
+    """The eight vectors' `vsum`s, each the same adds in the same tree, computed side by side (three vector adds
+    and six shuffles a level instead of eight trees)."""
+    if not all(v == f32x16 for v in (a, b, c, d, e, f, g, h)):
+        return None
+    ret = types.UniTuple(types.float32, 8)
+
+    def codegen(context, builder, sig, args):
+        def level(pairs, lo_idx, hi_idx):
+            out = []
+            for x, y in pairs:
+                lo = builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(ir.IntType(32), len(lo_idx)), lo_idx))
+                hi = builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(ir.IntType(32), len(hi_idx)), hi_idx))
+                out.append(builder.fadd(lo, hi))
+            return out
+        # lane i + lane i + 8 of two vectors -> one: [x's 8 | y's 8]; then within each group of 8, of 4, of 2
+        v = level(list(zip(args[0::2], args[1::2])), [*range(8), *range(16, 24)], [*range(8, 16), *range(24, 32)])
+        v = level(list(zip(v[0::2], v[1::2])), [8 * q + i for q in range(4) for i in range(4)],
+                  [8 * q + 4 + i for q in range(4) for i in range(4)])
+        v = level([(v[0], v[1])], [4 * q + i for q in range(8) for i in (0, 1)],
+                  [4 * q + i for q in range(8) for i in (2, 3)])
+        s = level([(v[0], v[0])], list(range(0, 16, 2)), list(range(1, 16, 2)))[0]
+        return context.make_tuple(builder, ret, [builder.extract_element(s, ir.Constant(ir.IntType(32), j))
+                                                 for j in range(8)])
+    return ret(a, b, c, d, e, f, g, h), codegen
+
+
+@intrinsic
 def fma(typingctx, a, b, c):  # pragma: no cover - compiled
     if not (a == b == c == types.float32):
         return None
@@ -176,13 +213,15 @@ def _bits_f32(typingctx, bits):  # pragma: no cover - compiled
 
 @intrinsic
 def prefetch(typingctx, a, i):  # pragma: no cover - compiled
-    """A hint to bring the cache line of a[i] (a C-contiguous 1-D array) into the caches; no bounds needed."""
-    if not isinstance(a, types.Array) or a.ndim != 1 or a.layout != "C" or not isinstance(i, types.Integer):
+    """A hint to bring the cache line of a[i] (a C-contiguous 1-D array; or byte i at the integer address a) into
+    the caches; no bounds needed."""
+    if not (isinstance(a, types.Integer) or isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C") \
+            or not isinstance(i, types.Integer):
         return None
 
     def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        ptr = builder.bitcast(_at(context, builder, sig.args[0], args[0], args[1], ir.IntType(8)),
+                              ir.IntType(8).as_pointer())
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [
             ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(32), ir.IntType(32)]), "llvm.prefetch.p0i8")
         i32 = ir.IntType(32)

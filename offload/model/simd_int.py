@@ -8,10 +8,17 @@
     vitof(v)             the lanes as float32
     vcodes8(a, i)        int8 tiles: columns k, k + 1 of a 64-row block as four vectors of (code, code) int16 pairs
     vcodes4(a, i)        the same from int4 tiles (torch's packing)
+    vbfpairs(a, i)       a[i : i + 32] of bf16 bits (an array, or an address) as 16 lanes of (a[i + 2j], a[i + 2j + 1])
+    bfat(a, i)           a[i] of bf16 bits as float32; f32put(a, i, v) stores float32 v at an address
+    vdpbf(acc, w, x)     acc + w[2j + 1] x[2j + 1] + w[2j] x[2j] in float32 lane j, bf16 pairs, two roundings
+                         (AVX-512 BF16's vdpbf16ps; two fused multiply-adds elsewhere: the same bits)
 
 A lane holds two int16 (the codes of one output row at input columns k and k + 1, or x at k and k + 1, split to 16
 bits); `vdot` multiplies the pairs and adds both products to the lane: AVX-512 VNNI's vpdpwssds, pmaddwd + add
 elsewhere. Integer sums are exact, so the result is the same on every machine. Bounds are the caller's.
+`vdpbf` is the float product of the same pairs: a product of two bf16 is exact in float32, so vdpbf16ps's two
+fused multiply-adds (the pair's second element first) are two `llvm.fma` where the instruction is missing, with the
+same bits except for subnormal inputs and results, which vdpbf16ps flushes to zero.
 """
 
 from __future__ import annotations
@@ -20,11 +27,27 @@ import llvmlite.ir as ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, models, register_model
 
-from offload.model.simd import _VT, LANES, _contiguous, _has, _ptr, _x86, f32x16
+from offload.model.simd import _VT, LANES, _at, _contiguous, _has, _ptr, _x86, f32x16
 
 _I32 = ir.IntType(32)
 _IT = ir.VectorType(_I32, LANES)
 _I16x32 = ir.VectorType(ir.IntType(16), 2 * LANES)
+
+
+class _BFloat(ir.Type):
+    """LLVM's bfloat, which llvmlite.ir does not name: the operands of the AVX-512 BF16 intrinsics."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+_BF16x32 = ir.VectorType(_BFloat(), 2 * LANES)
 
 
 class I32x16(types.Type):
@@ -171,3 +194,65 @@ def vcodes4(typingctx, a, i):  # pragma: no cover - compiled
         lo0, hi0, lo1, hi1 = out
         return context.make_tuple(builder, ret, [lo0, lo1, hi0, hi1])
     return ret(a, i), codegen
+
+
+def _u16(a) -> bool:
+    """A C-contiguous 1-D uint16 array, or an integer address of uint16 values (`simd._at`)."""
+    return isinstance(a, types.Integer) or _contiguous(a, (types.uint16,))
+
+
+@intrinsic
+def vbfpairs(typingctx, a, i):  # pragma: no cover - compiled
+    """a[i : i + 32] of bf16 bits (`_u16`) as 16 int32 lanes, lane j the pair (a[i + 2j], a[i + 2j + 1]): one load."""
+    if not _u16(a) or not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _at(context, builder, sig.args[0], args[0], args[1], ir.IntType(16))
+        return builder.load(builder.bitcast(ptr, _IT.as_pointer()), align=1)
+    return i32x16(a, i), codegen
+
+
+@intrinsic
+def bfat(typingctx, a, i):  # pragma: no cover - compiled
+    """a[i] of bf16 bits (`_u16`) as the float32 it is."""
+    if not _u16(a) or not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_at(context, builder, sig.args[0], args[0], args[1], ir.IntType(16)))
+        return builder.bitcast(builder.shl(builder.zext(v, _I32), ir.Constant(_I32, 16)), ir.FloatType())
+    return types.float32(a, i), codegen
+
+
+@intrinsic
+def f32put(typingctx, a, i, v):  # pragma: no cover - compiled
+    """Store float32 v as element i at the integer address a."""
+    if not isinstance(a, types.Integer) or not isinstance(i, types.Integer) or v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _at(context, builder, sig.args[0], args[0], args[1], ir.FloatType()))
+        return context.get_dummy_value()
+    return types.none(a, i, v), codegen
+
+
+@intrinsic
+def vdpbf(typingctx, acc, w, x):  # pragma: no cover - compiled
+    """acc + w[2j + 1] * x[2j + 1] (rounded) + w[2j] * x[2j] (rounded) in float32 lane j, (w, x) lanes of bf16 pairs
+    (`vbfpairs`): AVX-512 BF16's vdpbf16ps where the CPU has it, else the same two fused multiply-adds."""
+    if not (acc == f32x16 and w == x == i32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a, wv, xv = args
+        if _x86() and _has("avx512bf16"):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VT, [_VT, _BF16x32, _BF16x32]),
+                                                "llvm.x86.avx512bf16.dpbf16ps.512")
+            return builder.call(fn, [a, builder.bitcast(wv, _BF16x32), builder.bitcast(xv, _BF16x32)])
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VT, [_VT] * 3), "llvm.fma.v16f32")
+        high, sixteen = ir.Constant(_IT, [-65536] * LANES), ir.Constant(_IT, [16] * LANES)  # (0xFFFF0000)
+        second = [builder.bitcast(builder.and_(v, high), _VT) for v in (wv, xv)]
+        first = [builder.bitcast(builder.shl(v, sixteen), _VT) for v in (wv, xv)]
+        return builder.call(fma, [*first, builder.call(fma, [*second, a])])
+    return f32x16(acc, w, x), codegen

@@ -1,0 +1,139 @@
+"""Dense products of bf16 activations and bf16 weights, multiplied as bf16 pairs (`kernels.DENSE_BF16`).
+
+A product of two bf16 numbers is exact in float32, so x @ w.T needs no widened copy of either: each 32 columns of a
+weight row are one load of 16 (column 2j, 2j + 1) pairs, and `simd_int.vdpbf` adds both products of lane j to the
+row's float32 accumulator, the pair's second column first (AVX-512 BF16's vdpbf16ps: 32 multiply-adds an instruction
+and no conversions; two fused multiply-adds where the CPU lacks it, the same bits). A row's sum is the 16 lanes'
+(`simd.vsum`'s fixed tree, eight rows' side by side), then the columns past the last whole 32 in the same pair
+order, so every output is one fixed sequence of roundings whatever the batch, the row's neighbours or the thread
+that computes it. `_rows3` takes three rows of x at once (each weight load serves three), `_rows1` the one or two
+left; both round alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from offload.model.simd import fma, prefetch, vsum8, vzero
+from offload.model.simd_int import bfat, f32put, vbfpairs, vdpbf
+
+
+@njit(inline="always")
+def _finish(s, x, w, start, K):  # pragma: no cover - compiled
+    """The row's sum s of its lanes, then columns start..K of the rows at addresses x and w (pairs, the second
+    first; then a lone last column)."""
+    for k in range(start, K - 1, 2):
+        s = fma(bfat(w, k + 1), bfat(x, k + 1), s)
+        s = fma(bfat(w, k), bfat(x, k), s)
+    if (K - start) % 2:
+        s = fma(bfat(w, K - 1), bfat(x, K - 1), s)
+    return s
+
+
+@njit(inline="always")
+def _store8(out, n, last, x, ws, accs, K32, K):  # pragma: no cover - compiled
+    """out[n + j] = row j's sum (j <= last - n), out the address of the output row."""
+    sums = vsum8(*accs)
+    for j in range(8):
+        if n + j <= last:
+            f32put(out, n + j, _finish(sums[j], x, ws[j], K32, K))
+
+
+@njit(inline="always")
+def _rows8(w, ws, n, last):  # pragma: no cover - compiled
+    """The addresses of weight rows n .. n + 7 (w: row 0's, ws: bytes a row; the last repeated past `last`:
+    computed, not stored)."""
+    return (w + min(n, last) * ws, w + min(n + 1, last) * ws, w + min(n + 2, last) * ws,
+            w + min(n + 3, last) * ws, w + min(n + 4, last) * ws, w + min(n + 5, last) * ws,
+            w + min(n + 6, last) * ws, w + min(n + 7, last) * ws)
+
+
+@njit(nogil=True)
+def _rows1(x, w, ws, n, last, out, K, ahead):  # pragma: no cover - compiled
+    """out[n .. last] = x @ w[n .. last].T for one row of x (at most 8 weight rows; x, w, out: addresses of bf16 bits
+    and of float32, ws: bytes a weight row), asking for the same columns of rows ahead .. ahead + 7 (unless ahead
+    < 0) as these compute: a one-row product is bound by memory. Addresses, not arrays: no reference counts, which
+    the threads would share."""
+    K32 = K - K % 32
+    rows = _rows8(w, ws, n, last)
+    w0, w1, w2, w3, w4, w5, w6, w7 = rows
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero()
+    step = ws if ahead >= 0 else 0
+    p = w + max(ahead, 0) * ws
+    for k in range(0, K32, 32):
+        xv = vbfpairs(x, k)
+        a0 = vdpbf(a0, vbfpairs(w0, k), xv)
+        a1 = vdpbf(a1, vbfpairs(w1, k), xv)
+        a2 = vdpbf(a2, vbfpairs(w2, k), xv)
+        a3 = vdpbf(a3, vbfpairs(w3, k), xv)
+        a4 = vdpbf(a4, vbfpairs(w4, k), xv)
+        a5 = vdpbf(a5, vbfpairs(w5, k), xv)
+        a6 = vdpbf(a6, vbfpairs(w6, k), xv)
+        a7 = vdpbf(a7, vbfpairs(w7, k), xv)
+        if step:
+            for j in range(8):
+                prefetch(p + j * step, 2 * k)
+    _store8(out, n, last, x, rows, (a0, a1, a2, a3, a4, a5, a6, a7), K32, K)
+
+
+@njit(nogil=True)
+def _rows3(x, xs, w, ws, n, last, out, os, K):  # pragma: no cover - compiled
+    """`_rows1` for three rows of x (at x, x + xs, x + 2 xs; outputs at out, out + os, ...): each weight load
+    serves three rows, every output the same roundings."""
+    K32 = K - K % 32
+    rows = _rows8(w, ws, n, last)
+    w0, w1, w2, w3, w4, w5, w6, w7 = rows
+    xa, xb, xc = x, x + xs, x + 2 * xs
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero()
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = vzero()
+    c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = vzero()
+    for k in range(0, K32, 32):
+        xva, xvb, xvc = vbfpairs(xa, k), vbfpairs(xb, k), vbfpairs(xc, k)
+        v = vbfpairs(w0, k)
+        a0, b0, c0 = vdpbf(a0, v, xva), vdpbf(b0, v, xvb), vdpbf(c0, v, xvc)
+        v = vbfpairs(w1, k)
+        a1, b1, c1 = vdpbf(a1, v, xva), vdpbf(b1, v, xvb), vdpbf(c1, v, xvc)
+        v = vbfpairs(w2, k)
+        a2, b2, c2 = vdpbf(a2, v, xva), vdpbf(b2, v, xvb), vdpbf(c2, v, xvc)
+        v = vbfpairs(w3, k)
+        a3, b3, c3 = vdpbf(a3, v, xva), vdpbf(b3, v, xvb), vdpbf(c3, v, xvc)
+        v = vbfpairs(w4, k)
+        a4, b4, c4 = vdpbf(a4, v, xva), vdpbf(b4, v, xvb), vdpbf(c4, v, xvc)
+        v = vbfpairs(w5, k)
+        a5, b5, c5 = vdpbf(a5, v, xva), vdpbf(b5, v, xvb), vdpbf(c5, v, xvc)
+        v = vbfpairs(w6, k)
+        a6, b6, c6 = vdpbf(a6, v, xva), vdpbf(b6, v, xvb), vdpbf(c6, v, xvc)
+        v = vbfpairs(w7, k)
+        a7, b7, c7 = vdpbf(a7, v, xva), vdpbf(b7, v, xvb), vdpbf(c7, v, xvc)
+    _store8(out, n, last, xa, rows, (a0, a1, a2, a3, a4, a5, a6, a7), K32, K)
+    _store8(out + os, n, last, xb, rows, (b0, b1, b2, b3, b4, b5, b6, b7), K32, K)
+    _store8(out + 2 * os, n, last, xc, rows, (c0, c1, c2, c3, c4, c5, c6, c7), K32, K)
+
+
+@njit(nogil=True)
+def bf16_bits(x):  # pragma: no cover - compiled
+    """x [R, K] float32 holding bf16 values -> their bf16 bits (uint16 [R, K]; exact: the low 16 bits are zero)."""
+    bits = x.view(np.uint32)
+    xb = np.empty(x.shape, np.uint16)
+    for r in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            xb[r, k] = bits[r, k] >> np.uint32(16)
+    return xb
+
+
+@njit(nogil=True)
+def rows_bf16(x, w, out, n, end):  # pragma: no cover - compiled
+    """out[:, n:end] = x @ w[n:end].T, x [R, K] and w [N, K] bf16 bits (rows contiguous), out [R, N] float32: 8
+    weight rows at a time, three rows of x at a time (one work item of `kernels._dense`). The arrays stay alive
+    here; the row kernels get their addresses."""
+    R, K = x.shape
+    xa, wa, oa = x.ctypes.data, w.ctypes.data, out.ctypes.data
+    xs, ws, os = x.strides[0], w.strides[0], out.strides[0]
+    assert (K < 2 or x.strides[1] == 2 and w.strides[1] == 2) and (out.shape[1] < 2 or out.strides[1] == 4)
+    for m in range(n, end, 8):
+        last = min(m + 7, end - 1)
+        for r in range(0, R - R % 3, 3):
+            _rows3(xa + r * xs, xs, wa, ws, m, last, oa + r * os, os, K)
+        for r in range(R - R % 3, R):
+            _rows1(xa + r * xs, wa, ws, m, last, oa + r * os, K, m + 8 if R < 3 else -1)
