@@ -49,8 +49,10 @@ from offload.model.simd import (
 #: Output rows of a tile (both layouts) and of a parallel work item.
 _BLOCK = 64
 #: Bytes ahead at which the direct path asks for a block's codes (software prefetch; past the block's end it asks
-#: for the next block's). 1.7B shape, a layer's seven int4 matrices twice, decode: none 5.8 ms, 1 KiB 4.5, 2 KiB 4.3.
-_AHEAD = 2048
+#: for the next block's). 1.7B shape, a layer's seven int4 matrices twice, decode: none 5.8 ms, 1 KiB 4.5, 2 KiB 4.3
+#: (Intel); 3 layers' int4 matrices on a Zen 5, decode: 2 KiB 3.6-5.3 ms, 4 KiB 3.4-3.8 (with int4's second, far
+#: prefetch, `cpu_packed16._pair_prefetch`: 3.1-3.5).
+_AHEAD = 4096
 #: Rows of x up to which the codes are converted as they are read (beyond: once per group, into a buffer). One
 #: [8192, 2048] int4 matrix, 2 threads, 3 / 4 rows: 0.91 / 1.17 ms at 2, 1.05 / 1.38 ms at 4; 2 rows: 0.72 ms at 2,
 #: 0.88 at 1.
