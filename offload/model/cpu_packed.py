@@ -93,6 +93,20 @@ def _sums(xr, gs, X):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
+def _load4(A):  # pragma: no cover - compiled
+    """A block's 64 outputs A [64] as four lane vectors."""
+    return vload(A, 0), vload(A, LANES), vload(A, 2 * LANES), vload(A, 3 * LANES)
+
+
+@njit(inline="always")
+def _store4(A, a0, a1, a2, a3):  # pragma: no cover - compiled
+    vstore(A, 0, a0)
+    vstore(A, LANES, a1)
+    vstore(A, 2 * LANES, a2)
+    vstore(A, 3 * LANES, a3)
+
+
+@njit(inline="always")
 def _scale(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, xs):  # pragma: no cover - compiled
     """A group's end for the 64 outputs: a = fma(scale, t, a) then fma(zero', sum of x over the group, a)."""
     xv = vsplat(xs)
@@ -106,12 +120,9 @@ def _scale(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, xs):  # pragma: no cover - co
 @njit(inline="always")
 def _close(A, t0, t1, t2, t3, Sg, Zg, xs):  # pragma: no cover - compiled
     """A [64] = `_scale` of A with a group's sums t."""
-    a0, a1, a2, a3 = _scale(vload(A, 0), vload(A, LANES), vload(A, 2 * LANES), vload(A, 3 * LANES), t0, t1, t2, t3,
-                            Sg, Zg, xs)
-    vstore(A, 0, a0)
-    vstore(A, LANES, a1)
-    vstore(A, 2 * LANES, a2)
-    vstore(A, 3 * LANES, a3)
+    a0, a1, a2, a3 = _load4(A)
+    a0, a1, a2, a3 = _scale(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, xs)
+    _store4(A, a0, a1, a2, a3)
 
 
 @njit(inline="always")
@@ -130,7 +141,7 @@ def _direct(xr, Xr, qb, S, Z, gs, A, wide):  # pragma: no cover - compiled
     """One row xr (its group sums Xr) against a block's codes qb, converted as they are read: each of the 64
     outputs (lanes of 16 rows) sums x * code along its group's columns in order, then the group's scale and zero
     are applied (`_scale`)."""
-    a0, a1, a2, a3 = vload(A, 0), vload(A, LANES), vload(A, 2 * LANES), vload(A, 3 * LANES)
+    a0, a1, a2, a3 = _load4(A)
     for g in range(S.shape[0]):
         t0 = t1 = t2 = t3 = vzero()
         for k in range(g * gs, g * gs + gs):
@@ -145,10 +156,7 @@ def _direct(xr, Xr, qb, S, Z, gs, A, wide):  # pragma: no cover - compiled
             t2 = vfma(xv, c2, t2)
             t3 = vfma(xv, c3, t3)
         a0, a1, a2, a3 = _scale(a0, a1, a2, a3, t0, t1, t2, t3, S[g], Z[g], Xr[g])
-    vstore(A, 0, a0)
-    vstore(A, LANES, a1)
-    vstore(A, 2 * LANES, a2)
-    vstore(A, 3 * LANES, a3)
+    _store4(A, a0, a1, a2, a3)
 
 
 @njit(inline="always")

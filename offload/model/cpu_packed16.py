@@ -22,8 +22,18 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from offload.model.cpu_packed import _AHEAD, _BLOCK, _DIRECT, _int4, _int8, _scale, _scales
-from offload.model.simd import LANES, _bits_f32, prefetch, vfma, vload, vsplat, vstore, vzero
+from offload.model.cpu_packed import (
+    _AHEAD,
+    _BLOCK,
+    _DIRECT,
+    _int4,
+    _int8,
+    _load4,
+    _scale,
+    _scales,
+    _store4,
+)
+from offload.model.simd import LANES, _bits_f32, prefetch, vfma, vsplat, vzero
 from offload.model.simd_int import vcodes4, vcodes8, vdot, viload, visplat, vistore, vitof, vizero
 
 #: Rows of x from which they are split into int16 in parallel.
@@ -70,12 +80,9 @@ def _scale16(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, step, xs):  # pragma: no co
 @njit(inline="always")
 def _close16(A, t0, t1, t2, t3, Sg, Zg, step, xs):  # pragma: no cover - compiled
     """A [64] = `_scale16` of A with a group's sums t."""
-    a0, a1, a2, a3 = _scale16(vload(A, 0), vload(A, LANES), vload(A, 2 * LANES), vload(A, 3 * LANES), t0, t1, t2,
-                              t3, Sg, Zg, step, xs)
-    vstore(A, 0, a0)
-    vstore(A, LANES, a1)
-    vstore(A, 2 * LANES, a2)
-    vstore(A, 3 * LANES, a3)
+    a0, a1, a2, a3 = _load4(A)
+    a0, a1, a2, a3 = _scale16(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, step, xs)
+    _store4(A, a0, a1, a2, a3)
 
 
 @njit(inline="always")
@@ -105,7 +112,7 @@ def _pair_prefetch(qb, p, ahead, wide):  # pragma: no cover - compiled
 def _direct16(xp, step, xs, qb, S, Z, gs, A, wide):  # pragma: no cover - compiled
     """`_direct` in integers: one row (its int16 pairs xp, steps and sums) against a block's codes qb, converted as
     they are read."""
-    a0, a1, a2, a3 = vload(A, 0), vload(A, LANES), vload(A, 2 * LANES), vload(A, 3 * LANES)
+    a0, a1, a2, a3 = _load4(A)
     half = gs // 2
     for g in range(S.shape[0]):
         t0 = t1 = t2 = t3 = vizero()
@@ -118,10 +125,7 @@ def _direct16(xp, step, xs, qb, S, Z, gs, A, wide):  # pragma: no cover - compil
             t2 = vdot(t2, c2, xv)
             t3 = vdot(t3, c3, xv)
         a0, a1, a2, a3 = _scale16(a0, a1, a2, a3, t0, t1, t2, t3, S[g], Z[g], step[g], xs[g])
-    vstore(A, 0, a0)
-    vstore(A, LANES, a1)
-    vstore(A, 2 * LANES, a2)
-    vstore(A, 3 * LANES, a3)
+    _store4(A, a0, a1, a2, a3)
 
 
 @njit(inline="always")
