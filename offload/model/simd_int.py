@@ -23,6 +23,7 @@ same bits except for subnormal inputs and results, which vdpbf16ps flushes to ze
 
 from __future__ import annotations
 
+import llvmlite.binding as llvm
 import llvmlite.ir as ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, models, register_model
@@ -240,13 +241,14 @@ def f32put(typingctx, a, i, v):  # pragma: no cover - compiled
 @intrinsic
 def vdpbf(typingctx, acc, w, x):  # pragma: no cover - compiled
     """acc + w[2j + 1] * x[2j + 1] (rounded) + w[2j] * x[2j] (rounded) in float32 lane j, (w, x) lanes of bf16 pairs
-    (`vbfpairs`): AVX-512 BF16's vdpbf16ps where the CPU has it, else the same two fused multiply-adds."""
+    (`vbfpairs`): AVX-512 BF16's vdpbf16ps where the CPU has it (and LLVM >= 17 names its operands bfloat), else
+    the same two fused multiply-adds."""
     if not (acc == f32x16 and w == x == i32x16):
         return None
 
     def codegen(context, builder, sig, args):
         a, wv, xv = args
-        if _x86() and _has("avx512bf16"):
+        if _x86() and _has("avx512bf16") and llvm.llvm_version_info[0] >= 17:  # (its operands became bfloat in 17)
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VT, [_VT, _BF16x32, _BF16x32]),
                                                 "llvm.x86.avx512bf16.dpbf16ps.512")
             return builder.call(fn, [a, builder.bitcast(wv, _BF16x32), builder.bitcast(xv, _BF16x32)])
