@@ -237,6 +237,7 @@ if numba is not None:
             for c in prange((N + _CHUNK - 1) // _CHUNK):
                 rows_bf16(xb, w, out, c * _CHUNK, min(N, c * _CHUNK + _CHUNK))
             return
+        wa, rb, isz = w.ctypes.data, w.strides[0], w.itemsize  # (prefetched by address: a view costs refcounts)
         for c in prange((N + _CHUNK - 1) // _CHUNK):
             buf = np.empty((8, min(K, _KC)), np.float32)
             bits = buf.view(np.uint32)
@@ -250,9 +251,8 @@ if numba is not None:
                         # the columns the next pass widens, while these compute
                         pr, pk = (n + j, k0 + kc) if k0 + kc < K else (n + 8 + j, 0)
                         if pr < N:
-                            nxt = w[pr]
-                            for e in range(pk, min(K, pk + _KC), 64 // w.itemsize):
-                                prefetch(nxt, e)
+                            for e in range(pk * isz, min(K, pk + _KC) * isz, 64):
+                                prefetch(wa, pr * rb + e)
                     for r in range(0, R - R % 3, 3):
                         _dot8x3(x, r, buf, n, count, out, k0, kc)
                     for r in range(R - R % 3, R):
@@ -270,7 +270,7 @@ if numba is not None:
         return lambda x, w, sz, shift, out, kind: _dense(x, w, out, kind)
 
 #: The dense kernel's weight kinds (`_widen`) by a dense matrix's dtype; PACKED: a packed matrix's, x in float32;
-#: PACKED_INT16: a packed matrix's, x (bf16 activations) in int16 steps (`cpu_packed`); DENSE_BF16: a bf16 matrix's
+#: PACKED_INT16: a packed matrix's, x (bf16 activations) in int16 steps (`cpu_packed16`); DENSE_BF16: a bf16 matrix's
 #: with bf16 activations, multiplied as bf16 pairs (`cpu_bf16`; x holds bf16 values).
 DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is not None else {}
 PACKED, PACKED_INT16, DENSE_BF16 = 3, 4, 5

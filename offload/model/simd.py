@@ -60,9 +60,8 @@ class _F32x16Model(models.PrimitiveModel):
 
 def _ptr(context, builder, aty, arr, i):
     """The address of element i of a 1-D array, as a pointer to 16 of its elements."""
-    data = context.make_array(aty)(context, builder, arr).data
-    elem = data.type.pointee
-    return builder.bitcast(builder.gep(data, [i]), ir.VectorType(elem, LANES).as_pointer())
+    elem = context.get_data_type(aty.dtype)
+    return builder.bitcast(_at(context, builder, aty, arr, i, elem), ir.VectorType(elem, LANES).as_pointer())
 
 
 def _contiguous(a, dtypes) -> bool:
