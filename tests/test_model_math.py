@@ -63,3 +63,79 @@ def test_fused_attention_returns_the_exact_attention_and_log_sum_exp(dtype):
     b[..., :20] = False
     merged = merge_attention([sdpa_with_lse(q, k, v, a, 0.25), sdpa_with_lse(q, k, v, b, 0.25)])
     assert torch.allclose(merged, out, atol=tol)
+
+
+numba = pytest.importorskip("numba")
+
+
+@pytest.mark.parametrize("D", [64, 80, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attention_kernel_is_the_exact_attention_and_a_querys_bits_do_not_depend_on_its_batch(D, dtype):
+    """The CPU kernel (16-lane sums, vector exponentials, rows read in place; head sizes with and without a part
+    past the last 16 lanes) against float64 softmax attention, and a query's output and lse bit-equal alone and
+    beside other queries, sequences and padding keys."""
+    from offload.model import cpu_attention
+
+    g = torch.Generator().manual_seed(D)
+    B, Tq, Hq, Hkv, Tk = 3, 6, 6, 2, 45
+    q = torch.randn(B, Tq, Hq, D, generator=g)
+    k, v = (torch.randn(B, Tk, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    mask = torch.rand(B, Tq, Tk, generator=g) > 0.3
+    mask[1, 2] = False  # sees no key: zeros and -inf
+    out, lse = cpu_attention.attend(q, k, v, mask, D**-0.5)
+    ref = reference_attention(q.double(), k.double(), v.double(), mask, D**-0.5)
+    seen = mask.any(-1)
+    assert torch.allclose(out.double()[seen], ref[seen], atol=1e-6)
+    assert torch.equal(out[1, 2], torch.zeros(Hq, D)) and torch.isinf(lse[1, 2]).all()
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(Hq // Hkv, 2)) * D**-0.5
+    want = scores.masked_fill(~mask[:, None], float("-inf")).logsumexp(-1).transpose(1, 2)
+    assert torch.allclose(lse.double()[seen], want[seen], atol=1e-6)
+    visible = int(mask[2, 4].nonzero().max()) + 1  # query (2, 4) alone, over its own keys only
+    alone, alone_lse = cpu_attention.attend(q[2:3, 4:5], k[2:3, :visible], v[2:3, :visible], mask[2:3, 4:5, :visible],
+                                            D**-0.5)
+    assert torch.equal(alone[0, 0], out[2, 4]) and torch.equal(alone_lse[0, 0], lse[2, 4])
+
+
+def test_vector_exp_is_within_an_ulp_and_keeps_its_edges():
+    import numpy as np
+    from numba import njit
+
+    from offload.model.simd import vload, vstore
+    from offload.model.simd_math import vexp
+
+    @njit
+    def exp16(x, out):
+        for i in range(0, x.shape[0], 16):
+            vstore(out, i, vexp(vload(x, i)))
+
+    x = np.concatenate([np.linspace(-87.3, 88.3, 1 << 18, dtype=np.float32),
+                        np.array([-np.inf, np.inf, np.nan, 0.0, -0.0, -87.4, 88.4, -1e-30, 1e-30, -200, 200, 1, -1,
+                                  0.5, 20, -20], np.float32)])
+    out = np.empty_like(x)
+    exp16(x, out)
+    body = slice(0, 1 << 18)
+    exact = np.exp(x[body].astype(np.float64))
+    ulps = np.abs(out[body] - exact) / np.spacing(exact.astype(np.float32)).astype(np.float64)
+    assert ulps.max() <= 1.5, ulps.max()  # (an ulp at the float32 below e^x: half of it at a power of 2)
+    edges = out[1 << 18:]
+    assert edges[0] == 0.0 and edges[1] == np.inf and np.isnan(edges[2]) and edges[3] == edges[4] == 1.0
+    assert edges[5] == 0.0 and edges[6] == np.inf and edges[9] == 0.0 and edges[10] == np.inf
+    assert np.allclose(edges[7:9], 1.0) and np.allclose(edges[11:], np.exp(x[-5:].astype(np.float64)), rtol=2e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_silu_mul_is_torchs_with_its_roundings(dtype):
+    """SiLU x up in 16-lane vectors: bf16 results equal torch's bit for bit (each op rounded as torch rounds it);
+    float32 ones within an ulp of torch's (its exp is another polynomial); zeros, infinities and NaN as torch's."""
+    from offload.model import fused
+
+    g = torch.Generator().manual_seed(0)
+    gu = (torch.randn(33, 2 * 1100, generator=g) * 4).to(dtype)  # 1100 columns: runs and a part past the last 16
+    gu[0, :7] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -100.0, 100.0])
+    got = fused.silu_mul(gu)
+    want = torch.nn.functional.silu(gu[:, :1100]) * gu[:, 1100:]
+    same = (got == want) | (got.isnan() & want.isnan())
+    if dtype == torch.bfloat16:
+        assert same.all()
+    else:
+        assert same[0, :7].all() and torch.allclose(got, want, rtol=3e-7, atol=0, equal_nan=True)

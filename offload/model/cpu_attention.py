@@ -10,65 +10,107 @@ import torch
 
 from offload.model.kernels import _bits, _threads, numba
 
+#: keys ahead whose K and V rows the attention kernel asks for while it scores one
+_AHEAD = 8
+
 if numba is not None:
-    from numba import prange
+    from numba import njit, prange
 
-    from offload.model.kernels import _jit
+    from offload.model.simd import LANES, fma, prefetch, vfma, vload, vsplat, vstore, vsum, vzero
+    from offload.model.simd_math import vbf16, vexp, vf32
 
-    @_jit
+    @njit(inline="always")
+    def _lanes(row, d, bf16):  # pragma: no cover - compiled
+        """Elements d .. d + 15 of the K or V row at address `row` (bf16 bits, or float32) as float32."""
+        return vbf16(row, d) if bf16 else vf32(row, d)
+
+    @njit(parallel=True, cache=True, nogil=True)  # no fast-math: the lanes' operations as written (`simd`)
     def _attend(q, kv, table, mask, scale, shift, out, lse):  # pragma: no cover - compiled
         """q [B, Tq, Hq, D] f32; kv [slots, 2, bs, Hkv, D] paged K and V as raw bits (uint32 float32 with shift 0,
         uint16 bf16 with shift 16), table [B, cols] the slot of each sequence's blocks in token order; mask
         [B, Tq, cols * bs] -> out [B, Tq, Hq, D], lse [B, Tq, Hq] (f32; a query that sees no key: zeros and -inf).
         Each (query, head) walks its visible keys in token order, read where they lie in the pool: padding,
-        other queries, other sequences and where the blocks sit change nothing in it. A key row is widened once
-        for the G query heads that share it (SmolLM2-135M's heads over 73 keys, 9 queries: 193 -> 127 us a layer)."""
+        other queries, other sequences and where the blocks sit change nothing in it. One work item is a query and
+        the G query heads of one KV head, so each key row is read once for all of them. A score is 16 lanes of fused
+        multiply-adds over the head's dimensions, read in place from the pool, summed by `vsum`'s fixed tree (the
+        dimensions past the last 16 added after, in order); the softmax's exponentials are `simd_math.vexp`, 16
+        keys at a time (an unseen key's score is -inf: exactly 0); a value row is added to the head's output 16
+        lanes at a time. The same operations for every query, and rows a few keys ahead asked for (the pool is cold
+        after a layer's weights went through the caches). SmolLM2-135M, bf16, one thread pair: a decode layer's
+        attention over 97 keys 21.8 -> 9.3 us, a 64-token prompt's over 64-128 keys 1003 -> 520 us (scalar sums of
+        the dimensions, a widened copy of each row and libm's exp before)."""
         B, Tq, Hq, D = q.shape
         bs, Hkv = kv.shape[2], kv.shape[3]
         Tk = mask.shape[2]
         G = Hq // Hkv
+        D16 = D - D % LANES
+        TkP = Tk + (-Tk) % LANES  # a head's scores padded to whole vectors
+        base, isz, bf16 = kv.ctypes.data, kv.itemsize, shift == 16  # rows read in place, by address
+        s0, s1, s2, s3 = kv.strides[0], kv.strides[1], kv.strides[2], kv.strides[3]
         for idx in prange(B * Tq * Hkv):  # a query and its KV head's G query heads: each key row widened once
             b, t, kh = idx // (Tq * Hkv), (idx // Hkv) % Tq, idx % Hkv
-            scores = np.empty((G, Tk), np.float32)
+            scores = np.full(G * TkP, -np.inf, np.float32)  # head g's at g * TkP: -inf where a key is not seen
             bits = np.empty(D, np.uint32)
             row = bits.view(np.float32)
-            acc = np.zeros((G, D), np.float32)
-            m = np.full(G, -np.inf)  # (float64, as the running max and the sum always were)
+            qs = np.empty(G * D, np.float32)  # the G heads' queries, flat (vector loads at offsets, no views)
+            acc = np.zeros(G * D, np.float32)
+            for g in range(G):
+                for d in range(D):
+                    qs[g * D + d] = q[b, t, kh * G + g, d]
+            m = np.full(G, -np.inf, np.float32)
             seen = False
             for j in range(Tk):
+                if j + _AHEAD < Tk:  # the K and V rows a few keys on: the pool is cold after a layer's weights
+                    ahead = (table[b, (j + _AHEAD) // bs] * s0 + ((j + _AHEAD) % bs) * s2 + kh * s3)
+                    for e in range(0, D * isz, 64):
+                        prefetch(base, ahead + e)
+                        prefetch(base, ahead + s1 + e)
                 if mask[b, t, j]:
                     seen = True
                     slot, off = table[b, j // bs], j % bs
-                    for d in range(D):
+                    key = base + slot * s0 + off * s2 + kh * s3  # the key row's address in the pool
+                    for d in range(D16, D):  # (the dimensions past the last 16, widened)
                         bits[d] = np.uint32(kv[slot, 0, off, kh, d]) << shift
                     for g in range(G):
-                        h = kh * G + g
-                        dot = np.float32(0.0)
-                        for d in range(D):
-                            dot += q[b, t, h, d] * row[d]
-                        scores[g, j] = dot * scale
-                        m[g] = max(m[g], scores[g, j])
+                        a = vzero()
+                        for d in range(0, D16, LANES):
+                            a = vfma(vload(qs, g * D + d), _lanes(key, d, bf16), a)
+                        dot = vsum(a)
+                        for d in range(D16, D):
+                            dot = fma(qs[g * D + d], row[d], dot)
+                        scores[g * TkP + j] = dot * scale
+                        m[g] = max(m[g], scores[g * TkP + j])
             if not seen:
                 for h in range(kh * G, kh * G + G):
                     for d in range(D):
                         out[b, t, h, d] = 0.0
                     lse[b, t, h] = -np.inf
                 continue
+            probs = np.empty(G * TkP, np.float32)  # e^(score - max), 16 keys at a time (an unseen key's: 0)
+            one = vsplat(np.float32(1.0))
+            for g in range(G):
+                low = vsplat(-m[g])
+                for j in range(g * TkP, (g + 1) * TkP, LANES):
+                    vstore(probs, j, vexp(vfma(vload(scores, j), one, low)))
             total = np.zeros(G)
             for j in range(Tk):
                 if mask[b, t, j]:
                     slot, off = table[b, j // bs], j % bs
-                    for d in range(D):
+                    value = base + slot * s0 + s1 + off * s2 + kh * s3
+                    for d in range(D16, D):
                         bits[d] = np.uint32(kv[slot, 1, off, kh, d]) << shift
                     for g in range(G):
-                        p = np.exp(scores[g, j] - m[g])
+                        p = probs[g * TkP + j]
                         total[g] += p
-                        for d in range(D):
-                            acc[g, d] += p * row[d]
+                        pv = vsplat(p)
+                        for d in range(0, D16, LANES):
+                            vstore(acc, g * D + d, vfma(pv, _lanes(value, d, bf16), vload(acc, g * D + d)))
+                        for d in range(D16, D):
+                            acc[g * D + d] = fma(p, row[d], acc[g * D + d])
             for g in range(G):
                 h = kh * G + g
                 for d in range(D):
-                    out[b, t, h, d] = acc[g, d] / total[g]
+                    out[b, t, h, d] = acc[g * D + d] / total[g]
                 lse[b, t, h] = m[g] + np.log(total[g])
 
 

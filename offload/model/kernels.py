@@ -53,8 +53,8 @@ ROW_INVARIANT = numba is not None
 #: 3: int8 widened by whole groups, attention by KV head; 4-5: int8 by whole rows; 6: int8 in explicit lanes;
 #: 7: int4 in explicit lanes; 8: int8 in int4's tiles; 9: packed products of 16-bit activations in int16 (VNNI);
 #: 10: the dense kernel prefetches the columns its next pass widens; 11: bf16 by bf16 in pairs (`cpu_bf16`);
-#: 12: packed codes asked for further ahead.
-VERSION = 12
+#: 12: packed codes asked for further ahead; 13: attention and SiLU in 16-lane vectors (`simd_math`).
+VERSION = 13
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
@@ -65,7 +65,7 @@ _KC = 512
 
 #: The files whose compiled code numba's cache keeps for this package (see `_stamp_kernel_sources`).
 _SOURCES = ("kernels.py", "cpu_bf16.py", "cpu_packed.py", "cpu_packed16.py", "cpu_attention.py", "fused.py",
-            "simd.py", "simd_int.py")
+            "simd.py", "simd_int.py", "simd_math.py")
 
 
 def _stamp_kernel_sources() -> None:

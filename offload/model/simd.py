@@ -20,7 +20,7 @@ register; elsewhere LLVM splits it, with the same results.
     prefetch(a, i)       a hint to bring a[i]'s cache line in (or byte i's at an integer address a)
     cycles()             the CPU's time-stamp counter (x86-64; elsewhere 0): where a compiled loop's steps end
 
-(Sixteen int32 lanes for integer products: `offload.model.simd_int`.)
+(Sixteen int32 lanes for integer products: `offload.model.simd_int`; elementwise math: `offload.model.simd_math`.)
 
 Bounds are the caller's: vload and vstore do not check them. A kernel using these is compiled without fastmath
 (numba gives its flags to every float operation that has none, `vsum`'s adds included). Also the bit moves between

@@ -1,0 +1,131 @@
+"""Elementwise float32 lane math beside `offload.model.simd`, for the layer's non-product steps (SiLU, softmax):
+
+    vexp(v)              e^x lane by lane (Cephes' expf in fused multiply-adds: within ~1 ulp of e^x)
+    vmul(a, b)           a * b, vdiv(a, b) a / b, vadd(a, b) a + b: IEEE operations, one rounding each
+    vround(v, bf16)      with bf16: each lane rounded to bf16 (to nearest even, as torch rounds; NaN stays a quiet
+                         NaN), as float32; without: v
+    vbf16(a, i)          a[i : i + 16] of bf16 bits (an array, or an address) as float32 lanes (exact)
+    vf32(a, i)           a[i : i + 16] of float32 at an address
+
+Every lane goes through the same operations, so a value's result never depends on its neighbours or on how many
+there are. No fast-math flags (a kernel using these is compiled without them).
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from offload.model.simd import _VT, LANES, _at, _contiguous, f32x16
+
+_I32 = ir.IntType(32)
+_IT = ir.VectorType(_I32, LANES)
+
+
+def _fn(builder, name: str, n: int):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VT, [_VT] * n), name)
+
+
+def _c(f: float) -> ir.Constant:
+    return ir.Constant(_VT, [f] * LANES)
+
+
+def _ci(i: int) -> ir.Constant:
+    return ir.Constant(_IT, [i] * LANES)
+
+
+#: Cephes' expf: the range (a result below float32's smallest normal is 0, above ~2^127.5 inf), ln 2 in two parts
+#: (the first exact in 9 bits), the polynomial's coefficients from the highest power
+_EXP_LO, _EXP_HI, _LN2_HI, _LN2_LO = -87.33654, 88.37626, 0.693359375, -2.12194440e-4
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+@intrinsic
+def vexp(typingctx, v):  # pragma: no cover - compiled
+    """e^x lane by lane: x = n ln 2 + r (n rounded to nearest even), e^r by Cephes' degree-7 polynomial in fused
+    multiply-adds, times 2^n built in the exponent bits: within ~2 ulp of e^x, the same operations in every lane
+    (so a value's result never depends on its neighbours). Below -87.34 (-inf too): 0; above 88.38: inf; NaN
+    stays NaN."""
+    if v != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        x, c = args[0], _c
+        fma_ = _fn(builder, "llvm.fma.v16f32", 3)
+        xc = builder.call(_fn(builder, "llvm.minnum.v16f32", 2),
+                          [builder.call(_fn(builder, "llvm.maxnum.v16f32", 2), [x, c(_EXP_LO)]), c(_EXP_HI)])
+        n = builder.call(_fn(builder, "llvm.rint.v16f32", 1), [builder.fmul(xc, c(1.44269504088896341))])
+        r = builder.call(fma_, [n, c(-_LN2_HI), xc])
+        r = builder.call(fma_, [n, c(-_LN2_LO), r])
+        p = c(_EXP_POLY[0])
+        for coef in _EXP_POLY[1:]:
+            p = builder.call(fma_, [p, r, c(coef)])
+        y = builder.fadd(builder.call(fma_, [p, builder.fmul(r, r), r]), c(1.0))
+        bits = builder.shl(builder.add(builder.fptosi(n, _IT), _ci(127)), _ci(23))
+        out = builder.fmul(y, builder.bitcast(bits, _VT))
+        out = builder.select(builder.fcmp_ordered(">", x, c(_EXP_HI)), c(float("inf")), out)
+        out = builder.select(builder.fcmp_ordered("<", x, c(_EXP_LO)), c(0.0), out)
+        return builder.select(builder.fcmp_unordered("uno", x, x), x, out)
+    return f32x16(v), codegen
+
+
+def _binary(op: str):
+    def typer(typingctx, a, b):
+        if not (a == b == f32x16):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return getattr(builder, op)(*args)
+        return f32x16(a, b), codegen
+    return typer
+
+
+vmul = intrinsic(_binary("fmul"))
+vdiv = intrinsic(_binary("fdiv"))
+vadd = intrinsic(_binary("fadd"))
+
+
+@intrinsic
+def vround(typingctx, v, bf16):  # pragma: no cover - compiled
+    """`fused._rnd` lane by lane: with bf16 each lane rounded to nearest even bf16 (a NaN to a quiet NaN)."""
+    if v != f32x16 or not isinstance(bf16, types.Boolean):
+        return None
+
+    def codegen(context, builder, sig, args):
+        x, flag = args
+        b = builder.bitcast(x, _IT)
+        high = builder.and_(builder.lshr(b, _ci(16)), _ci(1))
+        even = builder.and_(builder.add(builder.add(b, _ci(0x7FFF)), high), _ci(-65536))  # 0xFFFF0000
+        quiet = builder.or_(builder.and_(b, _ci(-65536)), _ci(0x400000))
+        nan = builder.fcmp_unordered("uno", x, x)
+        r = builder.bitcast(builder.select(nan, quiet, even), _VT)
+        return builder.select(flag, r, x)
+    return f32x16(v, bf16), codegen
+
+
+@intrinsic
+def vbf16(typingctx, a, i):  # pragma: no cover - compiled
+    """a[i : i + 16] of bf16 bits (a C-contiguous uint16 array, or the integer address of such values) as float32."""
+    if not (isinstance(a, types.Integer) or _contiguous(a, (types.uint16,))) or not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i16 = ir.IntType(16)
+        ptr = builder.bitcast(_at(context, builder, sig.args[0], args[0], args[1], i16),
+                              ir.VectorType(i16, LANES).as_pointer())
+        wide = builder.zext(builder.load(ptr, align=1), _IT)
+        return builder.bitcast(builder.shl(wide, _ci(16)), _VT)
+    return f32x16(a, i), codegen
+
+
+@intrinsic
+def vf32(typingctx, a, i):  # pragma: no cover - compiled
+    """a[i : i + 16] of float32 at the integer address a."""
+    if not isinstance(a, types.Integer) or not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(_at(context, builder, sig.args[0], args[0], args[1], ir.FloatType()), _VT.as_pointer())
+        return builder.load(ptr, align=1)
+    return f32x16(a, i), codegen
