@@ -63,9 +63,9 @@ class SideWorker:
                 self._thread.start()
 
     @interrupts.deferring
-    def advance(self) -> None:
+    def advance(self, groups: int = 1) -> None:
         with self._cond:
-            self._progress += 1
+            self._progress += groups
             self._cond.notify_all()
 
     @interrupts.deferring

@@ -114,10 +114,15 @@ class Calibration:
         """Seconds a decoder layer costs whatever its size at a pass of `tokens` rows (0 in files without it)."""
         return self._overhead(device_type, tokens, "layer_overhead_s")
 
-    def pass_overhead_s(self, device_type: str, tokens: int) -> float:
+    def pass_overhead_s(self, device_type: str, tokens: int, reads: float | None = None) -> float:
         """Seconds a pass of `tokens` rows costs beside its layers: its KV step, RoPE (`offload.plan.probe`; 0 in
-        files without it)."""
-        return self._overhead(device_type, tokens, "pass_overhead_s")
+        files without it). `reads`: the weight bytes a pass reads; beyond CACHE_SHARE of the last-level cache, as
+        the bookkeeping costs after them (`cold_pass_overhead_s`: its code and data pushed out of the caches)."""
+        key = "pass_overhead_s"
+        if reads is not None and "cold_pass_overhead_s" in self._table(device_type) and \
+                reads > CACHE_SHARE * self.meta.get("llc_bytes", 0):
+            key = "cold_pass_overhead_s"
+        return self._overhead(device_type, tokens, key)
 
     def _overhead(self, device_type: str, tokens: int, key: str) -> float:
         table = self._table(device_type)

@@ -53,7 +53,7 @@ def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type:
             out[g] = size / cal.weight_bytes_per_s(device_type, min(tokens, batch), reads)
     first = next((g for g in plan.order if g.startswith("layer.") and g in out), None)
     if first is not None:  # the pass's own bookkeeping (its KV step, RoPE) before its first layer
-        out[first] += cal.pass_overhead_s(device_type, tokens)
+        out[first] += cal.pass_overhead_s(device_type, tokens, reads)
     return out
 
 

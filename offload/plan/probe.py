@@ -92,15 +92,22 @@ def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int,
             colds.append(min(rate, big_bytes / max(cold[i] - overhead, 1e-9)))
     table = {"tokens": list(tokens), "weight_bytes_per_s": rates, "layer_overhead_s": overheads,
              "pass_overhead_s": pass_seconds(device, compute or dtype, tokens, context)}
+    if device.type == "cpu":
+        table["cold_pass_overhead_s"] = pass_seconds(device, compute or dtype, tokens, context, cold=True)
     return table | ({"cold_weight_bytes_per_s": colds} if cold else {})
 
 
-def pass_seconds(device: torch.device, compute: torch.dtype, tokens: tuple[int, ...], context: int = 64) -> list[float]:
+def pass_seconds(device: torch.device, compute: torch.dtype, tokens: tuple[int, ...], context: int = 64,
+                 cold: bool = False) -> list[float]:
     """A pass's fixed cost beside its layers at each token count: the KV pool's step for its sequences (blocks,
     block tables, the mask: `PagedKVCache.prepare`), RoPE at the new positions and the token ids, as the executor's
-    `begin_pass` makes them (SMALL's shape: the cost is bookkeeping, not bytes); the best of 5."""
+    `begin_pass` makes them (SMALL's shape: the cost is bookkeeping, not bytes); the best of 5. `cold` (a CPU): each
+    timed as a pass of a model larger than the cache meets it, after the previous pass's weights went through the
+    caches (`evict`): its ~20 small torch ops cost ~4x more then (SmolLM2-135M bf16 decode: 0.14 ms hot, 0.6 ms
+    cold, ~0.6 ms in the run)."""
     cfg = ModelConfig.from_dict(SMALL)
     rope = M.Rope(cfg, device, compute)
+    flush = evict if cold and device.type == "cpu" else (lambda: None)
     out = []
     for n in tokens:
         batch = max(1, min(n, 8)) if n <= 8 else 1
@@ -110,6 +117,7 @@ def pass_seconds(device: torch.device, compute: torch.dtype, tokens: tuple[int, 
         kv.prepare(sids, [context] * batch)
         best = math.inf
         for _ in range(5):
+            flush()
             t0 = time.perf_counter()
             layout_, step = kv.prepare(sids, [per_seq] * batch)
             rope(layout_.positions)
@@ -118,6 +126,22 @@ def pass_seconds(device: torch.device, compute: torch.dtype, tokens: tuple[int, 
             best = min(best, time.perf_counter() - t0)
         out.append(best)
     return out
+
+
+#: the most bytes `evict` reads to push other data out of the caches
+EVICT_MAX = 512 * 2**20
+
+
+def evict() -> None:
+    """Read twice the last-level cache's bytes (at most EVICT_MAX): what a pass's weights do to the caches, so
+    bookkeeping timed after it finds its code and data where a run finds them (in DRAM)."""
+    global _evict_buf
+    if _evict_buf is None:
+        _evict_buf = torch.ones(min(2 * llc_bytes(), EVICT_MAX) // 4, dtype=torch.float32)
+    _evict_buf.sum()
+
+
+_evict_buf: torch.Tensor | None = None
 
 
 def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tokens: tuple[int, ...],

@@ -280,7 +280,7 @@ class Executor:
             ends = torch.tensor(p.layout.q_lens).cumsum(0).tolist()
             x = x[torch.cat([torch.arange(e - n, e) for e, n in zip(ends, b.keep)]).to(x.device)]
             groups = M.column_groups(list(b.keep), x.device, list(b.lanes or ()))
-        elif not b.every:
+        elif not b.every and any(n != 1 for n in p.layout.q_lens):  # (one row a sequence: already its last)
             x = x[p.layout.last_token_rows()]
         w = M.HeadWeights.from_views(self.weights.acquire("head"))
         with self.timeline.range("offload/compute/head"):

@@ -58,23 +58,21 @@ class ResidentLayers:
         if paged is None:
             return None
         groups = self.groups
-        views = [ex.weights.acquire(g) for g in groups]
+        views = ex.weights.acquire_resident(groups)
         key = (x.dtype, *map(id, views))  # resident groups' views are the same objects pass after pass
         if self._run is None or self._run[0] != key:
             self._run = (key, M.layer_run(x, [M.LayerWeights.from_views(v) for v in views], ex.cfg))
         run = self._run[1]
         if run is None:  # a layer the fused layer does not take (the weights' kinds do not change: not asked again)
             self.possible = False
-            for g in groups:
-                ex.weights.release(g)
+            ex.weights.release_resident(groups, [None] * len(groups))
             return None
         timeline = ex.timeline
         start = timeline.now()
         with timeline.range("offload/compute/layers"):
             x, stamps = M.run_layers(run, x, first, paged, p.layout, p.cos_sin, ex.cfg)
         spans = spans_of(stamps, start, timeline.now()) if timeline.enabled else [None] * len(groups)
-        for g, span in zip(groups, spans):
-            ex.weights.release(g, span)
+        ex.weights.release_resident(groups, spans)
         return x
 
 

@@ -175,6 +175,18 @@ class TieredWeights:
             self.predictor.keep_router(int(group.split(".")[1]), views["router"])
         return views
 
+    def acquire_resident(self, groups: list[str]) -> list[dict]:
+        """`acquire` of a run of resident groups in one call (`Prefetcher.acquire_resident`)."""
+        out = [self.views(g, buf) for g, buf in zip(groups, self.prefetcher.acquire_resident(groups))]
+        if self.predictor.enabled:
+            for g, views in zip(groups, out):
+                if "router" in views:
+                    self.predictor.keep_router(int(g.split(".")[1]), views["router"])
+        return out
+
+    def release_resident(self, groups: list[str], spans: list[tuple[float, float] | None]) -> None:
+        self.prefetcher.release_resident(groups, spans)
+
     def views(self, group: str, buf: torch.Tensor) -> dict:
         """A group's tensors over its bytes `buf` (1-D uint8) at the compute dtype; packed ones as `PackedLinear`s."""
         key = (group, buf.data_ptr())  # the same bytes in the same place (a home, a ring or expert-cache slot):
