@@ -139,3 +139,22 @@ def test_cpu_silu_mul_is_torchs_with_its_roundings(dtype):
         assert same.all()
     else:
         assert same[0, :7].all() and torch.allclose(got, want, rtol=3e-7, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_rms_norm_is_transformers_formula_row_by_row(dtype):
+    """RMSNorm with its sum of squares in 16 lanes (then the columns past the last 16): transformers' formula
+    `w * (x * rsqrt(mean(x^2) + eps)).to(dtype)` to the last bit on almost every value (the sum's order is not
+    torch's), within a rounding everywhere, and each row's bits its own (alone = in a batch)."""
+    from offload.model import fused
+
+    g = torch.Generator().manual_seed(0)
+    for H in (576, 100):
+        x = (torch.randn(48, H, generator=g) * 3).to(dtype)
+        w = (torch.randn(H, generator=g) * 0.1 + 1).to(dtype)
+        got = fused.rms_norm(x, w, 1e-5)
+        xf = x.float()
+        want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        assert (got == want).float().mean() > (0.999 if dtype == torch.bfloat16 else 0.5)
+        assert torch.allclose(got.float(), want.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+        assert torch.equal(fused.rms_norm(x[7:8], w, 1e-5), got[7:8])

@@ -33,8 +33,8 @@ if numba is not None:
 
     from offload.model.cpu_attention import _attend
     from offload.model.kernels import _bits_f32, _f32_bits, _product
-    from offload.model.simd import LANES, cycles, vfma, vload, vsplat, vstore, vzero
-    from offload.model.simd_math import vadd, vdiv, vexp, vmul, vround
+    from offload.model.simd import LANES, cycles, fma, vfma, vload, vsplat, vstore, vsum, vzero
+    from offload.model.simd_math import vadd, vbf16, vdiv, vexp, vf32, vmul, vround
 
     @njit(inline="always")
     def _bf16_bits(f):  # pragma: no cover - compiled
@@ -72,14 +72,46 @@ if numba is not None:
     @njit(inline="always")
     def _norm_row(x, n, w, eps, bf16, out, m):  # pragma: no cover - compiled
         """out[m] = transformers' RMSNorm of the float32 row x[n] (values of the dtype) with weight bits w [1, H]:
-        `w * (x * rsqrt(mean(x ** 2) + eps)).to(dtype)`, each op rounded to the dtype."""
+        `w * (x * rsqrt(mean(x ** 2) + eps)).to(dtype)`, each op rounded to the dtype; the sum of squares in 16
+        lanes of fused multiply-adds summed by `vsum`'s tree (then the columns past the last 16, in order), the
+        rest 16 columns at a time (a scalar sum of squares is a chain of dependent adds as long as the row)."""
         H = x.shape[1]
-        total = np.float32(0.0)
-        for h in range(H):
-            total += x[n, h] * x[n, h]
+        H16 = H - H % LANES
+        xr, orow, wa = x[n], out[m], w.ctypes.data
+        a = vzero()
+        for h in range(0, H16, LANES):
+            v = vload(xr, h)
+            a = vfma(v, v, a)
+        total = vsum(a)
+        for h in range(H16, H):
+            total = fma(xr[h], xr[h], total)
         r = np.float32(1.0) / np.sqrt(total / np.float32(H) + np.float32(eps))
-        for h in range(H):
-            out[m, h] = _rnd(_load(w, 0, h, bf16) * _rnd(x[n, h] * r, bf16), bf16)
+        rv = vsplat(r)
+        for h in range(0, H16, LANES):
+            wv = vbf16(wa, h) if bf16 else vf32(wa, h)
+            vstore(orow, h, vround(vmul(wv, vround(vmul(vload(xr, h), rv), bf16)), bf16))
+        for h in range(H16, H):
+            orow[h] = _rnd(_load(w, 0, h, bf16) * _rnd(xr[h] * r, bf16), bf16)
+
+    @njit(inline="always")
+    def _lanes(a, i, bf16):  # pragma: no cover - compiled
+        """Elements i .. i + 15 of the raw bits at address a (bf16, or float32) as float32."""
+        return vbf16(a, i) if bf16 else vf32(a, i)
+
+    @njit(inline="always")
+    def _rope_row(y, out, cos, sin, heads, D, bf16):  # pragma: no cover - compiled
+        """RoPE of one row's `heads` heads of y into out, 16 dimensions at a time (D / 2 a whole number of 16s; cos,
+        sin: addresses of the row's raw bits): torch's `x * cos + rotate_half(x) * sin`, each op rounded to the dtype
+        (the op-by-op layer's RoPE is torch's: the same bits)."""
+        half, minus = D // 2, vsplat(np.float32(-1.0))
+        for hh in range(heads):
+            base = hh * D
+            for d in range(0, D, LANES):
+                v = vload(y, base + d)
+                rot = vmul(vload(y, base + d + half), minus) if d < half else vload(y, base + d - half)
+                a = vround(vmul(v, _lanes(cos, d, bf16)), bf16)
+                b = vround(vmul(rot, _lanes(sin, d, bf16)), bf16)
+                vstore(out, base + d, vround(vadd(a, b), bf16))
 
     @njit(nogil=True, cache=True)
     def _rows_f32(x, bf16):  # pragma: no cover - compiled
@@ -175,6 +207,10 @@ if numba is not None:
         qk = np.empty((N, qs + ks), np.float32)
         half = D // 2
         for n in range(N):
+            if half % LANES == 0:  # 16 dimensions at a time, the same operations
+                _rope_row(y[n], qk[n], cos.ctypes.data + n * cos.strides[0], sin.ctypes.data + n * sin.strides[0],
+                          hq + hkv, D, bf16)
+                continue
             for hh in range(hq + hkv):
                 base = hh * D
                 for d in range(D):

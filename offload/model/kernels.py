@@ -53,7 +53,7 @@ ROW_INVARIANT = numba is not None
 #: 3: int8 widened by whole groups, attention by KV head; 4-5: int8 by whole rows; 6: int8 in explicit lanes;
 #: 7: int4 in explicit lanes; 8: int8 in int4's tiles; 9: packed products of 16-bit activations in int16 (VNNI);
 #: 10: the dense kernel prefetches the columns its next pass widens; 11: bf16 by bf16 in pairs (`cpu_bf16`);
-#: 12: packed codes asked for further ahead; 13: attention and SiLU in 16-lane vectors (`simd_math`).
+#: 12: packed codes asked for further ahead; 13: attention, SiLU, RMSNorm and RoPE in 16-lane vectors (`simd_math`).
 VERSION = 13
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
