@@ -127,12 +127,12 @@ def test_vector_exp_is_within_an_ulp_and_keeps_its_edges():
 def test_cpu_silu_mul_is_torchs_with_its_roundings(dtype):
     """SiLU x up in 16-lane vectors: bf16 results equal torch's bit for bit (each op rounded as torch rounds it);
     float32 ones within an ulp of torch's (its exp is another polynomial); zeros, infinities and NaN as torch's."""
-    from offload.model import fused
+    from offload.model import cpu_elementwise
 
     g = torch.Generator().manual_seed(0)
     gu = (torch.randn(33, 2 * 1100, generator=g) * 4).to(dtype)  # 1100 columns: runs and a part past the last 16
     gu[0, :7] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -100.0, 100.0])
-    got = fused.silu_mul(gu)
+    got = cpu_elementwise.silu_mul(gu)
     want = torch.nn.functional.silu(gu[:, :1100]) * gu[:, 1100:]
     same = (got == want) | (got.isnan() & want.isnan())
     if dtype == torch.bfloat16:
@@ -146,15 +146,15 @@ def test_cpu_rms_norm_is_transformers_formula_row_by_row(dtype):
     """RMSNorm with its sum of squares in 16 lanes (then the columns past the last 16): transformers' formula
     `w * (x * rsqrt(mean(x^2) + eps)).to(dtype)` to the last bit on almost every value (the sum's order is not
     torch's), within a rounding everywhere, and each row's bits its own (alone = in a batch)."""
-    from offload.model import fused
+    from offload.model import cpu_elementwise
 
     g = torch.Generator().manual_seed(0)
     for H in (576, 100):
         x = (torch.randn(48, H, generator=g) * 3).to(dtype)
         w = (torch.randn(H, generator=g) * 0.1 + 1).to(dtype)
-        got = fused.rms_norm(x, w, 1e-5)
+        got = cpu_elementwise.rms_norm(x, w, 1e-5)
         xf = x.float()
         want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
         assert (got == want).float().mean() > (0.999 if dtype == torch.bfloat16 else 0.5)
         assert torch.allclose(got.float(), want.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
-        assert torch.equal(fused.rms_norm(x[7:8], w, 1e-5), got[7:8])
+        assert torch.equal(cpu_elementwise.rms_norm(x[7:8], w, 1e-5), got[7:8])

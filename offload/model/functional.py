@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from offload.model import cpu_attention, fused, kernels, moe
+from offload.model import cpu_attention, cpu_elementwise, fused, kernels, moe
 from offload.model.config import ModelConfig
 from offload.model.rope import Rope, apply_rope, rope_inv_freq  # noqa: F401 (the model math's names)
 from offload.model.sdpa import sdpa_with_lse
@@ -190,8 +190,8 @@ class KVView(Protocol):
 
 # ----------------------------------------------------------------------------- math
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if fused.elementwise_supported(x):  # one call, and the fused layer's formula (the same bits either way)
-        return fused.rms_norm(x, weight, eps)
+    if cpu_elementwise.elementwise_supported(x):  # one call, the fused layer's formula (the same bits either way)
+        return cpu_elementwise.rms_norm(x, weight, eps)
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -348,8 +348,8 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     if w.moe is not None:
         return x + moe.moe_mlp(h, w.moe, experts, cfg.experts_per_token, cfg.norm_topk_prob)
     gate_up = linear(h, w.gate_up, w.gate_up_bias, groups)
-    if fused.elementwise_supported(gate_up):  # the fused layer's formula
-        return x + linear(fused.silu_mul(gate_up), w.down, w.down_bias, groups)
+    if cpu_elementwise.elementwise_supported(gate_up):  # the fused layer's formula
+        return x + linear(cpu_elementwise.silu_mul(gate_up), w.down, w.down_bias, groups)
     gate, up = gate_up.chunk(2, dim=-1)
     return x + linear(F.silu(gate) * up, w.down, w.down_bias, groups)
 

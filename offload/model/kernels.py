@@ -64,8 +64,8 @@ _CHUNK = 16
 _KC = 512
 
 #: The files whose compiled code numba's cache keeps for this package (see `_stamp_kernel_sources`).
-_SOURCES = ("kernels.py", "cpu_bf16.py", "cpu_packed.py", "cpu_packed16.py", "cpu_attention.py", "fused.py",
-            "simd.py", "simd_int.py", "simd_math.py")
+_SOURCES = ("kernels.py", "cpu_bf16.py", "cpu_packed.py", "cpu_packed16.py", "cpu_attention.py", "cpu_elementwise.py",
+            "fused.py", "simd.py", "simd_int.py", "simd_math.py")
 
 
 def _stamp_kernel_sources() -> None:

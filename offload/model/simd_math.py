@@ -88,7 +88,7 @@ vadd = intrinsic(_binary("fadd"))
 
 @intrinsic
 def vround(typingctx, v, bf16):  # pragma: no cover - compiled
-    """`fused._rnd` lane by lane: with bf16 each lane rounded to nearest even bf16 (a NaN to a quiet NaN)."""
+    """`cpu_elementwise._rnd` lane by lane: with bf16 each lane rounded to nearest even bf16 (a NaN to a quiet NaN)."""
     if v != f32x16 or not isinstance(bf16, types.Boolean):
         return None
 

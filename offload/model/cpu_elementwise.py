@@ -1,0 +1,193 @@
+"""The elementwise steps of a CPU decoder layer, each op rounded to the activations' dtype as torch rounds it (bf16:
+to nearest even after every op): RMSNorm, SiLU x up, RoPE, a product's bias and rounding. The fused layer
+(`offload.model.fused`) calls the compiled row functions; `rms_norm` and `silu_mul` are the same formulas for the
+op-by-op layer, so both give the same bits. Written in 16-lane vectors where a row allows (`simd`, `simd_math`):
+every value goes through the same operations whatever its neighbours, so a row's bits are its own. Knows nothing
+about models, tiers or files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from offload.model.kernels import _as_numpy, numba
+
+#: Columns of SiLU x up a parallel work item computes (a whole number of 16-lane vectors).
+_SILU_RUN = 512
+
+if numba is not None:
+    from numba import njit, prange
+
+    from offload.model.kernels import _bits_f32, _f32_bits
+    from offload.model.simd import LANES, fma, vfma, vload, vsplat, vstore, vsum, vzero
+    from offload.model.simd_math import vadd, vbf16, vdiv, vexp, vf32, vmul, vround
+
+    @njit(inline="always")
+    def _bf16_bits(f):  # pragma: no cover - compiled
+        """float32 -> bf16 bits (uint16 value), rounded to nearest even as torch rounds (NaN stays a quiet NaN)."""
+        b = _f32_bits(f)
+        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            return np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
+        return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+    @njit(inline="always")
+    def _load(a, i, j, bf16):  # pragma: no cover - compiled
+        return _bits_f32(np.uint32(a[i, j]) << np.uint32(16)) if bf16 else _bits_f32(a[i, j])
+
+    @njit(inline="always")
+    def _store(a, i, j, f, bf16):  # pragma: no cover - compiled
+        """a[i, j] = f rounded to the tensor's dtype; returns the stored value as float32."""
+        if bf16:
+            bits = _bf16_bits(f)
+            a[i, j] = bits
+            return _bits_f32(np.uint32(bits) << np.uint32(16))
+        a[i, j] = _f32_bits(f)
+        return f
+
+    @njit(inline="always")
+    def _rnd(f, bf16):  # pragma: no cover - compiled
+        """f rounded to the activations' dtype (bf16: to nearest even, as torch rounds an op's float result)."""
+        return _bits_f32(np.uint32(_bf16_bits(f)) << np.uint32(16)) if bf16 else f
+
+    @njit(inline="always")
+    def _biased(y, b, j, bf16):  # pragma: no cover - compiled
+        """A product's float32 output y (feature j) plus bias bits b [1, n] ([1, 0]: none), rounded to the dtype: what
+        `kernels.dense_linear` returns."""
+        return _rnd(y + _load(b, 0, j, bf16) if b.shape[1] else y, bf16)
+
+    @njit(inline="always")
+    def _norm_row(x, n, w, eps, bf16, out, m):  # pragma: no cover - compiled
+        """out[m] = transformers' RMSNorm of the float32 row x[n] (values of the dtype) with weight bits w [1, H]:
+        `w * (x * rsqrt(mean(x ** 2) + eps)).to(dtype)`, each op rounded to the dtype; the sum of squares in 16
+        lanes of fused multiply-adds summed by `vsum`'s tree (then the columns past the last 16, in order), the
+        rest 16 columns at a time (a scalar sum of squares is a chain of dependent adds as long as the row)."""
+        H = x.shape[1]
+        H16 = H - H % LANES
+        xr, orow, wa = x[n], out[m], w.ctypes.data
+        a = vzero()
+        for h in range(0, H16, LANES):
+            v = vload(xr, h)
+            a = vfma(v, v, a)
+        total = vsum(a)
+        for h in range(H16, H):
+            total = fma(xr[h], xr[h], total)
+        r = np.float32(1.0) / np.sqrt(total / np.float32(H) + np.float32(eps))
+        rv = vsplat(r)
+        for h in range(0, H16, LANES):
+            wv = vbf16(wa, h) if bf16 else vf32(wa, h)
+            vstore(orow, h, vround(vmul(wv, vround(vmul(vload(xr, h), rv), bf16)), bf16))
+        for h in range(H16, H):
+            orow[h] = _rnd(_load(w, 0, h, bf16) * _rnd(xr[h] * r, bf16), bf16)
+
+    @njit(inline="always")
+    def _lanes(a, i, bf16):  # pragma: no cover - compiled
+        """Elements i .. i + 15 of the raw bits at address a (bf16, or float32) as float32."""
+        return vbf16(a, i) if bf16 else vf32(a, i)
+
+    @njit(inline="always")
+    def _rope_row(y, out, cos, sin, heads, D, bf16):  # pragma: no cover - compiled
+        """RoPE of one row's `heads` heads of y into out, 16 dimensions at a time (D / 2 a whole number of 16s; cos,
+        sin: addresses of the row's raw bits): torch's `x * cos + rotate_half(x) * sin`, each op rounded to the dtype
+        (the op-by-op layer's RoPE is torch's: the same bits)."""
+        half, minus = D // 2, vsplat(np.float32(-1.0))
+        for hh in range(heads):
+            base = hh * D
+            for d in range(0, D, LANES):
+                v = vload(y, base + d)
+                rot = vmul(vload(y, base + d + half), minus) if d < half else vload(y, base + d - half)
+                a = vround(vmul(v, _lanes(cos, d, bf16)), bf16)
+                b = vround(vmul(rot, _lanes(sin, d, bf16)), bf16)
+                vstore(out, base + d, vround(vadd(a, b), bf16))
+
+    @njit(nogil=True, cache=True)
+    def _rows_f32(x, bf16):  # pragma: no cover - compiled
+        out = np.empty(x.shape, np.float32)
+        for i in range(x.shape[0]):
+            for j in range(x.shape[1]):
+                out[i, j] = _load(x, i, j, bf16)
+        return out
+
+    @njit(nogil=True, cache=True)
+    def _store_rows(v, bf16, out):  # pragma: no cover - compiled
+        for i in range(v.shape[0]):
+            for j in range(v.shape[1]):
+                _store(out, i, j, v[i, j], bf16)
+
+    @njit(nogil=True, cache=True)
+    def _rms_norm(x, w, eps, bf16, out):  # pragma: no cover - compiled
+        """x [N, H], w [1, H] raw bits (uint16 bf16 / uint32 float32) -> out [N, H], the same bits: `_norm_row`."""
+        xf = _rows_f32(x, bf16)
+        o = np.empty(xf.shape, np.float32)
+        for n in range(xf.shape[0]):
+            _norm_row(xf, n, w, eps, bf16, o, n)
+        _store_rows(o, bf16, out)
+
+    @njit(nogil=True, cache=True)
+    def _silu_mul_rows(gu, bf16, out):  # pragma: no cover - compiled
+        """gu [N, 2I] raw bits (gate | up) -> out [N, I]: `_silu_mul_act` on the rows widened (the values are the
+        dtype's already: no bias, the roundings change nothing), stored back in the dtype."""
+        act = np.empty((gu.shape[0], gu.shape[1] // 2), np.float32)
+        _silu_mul_act(_rows_f32(gu, bf16), np.zeros((1, 0), gu.dtype), act.shape[1], bf16, act)
+        _store_rows(act, bf16, out)
+
+    @njit(parallel=True, nogil=True, cache=True)
+    def _silu_mul_act(g, b, inter, bf16, act):  # pragma: no cover - compiled
+        """act [N, inter] = `F.silu(gate) * up` of the gate_up product's float32 rows g [N, >= 2 inter] plus bias
+        bits b (`_biased`: each rounded to the dtype), each op rounded as torch's (`simd_math.vround`), in parallel
+        runs of `_SILU_RUN` columns, 16 at a time: every column the same operations (e^-gate by `simd_math.vexp`;
+        one libm exp and scalar roundings a column cost ~9 ns, 1536 of them a SmolLM2 row)."""
+        N = g.shape[0]
+        runs = (inter + _SILU_RUN - 1) // _SILU_RUN
+        for c in prange(N * runs):
+            n, i0 = c // runs, (c % runs) * _SILU_RUN
+            cols = min(inter, i0 + _SILU_RUN) - i0
+            gate = np.zeros(_SILU_RUN, np.float32)  # whole vectors (the buffers' size): past cols unused
+            up = np.zeros(_SILU_RUN, np.float32)
+            if b.shape[1]:
+                for i in range(cols):
+                    gate[i] = _biased(g[n, i0 + i], b, i0 + i, bf16)
+                    up[i] = _biased(g[n, inter + i0 + i], b, inter + i0 + i, bf16)
+            else:  # rounded below (rounding twice is rounding once)
+                for i in range(cols):
+                    gate[i] = g[n, i0 + i]
+                    up[i] = g[n, inter + i0 + i]
+            one, neg, z = vsplat(np.float32(1.0)), vsplat(np.float32(-1.0)), vzero()
+            for k in range(0, cols, LANES):
+                x = vround(vload(gate, k), bf16)
+                s = vround(vdiv(x, vadd(one, vexp(vfma(x, neg, z)))), bf16)
+                vstore(gate, k, vround(vmul(s, vround(vload(up, k), bf16)), bf16))
+            for i in range(cols):
+                act[n, i0 + i] = gate[i]
+
+
+def _raw(t: torch.Tensor, keep: bool = False) -> np.ndarray:
+    """A bf16 or float32 tensor's bits as a numpy array (uint16 / uint32) over the same memory: 2-D rows of its last
+    dimension (a 1-D tensor is one row), or its own shape with `keep`."""
+    return _as_numpy(t if keep else t.reshape(-1, t.shape[-1]))
+
+
+def elementwise_supported(x: torch.Tensor) -> bool:
+    """Do `rms_norm` and `silu_mul` take x (CPU, bf16 or float32, numba present)?"""
+    return numba is not None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of each run of weight.numel() values of x, with its roundings (the fused layer's
+    formula, so a layer gives the same bits fused or op by op). The sum of squares is this loop's own order
+    (torch's `mean` reduces in another: the last bit of a row's scale can differ from torch's)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        _rms_norm(_raw(x.view(-1, weight.shape[-1])), _raw(weight.to(x.dtype).contiguous()), float(eps),
+                  x.dtype == torch.bfloat16, _raw(out.view(-1, weight.shape[-1])))
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] (gate | up) -> `F.silu(gate) * up` [N, I] with torch's roundings (the fused layer's formula)."""
+    gate_up = gate_up.contiguous()
+    out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    if out.numel():
+        _silu_mul_rows(_raw(gate_up), gate_up.dtype == torch.bfloat16, _raw(out))
+    return out
