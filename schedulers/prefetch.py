@@ -91,13 +91,10 @@ class Prefetcher:
     @interrupts.deferring
     def acquire(self, group: str) -> torch.Tensor:
         """The group's bytes on the compute device (1-D uint8, exactly its size)."""
-        size = self.plan.sizes[group]
-        home = self.plan.homes[group]
-        self.traffic.add("weights", home, COMPUTE, size)
         if self.plan.is_resident(group):
-            buf = self._home_view(group)
-            self._current[group] = (None, self.timeline.now(), self._compute_marker())
-            return buf
+            return self.acquire_resident([group])[0]
+        size = self.plan.sizes[group]
+        self.traffic.add("weights", self.plan.homes[group], COMPUTE, size)
         with self._cond:
             interrupts.wait_for(self._cond, lambda: self._loads)
             load = self._loads[0]
@@ -118,10 +115,9 @@ class Prefetcher:
     def release(self, group: str, span: tuple[float, float] | None = None) -> None:
         """Compute is done with the group. span: when its computation ran (timeline times), where the caller timed it
         itself (layers in one call, each timed inside it); else from its acquire to now."""
-        load, start, start_marker = self._current.pop(group)
-        self.side.advance()
         done = self.engine.mark_compute()
-        self._record_compute(group, start, start_marker, done, load, span)
+        load = self._computed(group, done, span)
+        self.side.advance()
         if load is None:
             return
         with self._cond:
@@ -139,17 +135,17 @@ class Prefetcher:
         """`acquire` of a run of resident groups (read in place where they live) in one call: their bytes in order.
         A CPU pass over resident layers takes them all at once (~30 acquires a step: their bookkeeping, with the
         caches full of the previous pass's weights, cost ~0.2 ms of a ~5 ms SmolLM2-135M step)."""
-        now, marker, served = self.timeline.now(), self._compute_marker(), dict.fromkeys(("gpu", "cpu"), 0)
+        now, marker, served = self.timeline.now(), self._compute_marker(), {}
         bufs = []
         for group in groups:
             if not self.plan.is_resident(group):
                 raise RuntimeError(f"acquire_resident: {group!r} is streamed, not resident")
-            served[self.plan.homes[group]] += self.plan.sizes[group]
+            home = self.plan.homes[group]
+            served[home] = served.get(home, 0) + self.plan.sizes[group]
             bufs.append(self._home_view(group))
             self._current[group] = (None, now, marker)
         for home, nbytes in served.items():
-            if nbytes:
-                self.traffic.add("weights", home, COMPUTE, nbytes)
+            self.traffic.add("weights", home, COMPUTE, nbytes)
         return bufs
 
     @interrupts.deferring
@@ -157,10 +153,15 @@ class Prefetcher:
         """`release` of groups taken by `acquire_resident`, each with its compute span (as `release`'s)."""
         done = self.engine.mark_compute()
         for group, span in zip(groups, spans):
-            load, start, start_marker = self._current.pop(group)
-            assert load is None, "release_resident of a streamed group"
-            self._record_compute(group, start, start_marker, done, load, span)
+            if self._computed(group, done, span) is not None:
+                raise RuntimeError(f"release_resident: {group!r} is streamed, not resident")
         self.side.advance(len(groups))
+
+    def _computed(self, group: str, done: Marker, span: tuple[float, float] | None) -> Load | None:
+        """Compute is done with an acquired group: its compute span recorded; its load (None: resident)."""
+        load, start, start_marker = self._current.pop(group)
+        self._record_compute(group, start, start_marker, done, load, span)
+        return load
 
     # -- side jobs: per-pass work that rides with the weights (cold KV for each layer) --------------
     def submit_side(self, jobs: dict[str, Callable[[], tuple[Any, int]]]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload.model import cpu_attention, cpu_elementwise, kernels
 from offload.model.functional import attend_group, merge_attention, sdpa_with_lse
 
 
@@ -65,17 +66,16 @@ def test_fused_attention_returns_the_exact_attention_and_log_sum_exp(dtype):
     assert torch.allclose(merged, out, atol=tol)
 
 
-numba = pytest.importorskip("numba")
+needs_numba = pytest.mark.skipif(kernels.numba is None, reason="the CPU kernels need numba")
 
 
+@needs_numba
 @pytest.mark.parametrize("D", [64, 80, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_attention_kernel_is_the_exact_attention_and_a_querys_bits_do_not_depend_on_its_batch(D, dtype):
     """The CPU kernel (16-lane sums, vector exponentials, rows read in place; head sizes with and without a part
     past the last 16 lanes) against float64 softmax attention, and a query's output and lse bit-equal alone and
     beside other queries, sequences and padding keys."""
-    from offload.model import cpu_attention
-
     g = torch.Generator().manual_seed(D)
     B, Tq, Hq, Hkv, Tk = 3, 6, 6, 2, 45
     q = torch.randn(B, Tq, Hq, D, generator=g)
@@ -96,6 +96,7 @@ def test_cpu_attention_kernel_is_the_exact_attention_and_a_querys_bits_do_not_de
     assert torch.equal(alone[0, 0], out[2, 4]) and torch.equal(alone_lse[0, 0], lse[2, 4])
 
 
+@needs_numba
 def test_vector_exp_is_within_an_ulp_and_keeps_its_edges():
     import numpy as np
     from numba import njit
@@ -123,12 +124,11 @@ def test_vector_exp_is_within_an_ulp_and_keeps_its_edges():
     assert np.allclose(edges[7:9], 1.0) and np.allclose(edges[11:], np.exp(x[-5:].astype(np.float64)), rtol=2e-7)
 
 
+@needs_numba
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cpu_silu_mul_is_torchs_with_its_roundings(dtype):
     """SiLU x up in 16-lane vectors: bf16 results equal torch's bit for bit (each op rounded as torch rounds it);
     float32 ones within an ulp of torch's (its exp is another polynomial); zeros, infinities and NaN as torch's."""
-    from offload.model import cpu_elementwise
-
     g = torch.Generator().manual_seed(0)
     gu = (torch.randn(33, 2 * 1100, generator=g) * 4).to(dtype)  # 1100 columns: runs and a part past the last 16
     gu[0, :7] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -100.0, 100.0])
@@ -141,13 +141,12 @@ def test_cpu_silu_mul_is_torchs_with_its_roundings(dtype):
         assert same[0, :7].all() and torch.allclose(got, want, rtol=3e-7, atol=0, equal_nan=True)
 
 
+@needs_numba
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cpu_rms_norm_is_transformers_formula_row_by_row(dtype):
     """RMSNorm with its sum of squares in 16 lanes (then the columns past the last 16): transformers' formula
     `w * (x * rsqrt(mean(x^2) + eps)).to(dtype)` to the last bit on almost every value (the sum's order is not
     torch's), within a rounding everywhere, and each row's bits its own (alone = in a batch)."""
-    from offload.model import cpu_elementwise
-
     g = torch.Generator().manual_seed(0)
     for H in (576, 100):
         x = (torch.randn(48, H, generator=g) * 3).to(dtype)

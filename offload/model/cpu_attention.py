@@ -17,12 +17,7 @@ if numba is not None:
     from numba import njit, prange
 
     from offload.model.simd import LANES, fma, prefetch, vfma, vload, vsplat, vstore, vsum, vzero
-    from offload.model.simd_math import vbf16, vexp, vf32
-
-    @njit(inline="always")
-    def _lanes(row, d, bf16):  # pragma: no cover - compiled
-        """Elements d .. d + 15 of the K or V row at address `row` (bf16 bits, or float32) as float32."""
-        return vbf16(row, d) if bf16 else vf32(row, d)
+    from offload.model.simd_math import vexp, vraw
 
     @njit(parallel=True, cache=True, nogil=True)  # no fast-math: the lanes' operations as written (`simd`)
     def _attend(q, kv, table, mask, scale, shift, out, lse):  # pragma: no cover - compiled
@@ -47,7 +42,7 @@ if numba is not None:
         TkP = Tk + (-Tk) % LANES  # a head's scores padded to whole vectors
         base, isz, bf16 = kv.ctypes.data, kv.itemsize, shift == 16  # rows read in place, by address
         s0, s1, s2, s3 = kv.strides[0], kv.strides[1], kv.strides[2], kv.strides[3]
-        for idx in prange(B * Tq * Hkv):  # a query and its KV head's G query heads: each key row widened once
+        for idx in prange(B * Tq * Hkv):  # a query and its KV head's G query heads: each key row read once
             b, t, kh = idx // (Tq * Hkv), (idx // Hkv) % Tq, idx % Hkv
             scores = np.full(G * TkP, -np.inf, np.float32)  # head g's at g * TkP: -inf where a key is not seen
             bits = np.empty(D, np.uint32)
@@ -74,7 +69,7 @@ if numba is not None:
                     for g in range(G):
                         a = vzero()
                         for d in range(0, D16, LANES):
-                            a = vfma(vload(qs, g * D + d), _lanes(key, d, bf16), a)
+                            a = vfma(vload(qs, g * D + d), vraw(key, d, bf16), a)
                         dot = vsum(a)
                         for d in range(D16, D):
                             dot = fma(qs[g * D + d], row[d], dot)
@@ -104,7 +99,7 @@ if numba is not None:
                         total[g] += p
                         pv = vsplat(p)
                         for d in range(0, D16, LANES):
-                            vstore(acc, g * D + d, vfma(pv, _lanes(value, d, bf16), vload(acc, g * D + d)))
+                            vstore(acc, g * D + d, vfma(pv, vraw(value, d, bf16), vload(acc, g * D + d)))
                         for d in range(D16, D):
                             acc[g * D + d] = fma(p, row[d], acc[g * D + d])
             for g in range(G):

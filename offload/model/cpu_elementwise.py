@@ -21,7 +21,7 @@ if numba is not None:
 
     from offload.model.kernels import _bits_f32, _f32_bits
     from offload.model.simd import LANES, fma, vfma, vload, vsplat, vstore, vsum, vzero
-    from offload.model.simd_math import vadd, vbf16, vdiv, vexp, vf32, vmul, vround
+    from offload.model.simd_math import vadd, vdiv, vexp, vmul, vraw, vround
 
     @njit(inline="always")
     def _bf16_bits(f):  # pragma: no cover - compiled
@@ -75,15 +75,9 @@ if numba is not None:
         r = np.float32(1.0) / np.sqrt(total / np.float32(H) + np.float32(eps))
         rv = vsplat(r)
         for h in range(0, H16, LANES):
-            wv = vbf16(wa, h) if bf16 else vf32(wa, h)
-            vstore(orow, h, vround(vmul(wv, vround(vmul(vload(xr, h), rv), bf16)), bf16))
+            vstore(orow, h, vround(vmul(vraw(wa, h, bf16), vround(vmul(vload(xr, h), rv), bf16)), bf16))
         for h in range(H16, H):
             orow[h] = _rnd(_load(w, 0, h, bf16) * _rnd(xr[h] * r, bf16), bf16)
-
-    @njit(inline="always")
-    def _lanes(a, i, bf16):  # pragma: no cover - compiled
-        """Elements i .. i + 15 of the raw bits at address a (bf16, or float32) as float32."""
-        return vbf16(a, i) if bf16 else vf32(a, i)
 
     @njit(inline="always")
     def _rope_row(y, out, cos, sin, heads, D, bf16):  # pragma: no cover - compiled
@@ -96,8 +90,8 @@ if numba is not None:
             for d in range(0, D, LANES):
                 v = vload(y, base + d)
                 rot = vmul(vload(y, base + d + half), minus) if d < half else vload(y, base + d - half)
-                a = vround(vmul(v, _lanes(cos, d, bf16)), bf16)
-                b = vround(vmul(rot, _lanes(sin, d, bf16)), bf16)
+                a = vround(vmul(v, vraw(cos, d, bf16)), bf16)
+                b = vround(vmul(rot, vraw(sin, d, bf16)), bf16)
                 vstore(out, base + d, vround(vadd(a, b), bf16))
 
     @njit(nogil=True, cache=True)

@@ -104,11 +104,7 @@ class Calibration:
         bytes a pass reads; where they exceed CACHE_SHARE of the last-level cache and the table measured layers
         beyond it (`offload.plan.probe`), the cold rate (from DRAM), else the cached one."""
         table = self._table(device_type)
-        key = "weight_bytes_per_s"
-        if reads is not None and "cold_weight_bytes_per_s" in table and \
-                reads > CACHE_SHARE * self.meta.get("llc_bytes", 0):
-            key = "cold_weight_bytes_per_s"
-        return _interpolate(table["tokens"], table[key], tokens)
+        return _interpolate(table["tokens"], table[self._key(table, "weight_bytes_per_s", reads)], tokens)
 
     def layer_overhead_s(self, device_type: str, tokens: int) -> float:
         """Seconds a decoder layer costs whatever its size at a pass of `tokens` rows (0 in files without it)."""
@@ -118,11 +114,14 @@ class Calibration:
         """Seconds a pass of `tokens` rows costs beside its layers: its KV step, RoPE (`offload.plan.probe`; 0 in
         files without it). `reads`: the weight bytes a pass reads; beyond CACHE_SHARE of the last-level cache, as
         the bookkeeping costs after them (`cold_pass_overhead_s`: its code and data pushed out of the caches)."""
-        key = "pass_overhead_s"
-        if reads is not None and "cold_pass_overhead_s" in self._table(device_type) and \
-                reads > CACHE_SHARE * self.meta.get("llc_bytes", 0):
-            key = "cold_pass_overhead_s"
-        return self._overhead(device_type, tokens, key)
+        return self._overhead(device_type, tokens, self._key(self._table(device_type), "pass_overhead_s", reads))
+
+    def _key(self, table: dict[str, list[float]], key: str, reads: float | None) -> str:
+        """`key`, or its cold twin (measured beyond the last-level cache) where a pass reads more weight bytes than
+        CACHE_SHARE of that cache and the table has it."""
+        if reads is not None and f"cold_{key}" in table and reads > CACHE_SHARE * self.meta.get("llc_bytes", 0):
+            return f"cold_{key}"
+        return key
 
     def _overhead(self, device_type: str, tokens: int, key: str) -> float:
         table = self._table(device_type)

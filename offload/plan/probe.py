@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +104,11 @@ def pass_seconds(device: torch.device, compute: torch.dtype, tokens: tuple[int, 
     block tables, the mask: `PagedKVCache.prepare`), RoPE at the new positions and the token ids, as the executor's
     `begin_pass` makes them (SMALL's shape: the cost is bookkeeping, not bytes); the best of 5. `cold` (a CPU): each
     timed as a pass of a model larger than the cache meets it, after the previous pass's weights went through the
-    caches (`evict`): its ~20 small torch ops cost ~4x more then (SmolLM2-135M bf16 decode: 0.14 ms hot, 0.6 ms
+    caches (`evictor`): its ~20 small torch ops cost ~4x more then (SmolLM2-135M bf16 decode: 0.14 ms hot, 0.6 ms
     cold, ~0.6 ms in the run)."""
     cfg = ModelConfig.from_dict(SMALL)
     rope = M.Rope(cfg, device, compute)
-    flush = evict if cold and device.type == "cpu" else (lambda: None)
+    flush = evictor() if cold and device.type == "cpu" else (lambda: None)
     out = []
     for n in tokens:
         batch = max(1, min(n, 8)) if n <= 8 else 1
@@ -128,20 +129,16 @@ def pass_seconds(device: torch.device, compute: torch.dtype, tokens: tuple[int, 
     return out
 
 
-#: the most bytes `evict` reads to push other data out of the caches
+#: the most bytes `evictor`'s call reads to push other data out of the caches
 EVICT_MAX = 512 * 2**20
 
 
-def evict() -> None:
-    """Read twice the last-level cache's bytes (at most EVICT_MAX): what a pass's weights do to the caches, so
-    bookkeeping timed after it finds its code and data where a run finds them (in DRAM)."""
-    global _evict_buf
-    if _evict_buf is None:
-        _evict_buf = torch.ones(min(2 * llc_bytes(), EVICT_MAX) // 4, dtype=torch.float32)
-    _evict_buf.sum()
-
-
-_evict_buf: torch.Tensor | None = None
+def evictor() -> Callable[[], None]:
+    """A call that reads twice the last-level cache's bytes (at most EVICT_MAX): what a pass's weights do to the
+    caches, so bookkeeping timed after it finds its code and data where a run finds them (in DRAM). Its buffer lives
+    as long as the call."""
+    buf = torch.ones(min(2 * llc_bytes(), EVICT_MAX) // 4, dtype=torch.float32)
+    return lambda: buf.sum()
 
 
 def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tokens: tuple[int, ...],

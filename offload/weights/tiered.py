@@ -170,19 +170,17 @@ class TieredWeights:
 
     def acquire(self, group: str) -> dict:
         """The group's tensors as views into its slot; packed matrices as `PackedLinear`s."""
-        views = self.views(group, self.prefetcher.acquire(group))
-        if "router" in views and self.predictor.enabled:  # kept for predicting this layer's experts
-            self.predictor.keep_router(int(group.split(".")[1]), views["router"])
-        return views
+        return self._acquired(group, self.prefetcher.acquire(group))
 
     def acquire_resident(self, groups: list[str]) -> list[dict]:
         """`acquire` of a run of resident groups in one call (`Prefetcher.acquire_resident`)."""
-        out = [self.views(g, buf) for g, buf in zip(groups, self.prefetcher.acquire_resident(groups))]
-        if self.predictor.enabled:
-            for g, views in zip(groups, out):
-                if "router" in views:
-                    self.predictor.keep_router(int(g.split(".")[1]), views["router"])
-        return out
+        return [self._acquired(g, buf) for g, buf in zip(groups, self.prefetcher.acquire_resident(groups))]
+
+    def _acquired(self, group: str, buf: torch.Tensor) -> dict:
+        views = self.views(group, buf)
+        if "router" in views and self.predictor.enabled:  # kept for predicting this layer's experts
+            self.predictor.keep_router(int(group.split(".")[1]), views["router"])
+        return views
 
     def release_resident(self, groups: list[str], spans: list[tuple[float, float] | None]) -> None:
         self.prefetcher.release_resident(groups, spans)
