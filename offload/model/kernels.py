@@ -53,8 +53,9 @@ ROW_INVARIANT = numba is not None
 #: 3: int8 widened by whole groups, attention by KV head; 4-5: int8 by whole rows; 6: int8 in explicit lanes;
 #: 7: int4 in explicit lanes; 8: int8 in int4's tiles; 9: packed products of 16-bit activations in int16 (VNNI);
 #: 10: the dense kernel prefetches the columns its next pass widens; 11: bf16 by bf16 in pairs (`cpu_bf16`);
-#: 12: packed codes asked for further ahead; 13: attention, SiLU, RMSNorm and RoPE in 16-lane vectors (`simd_math`).
-VERSION = 13
+#: 12: packed codes asked for further ahead; 13: attention, SiLU, RMSNorm and RoPE in 16-lane vectors (`simd_math`);
+#: 14: a one-row bf16 product reads four weight rows at a time, no software prefetch.
+VERSION = 14
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
