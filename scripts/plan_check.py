@@ -33,6 +33,7 @@ from offload.plan.calibrate import REFERENCE, Calibration, calibrate  # noqa: E4
 from offload.plan.planner import Planner  # noqa: E402
 from offload.plan.predict import Workload, predict_decode  # noqa: E402
 from offload.runtime.device import resolve_device, resolve_dtype  # noqa: E402
+from offload.runtime.overhead import engine_overhead_s  # noqa: E402
 from offload.runtime.runner import Runner  # noqa: E402
 from offload.weights.groups import group_layout  # noqa: E402
 from scripts.machine import Result, load  # noqa: E402
@@ -60,7 +61,7 @@ def main() -> None:
     result = Result()
     model = Path(args.model) if args.model else ensure_trained_model(dtype="float32")
     t0 = time.perf_counter()
-    cal = calibrate(torch.device("cpu"), torch.bfloat16, None)
+    cal = calibrate(torch.device("cpu"), torch.bfloat16, None, engine=engine_overhead_s)
     cal_s = time.perf_counter() - t0
     # the same numbers without the fixed cost: bytes over the rate of the large layer alone (before the change)
     big = group_layout(ModelConfig.from_dict(REFERENCE), "layer.0", torch.bfloat16).nbytes

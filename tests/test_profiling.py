@@ -19,6 +19,7 @@ from offload.plan.links import measure_disk, measure_memcpy
 from offload.plan.placement import GroupSpec, make_plan
 from offload.plan.planner import Planner
 from offload.plan.predict import Workload, predict_decode
+from offload.runtime.overhead import engine_overhead_s
 from offload.runtime.runner import Runner
 from schedulers.plan import Capacities
 from schedulers.trace import check_chrome, load_chrome, summarize
@@ -211,7 +212,9 @@ def test_calibration_probes_fit_in_a_quarter_of_the_ram_the_process_may_fill(tmp
             return 4 << 20, [1e-3] * len(tokens), None
         return 64 << 20, [1e-2] * len(tokens), [2e-2] * len(tokens)
     monkeypatch.setattr(probe, "_layer_seconds", layer_seconds)
-    cal = calibrate.calibrate(torch.device("cpu"), torch.float32, tmp_path)
+    cal = calibrate.calibrate(torch.device("cpu"), torch.float32, tmp_path,
+                              engine=lambda c, device, dtype: {"engine_overhead_s": 7e-4})
+    assert cal.compute["cpu"]["engine_overhead_s"] == 7e-4  # the runtime's timing joins the CPU's table
     assert probes and all(n <= budget for _, n in probes), probes
     assert {"cpu", "cpu/int8", "cpu/int4"} <= cal.compute.keys()  # measured, on a smaller layer where RAM is short
     assert {s["hidden_size"] for s in shapes} == {hidden} == {cal.meta["reference_hidden_size"]}
@@ -220,7 +223,8 @@ def test_calibration_probes_fit_in_a_quarter_of_the_ram_the_process_may_fill(tmp
 def test_calibration_with_too_little_ram_for_a_test_layer_keeps_default_compute_tables(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(calibrate, "ram_available", lambda: 40 << 20)
     monkeypatch.setattr(probe, "_layer_seconds", lambda *a: pytest.fail("a test layer was measured"))
-    cal = calibrate.calibrate(torch.device("cpu"), torch.float32, tmp_path)
+    cal = calibrate.calibrate(torch.device("cpu"), torch.float32, tmp_path,
+                              engine=lambda *a: pytest.fail("the engine was timed against default tables"))
     assert cal.compute == {} and cal.links["memcpy"] > 0 and cal.links["disk read"] > 0
     assert cal.weight_bytes_per_s("cpu", 1) == calibrate.DEFAULTS["compute"]["cpu"]["weight_bytes_per_s"][0]
     assert [r.message for r in caplog.records if "fits no test layer" in r.message]
@@ -269,6 +273,25 @@ def test_a_layers_fixed_cost_is_calibrated_and_predicted_on_top_of_its_bytes(tin
     assert fixed.layer_overhead_s("cpu", 4) == 0.002 and bare.layer_overhead_s("cpu", 4) == 0.0
     steps = [predict_decode(plan, cfg, c, "cpu", Workload(), 4).step_s for c in (bare, fixed)]
     assert steps[1] - steps[0] == pytest.approx(0.002 * cfg.num_layers)
+
+
+
+def test_the_engines_step_is_timed_through_the_runtime_and_added_to_every_pass_cold_where_the_weights_pass_the_cache():
+    """A step's cost beyond the probes' tables (sampling, the head's and embedding's calls) is timed by decoding a
+    tiny model through the real engine, less what the calibration already counts for it; the planner adds it to a
+    pass, the cold column where a pass's weights pass the cache."""
+    table = {"tokens": [1, 64], "weight_bytes_per_s": [30e9, 8e9], "pass_overhead_s": [1e-4, 2e-4],
+             "cold_pass_overhead_s": [4e-4, 5e-4]}
+    bare = Calibration({}, {"cpu": dict(table)}, "measured", {"llc_bytes": 100 << 20})
+    measured = engine_overhead_s(bare, torch.device("cpu"), torch.float32)
+    assert set(measured) == {"engine_overhead_s", "cold_engine_overhead_s"}
+    assert 0 <= measured["engine_overhead_s"] <= measured["cold_engine_overhead_s"] < 0.5
+    cal = Calibration({}, {"cpu": table | {"engine_overhead_s": 1e-3, "cold_engine_overhead_s": 3e-3}}, "measured",
+                      {"llc_bytes": 100 << 20})
+    assert cal.pass_overhead_s("cpu", 1) == pytest.approx(1e-4 + 1e-3)
+    assert cal.pass_overhead_s("cpu", 1, 10 << 30) == pytest.approx(4e-4 + 3e-3)
+    assert cal.pass_overhead_s("cpu", 1, 10 << 30, engine=False) == pytest.approx(4e-4)
+    assert bare.pass_overhead_s("cpu", 64, 10 << 30) == pytest.approx(5e-4)  # an older file: no engine column
 
 
 MiB = 2**20

@@ -34,6 +34,7 @@ from offload.model.config import ModelConfig
 from offload.plan.calibrate import calibrate, why_measure
 from offload.plan.memory import ram_available
 from offload.runtime.device import resolve_dtype
+from offload.runtime.overhead import engine_overhead_s
 from offload.weights.convert import convert
 from offload.weights.groups import WeightFormat
 from storage.store import StoreState
@@ -164,8 +165,8 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
         why = ", once" if why == "there is none" else f" ({why})"
         print(f"calibration: measuring this machine's disk, copies and layer kernels{why} -> {cal_path}")
         t0 = time.perf_counter()
-        calibrate(device, dtype, config.tiers.disk.path.parent if config.tiers and config.tiers.disk else root) \
-            .save(cal_path)
+        calibrate(device, dtype, config.tiers.disk.path.parent if config.tiers and config.tiers.disk else root,
+                  engine=engine_overhead_s).save(cal_path)
         print(f"calibration: done in {time.perf_counter() - t0:.1f}s")
     config = config.replace(calibration=cal_path)
     show_plan(config, ckpt.config)

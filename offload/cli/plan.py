@@ -38,6 +38,7 @@ from offload.plan.predict import Workload, predict_decode, predict_prefill_per_t
 from offload.plan.speculative import streaming_note, without_draft
 from offload.plan.stages import plan_stages
 from offload.runtime.device import resolve_dtype
+from offload.runtime.overhead import engine_overhead_s
 from offload.runtime.speculative import auto_gain
 from storage.errors import CapacityError
 from storage.units import fmt_bytes
@@ -50,7 +51,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise ConfigError("--device cuda was asked for but CUDA is not available here")
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
     disk = Path(args.disk_path) if args.disk_path else (default_path().parent)
-    cal = calibrate(device, dtype, disk)
+    cal = calibrate(device, dtype, disk, engine=engine_overhead_s)
     out = Path(args.output) if args.output else default_path()
     cal.save(out)
     for link, bps in sorted(cal.links.items()):

@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,11 +110,16 @@ class Calibration:
         """Seconds a decoder layer costs whatever its size at a pass of `tokens` rows (0 in files without it)."""
         return self._overhead(device_type, tokens, "layer_overhead_s")
 
-    def pass_overhead_s(self, device_type: str, tokens: int, reads: float | None = None) -> float:
+    def pass_overhead_s(self, device_type: str, tokens: int, reads: float | None = None, engine: bool = True
+                        ) -> float:
         """Seconds a pass of `tokens` rows costs beside its layers: its KV step, RoPE (`offload.plan.probe`; 0 in
-        files without it). `reads`: the weight bytes a pass reads; beyond CACHE_SHARE of the last-level cache, as
-        the bookkeeping costs after them (`cold_pass_overhead_s`: its code and data pushed out of the caches)."""
-        return self._overhead(device_type, tokens, self._key(self._table(device_type), "pass_overhead_s", reads))
+        files without it), and (`engine`) the engine's step around it: sampling, the head's and embedding's calls
+        (`offload.runtime.overhead`; 0 in files without it). `reads`: the weight bytes a pass reads; beyond
+        CACHE_SHARE of the last-level cache, as both cost after them (the `cold_` columns: their code and data
+        pushed out of the caches)."""
+        table = self._table(device_type)
+        own = self._overhead(device_type, tokens, self._key(table, "pass_overhead_s", reads))
+        return own + (float(table.get(self._key(table, "engine_overhead_s", reads), 0.0)) if engine else 0.0)
 
     def _key(self, table: dict[str, list[float]], key: str, reads: float | None) -> str:
         """`key`, or its cold twin (measured beyond the last-level cache) where a pass reads more weight bytes than
@@ -294,8 +299,13 @@ def kernels_id() -> str:
     return f"{kernels.VERSION}-{'invariant' if kernels.ROW_INVARIANT else 'library'}"
 
 
-def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None) -> Calibration:
-    """This machine, each probe (buffers, test layers) within PROBE_SHARE of the RAM the process may still fill."""
+def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
+              engine: Callable[[Calibration, torch.device, torch.dtype], dict[str, float]] | None = None
+              ) -> Calibration:
+    """This machine, each probe (buffers, test layers) within PROBE_SHARE of the RAM the process may still fill.
+    `engine` (a CPU): times what a decode step costs beyond the probes' tables, given them
+    (`offload.runtime.overhead.engine_overhead_s`, which the plan cannot import); its columns join the CPU's
+    table."""
     budget = int(ram_available() * PROBE_SHARE)
     links = measure_links(device, disk_path, budget)
     run_dtype = compute_dtype("auto", dtype, device, False)  # what an all-in-memory dense run computes in
@@ -318,4 +328,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None) 
             "compute_dtype": str(run_dtype).removeprefix("torch."),
             "reference_hidden_size": shape and shape["hidden_size"],
             "disk_path": str(disk_path) if disk_path else None}
-    return Calibration(links, compute, "measured", meta)
+    cal = Calibration(links, compute, "measured", meta)
+    if engine is not None and device.type == "cpu" and device.type in compute:
+        compute[device.type].update(engine(cal, device, dtype))
+    return cal

@@ -1,0 +1,58 @@
+"""What a decode step costs beyond what the planner's probes time (`offload.plan.probe`: the layers, the pass's KV
+step and RoPE): the generation loop around each pass (sampling, stops, results), the embedding, the final norm and
+the head's calls, the resident layers' wrapper. Timed by decoding with a tiny model through the real engine, less
+what the calibration says that model's passes cost; on a CPU also with the caches emptied before every step, as a
+model larger than them empties them (small torch ops cost several times more then). The planner adds it to every
+pass (`Calibration.pass_overhead_s`). `offload.plan.calibrate.calibrate` calls it where a caller hands it over (the
+plan cannot import the runtime)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from offload.plan.calibrate import Calibration
+from offload.plan.probe import evictor
+from offload.runtime.runner import Runner
+from offload.testing.make_model import make_model
+
+#: decode steps a timing averages over (the best of `REPEAT` timings)
+STEPS, REPEAT = 16, 5
+
+
+def engine_overhead_s(cal: Calibration, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """{"engine_overhead_s": seconds a decode step of the tiny model costs beyond its calibrated passes, caches as
+    the step left them; on a CPU also "cold_engine_overhead_s": the same after emptying the caches before every
+    step}. Never negative: a calibration that already over-counts the tiny model's passes adds nothing."""
+    with tempfile.TemporaryDirectory(prefix="offload-overhead-") as tmp:
+        make_model(tmp, "llama", "tiny", dtype=str(dtype).removeprefix("torch."))
+        config = {"model": tmp, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
+                  "kv_cache": {"prefix_cache": "off"}}
+        with Runner.from_config(config) as runner:
+            layers = runner.cfg.num_layers
+            weights = sum(p.stat().st_size for p in Path(tmp).glob("*.safetensors"))
+            prompt = [1] + [3 + i for i in range(15)]
+
+            def step_s(on_token=None) -> float:
+                res = runner.generate([prompt], max_new_tokens=STEPS, stop_on_eos=False, on_token=on_token)[0]
+                return res.stats.decode_only_ms_per_step / 1e3
+
+            step_s()  # warm-up: first use of the kernels, page faults
+            hot = min(step_s() for _ in range(REPEAT))
+            out = {"engine_overhead_s": max(0.0, hot - planned_pass_s(cal, device.type, layers, weights, None))}
+            if device.type == "cpu":  # (the callback runs between steps, outside a step's time)
+                flush = evictor()
+                cold = min(step_s(lambda *_: flush()) for _ in range(REPEAT))
+                planned = planned_pass_s(cal, device.type, layers, weights, float("inf"))
+                out["cold_engine_overhead_s"] = max(out["engine_overhead_s"], cold - planned)
+    return out
+
+
+def planned_pass_s(cal: Calibration, device_type: str, layers: int, weights: int, reads: float | None) -> float:
+    """What the calibration says one decode pass of a model of `layers` layers and `weights` bytes costs beside
+    the engine: the layers' fixed costs, the pass's bookkeeping and the bytes (`reads` past the cache: the cold
+    columns, where the table has them)."""
+    return (layers * cal.layer_overhead_s(device_type, 1) + cal.pass_overhead_s(device_type, 1, reads, engine=False)
+            + weights / cal.weight_bytes_per_s(device_type, 1, reads))
