@@ -6,8 +6,8 @@ row's float32 accumulator, the pair's second column first (AVX-512 BF16's vdpbf1
 and no conversions; two fused multiply-adds where the CPU lacks it, the same bits). A row's sum is the 16 lanes'
 (`simd.vsum`'s fixed tree, eight rows' side by side), then the columns past the last whole 32 in the same pair
 order, so every output is one fixed sequence of roundings whatever the batch, the row's neighbours or the thread
-that computes it. `_rows3` takes three rows of x at once (each weight load serves three), `_rows1` the one or two
-left; both round alike.
+that computes it. `_rows3` takes three rows of x at once (each weight load serves three), `_rows1` (`_rows1_long` for
+rows of `LONG` columns or more) the one or two left; all round alike.
 """
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from offload.model.simd import fma, vsum8, vzero
+from offload.model.simd import fma, prefetch, vsum8, vzero
 from offload.model.simd_int import bfat, f32put, vbfpairs, vdpbf
+
+#: Columns from which a one-row product reads four weight rows at a time without prefetching (`_rows1_long`).
+LONG = 2048
 
 
 @njit(inline="always")
@@ -50,13 +53,39 @@ def _rows8(w, ws, n, last):  # pragma: no cover - compiled
 
 
 @njit(nogil=True)
-def _rows1(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
+def _rows1(x, w, ws, n, last, out, K, ahead):  # pragma: no cover - compiled
     """out[n .. last] = x @ w[n .. last].T for one row of x (at most 8 weight rows; x, w, out: addresses of bf16 bits
-    and of float32, ws: bytes a weight row), four weight rows at a time: a one-row product is bound by memory, and
-    four streams a thread read faster than eight, with or without asking for the next rows ahead (2 threads, a Zen
-    5, [2048, 8192] / [8192, 2048] / [2048, 2048] from DRAM, median of 8: eight rows and software prefetch 44 / 37
-    / 45 GB/s, eight without 47 / 40 / 50, four without 46 / 43 / 52-56). Addresses, not arrays: no reference
-    counts, which the threads would share."""
+    and of float32, ws: bytes a weight row), asking for the same columns of rows ahead .. ahead + 7 (unless ahead
+    < 0) as these compute: a one-row product is bound by memory. Addresses, not arrays: no reference counts, which
+    the threads would share."""
+    K32 = K - K % 32
+    rows = _rows8(w, ws, n, last)
+    w0, w1, w2, w3, w4, w5, w6, w7 = rows
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero()
+    step = ws if ahead >= 0 else 0
+    p = w + max(ahead, 0) * ws
+    for k in range(0, K32, 32):
+        xv = vbfpairs(x, k)
+        a0 = vdpbf(a0, vbfpairs(w0, k), xv)
+        a1 = vdpbf(a1, vbfpairs(w1, k), xv)
+        a2 = vdpbf(a2, vbfpairs(w2, k), xv)
+        a3 = vdpbf(a3, vbfpairs(w3, k), xv)
+        a4 = vdpbf(a4, vbfpairs(w4, k), xv)
+        a5 = vdpbf(a5, vbfpairs(w5, k), xv)
+        a6 = vdpbf(a6, vbfpairs(w6, k), xv)
+        a7 = vdpbf(a7, vbfpairs(w7, k), xv)
+        if step:
+            for j in range(8):
+                prefetch(p + j * step, 2 * k)
+    _store8(out, n, last, x, rows, (a0, a1, a2, a3, a4, a5, a6, a7), K32, K)
+
+
+@njit(nogil=True)
+def _rows1_long(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
+    """`_rows1` for rows of at least `LONG` columns: four weight rows at a time, nothing asked for ahead (2
+    threads, a Zen 5, one matrix from DRAM, interleaved processes: [8192, 2048] 34 -> 38 GB/s on average, 7 of 8
+    pairs faster; rows of 576 columns lose a quarter this way: the prefetcher does not start on streams that
+    short)."""
     K32 = K - K % 32
     for h in range(n, last + 1, 4):
         rows = _rows8(w, ws, h, min(h + 3, last))
@@ -130,4 +159,7 @@ def rows_bf16(x, w, out, n, end):  # pragma: no cover - compiled
         for r in range(0, R - R % 3, 3):
             _rows3(xa + r * xs, xs, wa, ws, m, last, oa + r * os, os, K)
         for r in range(R - R % 3, R):
-            _rows1(xa + r * xs, wa, ws, m, last, oa + r * os, K)
+            if K >= LONG:
+                _rows1_long(xa + r * xs, wa, ws, m, last, oa + r * os, K)
+            else:
+                _rows1(xa + r * xs, wa, ws, m, last, oa + r * os, K, m + 8 if R < 3 else -1)

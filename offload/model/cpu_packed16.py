@@ -39,7 +39,7 @@ from offload.model.simd_int import vcodes4, vcodes8, vdot, viload, visplat, vist
 _SPLIT_PARALLEL = 16
 #: Rows of x from which a block's codes are converted once per group into a buffer that every four rows read
 #: (`_dot4_16`); fewer: converted as read, four rows at a time (`_direct4`). One [8192, 2048] int4 matrix (g64), 2
-#: threads, a Zen 5: 16 rows 1038 / 1033 us, 64 rows 3259 / 3377 us.
+#: threads, a Zen 5, buffered / as read: 16 rows 1038 / 1033 us, 64 rows 3259 / 3377 us.
 _WIDEN = 16
 
 
@@ -144,9 +144,9 @@ def _direct4(XP, step, xs, r, n, g, qb, S, Z, half, A, wide):  # pragma: no cove
     """`_direct16`'s group g (half: its column pairs) for rows r .. r + n - 1 of XP (n <= 4; a missing row's place
     computes the last row again, unstored): each pair of columns' codes is converted once for four rows, in
     registers, with no buffer to write and read back; the callers take every row for one group before the next,
-    so the group's codes come from memory once and from L1 for the other rows. One [8192, 2048] int4 matrix (g64),
-    2 threads, a Zen 5, against a buffer per group and three rows at a time: 3 rows 426 -> 248 us, 5 634 -> 368,
-    9 662 -> 533 (one row: 250-280)."""
+    so the group's codes come from memory once and from L1 for the other rows. One [8192, 2048] int4 matrix (g64)
+    from DRAM, 2 threads, a Zen 5, interleaved processes, against a buffer per group and three rows at a time: 5
+    rows 657-911 -> 372-469 us, 9 rows 864-1089 -> 580-703 (one row: 200-300)."""
     last = r + n - 1
     xa, xb, xc, xd = XP[r], XP[min(r + 1, last)], XP[min(r + 2, last)], XP[min(r + 3, last)]
     t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = v0 = v1 = v2 = v3 = s0 = s1 = s2 = s3 = vizero()

@@ -54,7 +54,7 @@ ROW_INVARIANT = numba is not None
 #: 7: int4 in explicit lanes; 8: int8 in int4's tiles; 9: packed products of 16-bit activations in int16 (VNNI);
 #: 10: the dense kernel prefetches the columns its next pass widens; 11: bf16 by bf16 in pairs (`cpu_bf16`);
 #: 12: packed codes asked for further ahead; 13: attention, SiLU, RMSNorm and RoPE in 16-lane vectors (`simd_math`);
-#: 14: a one-row bf16 product reads four weight rows at a time, no software prefetch; packed products of 2+
+#: 14: a one-row bf16 product of rows of 2048+ columns reads four weight rows at a time; packed products of 2+
 #: rows take four rows at a time (`cpu_packed16._direct4`, `_dot4_16`).
 VERSION = 14
 #: Output features per parallel work item of the dense kernel.
