@@ -17,6 +17,7 @@ from offload.cli.main import main
 from offload.plan.calibrate import Calibration, kernels_id
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Sampling
+from offload.runtime.overhead import engine_overhead_s
 from offload.runtime.runner import Runner
 from tests.conftest import run_config
 from tests.test_chat_template import CHATML
@@ -32,7 +33,8 @@ def setup(tmp_path, tiny_llama, monkeypatch):
                                                              "eos_token": "</s>"}))
     calls = {"calibrate": 0, "convert": 0}
 
-    def fake_calibrate(device, dtype, disk):  # measuring takes ~20 s here; what matters is that it runs once
+    def fake_calibrate(device, dtype, disk, engine=None):  # measuring takes ~20 s here; what matters: it runs once
+        assert engine is engine_overhead_s  # the engine's step is timed too (the plan cannot import the runtime)
         calls["calibrate"] += 1
         cal = Calibration.defaults()
         cal.meta["kernels"] = kernels_id()
