@@ -140,6 +140,20 @@ def _direct16(xp, step, xs, qb, S, Z, gs, A, wide):  # pragma: no cover - compil
 
 
 @njit(inline="always")
+def _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, v2, v3, s0, s1, s2,
+            s3):  # pragma: no cover - compiled
+    """`_close16` of group g for rows r .. r + n - 1 (n <= 4) with their sums t, u, v, s (each four vectors, passed
+    one by one: they stay in registers)."""
+    _close16(A[r], t0, t1, t2, t3, S[g], Z[g], step[r, g], xs[r, g])
+    if n > 1:
+        _close16(A[r + 1], u0, u1, u2, u3, S[g], Z[g], step[r + 1, g], xs[r + 1, g])
+    if n > 2:
+        _close16(A[r + 2], v0, v1, v2, v3, S[g], Z[g], step[r + 2, g], xs[r + 2, g])
+    if n > 3:
+        _close16(A[r + 3], s0, s1, s2, s3, S[g], Z[g], step[r + 3, g], xs[r + 3, g])
+
+
+@njit(inline="always")
 def _direct4(XP, step, xs, r, n, g, qb, S, Z, half, A, wide):  # pragma: no cover - compiled
     """`_direct16`'s group g (half: its column pairs) for rows r .. r + n - 1 of XP (n <= 4; a missing row's place
     computes the last row again, unstored): each pair of columns' codes is converted once for four rows, in
@@ -158,13 +172,7 @@ def _direct4(XP, step, xs, r, n, g, qb, S, Z, half, A, wide):  # pragma: no cove
         t1, u1, v1, s1 = vdot(t1, c1, xv), vdot(u1, c1, yv), vdot(v1, c1, zv), vdot(s1, c1, wv)
         t2, u2, v2, s2 = vdot(t2, c2, xv), vdot(u2, c2, yv), vdot(v2, c2, zv), vdot(s2, c2, wv)
         t3, u3, v3, s3 = vdot(t3, c3, xv), vdot(u3, c3, yv), vdot(v3, c3, zv), vdot(s3, c3, wv)
-    _close16(A[r], t0, t1, t2, t3, S[g], Z[g], step[r, g], xs[r, g])
-    if n > 1:
-        _close16(A[r + 1], u0, u1, u2, u3, S[g], Z[g], step[r + 1, g], xs[r + 1, g])
-    if n > 2:
-        _close16(A[r + 2], v0, v1, v2, v3, S[g], Z[g], step[r + 2, g], xs[r + 2, g])
-    if n > 3:
-        _close16(A[r + 3], s0, s1, s2, s3, S[g], Z[g], step[r + 3, g], xs[r + 3, g])
+    _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, v2, v3, s0, s1, s2, s3)
 
 
 @njit(inline="always")
@@ -201,13 +209,7 @@ def _dot4_16(XP, step, xs, r, n, g, W, S, Z, A):  # pragma: no cover - compiled
         t2, u2, v2, s2 = vdot(t2, c, xv), vdot(u2, c, yv), vdot(v2, c, zv), vdot(s2, c, wv)
         c = viload(W, j + 3 * LANES)
         t3, u3, v3, s3 = vdot(t3, c, xv), vdot(u3, c, yv), vdot(v3, c, zv), vdot(s3, c, wv)
-    _close16(A[r], t0, t1, t2, t3, S[g], Z[g], step[r, g], xs[r, g])
-    if n > 1:
-        _close16(A[r + 1], u0, u1, u2, u3, S[g], Z[g], step[r + 1, g], xs[r + 1, g])
-    if n > 2:
-        _close16(A[r + 2], v0, v1, v2, v3, S[g], Z[g], step[r + 2, g], xs[r + 2, g])
-    if n > 3:
-        _close16(A[r + 3], s0, s1, s2, s3, S[g], Z[g], step[r + 3, g], xs[r + 3, g])
+    _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, v2, v3, s0, s1, s2, s3)
 
 
 @njit(inline="always")
