@@ -91,7 +91,9 @@ def _bf16_pairs_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def test_bf16_products_of_bf16_activations_round_as_pairs_and_rows_keep_their_bits(K):
     """bf16 x times bf16 w multiply as bf16 pairs (AVX-512 BF16's vdpbf16ps where the CPU has it, two fused
     multiply-adds elsewhere): every output has exactly the roundings the reference spells out, on this machine's
-    path, and a row the same bits in every pass size and offset (three rows at a time, one or two left alone)."""
+    path, and a row the same bits in every pass size and offset (three rows at a time, one or two left alone), with
+    either tiling of rows (AVX-512's eight weight rows for three of x, and four weight rows for one of x elsewhere:
+    both run on any CPU)."""
     g = torch.Generator().manual_seed(K)
     x = torch.randn(11, K, generator=g).to(torch.bfloat16)
     w = (torch.randn(37, K, generator=g) * 3).to(torch.bfloat16)
@@ -110,6 +112,15 @@ def test_bf16_products_of_bf16_activations_round_as_pairs_and_rows_keep_their_bi
         for start in range(11 - rows + 1):
             assert torch.equal(product(x[start:start + rows]).view(torch.int32),
                                full[start:start + rows].view(torch.int32)), f"rows {start}:{start + rows}"
+    from offload.model.cpu_bf16 import rows_bf16  # (numba's)
+
+    for wide in (True, False):
+        for rows in (1, 2, 3, 9, 11):
+            out = torch.full((rows, w.shape[0]), float("nan"))
+            for n in range(0, w.shape[0], 16):  # `_dense`'s work items
+                rows_bf16(kernels._as_numpy(x[:rows].contiguous()), kernels._as_numpy(w), out.numpy(), n,
+                          min(n + 16, w.shape[0]), wide)
+            assert torch.equal(out.view(torch.int32), full[:rows].view(torch.int32)), f"wide {wide}, rows {rows}"
     # the public product rounds the same sums to bf16
     assert torch.equal(kernels.dense_linear(x, w), full.to(torch.bfloat16))
 

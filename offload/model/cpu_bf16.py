@@ -6,8 +6,8 @@ row's float32 accumulator, the pair's second column first (AVX-512 BF16's vdpbf1
 and no conversions; two fused multiply-adds where the CPU lacks it, the same bits). A row's sum is the 16 lanes'
 (`simd.vsum`'s fixed tree, eight rows' side by side), then the columns past the last whole 32 in the same pair
 order, so every output is one fixed sequence of roundings whatever the batch, the row's neighbours or the thread
-that computes it. `_rows3` takes three rows of x at once (each weight load serves three), `_rows1` (`_rows1_long` for
-rows of `LONG` columns or more) the one or two left; all round alike.
+that computes it. `_rows1` takes one weight row at a time (a one-row product: bound by memory); products of more
+rows take several weight rows side by side, as many as the CPU's registers hold (`rows_bf16`); all round alike.
 """
 
 from __future__ import annotations
@@ -15,11 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from offload.model.simd import fma, prefetch, vsum8, vzero
+from offload.model.simd import fma, vsum, vsum8, vzero
 from offload.model.simd_int import bfat, f32put, vbfpairs, vdpbf
-
-#: Columns from which a one-row product reads four weight rows at a time without prefetching (`_rows1_long`).
-LONG = 2048
 
 
 @njit(inline="always")
@@ -53,43 +50,30 @@ def _rows8(w, ws, n, last):  # pragma: no cover - compiled
 
 
 @njit(nogil=True)
-def _rows1(x, w, ws, n, last, out, K, ahead):  # pragma: no cover - compiled
-    """out[n .. last] = x @ w[n .. last].T for one row of x (at most 8 weight rows; x, w, out: addresses of bf16 bits
-    and of float32, ws: bytes a weight row), asking for the same columns of rows ahead .. ahead + 7 (unless ahead
-    < 0) as these compute: a one-row product is bound by memory. Addresses, not arrays: no reference counts, which
-    the threads would share."""
+def _rows1(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
+    """out[n .. last] = x @ w[n .. last].T for one row of x (x, w, out: addresses of bf16 bits and of float32, ws:
+    bytes a weight row), one weight row after the other: a one-row product is bound by memory, and rows in order
+    are one stream the hardware prefetcher follows (2 threads, a Zen 5, SmolLM2-135M's matrices from DRAM, one
+    process alternating: 8 rows side by side with software prefetch 13-20 -> one at a time 15-23 GB/s, every
+    repeat faster; rows of 2048+ columns equal to four side by side). Addresses, not arrays: no reference
+    counts, which the threads would share."""
     K32 = K - K % 32
-    rows = _rows8(w, ws, n, last)
-    w0, w1, w2, w3, w4, w5, w6, w7 = rows
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero()
-    step = ws if ahead >= 0 else 0
-    p = w + max(ahead, 0) * ws
-    for k in range(0, K32, 32):
-        xv = vbfpairs(x, k)
-        a0 = vdpbf(a0, vbfpairs(w0, k), xv)
-        a1 = vdpbf(a1, vbfpairs(w1, k), xv)
-        a2 = vdpbf(a2, vbfpairs(w2, k), xv)
-        a3 = vdpbf(a3, vbfpairs(w3, k), xv)
-        a4 = vdpbf(a4, vbfpairs(w4, k), xv)
-        a5 = vdpbf(a5, vbfpairs(w5, k), xv)
-        a6 = vdpbf(a6, vbfpairs(w6, k), xv)
-        a7 = vdpbf(a7, vbfpairs(w7, k), xv)
-        if step:
-            for j in range(8):
-                prefetch(p + j * step, 2 * k)
-    _store8(out, n, last, x, rows, (a0, a1, a2, a3, a4, a5, a6, a7), K32, K)
+    for r in range(n, last + 1):
+        wr = w + r * ws
+        a = vzero()
+        for k in range(0, K32, 32):
+            a = vdpbf(a, vbfpairs(wr, k), vbfpairs(x, k))
+        f32put(out, r, _finish(vsum(a), x, wr, K32, K))
 
 
 @njit(nogil=True)
-def _rows1_long(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
-    """`_rows1` for rows of at least `LONG` columns: four weight rows at a time, nothing asked for ahead (2
-    threads, a Zen 5, one matrix from DRAM, interleaved processes: [8192, 2048] 34 -> 38 GB/s on average, 7 of 8
-    pairs faster; rows of 576 columns lose a quarter this way: the prefetcher does not start on streams that
-    short)."""
+def _rows4(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
+    """`_rows1` four weight rows side by side, for a CPU without AVX-512 where x has 2+ rows: each load of x serves
+    four rows, and the four accumulators (two of AVX2's 16 registers each) stay in registers, where `_rows3`'s 24
+    spill (2 Zen 3 threads, x of 9 / 64 rows, [3072, 576] and [6144, 2048]: 15-17 -> 25-30 GMAC/s)."""
     K32 = K - K % 32
     for h in range(n, last + 1, 4):
-        rows = _rows8(w, ws, h, min(h + 3, last))
-        w0, w1, w2, w3 = rows[0], rows[1], rows[2], rows[3]
+        w0, w1, w2, w3 = w + h * ws, w + min(h + 1, last) * ws, w + min(h + 2, last) * ws, w + min(h + 3, last) * ws
         a0 = a1 = a2 = a3 = vzero()
         for k in range(0, K32, 32):
             xv = vbfpairs(x, k)
@@ -97,7 +81,13 @@ def _rows1_long(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
             a1 = vdpbf(a1, vbfpairs(w1, k), xv)
             a2 = vdpbf(a2, vbfpairs(w2, k), xv)
             a3 = vdpbf(a3, vbfpairs(w3, k), xv)
-        _store8(out, h, min(h + 3, last), x, rows, (a0, a1, a2, a3, a0, a1, a2, a3), K32, K)
+        f32put(out, h, _finish(vsum(a0), x, w0, K32, K))
+        if h + 1 <= last:
+            f32put(out, h + 1, _finish(vsum(a1), x, w1, K32, K))
+        if h + 2 <= last:
+            f32put(out, h + 2, _finish(vsum(a2), x, w2, K32, K))
+        if h + 3 <= last:
+            f32put(out, h + 3, _finish(vsum(a3), x, w3, K32, K))
 
 
 @njit(nogil=True)
@@ -146,20 +136,22 @@ def bf16_bits(x):  # pragma: no cover - compiled
 
 
 @njit(nogil=True)
-def rows_bf16(x, w, out, n, end):  # pragma: no cover - compiled
-    """out[:, n:end] = x @ w[n:end].T, x [R, K] and w [N, K] bf16 bits (rows contiguous), out [R, N] float32: 8
-    weight rows at a time, three rows of x at a time (one work item of `kernels._dense`). The arrays stay alive
-    here; the row kernels get their addresses."""
+def rows_bf16(x, w, out, n, end, wide):  # pragma: no cover - compiled
+    """out[:, n:end] = x @ w[n:end].T, x [R, K] and w [N, K] bf16 bits (rows contiguous), out [R, N] float32 (one
+    work item of `kernels._dense`). One row of x: `_rows1`. More: where the CPU has AVX-512 (`wide`: 32 registers
+    of 16 lanes), 8 weight rows at a time for three rows of x at a time (`_rows3`), `_rows1` for each row left;
+    elsewhere `_rows4` for each row of x. The same bits either way. The arrays stay alive here; the row kernels
+    get their addresses."""
     R, K = x.shape
     xa, wa, oa = x.ctypes.data, w.ctypes.data, out.ctypes.data
     xs, ws, os = x.strides[0], w.strides[0], out.strides[0]
     assert (K < 2 or x.strides[1] == 2 and w.strides[1] == 2) and (out.shape[1] < 2 or out.strides[1] == 4)
+    first = R - R % 3 if wide else 0
     for m in range(n, end, 8):
-        last = min(m + 7, end - 1)
-        for r in range(0, R - R % 3, 3):
-            _rows3(xa + r * xs, xs, wa, ws, m, last, oa + r * os, os, K)
-        for r in range(R - R % 3, R):
-            if K >= LONG:
-                _rows1_long(xa + r * xs, wa, ws, m, last, oa + r * os, K)
-            else:
-                _rows1(xa + r * xs, wa, ws, m, last, oa + r * os, K, m + 8 if R < 3 else -1)
+        for r in range(0, first, 3):
+            _rows3(xa + r * xs, xs, wa, ws, m, min(m + 7, end - 1), oa + r * os, os, K)
+    for r in range(first, R):
+        if R == 1 or wide:
+            _rows1(xa + r * xs, wa, ws, n, end - 1, oa + r * os, K)
+        else:
+            _rows4(xa + r * xs, wa, ws, n, end - 1, oa + r * os, K)

@@ -55,8 +55,10 @@ ROW_INVARIANT = numba is not None
 #: 10: the dense kernel prefetches the columns its next pass widens; 11: bf16 by bf16 in pairs (`cpu_bf16`);
 #: 12: packed codes asked for further ahead; 13: attention, SiLU, RMSNorm and RoPE in 16-lane vectors (`simd_math`);
 #: 14: a one-row bf16 product of rows of 2048+ columns reads four weight rows at a time; packed products of 2+
-#: rows take four rows at a time (`cpu_packed16._direct4`, `_dot4_16`).
-VERSION = 14
+#: rows take four rows at a time (`cpu_packed16._direct4`, `_dot4_16`); 15: a one-row bf16 product reads one
+#: weight row at a time, in order (`cpu_bf16._rows1`); without AVX-512, bf16 products of 2+ rows take four weight
+#: rows for one row of x (`cpu_bf16._rows4`).
+VERSION = 15
 #: Output features per parallel work item of the dense kernel.
 _CHUNK = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
@@ -121,7 +123,10 @@ if numba is not None:
 
     from offload.model.cpu_bf16 import bf16_bits, rows_bf16
     from offload.model.cpu_packed16 import packed
-    from offload.model.simd import _bits_f32, _f32_bits, prefetch  # noqa: F401 - the fused layer's too
+    from offload.model.simd import _avx512, _bits_f32, _f32_bits, prefetch  # noqa: F401 - the fused layer's too
+
+    _WIDE = _avx512()  # registers for `cpu_bf16._rows3`'s tile (frozen into the compiled code: numba's cache keys
+    # on the CPU)
 
     @njit(inline="always")
     def _widen_f16(src, dst):  # pragma: no cover - compiled
@@ -237,7 +242,7 @@ if numba is not None:
         if kind == DENSE_BF16:  # bf16 x and w: multiplied as bf16 pairs (`cpu_bf16`)
             xb = bf16_bits(x)
             for c in prange((N + _CHUNK - 1) // _CHUNK):
-                rows_bf16(xb, w, out, c * _CHUNK, min(N, c * _CHUNK + _CHUNK))
+                rows_bf16(xb, w, out, c * _CHUNK, min(N, c * _CHUNK + _CHUNK), _WIDE)
             return
         wa, rb, isz = w.ctypes.data, w.strides[0], w.itemsize  # (prefetched by address: a view costs refcounts)
         for c in prange((N + _CHUNK - 1) // _CHUNK):
