@@ -190,10 +190,12 @@ FLOAT32_MARGIN = 1.5
 def compute_dtype(name: str, dtype: torch.dtype, device: torch.device, packed: bool) -> torch.dtype:
     """The dtype the math runs in (`compute_dtype`), the weights keeping `dtype` in the store and on the wire.
 
-    `auto`: `dtype`, except on a CPU whose 16-bit matrix products are slow (no native bf16: a 5632x2048
-    weight at 64 rows takes 153 ms in bf16 and 46 ms in float32 on a 2-core AVX2 machine), where the
-    weights are upcast after the transfer, in every placement alike (the planner falls back to `dtype`
-    only when a float32 plan cannot fit). Packed weights multiply in `dtype`."""
+    `auto`: `dtype`, except on a CPU whose 16-bit matrix products are slow, where the math runs in float32 in every
+    placement alike (the planner falls back to `dtype` only when a float32 plan cannot fit). Slow as this process
+    multiplies (`_cpu_matmul_s`): torch's bf16 product on a 2-core AVX2 machine took 153 ms for a 5632x2048 weight
+    at 64 rows and 46 ms in float32, but the row-invariant kernels multiply bf16 by bf16 as fast as float32 by
+    bf16 there (2-core Zen 3, 64 rows: 30 vs 25-30 GMAC/s) and a decode step's rows 1.3-1.6x faster (no widening),
+    so with them a bf16 model computes in bf16. Packed weights multiply in `dtype`."""
     if name != "auto":
         chosen = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
         if packed and chosen != dtype:
@@ -202,20 +204,31 @@ def compute_dtype(name: str, dtype: torch.dtype, device: torch.device, packed: b
         return chosen
     if device.type != "cpu" or dtype == torch.float32 or packed:
         return dtype
-    return torch.float32 if _cpu_matmul_s(dtype) > FLOAT32_MARGIN * _cpu_matmul_s(torch.float32) else dtype
+    slow = _cpu_matmul_s(dtype, dtype) > FLOAT32_MARGIN * _cpu_matmul_s(torch.float32, dtype)
+    return torch.float32 if slow else dtype
 
 
 @functools.cache
-def _cpu_matmul_s(dtype: torch.dtype) -> float:
-    """Best of 3: 64 rows times a [2816, 1024] weight on this CPU (once per process; ~10 ms)."""
+def _cpu_matmul_s(dtype: torch.dtype, weights: torch.dtype) -> float:
+    """Best of 3: 64 rows of `dtype` times a [2816, 1024] weight stored in `weights`, multiplied as a run on this
+    CPU multiplies them: the row-invariant kernels where they take the pair (the weight as it is), else torch's
+    product (the weight upcast beforehand, as a run upcasts it). Once per process, ~10-30 ms."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 1024, generator=g).to(dtype)
-    w = torch.randn(2816, 1024, generator=g).to(dtype)
-    torch.nn.functional.linear(x, w)  # warm-up
+    w = torch.randn(2816, 1024, generator=g).to(weights)
+    if kernels.ROW_INVARIANT and kernels.widens(w, dtype):
+        def product() -> None:
+            kernels.dense_linear(x, w)
+    else:
+        w = w.to(dtype)
+
+        def product() -> None:
+            torch.nn.functional.linear(x, w)
+    product()  # warm-up (and the kernels' first compilation)
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        torch.nn.functional.linear(x, w)
+        product()
         best = min(best, time.perf_counter() - t0)
     return best
 
