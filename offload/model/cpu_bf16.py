@@ -15,8 +15,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from offload.model.simd import fma, vsum, vsum8, vzero
+from offload.model.simd import fma, prefetch, vsum, vsum8, vzero
 from offload.model.simd_int import bfat, f32put, vbfpairs, vdpbf
+
+#: Bytes ahead of its loads that a one-row product asks for (`_rows1`; past the matrix's end: a hint, no fault).
+AHEAD = 4096
 
 
 @njit(inline="always")
@@ -56,13 +59,15 @@ def _rows1(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
     are one stream the hardware prefetcher follows (2 threads, a Zen 5, SmolLM2-135M's matrices from DRAM, one
     process alternating: 8 rows side by side with software prefetch 13-20 -> one at a time 15-23 GB/s, every
     repeat faster; rows of 2048+ columns equal to four side by side). Addresses, not arrays: no reference
-    counts, which the threads would share."""
+    counts, which the threads would share. Each line loaded asks for the one `AHEAD` bytes on (the same process,
+    [8192, 2048] x 16 from DRAM, 2 Zen 3 threads: 7 of 8 repeats faster, +9% on average)."""
     K32 = K - K % 32
     for r in range(n, last + 1):
         wr = w + r * ws
         a = vzero()
         for k in range(0, K32, 32):
             a = vdpbf(a, vbfpairs(wr, k), vbfpairs(x, k))
+            prefetch(wr, 2 * k + AHEAD)
         f32put(out, r, _finish(vsum(a), x, wr, K32, K))
 
 
