@@ -112,13 +112,11 @@ def test_bf16_products_of_bf16_activations_round_as_pairs_and_rows_keep_their_bi
         for start in range(11 - rows + 1):
             assert torch.equal(product(x[start:start + rows]).view(torch.int32),
                                full[start:start + rows].view(torch.int32)), f"rows {start}:{start + rows}"
-    from offload.model.cpu_bf16 import rows_bf16  # (numba's)
-
     for wide in (True, False):
         for rows in (1, 2, 3, 9, 11):
             out = torch.full((rows, w.shape[0]), float("nan"))
             for n in range(0, w.shape[0], 16):  # `_dense`'s work items
-                rows_bf16(kernels._as_numpy(x[:rows].contiguous()), kernels._as_numpy(w), out.numpy(), n,
+                kernels.rows_bf16(kernels._as_numpy(x[:rows].contiguous()), kernels._as_numpy(w), out.numpy(), n,
                           min(n + 16, w.shape[0]), wide)
             assert torch.equal(out.view(torch.int32), full[:rows].view(torch.int32)), f"wide {wide}, rows {rows}"
     # the public product rounds the same sums to bf16

@@ -18,6 +18,7 @@ import torch
 from offload.cli.main import main
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
+from offload.model import kernels
 from offload.model.checkpoint import Checkpoint
 from offload.plan import calibrate
 from offload.plan.calibrate import compute_dtype
@@ -253,8 +254,6 @@ def test_auto_compute_dtype_times_the_products_a_run_would_use(monkeypatch):
     """`compute_dtype: auto` weighs this process's own products: with the row-invariant kernels, bf16 by bf16 and
     float32 by the bf16 weight as it is (no upcast copy), so a CPU whose torch bf16 GEMM is slow still computes a
     bf16 model in bf16 when the kernels multiply it as fast."""
-    from offload.model import kernels
-
     if not kernels.ROW_INVARIANT:
         pytest.skip("the row-invariant kernels need numba")
     seen = []

@@ -56,7 +56,7 @@ def _rows8(w, ws, n, last):  # pragma: no cover - compiled
 def _rows1(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
     """out[n .. last] = x @ w[n .. last].T for one row of x (x, w, out: addresses of bf16 bits and of float32, ws:
     bytes a weight row), one weight row after the other: a one-row product is bound by memory, and rows in order
-    are one stream the hardware prefetcher follows (2 threads, a Zen 5, SmolLM2-135M's matrices from DRAM, one
+    are one stream the hardware prefetcher follows (2 threads, a Zen 3, SmolLM2-135M's matrices from DRAM, one
     process alternating: 8 rows side by side with software prefetch 13-20 -> one at a time 15-23 GB/s, every
     repeat faster; rows of 2048+ columns equal to four side by side). Addresses, not arrays: no reference
     counts, which the threads would share. Each line loaded asks for the one `AHEAD` bytes on (the same process,
@@ -75,10 +75,11 @@ def _rows1(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
 def _rows4(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
     """`_rows1` four weight rows side by side, for a CPU without AVX-512 where x has 2+ rows: each load of x serves
     four rows, and the four accumulators (two of AVX2's 16 registers each) stay in registers, where `_rows3`'s 24
-    spill (2 Zen 3 threads, x of 9 / 64 rows, [3072, 576] and [6144, 2048]: 15-17 -> 25-30 GMAC/s)."""
+    spill (2 Zen 3 threads, x of 9 / 64 rows, [3072, 576] and [6144, 2048]: 15-17 -> 25-34 GMAC/s)."""
     K32 = K - K % 32
     for h in range(n, last + 1, 4):
-        w0, w1, w2, w3 = w + h * ws, w + min(h + 1, last) * ws, w + min(h + 2, last) * ws, w + min(h + 3, last) * ws
+        rows = _rows8(w, ws, h, min(h + 3, last))
+        w0, w1, w2, w3 = rows[0], rows[1], rows[2], rows[3]
         a0 = a1 = a2 = a3 = vzero()
         for k in range(0, K32, 32):
             xv = vbfpairs(x, k)
@@ -86,13 +87,7 @@ def _rows4(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
             a1 = vdpbf(a1, vbfpairs(w1, k), xv)
             a2 = vdpbf(a2, vbfpairs(w2, k), xv)
             a3 = vdpbf(a3, vbfpairs(w3, k), xv)
-        f32put(out, h, _finish(vsum(a0), x, w0, K32, K))
-        if h + 1 <= last:
-            f32put(out, h + 1, _finish(vsum(a1), x, w1, K32, K))
-        if h + 2 <= last:
-            f32put(out, h + 2, _finish(vsum(a2), x, w2, K32, K))
-        if h + 3 <= last:
-            f32put(out, h + 3, _finish(vsum(a3), x, w3, K32, K))
+        _store8(out, h, min(h + 3, last), x, rows, (a0, a1, a2, a3, a0, a1, a2, a3), K32, K)
 
 
 @njit(nogil=True)

@@ -217,18 +217,14 @@ def _cpu_matmul_s(dtype: torch.dtype, weights: torch.dtype) -> float:
     x = torch.randn(64, 1024, generator=g).to(dtype)
     w = torch.randn(2816, 1024, generator=g).to(weights)
     if kernels.ROW_INVARIANT and kernels.widens(w, dtype):
-        def product() -> None:
-            kernels.dense_linear(x, w)
+        product = kernels.dense_linear
     else:
-        w = w.to(dtype)
-
-        def product() -> None:
-            torch.nn.functional.linear(x, w)
-    product()  # warm-up (and the kernels' first compilation)
+        w, product = w.to(dtype), torch.nn.functional.linear
+    product(x, w)  # warm-up (and the kernels' first compilation)
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        product()
+        product(x, w)
         best = min(best, time.perf_counter() - t0)
     return best
 
