@@ -40,6 +40,7 @@ from offload.model.simd import (
     vload,
     vnibbles,
     vpairs,
+    vpairs32,
     vsplat,
     vstore,
     vsum,
@@ -61,19 +62,22 @@ _DIRECT = 2
 
 @njit(inline="always")
 def _scales(sz, b, nb, S, Z, wide):  # pragma: no cover - compiled
-    """S[g, j], Z[g, j] = scale and zero' of row b * 64 + j in group g, from the raw bits sz [G, rows * 2] ((scale,
-    zero) pairs, bf16 or float32): zero' = zero - 8 scale for int4, the min itself for int8 (`wide`). Also asks for
-    the next of the nb blocks' scales (G runs of 256 bytes, far apart) while this block computes."""
+    """S[g, j], Z[g, j] = scale and zero' of row b * 64 + j in group g, from the raw bits sz [G, rows * 2] of (scale,
+    zero) pairs in uint16 units: bf16 one unit a value, float32 two (`kernels.scale_bits`; the row length says
+    which); zero' = zero - 8 scale for int4, the min itself for int8 (`wide`). Also asks for the next of the nb
+    blocks' scales (G runs of 256 or 512 bytes, far apart) while this block computes."""
     eight = vsplat(np.float32(-8.0))
+    units = sz.shape[1] // (nb * _BLOCK)  # uint16 units a pair: 2 (bf16) or 4 (float32)
     for g in range(S.shape[0]):
         row, Sg, Zg = sz[g], S[g], Z[g]
         for v in range(_BLOCK // LANES):
-            s, z = vpairs(row, 2 * (b * _BLOCK + v * LANES))
+            i = units * (b * _BLOCK + v * LANES)
+            s, z = vpairs32(row, i) if units == 4 else vpairs(row, i)
             vstore(Sg, v * LANES, s)
             vstore(Zg, v * LANES, z if wide else vfma(eight, s, z))
         if b + 1 < nb:
-            for e in range(0, 2 * _BLOCK, 64 // sz.itemsize):
-                prefetch(row, 2 * (b + 1) * _BLOCK + e)
+            for e in range(0, units * _BLOCK, 32):
+                prefetch(row, units * (b + 1) * _BLOCK + e)
 
 
 @njit(nogil=True)
@@ -216,12 +220,13 @@ def _dot3(xa, xb, xc, Xa, Xb, Xc, g, W, S, Z, A, B, C):  # pragma: no cover - co
 
 @njit(inline="always")
 def _tiles(x, q, sz, out, wide):  # pragma: no cover - compiled
-    """The product over tiles q uint8 [rows / 64, K, 64 (int8, `wide`) or 32 (int4)] with sz [K / gs, rows, 2]
-    raw bits, bf16 (uint16) or float32 (uint32) -> out [R, rows] float32 (see the module doc)."""
+    """The product over tiles q uint8 [rows / 64, K, 64 (int8, `wide`) or 32 (int4)] with sz [K / gs, rows, 2 or 4]
+    the raw bits of bf16 or float32 (scale, zero) pairs in uint16 units (`_scales`) -> out [R, rows] float32 (see
+    the module doc)."""
     R, K = x.shape
     nb, G = q.shape[0], sz.shape[0]
     gs = K // G
-    sz = sz.reshape(G, sz.shape[1] * 2)
+    sz = sz.reshape(G, sz.shape[1] * sz.shape[2])
     X = np.empty((R, G), np.float32)
     for r in range(R):
         _sums(x[r], gs, X[r])

@@ -220,7 +220,7 @@ def _tiles16(x, q, sz, out, wide):  # pragma: no cover - compiled
     R, K = x.shape
     nb, G = q.shape[0], sz.shape[0]
     gs = K // G
-    sz = sz.reshape(G, sz.shape[1] * 2)
+    sz = sz.reshape(G, sz.shape[1] * sz.shape[2])
     XP = np.empty((R, K // 2), np.int32)  # x's int16, a pair of columns an int32
     step, xs = np.empty((R, G), np.float32), np.empty((R, G), np.float32)
     cmax = 255 if wide else 15

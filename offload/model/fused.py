@@ -50,16 +50,16 @@ if numba is not None:
         return w.shape[0] * 64 if w.ndim == 3 else w.shape[0]
 
     @njit(nogil=True, cache=True)
-    def _layer(x, in_norm, qkv, qkv_b, o, o_b, post_norm, gate_up, gu_b, down, down_b, scales, shifts, inter, eps,
+    def _layer(x, in_norm, qkv, qkv_b, o, o_b, post_norm, gate_up, gu_b, down, down_b, scales, inter, eps,
                cos, sin, kv, slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq, scale, kind, bf16,
                out):  # pragma: no cover - compiled
         """One decoder layer of a Llama-family model on flat rows x [N, H] (raw bits), every op as
         `functional.decoder_layer` does it on a CPU (the same kernels and roundings: the same bits), in one
         call: norms, products (parallel), RoPE, the K/V write into the paged pool kv, attention over it, the
         SwiGLU MLP, the residuals -> out [N, H] raw bits. Matrices: raw bits, or int8 or int4 tiles
-        (`kernels._product`; kind: `kernels._dense`'s, or `kernels.packed_kind`'s for tiles; scales, shifts: the
-        raw bits of packed matrices' (scale, min / zero) pairs, each padded to whole tiles of rows: only the first
-        features count, inter for gate_up's halves). Biases: [1, n] raw bits, or [1, 0] for none."""
+        (`kernels._product`; kind: `kernels._dense`'s, or `kernels.packed_kind`'s for tiles; scales: packed
+        matrices' (scale, min / zero) pairs as `kernels.scale_bits` gives them, each padded to whole tiles of rows:
+        only the first features count, inter for gate_up's halves). Biases: [1, n] raw bits, or [1, 0] for none."""
         N, H = x.shape
         B, Tq = pad_index.shape
         hkv, D = kv.shape[3], kv.shape[4]
@@ -70,7 +70,7 @@ if numba is not None:
         for n in range(N):
             _norm_row(x32, n, in_norm, eps, bf16, h, n)
         y = np.empty((N, _width(qkv)), np.float32)
-        _product(h, qkv, scales[0], shifts[0], y, kind)
+        _product(h, qkv, scales[0], y, kind)
         for n in range(N):
             for j in range(qs + 2 * ks):
                 y[n, j] = _biased(y[n, j], qkv_b, j, bf16)
@@ -116,18 +116,18 @@ if numba is not None:
                 for d in range(D):
                     a2[n, hh * D + d] = _rnd(att[b, t, hh, d], bf16)
         y = np.empty((N, H), np.float32)
-        _product(a2, o, scales[1], shifts[1], y, kind)
+        _product(a2, o, scales[1], y, kind)
         for n in range(N):
             for j in range(H):
                 x32[n, j] = _rnd(x32[n, j] + _biased(y[n, j], o_b, j, bf16), bf16)
         for n in range(N):
             _norm_row(x32, n, post_norm, eps, bf16, h, n)
         g = np.empty((N, _width(gate_up)), np.float32)
-        _product(h, gate_up, scales[2], shifts[2], g, kind)
+        _product(h, gate_up, scales[2], g, kind)
         act = np.empty((N, inter), np.float32)
         _silu_mul_act(g, gu_b, inter, bf16, act)
         y = np.empty((N, H), np.float32)
-        _product(act, down, scales[3], shifts[3], y, kind)
+        _product(act, down, scales[3], y, kind)
         for n in range(N):
             for j in range(H):
                 _store(out, n, j, _rnd(x32[n, j] + _biased(y[n, j], down_b, j, bf16), bf16), bf16)
@@ -179,11 +179,11 @@ def _bias(b: torch.Tensor | None, dtype: torch.dtype) -> np.ndarray:
     return np.zeros((1, 0), np.uint16 if dtype == torch.bfloat16 else np.uint32)
 
 
-def _matrix(m) -> tuple[np.ndarray, np.ndarray, int]:
+def _matrix(m) -> tuple[np.ndarray, np.ndarray]:
     """A matrix as the product kernels take it (`kernels._product`): (raw bits, or int8 / int4 tiles [rows / 64, K,
-    64 / 32]; their scales' raw bits or none; shift)."""
+    64 / 32]; their scales' bits or none)."""
     if isinstance(m, torch.Tensor):
-        return _raw(m.contiguous()), NO_SCALES, 0
+        return _raw(m.contiguous()), NO_SCALES
     return packed_args(m.q, m.sz)
 
 
@@ -200,10 +200,10 @@ def _weights(mats: tuple, norms: tuple[torch.Tensor, torch.Tensor], dt: torch.dt
         return got[1]
     kept = (mats, norms)  # the objects whose ids make the key: theirs while the entry lives
     norms = tuple(n.to(dt).contiguous() for n in norms)
-    (wq, sq, tq), (wo, so, to), (wg, sg, tg), (wd, sd, td) = (_matrix(m) for m in (qkv, o, gu, down))
+    (wq, sq), (wo, so), (wg, sg), (wd, sd) = (_matrix(m) for m in (qkv, o, gu, down))
     inter = (gu.out_features if _packed(gu) else gu.shape[0]) // 2
     args = (_raw(norms[0]), wq, _bias(qkv_b, dt), wo, _bias(o_b, dt), _raw(norms[1]), wg, _bias(gu_b, dt), wd,
-            _bias(down_b, dt), (sq, so, sg, sd), (tq, to, tg, td), inter)
+            _bias(down_b, dt), (sq, so, sg, sd), inter)
     # the value holds views of these tensors' memory: kept only while `anchor` lives (a new set of weight objects
     # makes a new entry)
     anchor.__dict__["_offload_layer"] = (key, args, kept, norms)

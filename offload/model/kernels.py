@@ -265,16 +265,16 @@ if numba is not None:
                     for r in range(R - R % 3, R):
                         _dot8(x, r, buf, n, count, out, k0, kc)
 
-    def _product(x, w, sz, shift, out, kind):
+    def _product(x, w, sz, out, kind):
         """out = x @ w.T for compiled callers: int8 / int4 tiles (uint8 [rows / 64, K, 64 / 32]) by `cpu_packed`
         (the width chosen at run time), other weights by `_dense` (chosen by type when the caller compiles, so none
         is compiled for another's weights)."""
 
     @overload(_product)
-    def _product_by_type(x, w, sz, shift, out, kind):  # pragma: no cover - compiled
-        if w.dtype == types.uint8:  # (the scales' dtype says their shift)
-            return lambda x, w, sz, shift, out, kind: packed(x, w, sz, out, kind == PACKED_INT16)
-        return lambda x, w, sz, shift, out, kind: _dense(x, w, out, kind)
+    def _product_by_type(x, w, sz, out, kind):  # pragma: no cover - compiled
+        if w.dtype == types.uint8:
+            return lambda x, w, sz, out, kind: packed(x, w, sz, out, kind == PACKED_INT16)
+        return lambda x, w, sz, out, kind: _dense(x, w, out, kind)
 
 #: The dense kernel's weight kinds (`_widen`) by a dense matrix's dtype; PACKED: a packed matrix's, x in float32;
 #: PACKED_INT16: a packed matrix's, x (bf16 activations) in int16 steps (`cpu_packed16`); DENSE_BF16: a bf16 matrix's
@@ -377,19 +377,25 @@ def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.T
     x32 = x.to(torch.float32).contiguous()
     out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
     if out.numel():
-        tiles, bits, _ = packed_args(q, sz)
+        tiles, bits = packed_args(q, sz)
         packed(x32.numpy(), tiles, bits, out.numpy(), packed_kind(x.dtype) == PACKED_INT16)
     return out
 
 
-def packed_args(q: torch.Tensor, sz: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
+def packed_args(q: torch.Tensor, sz: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """A packed matrix as the compiled kernels take it: (its tiles, uint8 [rows / 64, K, 64] for int8 and the int4
-    plane's [rows / 64, K, 32]; the raw bits of the (scale, min / zero) pairs [K / g, rows, 2]; the shift that widens
-    those bits to float32)."""
+    plane's [rows / 64, K, 32]; its scales' bits, `scale_bits`)."""
     if is_int8(sz):
-        return (q.contiguous().numpy(), *_bits(sz.contiguous()))
+        return q.contiguous().numpy(), scale_bits(sz)
     _, rows, half = q.shape
-    return (q.contiguous().view(rows // 64, 2 * half, 32).numpy(), *_bits(sz[0].contiguous()))
+    return q.contiguous().view(rows // 64, 2 * half, 32).numpy(), scale_bits(sz[0])
+
+
+def scale_bits(sz: torch.Tensor) -> np.ndarray:
+    """(scale, min / zero) pairs [K / g, rows, 2], bf16 or float32, as the kernels take them: their raw bits in uint16
+    units, [K / g, rows, 2] or [K / g, rows, 4] (float32's low half first). One array type for both, so each packed
+    kernel is compiled once, not once a scale dtype (~80 s on a 2-core machine)."""
+    return sz.contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
 def _bits(t: torch.Tensor) -> tuple[np.ndarray, int]:

@@ -12,7 +12,8 @@ register; elsewhere LLVM splits it, with the same results.
     vload(a, i)          a[i : i + 16] of a C-contiguous 1-D array, float32, or uint8 converted exactly to float32
     vstore(a, i, v)      a[i : i + 16] = v (float32)
     vnibbles(a, i)       (low, high) nibbles of the bytes a[i : i + 16] as float32 (0..15, exact)
-    vpairs(a, i)         the 16 (first, second) pairs of a[i : i + 32], raw bf16 or float32 bits, as float32
+    vpairs(a, i)         the 16 (first, second) pairs of bf16 bits a[i : i + 32] (uint16), as float32
+    vpairs32(a, i)       the same of float32 bits held as uint16 halves, a[i : i + 64]
     vfma(a, b, c)        a * b + c, rounded once, lane by lane
     vsum(v)              the lanes' sum: halves added (8 + 8, 4 + 4, 2 + 2, 1 + 1)
     vsum8(a, ..., h)     eight vectors' vsums (the same adds), side by side
@@ -282,16 +283,10 @@ def vnibbles(typingctx, a, i):  # pragma: no cover - compiled
     return ret(a, i), codegen
 
 
-@intrinsic
-def vpairs(typingctx, a, i):  # pragma: no cover - compiled
-    """The 16 (first, second) pairs of a[i : i + 32] as two float32 lane vectors: raw bf16 bits (uint16) or float32
-    bits (uint32), as (scale, zero) pairs are stored."""
-    if not _contiguous(a, (types.uint16, types.uint32)) or not isinstance(i, types.Integer):
-        return None
-    ret = types.UniTuple(f32x16, 2)
-
+def _pairs(bits):
+    """Codegen of `vpairs` for pairs of `bits`-bit values (16: bf16 bits, 32: float32 bits) at element i of an
+    array of any integer type."""
     def codegen(context, builder, sig, args):
-        bits = sig.args[0].dtype.bitwidth
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.VectorType(ir.IntType(bits), 2 * LANES).as_pointer())
         v = builder.load(ptr, align=1)
@@ -302,5 +297,22 @@ def vpairs(typingctx, a, i):  # pragma: no cover - compiled
             if bits == 16:
                 half = builder.shl(builder.zext(half, i32), ir.Constant(i32, [16] * LANES))
             out.append(builder.bitcast(half, _VT))
-        return context.make_tuple(builder, ret, out)
-    return ret(a, i), codegen
+        return context.make_tuple(builder, types.UniTuple(f32x16, 2), out)
+    return codegen
+
+
+@intrinsic
+def vpairs(typingctx, a, i):  # pragma: no cover - compiled
+    """The 16 (first, second) pairs of bf16 values at a[i : i + 32] (raw bits, uint16) as two float32 lane vectors,
+    as (scale, zero) pairs are stored."""
+    if not _contiguous(a, (types.uint16,)) or not isinstance(i, types.Integer):
+        return None
+    return types.UniTuple(f32x16, 2)(a, i), _pairs(16)
+
+
+@intrinsic
+def vpairs32(typingctx, a, i):  # pragma: no cover - compiled
+    """`vpairs` of float32 pairs held as uint16 halves: a[i : i + 64] (uint16) are 32 float32s' raw bits."""
+    if not _contiguous(a, (types.uint16,)) or not isinstance(i, types.Integer):
+        return None
+    return types.UniTuple(f32x16, 2)(a, i), _pairs(32)
