@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from offload.model.kernels import _bits, _threads, numba
+from offload.model.kernels import _as_numpy, _threads, numba
 
 #: keys ahead whose K and V rows the attention kernel asks for while it scores one
 _AHEAD = 8
@@ -141,7 +141,7 @@ def attend_paged(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, mask: t
     out = torch.empty(B, Tq, Hq, D, dtype=torch.float32)
     lse = torch.empty(B, Tq, Hq, dtype=torch.float32)
     if out.numel():
-        bits, shift = _bits(kv.contiguous())
-        _attend(q.to(torch.float32).contiguous().numpy(), bits, table.contiguous().numpy(), mask.contiguous().numpy(),
-                float(scale), shift, out.numpy(), lse.numpy())
+        shift = 16 if kv.dtype == torch.bfloat16 else 0  # (widens the raw bits to float32's)
+        _attend(q.to(torch.float32).contiguous().numpy(), _as_numpy(kv.contiguous()), table.contiguous().numpy(),
+                mask.contiguous().numpy(), float(scale), shift, out.numpy(), lse.numpy())
     return out, lse

@@ -396,8 +396,3 @@ def scale_bits(sz: torch.Tensor) -> np.ndarray:
     units, [K / g, rows, 2] or [K / g, rows, 4] (float32's low half first). One array type for both, so each packed
     kernel is compiled once, not once a scale dtype (~80 s on a 2-core machine)."""
     return sz.contiguous().view(torch.int16).numpy().view(np.uint16)
-
-
-def _bits(t: torch.Tensor) -> tuple[np.ndarray, int]:
-    """A float32 or bf16 tensor as raw bits for the kernels: (array, shift that widens it to float32 bits)."""
-    return _as_numpy(t), 16 if t.dtype == torch.bfloat16 else 0
