@@ -190,12 +190,9 @@ FLOAT32_MARGIN = 1.5
 def compute_dtype(name: str, dtype: torch.dtype, device: torch.device, packed: bool) -> torch.dtype:
     """The dtype the math runs in (`compute_dtype`), the weights keeping `dtype` in the store and on the wire.
 
-    `auto`: `dtype`, except on a CPU whose 16-bit matrix products are slow, where the math runs in float32 in every
-    placement alike (the planner falls back to `dtype` only when a float32 plan cannot fit). Slow as this process
-    multiplies (`_cpu_matmul_s`): torch's bf16 product on a 2-core AVX2 machine took 153 ms for a 5632x2048 weight
-    at 64 rows and 46 ms in float32, but the row-invariant kernels multiply bf16 by bf16 as fast as float32 by
-    bf16 there (2-core Zen 3, 64 rows: 30 vs 25-30 GMAC/s) and a decode step's rows 1.3-1.6x faster (no widening),
-    so with them a bf16 model computes in bf16. Packed weights multiply in `dtype`."""
+    `auto`: `dtype`, except on a CPU whose 16-bit matrix products are slow (`_slow_on_cpu`), where the math runs
+    in float32 in every placement alike (the planner falls back to `dtype` only when a float32 plan cannot fit).
+    Packed weights multiply in `dtype`."""
     if name != "auto":
         chosen = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
         if packed and chosen != dtype:
@@ -204,27 +201,37 @@ def compute_dtype(name: str, dtype: torch.dtype, device: torch.device, packed: b
         return chosen
     if device.type != "cpu" or dtype == torch.float32 or packed:
         return dtype
-    slow = _cpu_matmul_s(dtype, dtype) > FLOAT32_MARGIN * _cpu_matmul_s(torch.float32, dtype)
-    return torch.float32 if slow else dtype
+    return torch.float32 if _slow_on_cpu(dtype) else dtype
 
 
 @functools.cache
-def _cpu_matmul_s(dtype: torch.dtype, weights: torch.dtype) -> float:
-    """Best of 3: 64 rows of `dtype` times a [2816, 1024] weight stored in `weights`, multiplied as a run on this
-    CPU multiplies them: the row-invariant kernels where they take the pair (the weight as it is), else torch's
-    product (the weight upcast beforehand, as a run upcasts it). Once per process, ~10-30 ms."""
+def _slow_on_cpu(dtype: torch.dtype) -> bool:
+    """Does this CPU multiply 64 rows of `dtype` by a `dtype` weight FLOAT32_MARGIN times slower than in float32?
+
+    With the row-invariant kernels, no, and nothing is timed: they multiply the weight as it is stored whatever the
+    activations' dtype (fp16 widened to float32 either way; bf16 by bf16 in pairs, a decode row 1.3-1.6x faster than
+    widening it and 64 rows as fast on a 2-core Zen 3 without AVX-512, faster with AVX-512 BF16). Timing two such
+    equal products decided by noise: under load the ratio of the two ~10 ms timings swung 0.65-1.57 from process to
+    process (8 processes), so two runs of one config could compute in different dtypes and give different tokens.
+    Without them, torch's products are timed (`_cpu_matmul_s`), where the gap is real: bf16 153 ms against float32
+    46 ms for a 5632x2048 weight at 64 rows on a 2-core AVX2 machine."""
+    if kernels.ROW_INVARIANT and kernels.widens(torch.empty(1, 1, dtype=dtype), dtype):
+        return False
+    return _cpu_matmul_s(dtype) > FLOAT32_MARGIN * _cpu_matmul_s(torch.float32)
+
+
+@functools.cache
+def _cpu_matmul_s(dtype: torch.dtype) -> float:
+    """Best of 3: torch's product of 64 rows of `dtype` and a [2816, 1024] weight of `dtype` (a run without the
+    row-invariant kernels upcasts the weights to the compute dtype beforehand). Once per process, ~10-30 ms."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 1024, generator=g).to(dtype)
-    w = torch.randn(2816, 1024, generator=g).to(weights)
-    if kernels.ROW_INVARIANT and kernels.widens(w, dtype):
-        product = kernels.dense_linear
-    else:
-        w, product = w.to(dtype), torch.nn.functional.linear
-    product(x, w)  # warm-up (and the kernels' first compilation)
+    w = torch.randn(2816, 1024, generator=g).to(dtype)
+    torch.nn.functional.linear(x, w)  # warm-up
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        product(x, w)
+        torch.nn.functional.linear(x, w)
         best = min(best, time.perf_counter() - t0)
     return best
 
