@@ -62,9 +62,9 @@ _DIRECT = 2
 
 @njit(inline="always")
 def _scales(sz, b, nb, S, Z, wide):  # pragma: no cover - compiled
-    """S[g, j], Z[g, j] = scale and zero' of row b * 64 + j in group g, from the raw bits sz [G, rows * 2] of (scale,
-    zero) pairs in uint16 units: bf16 one unit a value, float32 two (`kernels.scale_bits`; the row length says
-    which); zero' = zero - 8 scale for int4, the min itself for int8 (`wide`). Also asks for the next of the nb
+    """S[g, j], Z[g, j] = scale and zero' of row b * 64 + j in group g, from the raw bits sz [G, rows * units] of
+    (scale, zero) pairs in uint16 units: bf16 one unit a value, float32 two (`kernels.scale_bits`; the row length
+    says which); zero' = zero - 8 scale for int4, the min itself for int8 (`wide`). Also asks for the next of the nb
     blocks' scales (G runs of 256 or 512 bytes, far apart) while this block computes."""
     eight = vsplat(np.float32(-8.0))
     units = sz.shape[1] // (nb * _BLOCK)  # uint16 units a pair: 2 (bf16) or 4 (float32)

@@ -284,8 +284,8 @@ def vnibbles(typingctx, a, i):  # pragma: no cover - compiled
 
 
 def _pairs(bits):
-    """Codegen of `vpairs` for pairs of `bits`-bit values (16: bf16 bits, 32: float32 bits) at element i of an
-    array of any integer type."""
+    """Codegen of `vpairs` for pairs of `bits`-bit values (16: bf16 bits, 32: float32 bits) from element i of a
+    uint16 array on."""
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.VectorType(ir.IntType(bits), 2 * LANES).as_pointer())
