@@ -35,7 +35,7 @@ from offload.plan.calibrate import calibrate, why_measure
 from offload.plan.memory import ram_available
 from offload.runtime.device import resolve_dtype
 from offload.runtime.overhead import engine_overhead_s
-from offload.weights.convert import convert
+from offload.weights.convert import open_store
 from offload.weights.groups import WeightFormat
 from storage.store import StoreState
 
@@ -154,7 +154,9 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
             print(f"store: converting {ckpt.path} into {store}, once{again}")
             t0 = time.perf_counter()
             fmt = WeightFormat.from_config(config.weights, ckpt.config)  # the YAML's, as the run will read it
-            convert(ckpt, store, dtype, capacity=config.tiers.disk.capacity, progress=True, fmt=fmt).close()
+            disk = config.tiers.disk  # (another process converting it too: waited for, its store reused)
+            open_store(ckpt, store, dtype, capacity=disk.capacity, page_cache=disk.page_cache, verify=disk.verify,
+                       direct_io=disk.direct_io and not disk.page_cache, fmt=fmt, progress=True).close()
             print(f"store: converted in {time.perf_counter() - t0:.1f}s")
     cal_path = config.calibration or root / "calibration.json"
     why = why_measure(cal_path)
