@@ -14,7 +14,7 @@ import yaml
 
 from offload.cli import auto
 from offload.cli.main import main
-from offload.plan.calibrate import Calibration, kernels_id
+from offload.plan.calibrate import PACKED, Calibration, kernels_id
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Sampling
 from offload.runtime.overhead import engine_overhead_s
@@ -31,12 +31,14 @@ def setup(tmp_path, tiny_llama, monkeypatch):
     shutil.copytree(tiny_llama, model)
     (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "bos_token": "<s>",
                                                              "eos_token": "</s>"}))
-    calls = {"calibrate": 0, "convert": 0}
+    calls = {"calibrate": 0, "convert": 0, "packed": []}
 
-    def fake_calibrate(device, dtype, disk, engine=None):  # measuring takes ~20 s here; what matters: it runs once
-        assert engine is engine_overhead_s  # the engine's step is timed too (the plan cannot import the runtime)
+    def fake_calibrate(device, dtype, disk, engine=None, packed=PACKED):  # measuring takes ~20 s here; what
+        assert engine is engine_overhead_s  # matters: it runs once, and the engine's step is timed too
         calls["calibrate"] += 1
+        calls["packed"].append(tuple(packed))  # the packed formats whose kernels it times
         cal = Calibration.defaults()
+        cal.compute |= {f"cpu/{scheme}": cal.compute["cpu"] for scheme in packed}
         cal.meta["kernels"] = kernels_id()
         return cal
 
@@ -65,7 +67,7 @@ def test_second_start_reuses_config_store_and_calibration(setup, monkeypatch, ca
     first = start(model, disk, monkeypatch, capsys)
     # the setup's account (machine, config, store, calibration, plan) goes to stderr: stdout is the chat's
     assert "written for this machine" in first.err and "store: converting" in first.err
-    assert "calibration: measuring" in first.err and calls == {"calibrate": 1, "convert": 1}
+    assert "calibration: measuring" in first.err and calls == {"calibrate": 1, "convert": 1, "packed": [()]}
     assert re.search(r"decode step, batch 1, .* s/token\)", first.err)  # the plan with its prediction
     cfg = yaml.safe_load((disk / "offload.yaml").read_text())
     assert cfg["model"] == str(model) and cfg["tiers"]["disk"]["path"] == "store"
@@ -77,7 +79,7 @@ def test_second_start_reuses_config_store_and_calibration(setup, monkeypatch, ca
     second = start(model, disk, monkeypatch, capsys, ["Hello there", "And then?"])
     assert "(reused; edit it" in second.err and "is complete (no conversion)" in second.err
     assert "(reused; no calibration)" in second.err and "converting" not in second.err
-    assert calls == {"calibrate": 1, "convert": 1}
+    assert calls == {"calibrate": 1, "convert": 1, "packed": [()]}  # (a bf16 run times no packed kernels)
     assert "passes of 64 tokens" in second.err
     assert "[turn 2: " in second.err and "ready in " in second.err
 
@@ -129,6 +131,16 @@ def test_auto_with_packed_weights_converts_plans_and_chats_packed_then_reuses_th
 
     second = start_packed(model, disk, fmt, monkeypatch, capsys)
     assert "is complete (no conversion)" in second.err and calls["convert"] == 1
+    assert calls["packed"] == [(fmt,)] and "(reused; no calibration)" in second.err  # its own format's kernels
+
+    # a calibration without this format's kernels (another run's, say) is measured again, keeping the formats it had
+    path, other = disk / "calibration.json", {"int8": "int4", "int4": "int8"}[fmt]
+    data = json.loads(path.read_text())
+    data["compute"][f"cpu/{other}"] = data["compute"].pop(f"cpu/{fmt}")
+    path.write_text(json.dumps(data))
+    third = start_packed(model, disk, fmt, monkeypatch, capsys)
+    assert f"(it did not measure the {fmt} kernels)" in third.err
+    assert calls["packed"][1] == tuple(s for s in PACKED if s in (fmt, other))
 
     # the reply is the packed model's: the same conversation on an all-in-memory run of the same format
     config = run_config(model, dtype="auto", weights={"quantization": fmt, "group_size": group})

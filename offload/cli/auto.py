@@ -31,7 +31,7 @@ from offload.errors import ConfigError
 from offload.model import hub
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
-from offload.plan.calibrate import calibrate, why_measure
+from offload.plan.calibrate import PACKED, Calibration, CalibrationError, calibrate, why_measure
 from offload.plan.memory import ram_available
 from offload.runtime.device import resolve_dtype
 from offload.runtime.overhead import engine_overhead_s
@@ -115,6 +115,18 @@ def packed(model: str, quantization: str) -> WeightFormat:
     return WeightFormat(quantization).fitted(cfg)
 
 
+def packed_kernels(config: OffloadConfig, cal_path: Path) -> tuple[str, ...]:
+    """The packed formats whose CPU kernels a calibration at `cal_path` times (`calibrate.PACKED`): those the run
+    computes with (the weights', a self-int draft's) and those the file holds already (kept when it is measured
+    again: it may be shared with other runs)."""
+    used = {config.weights.quantization, config.speculative.draft.removeprefix("self-")}
+    try:
+        used |= {table.removeprefix("cpu/") for table in Calibration.load(cal_path).compute}
+    except CalibrationError:  # none yet, or not a calibration
+        pass
+    return tuple(s for s in PACKED if s in used)
+
+
 def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig:
     """Write (first start) or read the YAML, convert and calibrate once; returns the run's configuration."""
     if weights is not None and weights not in WEIGHT_SCHEMES:
@@ -159,7 +171,8 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
                        direct_io=disk.direct_io and not disk.page_cache, fmt=fmt, progress=True).close()
             print(f"store: converted in {time.perf_counter() - t0:.1f}s")
     cal_path = config.calibration or root / "calibration.json"
-    why = why_measure(cal_path)
+    schemes = packed_kernels(config, cal_path)
+    why = why_measure(cal_path, schemes)
     if why is None:
         print(f"calibration: {cal_path} (reused; no calibration)")
     else:
@@ -168,7 +181,7 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
         print(f"calibration: measuring this machine's disk, copies and layer kernels{why} -> {cal_path}")
         t0 = time.perf_counter()
         calibrate(device, dtype, config.tiers.disk.path.parent if config.tiers and config.tiers.disk else root,
-                  engine=engine_overhead_s).save(cal_path)
+                  engine=engine_overhead_s, packed=schemes).save(cal_path)
         print(f"calibration: done in {time.perf_counter() - t0:.1f}s")
     config = config.replace(calibration=cal_path)
     show_plan(config, ckpt.config)

@@ -274,15 +274,20 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
 
 
 
-def why_measure(path: Path) -> str | None:
-    """Why the calibration file at `path` is to be measured (again): missing, not a calibration, or measured with
-    other CPU kernels than these (`Calibration.stale`); None when it can be reused."""
+def why_measure(path: Path, packed: Sequence[str] = ()) -> str | None:
+    """Why the calibration file at `path` is to be measured (again): missing, not a calibration, measured with
+    other CPU kernels than these (`Calibration.stale`), or a CPU calibration without the `packed` formats' kernels
+    (`calibrate`'s argument: those a run computes with); None when it can be reused."""
     if not path.is_file():
         return "there is none"
     try:
-        return "it measured older CPU kernels" if Calibration.load(path).stale else None
+        cal = Calibration.load(path)
     except CalibrationError:
         return "it was not a calibration file"
+    if cal.stale:
+        return "it measured older CPU kernels"
+    missing = [s for s in packed if "cpu" in cal.compute and f"cpu/{s}" not in cal.compute]
+    return f"it did not measure the {' and '.join(missing)} kernels" if missing else None
 
 _warned: set[str] = set()  # stale calibration files already named in a warning
 
@@ -315,13 +320,19 @@ def kernels_id() -> str:
     return f"{kernels.VERSION}-{'invariant' if kernels.ROW_INVARIANT else 'library'}"
 
 
+#: The packed weight formats a calibration times the CPU kernels of, unless told fewer.
+PACKED = ("int8", "int4")
+
+
 def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
-              engine: Callable[[Calibration, torch.device, torch.dtype], dict[str, float]] | None = None
-              ) -> Calibration:
+              engine: Callable[[Calibration, torch.device, torch.dtype], dict[str, float]] | None = None,
+              packed: Sequence[str] = PACKED) -> Calibration:
     """This machine, each probe (buffers, test layers) within PROBE_SHARE of the RAM the process may still fill.
     `engine` (a CPU): times what a decode step costs beyond the probes' tables, given them
     (`offload.runtime.overhead.engine_overhead_s`, which the plan cannot import); its columns join the CPU's
-    table."""
+    table. `packed` (a CPU): the packed formats whose kernels are timed too (`cpu/int8`, `cpu/int4`); `offload
+    chat --auto` names only those its run computes with, as each format's first use compiles its kernels (SmolLM2's
+    bf16 first start, cold kernel cache: 95 s of 220 s went to the packed ones it never ran)."""
     budget = int(ram_available() * PROBE_SHARE)
     links = measure_links(device, disk_path, budget)
     run_dtype = compute_dtype("auto", dtype, device, False)  # what an all-in-memory dense run computes in
@@ -334,7 +345,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
     if shape is None:
         log.warning("calibration: a %s probe budget fits no test layer: default compute tables", fmt_bytes(budget))
     elif device.type == "cpu":  # packed kernels differ from dense ones there (and multiply in dtype)
-        for scheme in ("int8", "int4"):
+        for scheme in packed:
             compute[f"cpu/{scheme}"] = measure_compute(device, dtype, (1, 8, 64), quantization=scheme, shape=shape,
                                                        cold_bytes=cold)
     meta = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
