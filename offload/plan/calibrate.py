@@ -332,7 +332,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
     (`offload.runtime.overhead.engine_overhead_s`, which the plan cannot import); its columns join the CPU's
     table. `packed` (a CPU): the packed formats whose kernels are timed too (`cpu/int8`, `cpu/int4`); `offload
     chat --auto` names only those its run computes with, as each format's first use compiles its kernels (SmolLM2's
-    bf16 first start, cold kernel cache: 95 s of 220 s went to the packed ones it never ran)."""
+    bf16 first start, cold kernel cache: calibration 206 -> 72 s without the packed ones it never ran)."""
     budget = int(ram_available() * PROBE_SHARE)
     links = measure_links(device, disk_path, budget)
     run_dtype = compute_dtype("auto", dtype, device, False)  # what an all-in-memory dense run computes in
