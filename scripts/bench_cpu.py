@@ -377,14 +377,14 @@ def main(argv: list[str] | None = None) -> int:
         args.verify, args.new, args.prompt = [1, 2], 4, 16
     import torch
 
-    from offload.plan.calibrate import calibrate, why_measure
+    from offload.plan.calibrate import PACKED, calibrate, why_measure
     from offload.runtime.overhead import engine_overhead_s
 
     cache = args.cache.resolve()
     cache.mkdir(parents=True, exist_ok=True)
     models = ensure_models(args.models, cache, args.quick)
     calibration = cache / "calibration.json"
-    if why_measure(calibration) or args.quick:
+    if why_measure(calibration, PACKED)[0] or args.quick:  # (the plan rows predict every packed format)
         calibrate(torch.device("cpu"), torch.bfloat16, cache, engine=engine_overhead_s).save(calibration)
     machine = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                "cpu_flags": cpu_flags(), "load_before": load(), "torch": torch.__version__,

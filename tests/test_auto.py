@@ -42,14 +42,14 @@ def setup(tmp_path, tiny_llama, monkeypatch):
         cal.meta["kernels"] = kernels_id()
         return cal
 
-    real_convert = auto.open_store
+    real_convert = auto.open_tier_store
 
     def counting_convert(*a, **kw):
         calls["convert"] += 1
         return real_convert(*a, **kw)
 
     monkeypatch.setattr(auto, "calibrate", fake_calibrate)
-    monkeypatch.setattr(auto, "open_store", counting_convert)
+    monkeypatch.setattr(auto, "open_tier_store", counting_convert)
     small = auto.Machine.detect(tmp_path)
     monkeypatch.setattr(auto.Machine, "detect", classmethod(lambda cls, disk: auto.Machine(
         "cpu", None, None, 256 * 2**20, disk, small.disk_free)))  # a small machine: small tiers, a small KV pool

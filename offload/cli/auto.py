@@ -31,11 +31,11 @@ from offload.errors import ConfigError
 from offload.model import hub
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
-from offload.plan.calibrate import PACKED, Calibration, CalibrationError, calibrate, why_measure
+from offload.plan.calibrate import PACKED, calibrate, why_measure
 from offload.plan.memory import ram_available
 from offload.runtime.device import resolve_dtype
 from offload.runtime.overhead import engine_overhead_s
-from offload.weights.convert import open_store
+from offload.weights.convert import open_tier_store
 from offload.weights.groups import WeightFormat
 from storage.store import StoreState
 
@@ -115,15 +115,10 @@ def packed(model: str, quantization: str) -> WeightFormat:
     return WeightFormat(quantization).fitted(cfg)
 
 
-def packed_kernels(config: OffloadConfig, cal_path: Path) -> tuple[str, ...]:
-    """The packed formats whose CPU kernels a calibration at `cal_path` times (`calibrate.PACKED`): those the run
-    computes with (the weights', a self-int draft's) and those the file holds already (kept when it is measured
-    again: it may be shared with other runs)."""
+def packed_kernels(config: OffloadConfig) -> tuple[str, ...]:
+    """The packed formats whose CPU kernels the run computes with (`calibrate.PACKED`): the weights', a self-int
+    draft's."""
     used = {config.weights.quantization, config.speculative.draft.removeprefix("self-")}
-    try:
-        used |= {table.removeprefix("cpu/") for table in Calibration.load(cal_path).compute}
-    except CalibrationError:  # none yet, or not a calibration
-        pass
     return tuple(s for s in PACKED if s in used)
 
 
@@ -166,13 +161,11 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
             print(f"store: converting {ckpt.path} into {store}, once{again}")
             t0 = time.perf_counter()
             fmt = WeightFormat.from_config(config.weights, ckpt.config)  # the YAML's, as the run will read it
-            disk = config.tiers.disk  # (another process converting it too: waited for, its store reused)
-            open_store(ckpt, store, dtype, capacity=disk.capacity, page_cache=disk.page_cache, verify=disk.verify,
-                       direct_io=disk.direct_io and not disk.page_cache, fmt=fmt, progress=True).close()
+            # (another process converting it too: waited for, its store reused)
+            open_tier_store(ckpt, config.tiers.disk, dtype, fmt, progress=True).close()
             print(f"store: converted in {time.perf_counter() - t0:.1f}s")
     cal_path = config.calibration or root / "calibration.json"
-    schemes = packed_kernels(config, cal_path)
-    why = why_measure(cal_path, schemes)
+    why, schemes = why_measure(cal_path, packed_kernels(config))
     if why is None:
         print(f"calibration: {cal_path} (reused; no calibration)")
     else:

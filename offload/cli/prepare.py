@@ -36,7 +36,7 @@ from offload.runtime.device import resolve_device, resolve_dtype
 from offload.runtime.ranks import launched
 from offload.runtime.requests import Context
 from offload.runtime.speculative import auto_gain, draft_config, draft_model_config
-from offload.weights.convert import convert, open_store
+from offload.weights.convert import convert, open_tier_store
 from offload.weights.groups import WeightFormat
 from storage.store import StoreState, store_state
 
@@ -165,5 +165,4 @@ def convert_first(config: OffloadConfig, replace: bool = False) -> None:
         return
     print(f"offload: converting {ckpt.path} into the store {disk.path} (first run only; later runs reuse it)",
           file=sys.stderr)
-    open_store(ckpt, disk.path, dtype, capacity=disk.capacity, page_cache=disk.page_cache, verify=disk.verify,
-               direct_io=disk.direct_io and not disk.page_cache, fmt=fmt, progress=True).close()
+    open_tier_store(ckpt, disk, dtype, fmt, progress=True).close()

@@ -274,20 +274,27 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
 
 
 
-def why_measure(path: Path, packed: Sequence[str] = ()) -> str | None:
-    """Why the calibration file at `path` is to be measured (again): missing, not a calibration, measured with
-    other CPU kernels than these (`Calibration.stale`), or a CPU calibration without the `packed` formats' kernels
-    (`calibrate`'s argument: those a run computes with); None when it can be reused."""
+def why_measure(path: Path, packed: Sequence[str] = ()) -> tuple[str | None, tuple[str, ...]]:
+    """Why the calibration file at `path` is to be measured (again), None when it can be reused: missing, not a
+    calibration, measured with other CPU kernels than these (`Calibration.stale`), or a CPU calibration without the
+    `packed` formats' kernels (those a run computes with). Beside it, the packed formats a new measurement times
+    (`calibrate`'s argument): `packed` and those the file holds, kept (it may be shared with other runs)."""
     if not path.is_file():
-        return "there is none"
+        return "there is none", _packed(packed)
     try:
         cal = Calibration.load(path)
     except CalibrationError:
-        return "it was not a calibration file"
+        return "it was not a calibration file", _packed(packed)
+    held = [table.removeprefix("cpu/") for table in cal.compute]
     if cal.stale:
-        return "it measured older CPU kernels"
+        return "it measured older CPU kernels", _packed([*packed, *held])
     missing = [s for s in packed if "cpu" in cal.compute and f"cpu/{s}" not in cal.compute]
-    return f"it did not measure the {' and '.join(missing)} kernels" if missing else None
+    return (f"it did not measure the {' and '.join(missing)} kernels" if missing else None), _packed([*packed, *held])
+
+
+def _packed(names: Sequence[str]) -> tuple[str, ...]:
+    """The packed formats among `names`, in PACKED's order."""
+    return tuple(s for s in PACKED if s in names)
 
 _warned: set[str] = set()  # stale calibration files already named in a warning
 

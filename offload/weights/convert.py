@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from offload.config import DiskTierConfig
 from offload.errors import StaleStoreError
 from offload.model.checkpoint import Checkpoint
 from offload.version import __version__
@@ -134,6 +135,14 @@ def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capa
                          f"model_impl {ckpt.config.impl} where it was converted for the other); convert again with "
                          f"`{again}`")
     return store
+
+
+def open_tier_store(ckpt: Checkpoint, disk: DiskTierConfig, dtype: torch.dtype, fmt: WeightFormat = DENSE,
+                    progress: bool | None = None) -> Store:
+    """`open_store` for a config's `tiers.disk`: its path, capacity, page cache, verification and direct I/O (off
+    where the page cache is asked for)."""
+    return open_store(ckpt, disk.path, dtype, capacity=disk.capacity, page_cache=disk.page_cache, verify=disk.verify,
+                      direct_io=disk.direct_io and not disk.page_cache, fmt=fmt, progress=progress)
 
 
 def convert_command(checkpoint: Path, store_dir: Path, dtype: torch.dtype, fmt: WeightFormat,

@@ -18,7 +18,7 @@ import torch
 from offload.config import OffloadConfig
 from offload.model import kernels
 from offload.model.checkpoint import Checkpoint
-from offload.weights.convert import open_store
+from offload.weights.convert import open_tier_store
 from offload.weights.experts import CachedExperts, PlanOrderExperts, Predictor
 from offload.weights.groups import (
     WeightFormat,
@@ -81,9 +81,7 @@ class TieredWeights:
                                    config.experts.prefetch and bool(self.plan.on_demand))
         try:
             if tiers_cfg is not None and tiers_cfg.disk is not None:
-                d = tiers_cfg.disk
-                self.store = open_store(ckpt, d.path, dtype, capacity=d.capacity, page_cache=d.page_cache,
-                                        verify=d.verify, direct_io=d.direct_io and not d.page_cache, fmt=self.fmt)
+                self.store = open_tier_store(ckpt, tiers_cfg.disk, dtype, self.fmt)
                 self.tiers["disk"] = self.store.tier
             self._fill_homes(ckpt)
             for name in self.plan.rows_only:  # read by rows later: check the whole group once, now
