@@ -263,3 +263,38 @@ def test_quantizing_into_the_store_a_block_of_rows_at_a_time_gives_the_whole_mat
     monkeypatch.setattr(quant, "QUANTIZE_BLOCK_BYTES", 64 * 4 * 128)  # one tile of rows a block: four blocks
     quant.quantize_into(w, bits, 32, q, sz)
     assert torch.equal(q, whole["q"]) and torch.equal(sz, whole["sz"])
+
+
+def test_a_conversion_reads_a_packed_matrix_a_block_of_rows_at_a_time(model_factory, tmp_path, monkeypatch):
+    """Converting packs each matrix from blocks of its rows read from the checkpoint, so a large one (SmolLM2's
+    tied head: 113 MB in float32) never lies whole in memory (a 400 MiB machine was killed converting it to
+    int4); the fused gate/up rows that straddle two checkpoint tensors are read from both. Same bytes."""
+    path = model_factory("llama", tie=True, overrides={"intermediate_size": 352})  # 5.5 tiles of 64 rows
+    ckpt = Checkpoint(path)
+    cfg = ckpt.config
+    fmt = WeightFormat(quantization="int4", group_size=32)
+    monkeypatch.setattr(quant, "QUANTIZE_BLOCK_BYTES", 64 * 4 * cfg.hidden_size)  # one tile of rows a block
+    reads = []
+    read_rows = Checkpoint.read_rows_into
+    monkeypatch.setattr(Checkpoint, "read_rows_into",
+                        lambda self, short, shape, row, dest: reads.append((short, dest.shape[0])) or
+                        read_rows(self, short, shape, row, dest))
+    store = convert(ckpt, tmp_path / "store", torch.float32, fmt=fmt)
+    try:
+        assert max(n for short, n in reads if short.endswith("proj.weight")) <= 64
+        # the head packs the tied embeddings a tile at a time (the dense embed group is one read of its own)
+        head = [n for short, n in reads if short == "embed_tokens.weight" and n <= 64]
+        assert sum(head) == cfg.vocab_size and len(head) == cfg.vocab_size // 64
+        assert {s for s, n in reads if n == 32} >= {"layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight"}
+        for group, tensor, sources in [("head", "lm_head", ["embed_tokens.weight"]),
+                                       ("layer.0", "gate_up", ["layers.0.mlp.gate_proj.weight",
+                                                               "layers.0.mlp.up_proj.weight"])]:
+            whole = torch.cat([ckpt.read(s, ckpt.entries[ckpt.name(s)].shape, torch.float32) for s in sources])
+            want = quant.quantize(whole, fmt.tensor_bits(tensor), 32, torch.float32)
+            layout = store.groups[group].layout
+            buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+            store.tier.read_into(group, buf)
+            got = layout.views(buf)
+            assert torch.equal(got[f"{tensor}.q"], want["q"]) and torch.equal(got[f"{tensor}.sz"], want["sz"])
+    finally:
+        store.close()

@@ -243,14 +243,24 @@ class Checkpoint:
 
     def read_into(self, short: str, dest: torch.Tensor) -> None:
         """Copy a tensor into `dest` (any dtype/device, same shape), reading its bytes once."""
-        e = self.entry(short, tuple(dest.shape), dest.dtype)
+        self.read_rows_into(short, tuple(dest.shape), 0, dest)
+
+    def read_rows_into(self, short: str, shape: tuple[int, ...], row: int, dest: torch.Tensor) -> None:
+        """Copy rows row .. row + len(dest) of a tensor of `shape` into `dest` (any dtype/device): a part of a
+        large matrix without its whole bytes in memory."""
+        e = self.entry(short, tuple(shape), dest.dtype)
+        offset = e.start
+        if row or tuple(dest.shape) != e.shape:
+            if not (dest.dim() and dest.shape[1:] == e.shape[1:] and 0 <= row <= e.shape[0] - dest.shape[0]):
+                raise ValueError(f"rows {row}.. of a {list(e.shape)} tensor do not fit {list(dest.shape)}")
+            offset += row * (e.nbytes // e.shape[0])
         fd = os.open(e.file, os.O_RDONLY)
         try:
             if e.dtype == dest.dtype and dest.device.type == "cpu" and dest.is_contiguous():
-                preadv_into(fd, dest, e.start, e.file)
+                preadv_into(fd, dest, offset, e.file)
             else:
-                tmp = torch.empty(e.shape, dtype=e.dtype)
-                preadv_into(fd, tmp, e.start, e.file)
+                tmp = torch.empty(dest.shape, dtype=e.dtype)
+                preadv_into(fd, tmp, offset, e.file)
                 dest.copy_(tmp)
         finally:
             os.close(fd)

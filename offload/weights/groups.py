@@ -317,15 +317,34 @@ def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor, fmt: We
             for part, name, _, _ in prequant_sources(sources, fmt.prequant):
                 ckpt.read_into(name, views[f"{tensor}.{part}"])
             continue
-        packed = fmt.packs(ckpt.config, tensor)
-        dest = torch.empty(dense_shape(sources), dtype=torch.float32) if packed else views[tensor]
+        if fmt.packs(ckpt.config, tensor):  # read a block of rows at a time as it is quantized
+            quant.quantize_into(CheckpointRows(ckpt, sources), fmt.tensor_bits(tensor), fmt.group_size,
+                                views[f"{tensor}.q"], views[f"{tensor}.sz"])
+            continue
         row = 0
         for short, shape in sources:
-            ckpt.read_into(short, dest[row : row + shape[0]])
+            ckpt.read_into(short, views[tensor][row : row + shape[0]])
             row += shape[0]
-        if packed:
-            quant.quantize_into(dest, fmt.tensor_bits(tensor), fmt.group_size, views[f"{tensor}.q"],
-                                views[f"{tensor}.sz"])
+
+
+class CheckpointRows:
+    """A fused matrix (`Sources`) whose rows are read from the checkpoint as float32 when sliced (`rows[a:b]`):
+    what `quant.quantize_into` reads, so a conversion holds a block of a large matrix (an LM head: 49152 x 576 is
+    113 MB in float32), not all of it (a 400 MiB machine was killed converting SmolLM2 to int4)."""
+
+    def __init__(self, ckpt: Checkpoint, sources: Sources) -> None:
+        self.ckpt, self.sources, self.shape = ckpt, sources, dense_shape(sources)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        r0, r1, _ = rows.indices(self.shape[0])
+        out = torch.empty(max(r1 - r0, 0), *self.shape[1:], dtype=torch.float32)
+        top = 0  # the first row of each source in the fused matrix
+        for short, shape in self.sources:
+            a, b = max(r0, top), min(r1, top + shape[0])
+            if a < b:
+                self.ckpt.read_rows_into(short, shape, a - top, out[a - r0 : b - r0])
+            top += shape[0]
+        return out
 
 
 def check_tensors(ckpt: Checkpoint, fmt: WeightFormat) -> None:
