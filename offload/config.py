@@ -132,8 +132,11 @@ class PrefetchConfig:
 @dataclass(frozen=True)
 class ActivationsConfig:
     prefill_chunk: int | None = _opt(_int_or_auto(1, 2**20), "prompt tokens per prefill forward pass (bounds "
-                                     "activation memory); auto = 512, fewer when the device tier cannot hold its "
-                                     "workspace")
+                                     "activation memory); auto = prefill_chunk_max (512), fewer when the device tier "
+                                     "cannot hold its workspace")
+    prefill_chunk_max: int = _opt(_int(1, 2**20), "the largest chunk an automatic prefill_chunk tries (then "
+                                  "256, 128, ... 16 below it, until its workspace fits); an explicit prefill_chunk "
+                                  "is kept as given", 512)
     kv_restore: str = _opt(_choice("transfer", "recompute", "auto"), "cold KV blocks keep K/V (transfer) or the "
                            "layer inputs, rebuilt by one projection (recompute); auto: whichever is fewer bytes",
                            "transfer")

@@ -72,10 +72,12 @@ def test_second_start_reuses_config_store_and_calibration(setup, monkeypatch, ca
     cfg = yaml.safe_load((disk / "offload.yaml").read_text())
     assert cfg["model"] == str(model) and cfg["tiers"]["disk"]["path"] == "store"
     assert cfg["kv_cache"]["gpu_blocks"] == "auto" and cfg["prefetch"]["depth"] == "auto"
+    assert cfg["activations"] == {"prefill_chunk": "auto", "prefill_chunk_max": 256}
+    assert "passes of 256 tokens" in first.err  # the cap where it fits
 
     # the user edits the YAML; the next start reads it as left and sets nothing up again
-    (disk / "offload.yaml").write_text((disk / "offload.yaml").read_text().replace("prefill_chunk: 256",
-                                                                                  "prefill_chunk: 64"))
+    (disk / "offload.yaml").write_text((disk / "offload.yaml").read_text().replace("prefill_chunk: auto,",
+                                                                                  "prefill_chunk: 64,"))
     second = start(model, disk, monkeypatch, capsys, ["Hello there", "And then?"])
     assert "(reused; edit it" in second.err and "is complete (no conversion)" in second.err
     assert "(reused; no calibration)" in second.err and "converting" not in second.err
@@ -172,3 +174,24 @@ def test_auto_refuses_a_store_directory_holding_other_files_before_converting(se
 def test_run_70b_script_shows_its_usage():
     proc = subprocess.run([str(ROOT / "scripts" / "run_70b.sh")], capture_output=True, text=True)
     assert proc.returncode == 2 and "MODEL_OR_PATH" in proc.stdout
+
+
+def test_a_machine_too_small_for_the_smallest_plan_is_told_before_anything_is_converted(setup, monkeypatch, capsys):
+    """A first start on a machine whose free RAM cannot hold even the smallest plan (a 300 MiB container) is refused
+    before the conversion and the calibration (minutes on a large model), naming the RAM that would do."""
+    from offload.fields import parse_size
+    from offload.plan import memory
+
+    model, disk, calls = setup
+    monkeypatch.setattr(memory, "ram_available", lambda: 256 * 2**10)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n"))
+    assert main(["chat", "--auto", str(model), "--disk", str(disk), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert calls == {"calibrate": 0, "convert": 0, "packed": []} and "converting" not in err
+    need = re.search(r"any one of these fits: (\d+(?:\.\d+)?[KMG]iB) of free RAM \(this process has 0\.2 MiB", err)
+    assert need, err
+    # the RAM it names is enough: with it the same start converts, plans and chats
+    monkeypatch.setattr(memory, "ram_available", lambda: parse_size(need[1]))
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n"))
+    assert main(["chat", "--auto", str(model), "--disk", str(disk), "--max-new-tokens", "2"]) == 0
+    assert calls["convert"] == 1 and "passes of 16 tokens" in capsys.readouterr().err

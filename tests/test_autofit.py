@@ -130,6 +130,29 @@ def test_the_default_kv_and_workspace_shrink_beside_a_ring_of_the_tied_head(tied
     assert got == resident(tied, PROMPTS)
 
 
+def test_prefill_chunk_max_caps_an_automatic_chunk_which_still_shrinks_to_fit(tied, tmp_path):
+    """`offload chat --auto` writes `prefill_chunk: auto, prefill_chunk_max: 256`: passes of 256 tokens where they
+    fit (not 512, whose attention workspace would take the room of resident layers), fewer where the device tier
+    is short (a fixed 256 was refused on a 400 MiB machine); an explicit chunk is kept as given."""
+    layer, head = sizes(tied)
+    cfg = Checkpoint(tied).config
+    tiers = {"cpu": {"capacity": head // 2}, "disk": {"path": str(tmp_path / "store")}}
+
+    def chunk(gpu, **activations):
+        raw = run_config(tied, tiers={"gpu": {"capacity": gpu}, **tiers}, prefetch={"depth": 0},
+                         activations=activations)
+        return plan_for(raw).run_plan().prefill_chunk
+
+    roomy = 1 << 30  # (a 512-token workspace of 9 heads is ~160 MB)
+    assert chunk(roomy) == AUTO_CHUNKS[0] and chunk(roomy, prefill_chunk_max=256) == 256
+    assert chunk(roomy, prefill_chunk_max=300) == 300  # the cap is the first chunk tried
+    assert chunk(roomy, prefill_chunk=512, prefill_chunk_max=256) == 512  # explicit: as given
+    short = head + 2 * layer + workspace_bytes(cfg, 64, torch.float32, 256) + 64 * 1024
+    assert chunk(short, prefill_chunk_max=256) < 256
+    with pytest.raises(CapacityError, match=r"activations\.prefill_chunk: \d+ \(or auto\)"):
+        chunk(short, prefill_chunk=256)
+
+
 def test_medium_shaped_budget_runs_with_depth_two(tiny8, tmp_path):
     """gpu = 3 ring slots + a quarter of the model, cpu = a quarter: the rest on disk (the medium example's ratios)."""
     layer, head = sizes(tiny8)

@@ -33,6 +33,7 @@ from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import PACKED, calibrate, why_measure
 from offload.plan.memory import ram_available
+from offload.plan.planner import Planner
 from offload.runtime.device import resolve_dtype
 from offload.runtime.overhead import engine_overhead_s
 from offload.weights.convert import open_tier_store
@@ -98,7 +99,8 @@ def config_yaml(model: str, m: Machine, weights: WeightFormat | None) -> str:
         "  disk: {path: store, capacity: auto}   # the converted weights, streamed from here",
         "kv_cache: {block_size: 16, gpu_blocks: auto}",
         "prefetch: {depth: auto}           # layers in flight: the depth the cost model predicts fastest",
-        "activations: {prefill_chunk: 256}",
+        "activations: {prefill_chunk: auto, prefill_chunk_max: 256}   # prompt tokens per pass: 256, fewer "
+        "where memory is short",
         "calibration: calibration.json     # measured once by the first start",
     ]
     return "\n".join(lines) + "\n"
@@ -151,6 +153,10 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
         config = config.replace(model=hub.fetch(config.hub))
     ckpt = Checkpoint(config.model, config.model_impl)
     dtype = resolve_dtype(config.dtype, ckpt.config.torch_dtype)
+    device = torch.device("cuda" if config.device.startswith("cuda") else "cpu")
+    if config.tiers is not None:  # a machine too small for the smallest plan is told before the conversion
+        planner = Planner(config.replace(calibration=None), ckpt.config, dtype, device)  # (fit needs no timings)
+        planner.fit(planner.caps, 0)
     if config.tiers is not None and config.tiers.disk is not None:
         store = config.tiers.disk.path
         state = store_to_fill(store)
@@ -169,7 +175,6 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
     if why is None:
         print(f"calibration: {cal_path} (reused; no calibration)")
     else:
-        device = torch.device("cuda" if config.device.startswith("cuda") else "cpu")
         why = ", once" if why == "there is none" else f" ({why})"
         print(f"calibration: measuring this machine's disk, copies and layer kernels{why} -> {cal_path}")
         t0 = time.perf_counter()

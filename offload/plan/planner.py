@@ -183,9 +183,11 @@ class Planner:
                     f"kv_cache.gpu_blocks is {blocks}; lower prefill_chunk to at most {limit} (or auto), or raise "
                     f"gpu_blocks to at least {need} (or auto)")
             return (chunk,)
+        top = self.config.activations.prefill_chunk_max
+        auto = (top, *(c for c in AUTO_CHUNKS if c < top))
         if limit is None:
-            return AUTO_CHUNKS
-        return tuple(sorted({min(c, max(limit - 1, 1)) for c in AUTO_CHUNKS}, reverse=True))
+            return auto
+        return tuple(sorted({min(c, max(limit - 1, 1)) for c in auto}, reverse=True))
 
     def _kv_choices(self, chunk: int) -> list[int]:
         """Device KV blocks to try: the explicit count, 0 (sized per request), or 2048 tokens then the least."""
@@ -266,6 +268,11 @@ class Planner:
             return self._min_device(groups, caps, depth, fixed)
 
         helps = [f"tiers.gpu.capacity: {config_size(need())}"]
+        tiers = self.config.tiers
+        if self.device.type == "cpu" and tiers is not None and tiers.gpu.capacity is None:  # auto: the RAM is short
+            ram = math.ceil((need() + (tiers.cpu.capacity or 0)) / 0.8)
+            helps[0] = (f"{config_size(ram)} of free RAM (this process has {fmt_bytes(memory.ram_available())}, and "
+                        "an auto gpu tier is 0.8 of it): close programs or raise the memory limit")
         if self.device.type == "cpu" and not caps.has_disk:  # RAM must hold every group: a store lifts that
             helps.insert(0, "tiers.disk: {path: DIR} (there is no disk tier; add tiers.disk and what RAM cannot "
                             "hold streams from a store there)")
