@@ -264,6 +264,7 @@ class Store:
         self.meta: dict[str, Any] = manifest["meta"]
         self.groups: dict[str, GroupRecord] = manifest["records"]
         self.tier = tier
+        self.built = False  # converted by the `open_or_build` that opened it
 
     @property
     def total_bytes(self) -> int:
@@ -343,23 +344,28 @@ class Store:
 def open_or_build(path: str | Path, build: Callable[[FileLock], None] | None, **open_args: Any) -> Store:
     """Open the store at `path`, safely shared with other processes; `build(lock)` converts it (holding the lock
     exclusively) when it is missing or half-written. Waits, with a message naming the holder, while another
-    process converts; `build=None` only opens. The returned store holds the lock shared until closed."""
+    process converts; `build=None` only opens. The returned store holds the lock shared until closed; its `built`
+    says whether this call converted it (not a process it waited for)."""
     path = Path(path)
     if store_state(path) is StoreState.FOREIGN:
         Store._refuse(path, StoreState.FOREIGN)
     path.mkdir(parents=True, exist_ok=True)
     lock = FileLock(path / LOCK)
+    built = False
     try:
         while True:
             if build is not None and store_state(path) is not StoreState.COMPLETE:
                 lock.exclusive(on_wait=_waiting(path))
                 if store_state(path) is not StoreState.COMPLETE:  # nobody finished it while we waited
                     build(lock)
+                    built = True
                 lock.shared()  # not atomic: a forced re-conversion may slip in between, hence the loop
             else:
                 lock.shared(on_wait=_waiting(path))
             if build is None or store_state(path) is StoreState.COMPLETE:
-                return Store.open(path, lock=lock, own_lock=True, **open_args)
+                store = Store.open(path, lock=lock, own_lock=True, **open_args)
+                store.built = built
+                return store
             lock.unlock()
     except BaseException:
         lock.close()

@@ -207,6 +207,29 @@ def test_a_waiting_process_names_the_converter_then_uses_its_store(tmp_path, tin
     assert result["ids"] == reference[:12] and store_state(store) is StoreState.COMPLETE
 
 
+def test_an_open_store_says_whether_this_process_converted_it(tmp_path, tiny_llama):
+    """`chat --auto` says "converted" only where it converted: a process that waited for another's conversion
+    (or found the store complete) reused it."""
+    from offload.weights.convert import open_store
+
+    ckpt, store = Checkpoint(tiny_llama), tmp_path / "store"
+    store.mkdir()
+    holder = FileLock(store / LOCK)  # another "process" (an open file of its own) converts
+    holder.exclusive()
+    opened: dict = {}
+    waiter = threading.Thread(target=lambda: opened.update(s=open_store(ckpt, store, torch.float32)))
+    waiter.start()
+    time.sleep(0.5)
+    convert(ckpt, store, torch.float32, lock=holder).close()  # the other process converts while it waits
+    holder.close()
+    waiter.join(120)
+    assert not opened["s"].built and store_state(store) is StoreState.COMPLETE
+    opened["s"].close()
+    fresh = open_store(ckpt, tmp_path / "fresh", torch.float32)
+    assert fresh.built
+    fresh.close()
+
+
 def test_a_lock_held_by_a_killed_converter_is_taken_over(tmp_path, tiny_llama, reference):
     store = tmp_path / "store"
     store.mkdir()

@@ -168,8 +168,10 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
             t0 = time.perf_counter()
             fmt = WeightFormat.from_config(config.weights, ckpt.config)  # the YAML's, as the run will read it
             # (another process converting it too: waited for, its store reused)
-            open_tier_store(ckpt, config.tiers.disk, dtype, fmt, progress=True).close()
-            print(f"store: converted in {time.perf_counter() - t0:.1f}s")
+            opened = open_tier_store(ckpt, config.tiers.disk, dtype, fmt, progress=True)
+            opened.close()
+            print(f"store: {'converted' if opened.built else 'converted by the process it waited for'} in "
+                  f"{time.perf_counter() - t0:.1f}s")
     cal_path = config.calibration or root / "calibration.json"
     why, schemes = why_measure(cal_path, packed_kernels(config))
     if why is None:
