@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from offload.errors import ConfigError
 from offload.fields import (
     MAX_INT,
@@ -49,25 +47,11 @@ from offload.fields import (
     _short,
     _size_or_auto,
     _str,
+    read_yaml,
 )
 from offload.fields import format_size as format_size  # re-exported: the config's sizes
 from offload.fields import parse_size as parse_size
 from offload.model import hub
-
-#: A YAML file is read whole: configs are a few hundred bytes; anything past this is refused unread.
-MAX_YAML_BYTES = 1 << 20
-#: Aliases (`*name`) a config may use; an alias bomb needs thousands.
-MAX_YAML_ALIASES = 100
-
-class _BoundedLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses documents using more than MAX_YAML_ALIASES aliases (alias bombs)."""
-
-    def compose_node(self, parent, index):  # type: ignore[override]
-        if self.check_event(yaml.AliasEvent):
-            self._aliases = getattr(self, "_aliases", 0) + 1
-            if self._aliases > MAX_YAML_ALIASES:
-                raise yaml.YAMLError(f"more than {MAX_YAML_ALIASES} aliases (*name); write the values out")
-        return super().compose_node(parent, index)
 
 
 # ----------------------------------------------------------------------------- sections
@@ -278,21 +262,7 @@ class OffloadConfig:
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
-        if path.stat().st_size > MAX_YAML_BYTES:
-            raise ConfigError(f"{path}: {path.stat().st_size} bytes is too large for a config file (at most "
-                              f"{MAX_YAML_BYTES}); pass the YAML run configuration")
-        try:
-            data = yaml.load(path.read_bytes(), Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"{path}: not valid YAML{where} ({getattr(e, 'problem', None) or e}); "
-                              "fix the syntax") from None
-        except (ValueError, RecursionError, OverflowError) as e:  # 10^5-digit integers, 10^4-deep nesting
-            raise ConfigError(f"{path}: a value cannot be read ({type(e).__name__}: {_short(str(e))}); "
-                              "write plain numbers and shallow mappings") from None
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"{path}: expected a mapping of keys (model:, device:, ...) at the top level")
+        data = read_yaml(path)
         data = dict(data) | ({"model": model} if model else {})
         return _build(cls, data, "", base_dir=path.resolve().parent, source=path.resolve())
 

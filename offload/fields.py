@@ -2,7 +2,8 @@
 
 Each parser takes (value, key path) and returns the value as Offload uses it inside, or raises
 ConfigError naming the key and what is allowed; every message shows the offending value
-bounded in length, however big or deep it is. Knows no section and no model.
+bounded in length, however big or deep it is; and `read_yaml`, the file's mapping read safely.
+Knows no section and no model.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import difflib
 import math
 import re
 import reprlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import field
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from offload.errors import ConfigError
 
@@ -165,3 +169,41 @@ def _bool_or_auto(value: Any, key: str) -> bool | None:
     if not isinstance(value, bool):
         raise ConfigError(f"{key}: expected true, false or auto, got {_short(value)}")
     return value
+
+
+#: A YAML file is read whole: configs are a few hundred bytes; anything past this is refused unread.
+MAX_YAML_BYTES = 1 << 20
+#: Aliases (`*name`) a config may use; an alias bomb needs thousands.
+MAX_YAML_ALIASES = 100
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses documents using more than MAX_YAML_ALIASES aliases (alias bombs)."""
+
+    def compose_node(self, parent, index):  # type: ignore[override]
+        if self.check_event(yaml.AliasEvent):
+            self._aliases = getattr(self, "_aliases", 0) + 1
+            if self._aliases > MAX_YAML_ALIASES:
+                raise yaml.YAMLError(f"more than {MAX_YAML_ALIASES} aliases (*name); write the values out")
+        return super().compose_node(parent, index)
+
+
+def read_yaml(path: Path) -> Mapping[str, Any]:
+    """The top-level mapping of a YAML config file, read with a safe loader and bounded in size and aliases;
+    ConfigError says what is wrong with the file (its syntax, a value no parser can hold, not a mapping)."""
+    if path.stat().st_size > MAX_YAML_BYTES:
+        raise ConfigError(f"{path}: {path.stat().st_size} bytes is too large for a config file (at most "
+                          f"{MAX_YAML_BYTES}); pass the YAML run configuration")
+    try:
+        data = yaml.load(path.read_bytes(), Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where} ({getattr(e, 'problem', None) or e}); "
+                          "fix the syntax") from None
+    except (ValueError, RecursionError, OverflowError) as e:  # 10^5-digit integers, 10^4-deep nesting
+        raise ConfigError(f"{path}: a value cannot be read ({type(e).__name__}: {_short(str(e))}); "
+                          "write plain numbers and shallow mappings") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of keys (model:, device:, ...) at the top level")
+    return data

@@ -31,8 +31,9 @@ from offload.kv.cache import PagedKVCache
 from offload.model import functional as M
 from offload.model.checkpoint import Checkpoint
 from offload.runtime.runner import Runner
-from offload.weights.groups import WeightFormat, fill_group, group_layout, weight_views
+from offload.weights.groups import WeightFormat, group_layout, weight_views
 from offload.weights.quant import Scratch
+from offload.weights.reading import fill_group
 from scripts.machine import Result
 from scripts.trained_model import ensure_trained_model
 from storage.units import blocks_for

@@ -16,16 +16,9 @@ import torch
 from offload.config import OffloadConfig
 from offload.errors import CapacityError, ConfigError
 from offload.model.checkpoint import Checkpoint
+from offload.plan.passes import ATTENTION_KEYS_PER_CHUNK, pass_tokens, workspace_bytes
 from offload.plan.placement import min_device_bytes
-from offload.plan.planner import (
-    ATTENTION_KEYS_PER_CHUNK,
-    AUTO_CHUNKS,
-    AUTO_HOST_KV_TOKENS,
-    AUTO_KV_TOKENS,
-    Planner,
-    pass_tokens,
-    workspace_bytes,
-)
+from offload.plan.planner import AUTO_CHUNKS, AUTO_HOST_KV_TOKENS, AUTO_KV_TOKENS, Planner
 from offload.runtime.runner import DTYPES, Runner
 from offload.weights.groups import model_layouts
 from storage.units import blocks_for

@@ -14,7 +14,8 @@ import torch
 from offload.config import OffloadConfig
 from offload.errors import CapacityError
 from offload.model.checkpoint import Checkpoint
-from offload.plan.planner import AUTO_CHUNKS, Planner, pass_blocks, workspace_bytes
+from offload.plan.passes import pass_blocks, workspace_bytes
+from offload.plan.planner import AUTO_CHUNKS, Planner
 from storage.units import blocks_for
 from tests.conftest import run_config
 from tests.test_cli_flows import offload, write_yaml

@@ -21,7 +21,7 @@ already holds are prefilled.
 
 A pass holds a token for every decoding output plus up to `activations.prefill_chunk` prompt
 tokens of prefilling requests (oldest first; fewer once a prompt's context outgrows the attention
-workspace, see `offload.plan.planner.pass_tokens`), so a request
+workspace, see `offload.plan.passes.pass_tokens`), so a request
 that arrives while others decode joins at the next pass: the weights are read once for all
 of them. The n outputs of a request share its prompt's blocks copy-on-write. The engine
 knows requests, sequences and tokens; the model is the executor's business.
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from offload.errors import CapacityError, ConfigError
-from offload.plan.planner import batch_rows, pass_blocks, pass_tokens
+from offload.plan.passes import batch_rows, pass_blocks, pass_tokens
 from offload.runtime.executor import ForwardBatch
 from offload.runtime.requests import (
     Context,

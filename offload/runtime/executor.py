@@ -42,11 +42,13 @@ from offload.kv.cache import PagedKVCache
 from offload.kv.view import LayerKV
 from offload.model import functional as M
 from offload.model.checkpoint import Checkpoint
-from offload.plan.planner import Planner, pass_tokens, resolve_capacities
+from offload.plan.passes import pass_tokens
+from offload.plan.planner import Planner, resolve_capacities
 from offload.runtime.device import DTYPES, resolve_device, resolve_dtype  # noqa: F401 (re-exported)
 from offload.runtime.passes import ForwardBatch, LayerPass, PromptChunk  # noqa: F401 (re-exported)
 from offload.runtime.resident import ResidentLayers
-from offload.weights.groups import WeightFormat, check_tensors
+from offload.weights.groups import WeightFormat
+from offload.weights.reading import check_tensors
 from offload.weights.tiered import TieredWeights
 from schedulers.plan import Capacities
 from schedulers.timeline import Timeline
@@ -302,7 +304,7 @@ class Executor:
     # -- prompts --------------------------------------------------------------------------------
     def prefill_chunks(self, sids: Sequence[int], prompts: Sequence[Sequence[int]]) -> Iterator[list[PromptChunk]]:
         """Passes of at most `prefill_chunk` prompt tokens, in prompt order (fewer once a prompt's context
-        outgrows the attention workspace: `offload.plan.planner.pass_tokens`)."""
+        outgrows the attention workspace: `offload.plan.passes.pass_tokens`)."""
         pending = deque(PromptChunk(sid, list(p), 0) for sid, p in zip(sids, prompts))
         while pending:
             chunk: list[PromptChunk] = []

@@ -19,7 +19,8 @@ from offload.config import DiskTierConfig
 from offload.errors import StaleStoreError
 from offload.model.checkpoint import Checkpoint
 from offload.version import __version__
-from offload.weights.groups import DENSE, WeightFormat, check_tensors, fill_group, group_sources, model_layouts
+from offload.weights.groups import DENSE, WeightFormat, group_sources, model_layouts
+from offload.weights.reading import check_tensors, fill_group
 from storage.layout import dtype_name
 from storage.lock import FileLock
 from storage.store import Store, StoreState, StoreWriter, open_or_build, store_state

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from offload.config import WeightsConfig
-from offload.errors import CheckpointError, ConfigError
+from offload.errors import ConfigError
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.model.generic import LM_HEAD, GenericTensors
 from offload.weights import gptq, quant
-from storage.layout import DTYPES, GroupLayout, dtype_name
+from storage.layout import GroupLayout, dtype_name
 
 #: A fused tensor is the row-wise concatenation of these checkpoint tensors: (short name, shape).
 Sources = list[tuple[str, tuple[int, ...]]]
@@ -175,7 +175,7 @@ def stacked_experts(ckpt: Checkpoint) -> bool:
     return bool(sparse) and ckpt.name(f"layers.{sparse[0]}.mlp.experts.gate_up_proj") in ckpt.entries
 
 
-def _mlp_prefix(cfg: ModelConfig, layer: int, stacked: bool) -> str:
+def mlp_prefix(cfg: ModelConfig, layer: int, stacked: bool) -> str:
     """Mixtral's Hub checkpoints say `block_sparse_moe.`; transformers' own names (and stacked experts) `mlp.`."""
     return f"layers.{layer}." + ("block_sparse_moe." if cfg.family == "mixtral" and not stacked else "mlp.")
 
@@ -186,7 +186,7 @@ def expert_sources(cfg: ModelConfig, layer: int, e: int, stacked: bool = False) 
     if stacked:  # transformers' names: `mlp.` for every family
         p = f"layers.{layer}.mlp.experts."
         return [("gate_up", [(f"{p}gate_up_proj[{e}]", (2 * I, H))]), ("down", [(f"{p}down_proj[{e}]", (H, I))])]
-    p = f"{_mlp_prefix(cfg, layer, stacked)}experts.{e}."
+    p = f"{mlp_prefix(cfg, layer, stacked)}experts.{e}."
     gate, up, down = ("w1", "w3", "w2") if cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     return [("gate_up", [(f"{p}{gate}.weight", (I, H)), (f"{p}{up}.weight", (I, H))]),
             ("down", [(f"{p}{down}.weight", (H, I))])]
@@ -239,7 +239,7 @@ def group_sources(cfg: ModelConfig, group: str, stacked: bool = False) -> list[t
     if len(parts) == 4:  # layer.{i}.expert.{e}
         return expert_sources(cfg, layer, int(parts[3]), stacked)
     p = f"layers.{layer}."
-    attn, mlp = p + "self_attn.", _mlp_prefix(cfg, layer, stacked)
+    attn, mlp = p + "self_attn.", mlp_prefix(cfg, layer, stacked)
     out: list[tuple[str, Sources]] = [
         ("input_norm", [(p + "input_layernorm.weight", (H,))]),
         ("qkv", [(attn + "q_proj.weight", (q, H)), (attn + "k_proj.weight", (kv, H)),
@@ -306,83 +306,6 @@ def model_layouts(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat = DENS
     """Every group's layout, or (`layers`) those of one pipeline stage (`stage_groups`)."""
     names = group_names(cfg, fmt) if layers is None else stage_groups(cfg, layers, fmt)
     return {g: group_layout(cfg, g, dtype, fmt) for g in names}
-
-
-def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor, fmt: WeightFormat = DENSE) -> None:
-    """Read a group's tensors from the checkpoint into `buf` (1-D uint8, CPU), converting dtype or packing."""
-    buf[: layout.nbytes].zero_()
-    views = layout.views(buf)
-    for tensor, sources in group_sources(ckpt.config, layout.name, stacked_experts(ckpt)):
-        if fmt.prequant is not None and fmt.packs(ckpt.config, tensor):  # the checkpoint's bytes, as they are
-            for part, name, _, _ in prequant_sources(sources, fmt.prequant):
-                ckpt.read_into(name, views[f"{tensor}.{part}"])
-            continue
-        if fmt.packs(ckpt.config, tensor):  # read a block of rows at a time as it is quantized
-            quant.quantize_into(CheckpointRows(ckpt, sources), fmt.tensor_bits(tensor), fmt.group_size,
-                                views[f"{tensor}.q"], views[f"{tensor}.sz"])
-            continue
-        row = 0
-        for short, shape in sources:
-            ckpt.read_into(short, views[tensor][row : row + shape[0]])
-            row += shape[0]
-
-
-class CheckpointRows:
-    """A fused matrix (`Sources`) whose rows are read from the checkpoint as float32 when sliced (`rows[a:b]`):
-    what `quant.quantize_into` reads, so a conversion holds a block of a large matrix (an LM head: 49152 x 576 is
-    113 MB in float32), not all of it (a 400 MiB machine was killed converting SmolLM2 to int4)."""
-
-    def __init__(self, ckpt: Checkpoint, sources: Sources) -> None:
-        self.ckpt, self.sources, self.shape = ckpt, sources, dense_shape(sources)
-
-    def __getitem__(self, rows: slice) -> torch.Tensor:
-        r0, r1, _ = rows.indices(self.shape[0])
-        out = torch.empty(max(r1 - r0, 0), *self.shape[1:], dtype=torch.float32)
-        top = 0  # the first row of each source in the fused matrix
-        for short, shape in self.sources:
-            a, b = max(r0, top), min(r1, top + shape[0])
-            if a < b:
-                self.ckpt.read_rows_into(short, shape, a - top, out[a - r0 : b - r0])
-            top += shape[0]
-        return out
-
-
-def check_tensors(ckpt: Checkpoint, fmt: WeightFormat) -> None:
-    """Every tensor a conversion will read exists with its shape and dtype: checked before anything is written."""
-    cfg = ckpt.config
-    stacked = stacked_experts(ckpt)
-    if stacked:  # the whole stacks first: an expert count that disagrees is named on the stacked tensor
-        for layer in (i for i, sparse in enumerate(cfg.moe_layers) if sparse):
-            for short, shape in stacked_sources(cfg, layer):
-                ckpt.entry(short, shape)
-    _check_routing(ckpt, stacked)
-    for group in group_names(cfg, fmt):
-        for tensor, sources in group_sources(cfg, group, stacked):
-            if fmt.prequant is not None and fmt.packs(cfg, tensor):
-                for short, (n, k) in sources:
-                    fmt.prequant.check_shape(f"{ckpt.path}: {ckpt.name(short)}", n, k)
-                for _, name, dtype, shape in prequant_sources(sources, fmt.prequant):
-                    if ckpt.entry(name, shape, DTYPES[dtype]).dtype != DTYPES[dtype]:
-                        raise CheckpointError(f"{ckpt.path}: {ckpt.name(name)} is not {dtype}, as the "
-                                              f"{fmt.prequant.method} format stores it; the checkpoint is not one")
-            else:
-                for short, shape in sources:
-                    ckpt.entry(short, shape)
-
-
-def _check_routing(ckpt: Checkpoint, stacked: bool) -> None:
-    """A layer the config makes dense must not have a router in the checkpoint, nor a sparse one a dense MLP."""
-    cfg = ckpt.config
-    if not cfg.is_moe:
-        return
-    for i, sparse in enumerate(cfg.moe_layers):
-        mlp = _mlp_prefix(cfg, i, stacked)
-        found = ckpt.name(mlp + ("gate_proj.weight" if sparse else "gate.weight"))
-        if found in ckpt.entries:
-            kind, want = ("a dense MLP", "a mixture of experts") if sparse else ("a router", "dense")
-            raise CheckpointError(f"{ckpt.path}: tensor {found!r} is {kind} but config.json makes layer {i} {want} "
-                                  "(decoder_sparse_step / mlp_only_layers); the weights and config.json do not "
-                                  "belong together")
 
 
 def weight_views(cfg: ModelConfig, group: str, views: dict[str, torch.Tensor], scratch: quant.Scratch | None,

@@ -116,7 +116,7 @@ def quantize_into(w: torch.Tensor, bits: int, group_size: int, q: torch.Tensor, 
     """`quantize(w)` written into the packed tensors q, sz (`packed_shapes`), whole tiles of 64 rows at a time: a
     large matrix (an LM head: 49152 x 576 float32 is 113 MB) costs its blocks' temporaries, not five copies of it
     (a 600 MiB machine was killed converting SmolLM2's). The same bytes: the scheme is row by row. `w`: a tensor,
-    or anything with a `shape` whose row slices are float tensors (`groups.CheckpointRows` reads them from disk)."""
+    or anything with a `shape` whose row slices are float tensors (`reading.CheckpointRows` reads them from disk)."""
     block = max(TILE_ROWS, QUANTIZE_BLOCK_BYTES // (4 * w.shape[1]) // TILE_ROWS * TILE_ROWS)
     for r0 in range(0, w.shape[0], block):
         part = quantize(w[r0 : r0 + block], bits, group_size, sz.dtype)

@@ -24,11 +24,11 @@ from offload.weights.groups import (
     WeightFormat,
     embedding_source,
     expert_groups,
-    fill_group,
     model_layouts,
     weight_views,
 )
 from offload.weights.quant import Scratch
+from offload.weights.reading import fill_group
 from schedulers.expert_cache import ExpertCache
 from schedulers.expert_policy import make_policy
 from schedulers.plan import Plan

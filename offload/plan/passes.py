@@ -1,0 +1,58 @@
+"""Prefill passes and the memory they need: the activation workspace of a pass of `chunk` tokens, the device
+KV blocks it writes, how many sequences decode beside it, and how many prompt tokens a pass over a long
+context may take. The planner sizes the workspace with these; the executor and the engine cut passes by them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from offload.model.config import ModelConfig
+from storage.units import blocks_for
+
+#: keys per query the workspace holds attention for, as a multiple of the chunk; longer contexts get smaller passes.
+ATTENTION_KEYS_PER_CHUNK = 4
+
+def workspace_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, keys: int = 0) -> int:
+    """Activation memory of one prefill pass of `chunk` tokens attending over `keys` keys (an estimate, reserved).
+
+    Flat activations (residual, norm output, fused qkv, gate/up, attention output) at the compute dtype;
+    the attention as `offload.model.functional.attend_group` materialises it: float32 scores, their masked copy and
+    the probabilities plus the probabilities in the compute dtype (each [heads, chunk, keys]), the boolean
+    mask expanded over the query groups, and the keys' K/V gathered into token order (gathered, padded and
+    split: three copies); and float32 logits for a batch of up to 64 last tokens.
+    """
+    keys = max(keys, chunk)
+    per_token = 3 * cfg.hidden_size + (cfg.q_size + 2 * cfg.kv_size) + 3 * cfg.intermediate_size + cfg.q_size
+    scores = cfg.num_heads * chunk * keys * (3 * 4 + 2 * dtype.itemsize)
+    mask = cfg.num_heads // cfg.num_kv_heads * chunk * keys
+    gathered = 3 * keys * 2 * cfg.kv_size * dtype.itemsize
+    logits = min(chunk, 64) * cfg.vocab_size * 4
+    return chunk * per_token * dtype.itemsize + scores + mask + gathered + logits
+
+
+def pass_blocks(chunk: int, block_size: int) -> int:
+    """Device KV blocks one prefill pass of `chunk` tokens may write: its blocks when it starts inside a partial
+    block (every running sequence pins its newest block besides)."""
+    return blocks_for(chunk, block_size) + 1
+
+
+def batch_rows(kv_blocks: int, chunk: int, block_size: int, row_blocks: int = 1) -> int:
+    """Sequences a device pool of `kv_blocks` keeps decoding together beside a prefill pass of `chunk` tokens:
+    each running sequence pins `row_blocks` device blocks (its newest), the pass the rest (the engine's admission
+    rule, `offload.runtime.engine`). At least one: a lone sequence always runs."""
+    return max(1, (kv_blocks - pass_blocks(chunk, block_size)) // row_blocks)
+
+
+def pass_tokens(chunk: int, context: int) -> int:
+    """Prompt tokens a pass may take for a sequence with `context` tokens already cached.
+
+    The workspace holds attention for `chunk` queries over `ATTENTION_KEYS_PER_CHUNK * chunk` keys;
+    a pass over a longer context takes fewer tokens so that queries x keys stays within it (at least one).
+    """
+    budget = chunk * ATTENTION_KEYS_PER_CHUNK * chunk
+    if context + chunk <= ATTENTION_KEYS_PER_CHUNK * chunk:
+        return chunk
+    t = int((math.sqrt(context * context + 4 * budget) - context) / 2)  # t * (context + t) <= budget
+    return max(1, min(chunk, t))
