@@ -14,6 +14,7 @@ import yaml
 
 from offload.cli import auto
 from offload.cli.main import main
+from offload.plan import machine
 from offload.plan.calibrate import PACKED, Calibration, kernels_id
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Sampling
@@ -39,7 +40,7 @@ def setup(tmp_path, tiny_llama, monkeypatch):
         calls["packed"].append(tuple(packed))  # the packed formats whose kernels it times
         cal = Calibration.defaults()
         cal.compute |= {f"cpu/{scheme}": cal.compute["cpu"] for scheme in packed}
-        cal.meta["kernels"] = kernels_id()
+        cal.meta |= {"kernels": kernels_id(), "machine": machine.identity()}
         return cal
 
     real_convert = auto.open_tier_store
@@ -98,9 +99,9 @@ def start_packed(model, disk, fmt, monkeypatch, capsys, lines=("Hello there",)):
     return capsys.readouterr()
 
 
-def test_a_calibration_of_older_cpu_kernels_or_a_broken_one_is_measured_again(setup, monkeypatch, capsys):
+def test_a_calibration_of_older_kernels_another_machine_or_a_broken_one_is_measured_again(setup, monkeypatch, capsys):
     """The plan's compute times come from the kernels' measured speed: one measured with another version of the
-    kernels (or a file that is not a calibration) is measured again, not trusted."""
+    kernels, on another machine, or a file that is not a calibration is measured again, not trusted."""
     model, disk, calls = setup
     start(model, disk, monkeypatch, capsys)
     path = disk / "calibration.json"
@@ -115,6 +116,12 @@ def test_a_calibration_of_older_cpu_kernels_or_a_broken_one_is_measured_again(se
     assert not Calibration.load(path).stale  # measured again, by these kernels
     fourth = start(model, disk, monkeypatch, capsys)
     assert "(reused; no calibration)" in fourth.err and calls["calibrate"] == 3
+    data = json.loads(path.read_text())  # a file measured on another machine (a cache dir shared between hosts)
+    data["machine"] |= {"features": ["avx2", "fma"] if "avx512f" in data["machine"]["features"] else ["avx512f"]}
+    path.write_text(json.dumps(data))
+    fifth = start(model, disk, monkeypatch, capsys)
+    assert "(it measured another machine: a CPU with [" in fifth.err and calls["calibrate"] == 4
+    assert Calibration.load(path).other_machine is None  # this one's now
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

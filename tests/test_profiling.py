@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -12,8 +13,8 @@ from offload.cli.main import main
 from offload.config import OffloadConfig
 from offload.model import fused
 from offload.model.checkpoint import Checkpoint
-from offload.plan import calibrate, probe
-from offload.plan.calibrate import CACHE_SHARE, Calibration, load_calibration, measure_compute
+from offload.plan import calibrate, machine, probe
+from offload.plan.calibrate import CACHE_SHARE, DEFAULTS, Calibration, load_calibration, measure_compute
 from offload.plan.costmodel import simulate
 from offload.plan.links import measure_disk, measure_memcpy
 from offload.plan.placement import GroupSpec, make_plan
@@ -190,6 +191,33 @@ def test_calibration_defaults_and_bad_files(tmp_path, monkeypatch):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match="not a calibration file"):
         load_calibration(tmp_path / "bad.json")
+
+
+def test_a_calibration_names_the_machine_it_measured_where_it_is_not_this_one(tmp_path, caplog):
+    """A calibration records its machine; read on another (another CPU, other vector features, fewer CPUs) it says
+    how they differ, in a warning a run or a plan shows once; files without the record (older ones, the examples
+    for machines we do not have) are taken as they are."""
+    here = machine.identity()
+    assert here["cpus"] >= 1 and set(here["features"]) <= set(machine.SPEED_FLAGS) and here["cpu"]
+    path = tmp_path / "cal.json"
+    cal = Calibration(dict(DEFAULTS["links"]), {"cpu": dict(DEFAULTS["compute"]["cpu"])}, "measured",
+                      {"machine": here, "kernels": calibrate.kernels_id()})
+    cal.save(path)
+    assert Calibration.load(path).other_machine is None
+    for change, words in [({"cpu": "Elsewhere CPU 9000"}, "a 'Elsewhere CPU 9000' CPU, this is a"),
+                          ({"features": [*here["features"], "amx_int8"]}, "amx_int8], this one has ["),
+                          ({"cpus": here["cpus"] + 6}, f"{here['cpus'] + 6} CPUs, this process may use")]:
+        cal.meta["machine"] = here | change
+        cal.save(path)
+        assert words in Calibration.load(path).other_machine
+    with caplog.at_level(logging.WARNING, logger="offload.plan.calibrate"):
+        load_calibration(path), load_calibration(path)
+    warned = [r.getMessage() for r in caplog.records if "measured another machine" in r.getMessage()]
+    assert len(warned) == 1 and "CPUs, this process may use" in warned[0]
+    assert f"offload calibrate -o {path}" in warned[0]
+    del cal.meta["machine"]
+    cal.save(path)
+    assert Calibration.load(path).other_machine is None and Calibration.defaults().other_machine is None
 
 
 @pytest.mark.parametrize("room, hidden", [(8 << 30, 2048), (600 << 20, 1024), (200 << 20, 512)])

@@ -35,6 +35,7 @@ from offload.config import cache_dir
 from offload.errors import ConfigError
 from offload.model import kernels
 from offload.model.config import ModelConfig
+from offload.plan import machine
 from offload.plan.links import measure_cuda_links, measure_disk, measure_memcpy
 from offload.plan.memory import ram_available
 from offload.plan.probe import REFERENCE, SMALL, SPLIT_TOKENS, llc_bytes, measure_compute  # noqa: F401 (re-exported)
@@ -90,6 +91,11 @@ class Calibration:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"version": VERSION, **self.meta, "links": self.links, "compute": self.compute},
                                    indent=2))
+
+    @property
+    def other_machine(self) -> str | None:
+        """How the machine this file measured differs from this one (`offload.plan.machine`), or None."""
+        return None if self.source == "defaults" else machine.other_machine(self.meta.get("machine"))
 
     @property
     def stale(self) -> bool:
@@ -270,6 +276,10 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
         _warned.add(str(path))
         log.warning("calibration %s measured other CPU kernels than these: the plan's compute times may be off; "
                     "run `offload calibrate -o %s` to measure them", path, path)
+    elif (other := cal.other_machine) and str(path) not in _warned:
+        _warned.add(str(path))
+        log.warning("calibration %s measured another machine (%s): the plan's times are that machine's; run "
+                    "`offload calibrate -o %s` to measure this one", path, other, path)
     return cal
 
 
@@ -288,6 +298,8 @@ def why_measure(path: Path, packed: Sequence[str] = ()) -> tuple[str | None, tup
     held = [table.removeprefix("cpu/") for table in cal.compute]
     if cal.stale:
         return "it measured older CPU kernels", _packed([*packed, *held])
+    if other := cal.other_machine:
+        return f"it measured another machine: {other}", _packed([*packed, *held])
     missing = [s for s in packed if "cpu" in cal.compute and f"cpu/{s}" not in cal.compute]
     return (f"it did not measure the {' and '.join(missing)} kernels" if missing else None), _packed([*packed, *held])
 
@@ -358,7 +370,8 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
     meta = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
             "kernels": kernels_id(),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "cpus": os.cpu_count(), "llc_bytes": llc, "dtype": str(dtype).removeprefix("torch."),
+            "cpus": os.cpu_count(), "machine": machine.identity(), "llc_bytes": llc,
+            "dtype": str(dtype).removeprefix("torch."),
             "compute_dtype": str(run_dtype).removeprefix("torch."),
             "reference_hidden_size": shape and shape["hidden_size"],
             "disk_path": str(disk_path) if disk_path else None}
