@@ -12,6 +12,8 @@
 
 import os
 
+from offload.plan.machine import cpus  # (no torch: read before torch and numba start their OpenMP runtimes)
+
 
 def _omp_wait_policy() -> None:
     """Two OpenMP runtimes share the cores in a CPU run: torch's and numba's (the row-invariant kernels). Idle
@@ -25,8 +27,7 @@ def _omp_wait_policy() -> None:
     if "OMP_WAIT_POLICY" in os.environ:
         return
     try:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        busy = os.getloadavg()[0] >= cores
+        busy = os.getloadavg()[0] >= cpus()
     except OSError:  # no load average here: the safe choice
         busy = True
     if busy:

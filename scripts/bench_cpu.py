@@ -34,14 +34,15 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from scripts.machine import cpu_flags, load  # noqa: E402
-
 #: The environment this command was started with, before `import offload` may set OMP_WAIT_POLICY=PASSIVE here:
 #: every worker (and llama-bench, an OpenMP program too) starts from it and decides for itself (a PASSIVE leaked from
 #: this process slowed llama.cpp's decode 2.6-5x in session 3's table)
 START_ENV = dict(os.environ)
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from offload.plan.machine import cpus  # noqa: E402
+from scripts.machine import cpu_flags, load  # noqa: E402
 
 #: Device-tier room beside a streamed run's quarter of the weights and its ring's three layers: a prefill chunk's
 #: logits and activations, 16 KV blocks (SmolLM2-135M int4: a quarter of its weights is 27 MiB, the smallest plan 69)
@@ -162,9 +163,8 @@ def settle() -> None:
     machine that looks busy picks OpenMP's passive wait (`offload._omp_wait_policy`), and the load the previous
     engine's run left (llama-bench on every core for a minute) would make it pick that here (SmolLM2-135M bf16
     decode, one run: 20.6 ms a step spinning, 29-31 ms passive)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     end = time.monotonic() + SETTLE_S
-    while os.getloadavg()[0] >= cores - 0.5 and time.monotonic() < end:
+    while os.getloadavg()[0] >= cpus() - 0.5 and time.monotonic() < end:
         time.sleep(2)
 
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from offload.plan.machine import cpu_info
+
 ROOT = Path(__file__).resolve().parents[1]
 #: the flags that decide matmul and checksum speed (bf16, AVX-512, AMX, FMA, half-precision conversion)
 PREFIXES = ("avx", "amx", "fma", "f16c", "sse4")
@@ -27,13 +29,8 @@ PREFIXES = ("avx", "amx", "fma", "f16c", "sse4")
 
 def cpu_flags() -> str:
     """The CPU's vector flags, space-separated (the processor name where /proc/cpuinfo is absent)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return " ".join(f for f in line.split(":", 1)[1].split() if f.startswith(PREFIXES))
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    flags = cpu_info()[1]
+    return " ".join(f for f in flags if f.startswith(PREFIXES)) if flags else platform.processor() or platform.machine()
 
 
 def load() -> str:

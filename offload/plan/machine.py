@@ -7,6 +7,7 @@ Reads /proc/cpuinfo (Linux); elsewhere the platform's processor name and no feat
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from pathlib import Path
@@ -17,8 +18,10 @@ from typing import Any
 SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
 
 
+@functools.cache
 def cpu_info() -> tuple[str, list[str]]:
-    """(the CPU's model name, all its flags) from /proc/cpuinfo; elsewhere (the platform's processor name, [])."""
+    """(the CPU's model name, all its flags) from /proc/cpuinfo's first CPU (read once a process); elsewhere (the
+    platform's processor name, [])."""
     name, flags = "", []
     try:
         for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
@@ -27,6 +30,8 @@ def cpu_info() -> tuple[str, list[str]]:
                 name = value.strip()
             elif key.strip() == "flags" and not flags:
                 flags = value.split()
+            elif not line.strip() and (name or flags):  # the first CPU's entries end at a blank line
+                break
     except OSError:
         pass
     return name or platform.processor() or platform.machine(), flags

@@ -14,6 +14,7 @@ from storage.units import blocks_for
 #: keys per query the workspace holds attention for, as a multiple of the chunk; longer contexts get smaller passes.
 ATTENTION_KEYS_PER_CHUNK = 4
 
+
 def workspace_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, keys: int = 0) -> int:
     """Activation memory of one prefill pass of `chunk` tokens attending over `keys` keys (an estimate, reserved).
 
