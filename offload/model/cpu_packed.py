@@ -35,6 +35,7 @@ from numba import njit, prange
 
 from offload.model.simd import (
     LANES,
+    parts,
     prefetch,
     vfma,
     vload,
@@ -230,24 +231,28 @@ def _tiles(x, q, sz, out, wide):  # pragma: no cover - compiled
     X = np.empty((R, G), np.float32)
     for r in range(R):
         _sums(x[r], gs, X[r])
-    for b in prange(nb):
+    share, shares = parts(nb, 1)
+    for t in prange(shares):  # (one share of blocks a thread, its buffers made once)
         S, Z = np.empty((G, _BLOCK), np.float32), np.empty((G, _BLOCK), np.float32)
-        _scales(sz, b, nb, S, Z, wide)
-        A = np.zeros((R, _BLOCK), np.float32)
-        qb = q[b].reshape(q.shape[1] * q.shape[2])
-        if R <= _DIRECT:
+        A = np.empty((R, _BLOCK), np.float32)
+        W = np.empty(gs * _BLOCK if R > _DIRECT else 0, np.float32)
+        for b in range(t * share, min(nb, t * share + share)):
+            _scales(sz, b, nb, S, Z, wide)
+            A[:] = 0
+            qb = q[b].reshape(q.shape[1] * q.shape[2])
+            if R <= _DIRECT:
+                for r in range(R):
+                    _direct(x[r], X[r], qb, S, Z, gs, A[r], wide)
+            else:
+                for g in range(G):
+                    _widen(qb, g, gs, W, wide)
+                    for r in range(0, R - R % 3, 3):
+                        _dot3(x[r], x[r + 1], x[r + 2], X[r], X[r + 1], X[r + 2], g, W, S, Z, A[r], A[r + 1],
+                              A[r + 2])
+                    for r in range(R - R % 3, R):
+                        _dot1(x[r], X[r], g, W, S, Z, A[r])
             for r in range(R):
-                _direct(x[r], X[r], qb, S, Z, gs, A[r], wide)
-        else:
-            W = np.empty(gs * _BLOCK, np.float32)
-            for g in range(G):
-                _widen(qb, g, gs, W, wide)
-                for r in range(0, R - R % 3, 3):
-                    _dot3(x[r], x[r + 1], x[r + 2], X[r], X[r + 1], X[r + 2], g, W, S, Z, A[r], A[r + 1], A[r + 2])
-                for r in range(R - R % 3, R):
-                    _dot1(x[r], X[r], g, W, S, Z, A[r])
-        for r in range(R):
-            out[r, b * _BLOCK:(b + 1) * _BLOCK] = A[r]
+                out[r, b * _BLOCK:(b + 1) * _BLOCK] = A[r]
 
 
 @njit(parallel=True, cache=True, nogil=True)

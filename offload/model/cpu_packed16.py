@@ -32,7 +32,7 @@ from offload.model.cpu_packed import (
     _scales,
     _store4,
 )
-from offload.model.simd import LANES, _bits_f32, prefetch, vfma, vsplat, vzero
+from offload.model.simd import LANES, _bits_f32, parts, prefetch, vfma, vsplat, vzero
 from offload.model.simd_int import vcodes4, vcodes8, vdot, viload, visplat, vistore, vitof, vizero
 
 #: Rows of x from which they are split into int16 in parallel.
@@ -213,6 +213,32 @@ def _dot4_16(XP, step, xs, r, n, g, W, S, Z, A):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
+def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, wide):  # pragma: no cover - compiled
+    """A [R, 64] = block b's outputs for the rows XP (`_tiles16`), its scales into S, Z and (from `_WIDEN` rows) each
+    group's codes into W on the way."""
+    R, G = A.shape[0], S.shape[0]
+    gs = 2 * XP.shape[1] // G
+    _scales(sz, b, nb, S, Z, wide)
+    A[:] = 0
+    qb = q[b].reshape(q.shape[1] * q.shape[2])
+    if R == 1:  # (decode: its own call, the loop's code stays out of it)
+        _direct16(XP[0], step[0], xs[0], qb, S, Z, gs, A[0], wide)
+    elif R < _WIDEN:
+        half = gs // 2
+        for g in range(G):
+            for r in range(0, R - R % 4 if R % 4 == 1 else R, 4):
+                _direct4(XP, step, xs, r, min(4, R - r), g, qb, S, Z, half, A, wide)
+            if R % 4 == 1:  # (a lone row: its own four sums, not four rows' work)
+                t0, t1, t2, t3 = _sums1(XP[R - 1], qb, g * half, half, wide)
+                _close16(A[R - 1], t0, t1, t2, t3, S[g], Z[g], step[R - 1, g], xs[R - 1, g])
+    else:
+        for g in range(G):
+            _widen16(qb, g, gs // 2, W, wide)
+            for r in range(0, R, 4):
+                _dot4_16(XP, step, xs, r, min(4, R - r), g, W, S, Z, A)
+
+
+@njit(inline="always")
 def _tiles16(x, q, sz, out, wide):  # pragma: no cover - compiled
     """`_tiles` with x in int16 steps (even groups), its rows four at a time: below `_WIDEN` rows against the codes
     as they are read (`_direct4`, one group for every row, then the next), from there against each group's codes
@@ -230,29 +256,15 @@ def _tiles16(x, q, sz, out, wide):  # pragma: no cover - compiled
     else:  # (a parallel region costs more than splitting a few rows)
         for r in range(R):
             _split(x[r], gs, cmax, XP[r].view(np.int16), step[r], xs[r])
-    for b in prange(nb):
+    share, shares = parts(nb, 1)
+    for t in prange(shares):  # (one share of blocks a thread, its buffers made once)
         S, Z = np.empty((G, _BLOCK), np.float32), np.empty((G, _BLOCK), np.float32)
-        _scales(sz, b, nb, S, Z, wide)
-        A = np.zeros((R, _BLOCK), np.float32)
-        qb = q[b].reshape(q.shape[1] * q.shape[2])
-        if R == 1:  # (decode: its own call, the loop's code stays out of it)
-            _direct16(XP[0], step[0], xs[0], qb, S, Z, gs, A[0], wide)
-        elif R < _WIDEN:
-            half = gs // 2
-            for g in range(G):
-                for r in range(0, R - R % 4 if R % 4 == 1 else R, 4):
-                    _direct4(XP, step, xs, r, min(4, R - r), g, qb, S, Z, half, A, wide)
-                if R % 4 == 1:  # (a lone row: its own four sums, not four rows' work)
-                    t0, t1, t2, t3 = _sums1(XP[R - 1], qb, g * half, half, wide)
-                    _close16(A[R - 1], t0, t1, t2, t3, S[g], Z[g], step[R - 1, g], xs[R - 1, g])
-        else:
-            W = np.empty(gs // 2 * _BLOCK, np.int32)
-            for g in range(G):
-                _widen16(qb, g, gs // 2, W, wide)
-                for r in range(0, R, 4):
-                    _dot4_16(XP, step, xs, r, min(4, R - r), g, W, S, Z, A)
-        for r in range(R):
-            out[r, b * _BLOCK:(b + 1) * _BLOCK] = A[r]
+        A = np.empty((R, _BLOCK), np.float32)
+        W = np.empty(gs // 2 * _BLOCK if R >= _WIDEN else 0, np.int32)
+        for b in range(t * share, min(nb, t * share + share)):
+            _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, wide)
+            for r in range(R):
+                out[r, b * _BLOCK:(b + 1) * _BLOCK] = A[r]
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -57,10 +57,9 @@ ROW_INVARIANT = numba is not None
 #: 14: a one-row bf16 product of rows of 2048+ columns reads four weight rows at a time; packed products of 2+
 #: rows take four rows at a time (`cpu_packed16._direct4`, `_dot4_16`); 15: a one-row bf16 product reads one
 #: weight row at a time, in order (`cpu_bf16._rows1`); without AVX-512, bf16 products of 2+ rows take four weight
-#: rows for one row of x (`cpu_bf16._rows4`).
-VERSION = 15
-#: Output features per parallel work item of the dense kernel.
-_CHUNK = 16
+#: rows for one row of x (`cpu_bf16._rows4`); 16: a product's rows (dense) or blocks (packed) in one contiguous
+#: share a thread, its buffers made once a thread (`simd.parts`).
+VERSION = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
 #: 1.7B shape's four bf16 matrices x 2, one thread: whole rows (64-180 KiB buffers, read from L2) -> 512 columns:
 #: 64 rows 195 -> 150 ms, 9 rows 51 -> 42 ms, 1 row 34 -> 25 ms. In a 1.7B bf16 run (weights from DRAM) 512 is
@@ -123,7 +122,7 @@ if numba is not None:
 
     from offload.model.cpu_bf16 import bf16_bits, rows_bf16
     from offload.model.cpu_packed16 import packed
-    from offload.model.simd import _avx512, _bits_f32, _f32_bits, prefetch  # noqa: F401 - the fused layer's too
+    from offload.model.simd import _avx512, _bits_f32, _f32_bits, parts, prefetch  # noqa: F401 - the fused layer's too
 
     _WIDE = _avx512()  # registers for `cpu_bf16._rows3`'s tile (frozen into the compiled code: numba's cache keys
     # on the CPU)
@@ -241,15 +240,17 @@ if numba is not None:
         N = w.shape[0]
         if kind == DENSE_BF16:  # bf16 x and w: multiplied as bf16 pairs (`cpu_bf16`)
             xb = bf16_bits(x)
-            for c in prange((N + _CHUNK - 1) // _CHUNK):
-                rows_bf16(xb, w, out, c * _CHUNK, min(N, c * _CHUNK + _CHUNK), _WIDE)
+            share, shares = parts(N, 8)
+            for t in prange(shares):
+                rows_bf16(xb, w, out, t * share, min(N, t * share + share), _WIDE)
             return
         wa, rb, isz = w.ctypes.data, w.strides[0], w.itemsize  # (prefetched by address: a view costs refcounts)
-        for c in prange((N + _CHUNK - 1) // _CHUNK):
+        share, shares = parts(N, 8)
+        for t in prange(shares):
             buf = np.empty((8, min(K, _KC)), np.float32)
             bits = buf.view(np.uint32)
-            end = min(N, c * _CHUNK + _CHUNK)
-            for n in range(c * _CHUNK, end, 8):
+            end = min(N, t * share + share)
+            for n in range(t * share, end, 8):
                 count = min(8, end - n)
                 for k0 in range(0, K, _KC):
                     kc = min(_KC, K - k0)
