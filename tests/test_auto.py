@@ -45,9 +45,10 @@ def setup(tmp_path, tiny_llama, monkeypatch):
 
     real_convert = auto.open_tier_store
 
-    def counting_convert(*a, **kw):
-        calls["convert"] += 1
-        return real_convert(*a, **kw)
+    def counting_convert(*a, **kw):  # (a complete store is opened too, to check it: counted where it was built)
+        store = real_convert(*a, **kw)
+        calls["convert"] += store.built
+        return store
 
     monkeypatch.setattr(auto, "calibrate", fake_calibrate)
     monkeypatch.setattr(auto, "open_tier_store", counting_convert)
@@ -151,12 +152,23 @@ def test_auto_with_packed_weights_converts_plans_and_chats_packed_then_reuses_th
     assert f"(it did not measure the {fmt} kernels)" in third.err
     assert calls["packed"][1] == tuple(s for s in PACKED if s in (fmt, other))
 
+    # this setup's own store written by an earlier Offload (int4: in torch's byte order, its scheme without `-pairs`)
+    # is converted again, not read as it is
+    manifest["meta"]["weights"]["tensors"] = {t: v.removesuffix("-pairs") + ("-v0" if fmt == "int8" else "")
+                                              for t, v in manifest["meta"]["weights"]["tensors"].items()}
+    (disk / "store" / "manifest.json").write_text(json.dumps(manifest))
+    fourth = start_packed(model, disk, fmt, monkeypatch, capsys)
+    assert "another scheme or byte order" in fourth.err and "converting it again" in fourth.err
+    after = json.loads((disk / "store" / "manifest.json").read_text())["meta"]["weights"]["tensors"]
+    assert after["qkv"] == f"{fmt}-g{group}-asym-rtn" + ("-pairs" if fmt == "int4" else "")  # written anew
+
     # the reply is the packed model's: the same conversation on an all-in-memory run of the same format
     config = run_config(model, dtype="auto", weights={"quantization": fmt, "group_size": group})
     with Runner.from_config(config) as r:
         expected = Conversation(r, Sampling(4, stop_token_ids=frozenset(r.generation.eos_token_ids))).say(
             "Hello there").text
     assert first.out == expected + "\n" and second.out == expected + "\n"  # stdout holds the reply alone
+    assert fourth.out == expected + "\n"
 
 
 def test_auto_weights_other_than_the_kept_yaml_are_refused(setup, monkeypatch, capsys):

@@ -26,8 +26,8 @@ import torch
 
 from offload.cli.plan import show_plan
 from offload.cli.prepare import store_to_fill
-from offload.config import OffloadConfig, cache_dir, format_size
-from offload.errors import ConfigError
+from offload.config import DiskTierConfig, OffloadConfig, cache_dir, format_size
+from offload.errors import ConfigError, StaleStoreError
 from offload.model import hub
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
@@ -36,7 +36,7 @@ from offload.plan.memory import ram_available
 from offload.plan.planner import Planner
 from offload.runtime.device import resolve_dtype
 from offload.runtime.overhead import engine_overhead_s
-from offload.weights.convert import open_tier_store
+from offload.weights.convert import convert, open_tier_store
 from offload.weights.groups import WeightFormat
 from storage.store import StoreState
 
@@ -117,6 +117,35 @@ def packed(model: str, quantization: str) -> WeightFormat:
     return WeightFormat(quantization).fitted(cfg)
 
 
+def _ensure_store(disk: DiskTierConfig, ckpt: Checkpoint, dtype: torch.dtype, fmt: WeightFormat, root: Path) -> None:
+    """Convert the checkpoint into tiers.disk.path once (fmt: the YAML's, as the run reads it); a complete store is
+    opened and checked. This setup's own store (under `root`) that an earlier Offload wrote in a format this one does
+    not read is converted again, as the demo's cache is; a store the user pointed the YAML at is theirs: the error
+    says how to convert it."""
+    store = disk.path
+    state = store_to_fill(store)
+    if state is StoreState.COMPLETE:
+        try:
+            open_tier_store(ckpt, disk, dtype, fmt).close()
+            print(f"store: {store} is complete (no conversion)")
+            return
+        except StaleStoreError as e:
+            if not Path(store).resolve().is_relative_to(root):
+                raise
+            print(f"store: {e}\nstore: it is this setup's own: converting it again")
+            t0 = time.perf_counter()
+            convert(ckpt, store, dtype, force=True, capacity=disk.capacity, fmt=fmt, progress=True).close()
+            print(f"store: converted in {time.perf_counter() - t0:.1f}s")
+            return
+    again = " (an interrupted conversion is started again)" if state is StoreState.PARTIAL else ""
+    print(f"store: converting {ckpt.path} into {store}, once{again}")
+    t0 = time.perf_counter()
+    opened = open_tier_store(ckpt, disk, dtype, fmt, progress=True)  # (another process converting it too: waited
+    opened.close()  # for, its store reused)
+    print(f"store: {'converted' if opened.built else 'converted by the process it waited for'} in "
+          f"{time.perf_counter() - t0:.1f}s")
+
+
 def packed_kernels(config: OffloadConfig) -> tuple[str, ...]:
     """The packed formats whose CPU kernels the run computes with (`calibrate.PACKED`): the weights', a self-int
     draft's."""
@@ -158,20 +187,7 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
         planner = Planner(config.replace(calibration=None), ckpt.config, dtype, device)  # (fit needs no timings)
         planner.fit(planner.caps, 0)
     if config.tiers is not None and config.tiers.disk is not None:
-        store = config.tiers.disk.path
-        state = store_to_fill(store)
-        if state is StoreState.COMPLETE:
-            print(f"store: {store} is complete (no conversion)")
-        else:
-            again = " (an interrupted conversion is started again)" if state is StoreState.PARTIAL else ""
-            print(f"store: converting {ckpt.path} into {store}, once{again}")
-            t0 = time.perf_counter()
-            fmt = WeightFormat.from_config(config.weights, ckpt.config)  # the YAML's, as the run will read it
-            # (another process converting it too: waited for, its store reused)
-            opened = open_tier_store(ckpt, config.tiers.disk, dtype, fmt, progress=True)
-            opened.close()
-            print(f"store: {'converted' if opened.built else 'converted by the process it waited for'} in "
-                  f"{time.perf_counter() - t0:.1f}s")
+        _ensure_store(config.tiers.disk, ckpt, dtype, WeightFormat.from_config(config.weights, ckpt.config), root)
     cal_path = config.calibration or root / "calibration.json"
     why, schemes = why_measure(cal_path, packed_kernels(config))
     if why is None:
