@@ -152,15 +152,15 @@ def test_auto_with_packed_weights_converts_plans_and_chats_packed_then_reuses_th
     assert f"(it did not measure the {fmt} kernels)" in third.err
     assert calls["packed"][1] == tuple(s for s in PACKED if s in (fmt, other))
 
-    # this setup's own store written by an earlier Offload (int4: in torch's byte order, its scheme without `-pairs`)
+    # this setup's own store written by an earlier Offload in a scheme this one does not read (its manifest says so)
     # is converted again, not read as it is
-    manifest["meta"]["weights"]["tensors"] = {t: v.removesuffix("-pairs") + ("-v0" if fmt == "int8" else "")
+    manifest["meta"]["weights"]["tensors"] = {t: v if v == "dense" else v + "-v0"
                                               for t, v in manifest["meta"]["weights"]["tensors"].items()}
     (disk / "store" / "manifest.json").write_text(json.dumps(manifest))
     fourth = start_packed(model, disk, fmt, monkeypatch, capsys)
     assert "another scheme or byte order" in fourth.err and "converting it again" in fourth.err
     after = json.loads((disk / "store" / "manifest.json").read_text())["meta"]["weights"]["tensors"]
-    assert after["qkv"] == f"{fmt}-g{group}-asym-rtn" + ("-pairs" if fmt == "int4" else "")  # written anew
+    assert after["qkv"] == f"{fmt}-g{group}-asym-rtn"  # written anew
 
     # the reply is the packed model's: the same conversation on an all-in-memory run of the same format
     config = run_config(model, dtype="auto", weights={"quantization": fmt, "group_size": group})

@@ -271,19 +271,18 @@ def test_store_of_another_dtype_is_refused(tiny_llama, good_store):
         Runner.from_config(disk_config(tiny_llama, good_store) | {"dtype": "bfloat16"})
 
 
-def test_int4_store_in_an_earlier_byte_order_is_refused_with_the_command_that_converts_it(tmp_path, model_factory):
-    """int4 codes moved from torch's CPU order to column pairs (`quant.pack_tiles`): a store of the earlier order
-    (its manifest's int4 schemes without `-pairs`) has the same shapes, so it is told apart by its schemes, never
-    multiplied as it is."""
+def test_store_whose_manifest_records_other_schemes_is_refused_with_the_command_that_converts_it(tmp_path,
+                                                                                                 model_factory):
+    """Packed bytes of another scheme or byte order (an earlier Offload's) can have the same shapes as this one's: the
+    manifest's per-tensor schemes tell them apart, so they are never multiplied as they are."""
     model = model_factory("llama", overrides={"intermediate_size": 384})
-    weights = {"quantization": "int4", "group_size": 64}
     store = tmp_path / "store"
-    cfg = disk_config(model, store, weights=weights)
+    cfg = disk_config(model, store, weights={"quantization": "int4", "group_size": 64})
     tokens(cfg, 2)  # converted by the first run
     manifest = json.loads((store / "manifest.json").read_text())
     schemes = manifest["meta"]["weights"]["tensors"]
-    assert schemes["qkv"] == "int4-g64-asym-rtn-pairs" and schemes["input_norm"] == "dense"
-    manifest["meta"]["weights"]["tensors"] = {t: v.removesuffix("-pairs") for t, v in schemes.items()}
+    assert schemes["qkv"] == "int4-g64-asym-rtn" and schemes["input_norm"] == "dense"
+    manifest["meta"]["weights"]["tensors"] = schemes | {"qkv": "int4-g64-asym-rtn-v0"}
     (store / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(StoreError, match=r"another scheme or byte order than this Offload reads .*--weights int4 "
                                          r"--group-size 64 .*--force"):

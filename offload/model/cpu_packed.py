@@ -2,8 +2,8 @@
 row's bits independent of the batch.
 
 Both layouts put output rows in blocks of 64 and, in a block, for each input column k, the codes of the 64 rows
-side by side: int4 a pair of columns in 64 bytes (`quant.pack_tiles`: uint32 j holds rows j, j + 16, j + 32, j + 48
-of both columns; w = (nibble - 8) * scale + zero), int8 one byte a row (64 bytes a column, byte j row j;
+side by side: int4 is torch's CPU int4 packing (32 bytes a column, byte j holding row j in its low nibble and row
+j + 32 in its high one; w = (nibble - 8) * scale + zero), int8 one byte a row (64 bytes a column, byte j row j;
 w = code * scale + min). One (scale, zero / min) pair per group of gs columns and row. The codes of a column are
 the 64 rows' weights, so the kernel runs across rows: 16 rows a lane vector, four vectors a block, each output in
 its own lane, and a block is one stream of bytes read in order. For each group g of columns:
@@ -37,9 +37,9 @@ from offload.model.simd import (
     LANES,
     parts,
     prefetch,
-    vcolumn4,
     vfma,
     vload,
+    vnibbles,
     vpairs,
     vpairs32,
     vsplat,
@@ -133,10 +133,12 @@ def _close(A, t0, t1, t2, t3, Sg, Zg, xs):  # pragma: no cover - compiled
 @njit(inline="always")
 def _column(qb, k, wide):  # pragma: no cover - compiled
     """Column k of a block's codes qb as four vectors of 16 rows (0-15, 16-31, 32-47, 48-63), converted exactly:
-    int8 (`wide`) 64 bytes; int4 from its column pair's 64 bytes (`simd.vcolumn4`)."""
+    int8 (`wide`) 64 bytes; int4 32 bytes, rows 0-31 in the low nibbles and 32-63 in the high ones."""
     if wide:
         return vload(qb, 64 * k), vload(qb, 64 * k + LANES), vload(qb, 64 * k + 2 * LANES), vload(qb, 64 * k + 48)
-    return vcolumn4(qb, 64 * (k // 2), k % 2)
+    lo0, hi0 = vnibbles(qb, 32 * k)
+    lo1, hi1 = vnibbles(qb, 32 * k + LANES)
+    return lo0, lo1, hi0, hi1
 
 
 @njit(inline="always")
@@ -255,7 +257,7 @@ def _tiles(x, q, sz, out, wide):  # pragma: no cover - compiled
 
 @njit(parallel=True, cache=True, nogil=True)
 def _int4(x, q, sz, out):  # pragma: no cover - compiled
-    """x [R, K] float32 @ int4 tiles q uint8 [rows / 64, K, 32] (`quant.pack_tiles`) -> out [R, rows] float32.
+    """x [R, K] float32 @ int4 tiles q uint8 [rows / 64, K, 32] (torch's packing) -> out [R, rows] float32.
     Compiled without fastmath: the order is the source's."""
     _tiles(x, q, sz, out, False)
 

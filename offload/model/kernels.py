@@ -14,10 +14,10 @@ all its rows (the weights read once), not one product per column.
              2-core AVX-512 machine, SmolLM2-135M's bf16 matrices, 30 layers' worth (212 MB, beyond the cache):
              this layout 14-16 GB/s at batch 1 against 7-9 GB/s for the earlier 4-row-padded blocking and
              13 GB/s for torch's bf16 F.linear; at 9 rows 7.8 against 5.5 and 3.6.
-    int4     the group-wise tile layouts of `offload.weights.quant` (int4: column pairs in the dot instruction's
-    int8     order; int8: one byte a weight in the same 64-row tiles): `offload.model.cpu_packed`, across the
-             64 rows of a tile in explicit 16-lane vectors, each output accumulating along k in order, scaled
-             once a group (dequantized without numba).
+    int4     the group-wise tile layouts of `offload.weights.quant` (int4: torch's CPU int4 packing; int8: one
+    int8     byte a weight in the same 64-row tiles): `offload.model.cpu_packed`, across the 64 rows of a tile
+             in explicit 16-lane vectors, each output accumulating along k in order, scaled once a group
+             (torch's `_weight_int4pack_mm_for_cpu` only without numba).
 
     layer    `offload.model.fused`: a whole decoder layer in one compiled call over these kernels.
 
@@ -58,8 +58,8 @@ ROW_INVARIANT = numba is not None
 #: rows take four rows at a time (`cpu_packed16._direct4`, `_dot4_16`); 15: a one-row bf16 product reads one
 #: weight row at a time, in order (`cpu_bf16._rows1`); without AVX-512, bf16 products of 2+ rows take four weight
 #: rows for one row of x (`cpu_bf16._rows4`); 16: a product's rows (dense) or blocks (packed) in one contiguous
-#: share a thread, its buffers made once a thread (`simd.parts`); 17: int4 codes in column pairs (`quant.pack_tiles`).
-VERSION = 17
+#: share a thread, its buffers made once a thread (`simd.parts`).
+VERSION = 16
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
 #: 1.7B shape's four bf16 matrices x 2, one thread: whole rows (64-180 KiB buffers, read from L2) -> 512 columns:
 #: 64 rows 195 -> 150 ms, 9 rows 51 -> 42 ms, 1 row 34 -> 25 ms. In a 1.7B bf16 run (weights from DRAM) 512 is

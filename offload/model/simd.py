@@ -11,7 +11,7 @@ register; elsewhere LLVM splits it, with the same results.
     vsplat(f)            all lanes f
     vload(a, i)          a[i : i + 16] of a C-contiguous 1-D array, float32, or uint8 converted exactly to float32
     vstore(a, i, v)      a[i : i + 16] = v (float32)
-    vcolumn4(a, i, c)    column c of an int4 column pair a[i : i + 64] (`quant.pack_tiles`) as four float32 vectors
+    vnibbles(a, i)       (low, high) nibbles of the bytes a[i : i + 16] as float32 (0..15, exact)
     vpairs(a, i)         the 16 (first, second) pairs of bf16 bits a[i : i + 32] (uint16), as float32
     vpairs32(a, i)       the same of float32 bits held as uint16 halves, a[i : i + 64]
     vfma(a, b, c)        a * b + c, rounded once, lane by lane
@@ -288,35 +288,28 @@ def _avx512() -> bool:
 
 
 @intrinsic
-def vcolumn4(typingctx, a, i, c):  # pragma: no cover - compiled
-    """Column c (0 or 1) of the int4 column pair at a[i : i + 64] (`quant.pack_tiles`: 16 uint32, each rows j, j + 16,
-    j + 32, j + 48 in nibbles 0-3 of its low half, column 0, and of its high half, column 1) as four float32 lane
-    vectors, rows 0-15 .. 48-63 (0..15, exact): with AVX-512 a table lookup (vpermps reads an index's low 4 bits: no
-    mask, no conversion), else a mask and a conversion."""
-    if not _contiguous(a, (types.uint8,)) or not all(isinstance(t, types.Integer) for t in (i, c)):
+def vnibbles(typingctx, a, i):  # pragma: no cover - compiled
+    """(low, high) nibbles of the bytes a[i : i + 16] (uint8) as float32 lanes (0..15, exact): with AVX-512 a table
+    lookup (vpermps: no conversion instruction), else a conversion."""
+    if not _contiguous(a, (types.uint8,)) or not isinstance(i, types.Integer):
         return None
-    ret = types.UniTuple(f32x16, 4)
+    ret = types.UniTuple(f32x16, 2)
 
     def codegen(context, builder, sig, args):
+        v = builder.load(_ptr(context, builder, sig.args[0], args[0], args[1]), align=1)
         i32 = ir.VectorType(ir.IntType(32), LANES)
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        v = builder.load(builder.bitcast(builder.gep(data, [args[1]]), i32.as_pointer()), align=1)
-        c = builder.trunc(args[2], ir.IntType(32)) if args[2].type.width > 32 else builder.zext(args[2], ir.IntType(32))
-        base = builder.mul(c, ir.Constant(ir.IntType(32), 16))
-        out = []
-        for r in range(4):
-            shift = builder.add(base, ir.Constant(ir.IntType(32), 4 * r))
-            splat = builder.insert_element(ir.Constant(i32, ir.Undefined), shift, ir.Constant(ir.IntType(32), 0))
-            splat = builder.shuffle_vector(splat, ir.Constant(i32, ir.Undefined), ir.Constant(i32, [0] * LANES))
-            n = builder.lshr(v, splat)
-            if _avx512():
-                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VT, [_VT, i32]),
-                                                    "llvm.x86.avx512.permvar.sf.512")
-                out.append(builder.call(fn, [ir.Constant(_VT, [float(x) for x in range(LANES)]), n]))
-            else:
-                out.append(builder.uitofp(builder.and_(n, ir.Constant(i32, [15] * LANES)), _VT))
-        return context.make_tuple(builder, ret, out)
-    return ret(a, i, c), codegen
+        w = builder.zext(v, i32)
+        hi = builder.lshr(w, ir.Constant(i32, [4] * LANES))
+        if _avx512():
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VT, [_VT, i32]),
+                                                "llvm.x86.avx512.permvar.sf.512")
+            table = ir.Constant(_VT, [float(n) for n in range(LANES)])
+            lo_f, hi_f = builder.call(fn, [table, w]), builder.call(fn, [table, hi])  # (index: the low 4 bits)
+        else:
+            lo_f = builder.uitofp(builder.and_(w, ir.Constant(i32, [15] * LANES)), _VT)
+            hi_f = builder.uitofp(hi, _VT)
+        return context.make_tuple(builder, ret, [lo_f, hi_f])
+    return ret(a, i), codegen
 
 
 def _pairs(bits):

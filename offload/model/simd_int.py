@@ -7,7 +7,7 @@
     vdot(acc, w, x)      acc + w[2j] x[2j] + w[2j + 1] x[2j + 1] in lane j, int16 halves (AVX-512 VNNI's vpdpwssds)
     vitof(v)             the lanes as float32
     vcodes8(a, i)        int8 tiles: columns k, k + 1 of a 64-row block as four vectors of (code, code) int16 pairs
-    vcodes4(a, i)        the same from int4 tiles (`quant.pack_tiles`: the pairs lie in the codes' bytes)
+    vcodes4(a, i)        the same from int4 tiles (torch's packing)
     vbfpairs(a, i)       a[i : i + 32] of bf16 bits (an array, or an address) as 16 lanes of (a[i + 2j], a[i + 2j + 1])
     bfat(a, i)           a[i] of bf16 bits as float32; f32put(a, i, v) stores float32 v at an address
     vdpbf(acc, w, x)     acc + w[2j + 1] x[2j + 1] + w[2j] x[2j] in float32 lane j, bf16 pairs, two roundings
@@ -175,27 +175,25 @@ def vcodes8(typingctx, a, i):  # pragma: no cover - compiled
 
 @intrinsic
 def vcodes4(typingctx, a, i):  # pragma: no cover - compiled
-    """int4 tiles (`quant.pack_tiles`): from a[i : i + 64] (columns k, k + 1 of a 64-row block: 16 uint32, each rows
-    j, j + 16, j + 32, j + 48 in nibbles 0-3 of its low half (column k) and of its high half (column k + 1)) the four
-    lane vectors of rows 0-15, 16-31, 32-47, 48-63, lane j holding (code[row, k], code[row, k + 1]) as int16: the
-    codes lie in the pairs the dot instruction takes, so a vector is a 16-bit shift and a mask (the top nibble no
-    mask): 6 instructions for 128 codes, where torch's CPU order (byte j rows j and j + 32 of one column) took 10
-    (two byte shuffles and widenings to interleave the columns). One [8192, 2048] matrix, 2 Zen 4 threads, 8
-    matrices in turn: 42 -> 47 G weights/s from DRAM; 40 [1536, 576] ones (SmolLM2's, most from L3) 50 -> 78."""
+    """int4 tiles (torch's packing): from a[i : i + 64] (columns k, k + 1 of a 64-row block, 32 bytes each, byte j
+    row j's nibble low and row j + 32's high) the four lane vectors of rows 0-15, 16-31, 32-47, 48-63, lane j
+    holding (code[row, k], code[row, k + 1]) as int16."""
     if not _contiguous(a, (types.uint8,)) or not isinstance(i, types.Integer):
         return None
     ret = types.UniTuple(i32x16, 4)
 
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        v = builder.load(builder.bitcast(builder.gep(data, [args[1]]), _IT.as_pointer()), align=1)
-        w = builder.bitcast(v, _I16x32)
-        mask = ir.Constant(_IT, [0x000F000F] * LANES)
-        out = [builder.and_(v, mask)]
-        for shift in (4, 8, 12):
-            lanes = builder.bitcast(builder.lshr(w, ir.Constant(_I16x32, [shift] * 2 * LANES)), _IT)
-            out.append(lanes if shift == 12 else builder.and_(lanes, mask))
-        return context.make_tuple(builder, ret, out)
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.VectorType(ir.IntType(8), 64).as_pointer())
+        v = builder.load(ptr, align=1)
+        low, high = ir.Constant(_IT, [0x000F000F] * LANES), ir.Constant(_IT, [4] * LANES)
+        out = []
+        for half in (0, 16):
+            b = _pairs(builder, v, half, 32 + half)  # rows half..half+15 low, +32 high: int16 bytes 0..255
+            out.append(builder.and_(b, low))
+            out.append(builder.and_(builder.lshr(b, high), low))
+        lo0, hi0, lo1, hi1 = out
+        return context.make_tuple(builder, ret, [lo0, lo1, hi0, hi1])
     return ret(a, i), codegen
 
 

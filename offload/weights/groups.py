@@ -83,9 +83,7 @@ class WeightFormat:
         if self.prequant is not None:
             p = self.prequant
             return f"{p.method}-{p.bits}bit-g{p.group_size or 'all'}" + ("-act-order" if p.act_order else "")
-        bits = self.tensor_bits(tensor)
-        return f"int{bits}-g{self.group_size}-asym-rtn" + ("-pairs" if bits == 4 else "")  # (int4's byte order:
-        # `quant.pack_tiles`; stores from before it say `int4-g..-asym-rtn` and are converted again)
+        return f"int{self.tensor_bits(tensor)}-g{self.group_size}-asym-rtn"
 
     @classmethod
     def from_config(cls, w: WeightsConfig, cfg: ModelConfig) -> WeightFormat:

@@ -5,30 +5,26 @@ per `group_size` consecutive input columns of each output row:
 
     q = clamp(round((w - min) / scale), 0, 2**bits - 1)      scale = (max - min) / (2**bits - 1)
 
-int4 bytes are laid out the way the CPU kernel's dot instruction takes them, so on a CPU device a
-packed matrix is multiplied as it lies in its slot, with no dequantized copy: one *plane* q [1, rows,
-k/2] with `(scale, zero)` pairs sz [1, k/g, rows, 2] in the compute dtype, with the kernel's meaning
-`w = (nibble - 8) * scale + zero` (scale = s, zero = min + 8 s). Tile order of the plane
-(`pack_tiles`): output rows in blocks of 64; inside a block, for each pair of input columns, 64
-bytes whose little-endian uint32 j holds rows j, j + 16, j + 32, j + 48 of the first column in the
-nibbles of its low half and of the second column in its high half (a 16-bit shift and a mask give
-the (column k, column k + 1) int16 pairs of 16 rows that `vpdpwssds` multiplies). Until turn 3 it
-was torch's CPU int4 packing (a column's 32 bytes, byte j rows j and j + 32), which took 10
-instructions for 128 codes where this takes 6; stores in it are converted again (the manifest's
-scheme, `-pairs`, tells them apart). int8 is one byte a weight in the same tiles, a column's 64
-bytes the 64 rows': q [rows / 64, k, 64], with sz [k/g, rows, 2] = (scale, min) and
-`w = q * scale + min` (its CPU kernel reads a block as one stream, across the rows, as int4's
-does: `offload.model.cpu_packed`). The scales' shape tells the formats apart: int4's has the plane's
-leading 1. Rows are padded with zeros to a multiple of 64.
+int4 bytes are laid out the way torch's CPU int4 matmul (`_weight_int4pack_mm_for_cpu`) reads
+them, so on a CPU device a packed matrix is multiplied as it lies in its slot, with no dequantized
+copy: one *plane* q [1, rows, k/2] with `(scale, zero)` pairs sz [1, k/g, rows, 2] in the compute
+dtype, with the kernel's meaning `w = (nibble - 8) * scale + zero` (scale = s, zero = min + 8 s).
+Tile order of the plane (torch's CPU int4 packing): output rows in blocks of 64; inside a block,
+for each input column k, 32 bytes whose byte j holds row j (low nibble) and row j + 32 (high
+nibble). int8 is one byte a weight in the same tiles, a column's 64 bytes the 64 rows': q [rows / 64,
+k, 64], with sz [k/g, rows, 2] = (scale, min) and `w = q * scale + min` (its CPU kernel reads a block
+as one stream, across the rows, as int4's does: `offload.model.cpu_packed`). The scales' shape tells
+the formats apart: int4's has the plane's leading 1. Rows are padded with zeros to a multiple of 64.
 Where the kernel is missing (CUDA, numba absent) a matrix is dequantized into a reused scratch
 buffer and multiplied densely.
 
 On a CPU a packed matrix multiplies through `offload.model.kernels` (row-invariant numba kernels on these
-bytes; dequantized as above where numba is missing). Knows nothing about models, groups or files.
+bytes; torch's kernel above where numba is missing). Knows nothing about models, groups or files.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +34,24 @@ from offload.model import kernels
 
 #: Output rows per tile of the packed layout.
 TILE_ROWS = 64
+#: Group sizes torch's fused CPU kernel accepts.
+FUSED_GROUPS = (32, 64, 128, 256)
+_FUSED = getattr(torch, "_weight_int4pack_mm_for_cpu", None)
+
+
+@functools.cache
+def _torch_packs_like_us() -> bool:
+    """Asked at the first packed matmul, not at import: a process that forks right after importing us (a
+    forkserver, a DataLoader) must not inherit an OpenMP pool, whose first parallel region hangs in the child.
+
+    torch packs int4 for its CPU kernel by the vector width it was dispatched to (64-row tiles with AVX-512,
+    32-row tiles with AVX2), while stores keep 64-row tiles on every machine: its kernel reads our bytes only
+    where its packing of a probe equals ours."""
+    convert = getattr(torch, "_convert_weight_to_int4pack_for_cpu", None)
+    if _FUSED is None or convert is None:
+        return False
+    nib = torch.arange(64 * 64, dtype=torch.int32).view(64, 64).mul_(7).remainder_(16)
+    return torch.equal(convert(nib, 1), pack_tiles(nib))
 
 
 def padded_rows(n: int) -> int:
@@ -54,25 +68,22 @@ def packed_shapes(n: int, k: int, bits: int, group_size: int) -> dict[str, tuple
 
 # ----------------------------------------------------------------------------- tile order
 def pack_tiles(q: torch.Tensor) -> torch.Tensor:
-    """Nibbles [rows, k] (values 0..15, rows a multiple of 64, k even) -> bytes [rows, k / 2] in tile order: for each
-    block of 64 rows and pair of columns (2p, 2p + 1), 64 bytes whose little-endian uint32 j holds rows j, j + 16,
-    j + 32, j + 48 (nibbles 0-3 of its low half: column 2p; of its high half: column 2p + 1)."""
+    """Nibbles [rows, k] (values 0..15, rows a multiple of 64) -> bytes [rows, k / 2] in tile order."""
     rows, k = q.shape
-    b = q.to(torch.uint8).view(rows // TILE_ROWS, 4, TILE_ROWS // 4, k // 2, 2)  # [blocks, r, j, p, c]: row 16r + j
-    b = b.permute(0, 3, 2, 4, 1)  # [blocks, p, j, c, r]
-    return (b[..., 0::2] | (b[..., 1::2] << 4)).reshape(rows, k // 2)  # byte h of a half: rows 32h + j, 32h + 16 + j
+    b = q.to(torch.uint8).view(rows // TILE_ROWS, 2, TILE_ROWS // 2, k)  # [blocks, half, j, k]
+    return (b[:, 0] | (b[:, 1] << 4)).permute(0, 2, 1).reshape(rows, k // 2)
 
 
 def unpack_tiles(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Bytes [rows, k / 2] in tile order -> nibbles [rows, k] (uint8, or written into `out` of any dtype)."""
     rows, half = packed.shape
     k = 2 * half
-    b = packed.view(rows // TILE_ROWS, half, TILE_ROWS // 4, 2, 2)  # [blocks, p, j, c, h]
+    b = packed.view(rows // TILE_ROWS, k, TILE_ROWS // 2)  # [blocks, k, j]
     if out is None:
         out = torch.empty(rows, k, dtype=torch.uint8, device=packed.device)
-    o = out.view(rows // TILE_ROWS, 2, 2, TILE_ROWS // 4, half, 2)  # [blocks, h, high, j, p, c]: row 32h + 16 high + j
-    o[:, :, 0].copy_((b & 15).permute(0, 4, 2, 1, 3))
-    o[:, :, 1].copy_((b >> 4).permute(0, 4, 2, 1, 3))
+    o = out.view(rows // TILE_ROWS, 2, TILE_ROWS // 2, k)  # [blocks, half, j, k]
+    o[:, 0].copy_((b & 15).transpose(1, 2))
+    o[:, 1].copy_((b >> 4).transpose(1, 2))
     return out
 
 
@@ -174,8 +185,16 @@ class PackedLinear:
     def group_size(self) -> int:
         return kernels.packed_rows_cols(self.q, self.sz)[1] // self.sz.shape[-3]
 
+    @property
+    def fused(self) -> bool:
+        """torch's vectorised int4 kernel applies: a CPU, one of its group sizes, bf16 scales (other scale dtypes
+        take its scalar loop, so they go to the numba kernel where there is one)."""
+        return (self.bits == 4 and self.q.device.type == "cpu" and self.group_size in FUSED_GROUPS
+                and (self.sz.dtype == torch.bfloat16 or not kernels.packed_supported(self.sz))
+                and _torch_packs_like_us())
+
     def row_invariant(self, x: torch.Tensor) -> bool:
-        return kernels.packed_supported(self.sz)
+        return self.fused or kernels.packed_supported(self.sz)
 
     def dense(self) -> torch.Tensor:
         """The dequantized weight [out_features, k] (in the scratch buffer when there is one)."""
@@ -191,6 +210,8 @@ class PackedLinear:
         x2 = x.reshape(-1, x.shape[-1])
         if kernels.packed_supported(self.sz):
             y = kernels.packed_linear(x2, self.q, self.sz)
+        elif self.fused:
+            y = _FUSED(x2.to(self.sz.dtype).contiguous(), self.q[0], self.group_size, self.sz[0])
         else:
             return F.linear(x, self.dense().to(x.dtype), bias)
         y = y[:, : self.out_features].to(x.dtype)
