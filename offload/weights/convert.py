@@ -129,16 +129,16 @@ def open_store(ckpt: Checkpoint, store_dir: str | Path, dtype: torch.dtype, capa
             f"{store_dir} holds weights stored as {have} but the run asks for {fmt.to_json()}; set `weights:` to "
             f"match, or convert again with `{again}`"
         )
-    if meta.get("weights", {}).get("tensors", {}) != weights_meta(ckpt, fmt)["tensors"]:
-        store.close()
-        raise StaleStoreError(f"{store_dir} stores its weights in another scheme or byte order than this Offload "
-                              f"reads (an earlier version's); convert again with `{again}`")
     expected = model_layouts(ckpt.config, dtype, fmt)
     if {n: g.layout for n, g in store.groups.items()} != expected:
         store.close()
         raise StaleStoreError(f"{store_dir}: its group layouts differ from this run's (another Offload version, or "
                          f"model_impl {ckpt.config.impl} where it was converted for the other); convert again with "
                          f"`{again}`")
+    if meta.get("weights", {}).get("tensors", {}) != weights_meta(ckpt, fmt)["tensors"]:
+        store.close()
+        raise StaleStoreError(f"{store_dir} stores its weights in another scheme or byte order than this Offload "
+                              f"reads (an earlier version's); convert again with `{again}`")
     return store
 
 
