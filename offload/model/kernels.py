@@ -238,14 +238,13 @@ if numba is not None:
         function with a kind, not one closure per dtype: numba's cache does not keep closures.)"""
         R, K = x.shape
         N = w.shape[0]
+        share, shares = parts(N, 8)  # (one contiguous share of rows a thread)
         if kind == DENSE_BF16:  # bf16 x and w: multiplied as bf16 pairs (`cpu_bf16`)
             xb = bf16_bits(x)
-            share, shares = parts(N, 8)
             for t in prange(shares):
                 rows_bf16(xb, w, out, t * share, min(N, t * share + share), _WIDE)
             return
         wa, rb, isz = w.ctypes.data, w.strides[0], w.itemsize  # (prefetched by address: a view costs refcounts)
-        share, shares = parts(N, 8)
         for t in prange(shares):
             buf = np.empty((8, min(K, _KC)), np.float32)
             bits = buf.view(np.uint32)
