@@ -7,9 +7,12 @@ import json
 import re
 import shutil
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from offload.cli import auto
@@ -169,6 +172,27 @@ def test_auto_with_packed_weights_converts_plans_and_chats_packed_then_reuses_th
             "Hello there").text
     assert first.out == expected + "\n" and second.out == expected + "\n"  # stdout holds the reply alone
     assert fourth.out == expected + "\n"
+
+
+def test_two_starts_at_once_measure_the_machine_once(tmp_path, monkeypatch, capsys):
+    """The second of two setups starting together waits for the first's calibration and reuses it."""
+    measured = []
+
+    def slow_calibrate(device, dtype, disk, engine=None, packed=PACKED):
+        measured.append(packed)
+        time.sleep(0.5)  # (long enough for the other start to find the lock held)
+        cal = Calibration.defaults()
+        cal.meta |= {"kernels": kernels_id(), "machine": machine.identity()}
+        return cal
+
+    monkeypatch.setattr(auto, "calibrate", slow_calibrate)
+    path = tmp_path / "calibration.json"
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda _: auto._ensure_calibration(path, (), torch.device("cpu"), torch.float32, tmp_path),
+                      range(2)))
+    out = capsys.readouterr().out
+    assert len(measured) == 1 and Calibration.load(path).meta["kernels"] == kernels_id()
+    assert "waiting for pid" in out and "(measured by the process it waited for; no calibration)" in out
 
 
 def test_auto_weights_other_than_the_kept_yaml_are_refused(setup, monkeypatch, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -169,6 +170,13 @@ def test_trace_summary_and_plot_commands(tmp_path, tiny_llama, store, capsys):
 
 
 # ----------------------------------------------------------------------------- calibration and cost model
+def test_two_disk_probes_into_one_directory_at_once_each_read_their_own_file(tmp_path):
+    """Two processes calibrating one setup at once shared one probe file: each truncated and removed the other's."""
+    with ThreadPoolExecutor(2) as pool:
+        rates = list(pool.map(lambda _: measure_disk(tmp_path, nbytes=16 * 2**20, piece=2**20), range(2)))
+    assert all(r > 1e6 for r in rates) and not list(tmp_path.iterdir())
+
+
 def test_calibration_measures_and_round_trips(tmp_path):
     disk = measure_disk(tmp_path, nbytes=16 * 2**20)
     assert disk > 1e6 and not list(tmp_path.iterdir())  # the test file is removed

@@ -38,6 +38,7 @@ from offload.runtime.device import resolve_dtype
 from offload.runtime.overhead import engine_overhead_s
 from offload.weights.convert import convert, open_tier_store
 from offload.weights.groups import WeightFormat
+from storage.lock import FileLock
 from storage.store import StoreState
 
 WEIGHT_SCHEMES = ("int8", "int4")
@@ -146,6 +147,31 @@ def _ensure_store(disk: DiskTierConfig, ckpt: Checkpoint, dtype: torch.dtype, fm
           f"{time.perf_counter() - t0:.1f}s")
 
 
+def _ensure_calibration(cal_path: Path, packed: tuple[str, ...], device: torch.device, dtype: torch.dtype,
+                        disk: Path) -> None:
+    """Measure this machine into cal_path once (again where `why_measure` says so), under a lock beside it: another
+    process starting the same setup at once waits and reuses what this one measured (both measuring at once read
+    each other's disk probe, and each would time the other's load)."""
+    cal_path.parent.mkdir(parents=True, exist_ok=True)
+    lock, waited = FileLock(cal_path.with_name(f".{cal_path.name}.lock")), []
+    try:
+        lock.exclusive(on_wait=lambda holder: (waited.append(holder),
+                                               print(f"calibration: waiting for {holder} to finish measuring")))
+        why, schemes = why_measure(cal_path, packed)
+        if why is None:
+            print(f"calibration: {cal_path} ({'measured by the process it waited for' if waited else 'reused'}; "
+                  "no calibration)")
+            return
+        lock.announce("calibrating")
+        why = ", once" if why == "there is none" else f" ({why})"
+        print(f"calibration: measuring this machine's disk, copies and layer kernels{why} -> {cal_path}")
+        t0 = time.perf_counter()
+        calibrate(device, dtype, disk, engine=engine_overhead_s, packed=schemes).save(cal_path)
+        print(f"calibration: done in {time.perf_counter() - t0:.1f}s")
+    finally:
+        lock.close()
+
+
 def packed_kernels(config: OffloadConfig) -> tuple[str, ...]:
     """The packed formats whose CPU kernels the run computes with (`calibrate.PACKED`): the weights', a self-int
     draft's."""
@@ -189,16 +215,8 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
     if config.tiers is not None and config.tiers.disk is not None:
         _ensure_store(config.tiers.disk, ckpt, dtype, WeightFormat.from_config(config.weights, ckpt.config), root)
     cal_path = config.calibration or root / "calibration.json"
-    why, schemes = why_measure(cal_path, packed_kernels(config))
-    if why is None:
-        print(f"calibration: {cal_path} (reused; no calibration)")
-    else:
-        why = ", once" if why == "there is none" else f" ({why})"
-        print(f"calibration: measuring this machine's disk, copies and layer kernels{why} -> {cal_path}")
-        t0 = time.perf_counter()
-        calibrate(device, dtype, config.tiers.disk.path.parent if config.tiers and config.tiers.disk else root,
-                  engine=engine_overhead_s, packed=schemes).save(cal_path)
-        print(f"calibration: done in {time.perf_counter() - t0:.1f}s")
+    _ensure_calibration(cal_path, packed_kernels(config), device, dtype,
+                        config.tiers.disk.path.parent if config.tiers and config.tiers.disk else root)
     config = config.replace(calibration=cal_path)
     show_plan(config, ckpt.config)
     return config

@@ -40,6 +40,7 @@ from offload.plan.links import measure_cuda_links, measure_disk, measure_memcpy
 from offload.plan.memory import ram_available
 from offload.plan.probe import REFERENCE, SMALL, SPLIT_TOKENS, llc_bytes, measure_compute  # noqa: F401 (re-exported)
 from offload.weights.groups import WeightFormat, group_layout, model_layouts
+from storage import io
 from storage.errors import OffloadError
 from storage.units import fmt_bytes
 
@@ -89,8 +90,8 @@ class Calibration:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"version": VERSION, **self.meta, "links": self.links, "compute": self.compute},
-                                   indent=2))
+        io.atomic_write_bytes(path, json.dumps({"version": VERSION, **self.meta, "links": self.links,
+                                                "compute": self.compute}, indent=2).encode())  # (never read half)
 
     @property
     def other_machine(self) -> str | None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,12 +15,13 @@ from storage import io
 
 
 def measure_disk(directory: Path, nbytes: int = 512 * 2**20, threads: int = 4, piece: int = 8 * 2**20) -> float:
-    """Cold read of a fresh test file with `threads` preadv pieces in flight (the prefetcher's pattern)."""
+    """Cold read of a fresh test file with `threads` preadv pieces in flight (the prefetcher's pattern). The file is
+    this call's own (two processes calibrating into one directory at once each truncated and removed the other's)."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / ".offload-calibrate.bin"
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    fd, name = tempfile.mkstemp(dir=directory, prefix=".offload-calibrate-", suffix=".bin")
+    path = Path(name)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             io.pwrite_from(fd, buf, 0, path)
             os.fsync(fd)
