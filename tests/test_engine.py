@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from offload.errors import CapacityError
 from offload.runtime.engine import Engine, Request, Sampling
@@ -80,3 +81,16 @@ def test_a_request_that_can_never_fit_is_refused_before_anything_runs(runner):
     with pytest.raises(CapacityError, match="big needs .* KV blocks"):
         engine.submit(Request([1] * 600, Sampling(max_new_tokens=1), name="big"))
     assert not engine.busy
+
+
+def test_greedy_sampling_takes_torch_argmax_first_maximum_and_nan():
+    """Greedy picks (numpy's argmax on the CPU) are torch's: the first of equal maxima, a NaN over any number."""
+    from offload.runtime.sampling import sample
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(4, 1000, generator=g)
+    rows[1, 7] = rows[1, 900] = 50.0
+    rows[2, 300] = rows[2, 20] = float("nan")
+    rows[3] = float("-inf")
+    assert sample(rows, 0.0, 1.0, 0, [None] * 4) == rows.argmax(-1).tolist() == [int(rows[0].argmax()), 7, 20, 0]
+    assert sample(rows.to(torch.bfloat16), 0.0, 1.0, 0, [None] * 4)[1:] == [7, 20, 0]

@@ -92,3 +92,29 @@ def test_batch_layout_pads_and_unpads():
     assert layout.pad_index.tolist() == [[0, 1, 0], [2, 0, 0], [3, 4, 5]]
     assert layout.unpad_index.tolist() == [0, 1, 3, 6, 7, 8]
     assert layout.last_token_rows().tolist() == [1, 2, 5]
+
+
+def test_a_step_in_one_tier_gets_the_same_index_tensors_as_the_general_path():
+    """The one-tier fast path (`blocks.one_tier`, numpy) against `tier_blocks` (tensor ops over the cache's
+    (tier, slot) table), and each new token's slot against its block table, on a batch of uneven sequences whose
+    blocks were taken out of order."""
+    from offload.kv.blocks import slot_table, tier_blocks
+
+    kv = PagedKVCache(CFG, block_size=4, num_blocks=16, dtype=torch.float32, device="cpu")
+    a, b, c = kv.add_sequence(), kv.add_sequence(), kv.add_sequence()
+    kv.prepare([a, b, c], [6, 1, 9])
+    kv.prepare([b], [7])  # b's second block comes after c's
+    layout, step = kv.prepare([a, b, c], [1, 3, 2])
+    assert layout.kv_lens == [7, 11, 11] and layout.positions.tolist() == [6, 8, 9, 10, 9, 10]
+    [fast] = step.groups
+    general = tier_blocks(kv._where, "gpu", step.block_ids, layout.kv_lens, (step.positions, step.valid), 4,
+                          torch.device("cpu"))
+    assert general is not None and fast.tier == general.tier and fast.cols == general.cols == 3
+    assert fast.slots == general.slots and fast.ids == general.ids
+    for name in ("seq", "block", "col", "positions", "valid", "slot_index"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
+    assert torch.equal(step.table, slot_table((general,), step.block_ids))
+    for sid, rows in ((a, [0]), (b, [1, 2, 3]), (c, [4, 5])):
+        blocks = kv.seqs[sid].blocks
+        for row, pos in zip(rows, layout.positions[rows].tolist()):
+            assert step.slot_blocks[row] == kv.blocks[blocks[pos // 4]].slot and step.slot_offsets[row] == pos % 4

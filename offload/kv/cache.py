@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from offload.kv import blocks as kvb
 from offload.kv.blocks import Block, KVSettings, Recency, Sequence, StepKV, slot_table, tier_blocks
 from offload.kv.fetch import ColdFetcher, Fetched
 from offload.kv.formats import ColdFormat, TierStore, cold_kv, to_cold
@@ -299,7 +300,7 @@ class PagedKVCache(PrefixBlocks):
 
     def _promote(self, room: int, protected: set[int]) -> None:
         """Bring the hottest cold blocks back while the device has room (transfer formats only), unless expired."""
-        if room <= 0 or self.cold_fmt.name == "hidden" or self.count_cold() == 0:
+        if room <= 0 or self.cold_fmt.name == "hidden" or len(self.pools) == 1 or self.count_cold() == 0:
             return
         cold = self._candidates(lambda bid, b: b.tier != "gpu" and not self.idle_cached(bid))  # cold till a hit
         expired = set(self.policy.expired(cold))
@@ -310,6 +311,8 @@ class PagedKVCache(PrefixBlocks):
         """Demote the device blocks the policy holds expired (`idle`) though nothing needs their room; how many left.
         Each step does it; so does a caller that waits for work. Partly filled newest blocks stay (being written)."""
         below = [t for t in TIERS[1:] if t in self.pools]
+        if not below:  # (nowhere to demote to: no policy to ask, no blocks to walk)
+            return 0
         protected = self._writing() if protected is None else protected
         gpu = self._candidates(lambda bid, b: b.tier == "gpu" and bid not in protected)
         victims = self.policy.expired(gpu)[: sum(self.pools[t].num_free for t in below)]  # each takes a slot below
@@ -343,7 +346,7 @@ class PagedKVCache(PrefixBlocks):
             self._demote_from("gpu", need - gpu.num_free, protected)
         for sid in copies:
             self._copy_on_write(sid, protected)
-        slot_blocks, slot_offsets, kv_lens = [], [], []
+        starts, kv_lens = [], []
         for sid, n in zip(sids, q_lens):
             seq = self.seqs[sid]
             while len(seq.blocks) < self.blocks_for(seq.length + n):
@@ -355,27 +358,24 @@ class PagedKVCache(PrefixBlocks):
                 self._where[bid] = torch.tensor([0, slot])
                 seq.blocks.append(bid)
                 protected.add(bid)
-            pos = torch.arange(seq.length, seq.length + n)
-            first = seq.length // bs  # only the blocks the new tokens land in
-            table = torch.tensor([self.blocks[b].slot for b in seq.blocks[first : self.blocks_for(seq.length + n)]],
-                                 dtype=torch.long)
-            slot_blocks.append(table[pos // bs - first])
-            slot_offsets.append(pos % bs)
+            starts.append(seq.length)
             seq.length += n
             kv_lens.append(seq.length)
         self._promote(gpu.num_free - len(sids), protected)
         layout = BatchLayout.build(q_lens, kv_lens, self.device)
-        cols = max(len(self.seqs[s].blocks) for s in sids)
-        positions = torch.arange(cols * bs).expand(len(sids), -1)
-        valid = positions < torch.tensor(kv_lens)[:, None]
-        block_ids = torch.full((len(sids), cols), -1, dtype=torch.long)  # [B, cols]
-        for b, sid in enumerate(sids):
-            block_ids[b, : len(self.seqs[sid].blocks)] = torch.tensor(self.seqs[sid].blocks, dtype=torch.long)
-        found = (tier_blocks(self._where, t, block_ids, kv_lens, (positions, valid), bs, self.device)
-                 for t in TIERS if t in self.pools)
-        groups = tuple(g for g in found if g is not None)
-        step = StepKV(torch.cat(slot_blocks).to(self.device), torch.cat(slot_offsets).to(self.device), groups,
-                      cols, positions.to(self.device), valid.to(self.device), block_ids, slot_table(groups, block_ids))
+        tables = [self.seqs[sid].blocks for sid in sids]
+        positions, valid, block_ids = kvb.step_tables(tables, kv_lens, bs)
+        slots = [[self.blocks[b].slot for b in t] for t in tables]  # (new tokens are written on the device)
+        slot_blocks, slot_offsets = kvb.new_slots(slots, starts, q_lens, bs)
+        tiers = {self.blocks[b].tier for t in tables for b in t}
+        if len(tiers) == 1:  # one tier holds them all (a run that has not evicted): the token order
+            groups: tuple = (kvb.one_tier(tiers.pop(), tables, slots, positions, valid, self.device),)
+        else:
+            found = (tier_blocks(self._where, t, block_ids, kv_lens, (positions, valid), bs, self.device)
+                     for t in TIERS if t in self.pools)
+            groups = tuple(g for g in found if g is not None)
+        step = StepKV(slot_blocks.to(self.device), slot_offsets.to(self.device), groups, block_ids.shape[1],
+                      positions.to(self.device), valid.to(self.device), block_ids, slot_table(groups, block_ids))
         return layout, step
 
     def _copy_on_write(self, sid: int, protected: set[int]) -> None:

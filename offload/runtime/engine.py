@@ -335,7 +335,7 @@ class Engine:
         for p in picks:
             by_params.setdefault(p[0].sampling, []).append(p)
         for s, group in by_params.items():
-            rows = torch.stack([row for _, _, row in group])  # [B, V] float32
+            rows = group[0][2][None] if len(group) == 1 else torch.stack([row for _, _, row in group])  # [B, V]
             tokens = sample(rows, s.temperature, s.top_p, s.top_k, [o.generator for _, o, _ in group])
             if s.logprobs is not None:
                 record_logprobs(rows, tokens, [o for _, o, _ in group], s.logprobs)
