@@ -99,16 +99,15 @@ def _pair_codes(qb, p, wide):  # pragma: no cover - compiled
 
 @njit(inline="always")
 def _pair_prefetch(qb, p, ahead, wide):  # pragma: no cover - compiled
-    """Ask for the codes `ahead` bytes past column pair p's (int8: two cache lines a pair, int4: one; int4 reading
-    directly also asks 4x as far ahead: one [2048, 8192] int4 matrix from DRAM, 2 threads, 350-370 -> 250-270 us on
-    a Zen 5; int8 measured no better)."""
+    """Ask for the codes `ahead` bytes past column pair p's (int8: two cache lines a pair, int4: one). (Also asking
+    int4's codes 4x as far ahead helped a Zen 5 (one [2048, 8192] matrix from DRAM, 350-370 -> 250-270 us) but costs a
+    Zen 4 12% (216 MB of 1.7B-shaped matrices, 2 threads, interleaved: 10.5 -> 9.3 ms without it, 15 of 15 faster;
+    16 KB ahead alone: 5%).)"""
     if wide:
         prefetch(qb, 128 * p + ahead)
         prefetch(qb, 128 * p + ahead + 64)
     else:
         prefetch(qb, 64 * p + ahead)
-        if ahead == _AHEAD:
-            prefetch(qb, 64 * p + 4 * ahead)
 
 
 @njit(inline="always")

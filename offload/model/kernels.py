@@ -58,8 +58,9 @@ ROW_INVARIANT = numba is not None
 #: rows take four rows at a time (`cpu_packed16._direct4`, `_dot4_16`); 15: a one-row bf16 product reads one
 #: weight row at a time, in order (`cpu_bf16._rows1`); without AVX-512, bf16 products of 2+ rows take four weight
 #: rows for one row of x (`cpu_bf16._rows4`); 16: a product's rows (dense) or blocks (packed) in one contiguous
-#: share a thread, its buffers made once a thread (`simd.parts`).
-VERSION = 16
+#: share a thread, its buffers made once a thread (`simd.parts`); 17: int4 codes unpacked in 7 instructions, not 10,
+#: and asked for once a line (`simd_int.vcodes4`).
+VERSION = 17
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
 #: 1.7B shape's four bf16 matrices x 2, one thread: whole rows (64-180 KiB buffers, read from L2) -> 512 columns:
 #: 64 rows 195 -> 150 ms, 9 rows 51 -> 42 ms, 1 row 34 -> 25 ms. In a 1.7B bf16 run (weights from DRAM) 512 is
