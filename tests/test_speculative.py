@@ -461,7 +461,7 @@ def test_a_prompt_chunk_riding_in_a_verify_pass_is_one_product_and_changes_no_to
     groups = []
     linear = M.linear
     monkeypatch.setattr(M, "linear",
-                        lambda x, w, b=None, g=None: (groups.append(len(g or [0])), linear(x, w, b, g))[1])
+                        lambda x, w, b=None, g=None, **kw: (groups.append(len(g or [0])), linear(x, w, b, g, **kw))[1])
     with Runner.from_config(cfg) as r:
         engine = Engine(r)
         first = engine.submit(Request(prompts[0], Sampling(max_new_tokens=12)))

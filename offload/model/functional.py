@@ -27,8 +27,8 @@ from offload.model.sdpa import sdpa_with_lse
 class PackedWeight(Protocol):
     """A matrix [out, in] stored packed (e.g. group-wise int4); it multiplies without a resident dense copy."""
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] -> x @ W.T + bias, [..., out]."""
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, float32: bool = False) -> torch.Tensor:
+        """x [..., in] -> x @ W.T + bias, [..., out] in x's dtype (`float32`: in float32, the same values)."""
 
     def row_invariant(self, x: torch.Tensor) -> bool:
         """Is each row of `linear(x)` independent of x's other rows (`offload.model.kernels`)?"""
@@ -39,21 +39,23 @@ Weight = torch.Tensor | PackedWeight
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
-           groups: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """x [N, in] -> [N, out]; `groups` (flat rows; a verify pass's j-th tokens) must get a plain step's bits.
+           groups: list[torch.Tensor] | None = None, float32: bool = False) -> torch.Tensor:
+    """x [N, in] -> [N, out] in x's dtype (`float32`: in float32, the same values); `groups` (flat rows; a verify
+    pass's j-th tokens) must get a plain step's bits.
 
     CPU products are row-invariant (`offload.model.kernels`): groups need no product of their own. cuBLAS
     splits its reduction by the number of rows, so there each group is its own product, a plain step's shape.
     """
     if isinstance(w, torch.Tensor) and kernels.dense_supported(x, w):
-        return kernels.dense_linear(x, w, bias)
-    if groups is not None and len(groups) > 1 and not (not isinstance(w, torch.Tensor) and w.row_invariant(x)):
-        parts = [linear(x[g], w, bias) for g in groups]
-        out = parts[0].new_empty(x.shape[0], parts[0].shape[-1])
-        for g, y in zip(groups, parts):
-            out[g] = y
-        return out
-    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w.linear(x, bias)
+        y = kernels.dense_linear(x, w, bias)
+    elif groups is not None and len(groups) > 1 and not (not isinstance(w, torch.Tensor) and w.row_invariant(x)):
+        parts = [linear(x[g], w, bias, float32=float32) for g in groups]
+        y = parts[0].new_empty(x.shape[0], parts[0].shape[-1])
+        for g, part in zip(groups, parts):
+            y[g] = part
+    else:
+        y = F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w.linear(x, bias, float32=float32)
+    return y.float() if float32 else y
 
 
 def column_groups(lens: list[int], device: torch.device | str = "cpu",
@@ -389,4 +391,4 @@ def run_layers(run: fused.LayerRun, x: torch.Tensor, kv: KVView, paged: tuple[to
 def head(x: torch.Tensor, w: HeadWeights, cfg: ModelConfig,
          groups: list[torch.Tensor] | None = None) -> torch.Tensor:
     """x [N, H] -> logits [N, V] in float32."""
-    return linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head, None, groups).float()
+    return linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head, None, groups, float32=True)

@@ -163,5 +163,6 @@ class PrequantLinear:
             row += w.shape[0]
         return out
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, self.dense(), bias)
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, float32: bool = False) -> torch.Tensor:
+        y = F.linear(x, self.dense(), bias)
+        return y.float() if float32 else y

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from offload.model import kernels
+from offload.model.cpu_elementwise import round_values
 
 #: Output rows per tile of the packed layout.
 TILE_ROWS = 64
@@ -204,8 +205,8 @@ class PackedLinear:
         buf = self.scratch.take(rows * k, self.sz.dtype, self.q.device).view(rows, k)
         return dequantize(self.q, self.sz, buf)[: self.out_features]
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., k] -> [..., out_features] in x's dtype."""
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, float32: bool = False) -> torch.Tensor:
+        """x [..., k] -> [..., out_features] in x's dtype (`float32`: in float32, the values x's dtype gives)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if kernels.packed_supported(self.sz):
@@ -213,9 +214,14 @@ class PackedLinear:
         elif self.fused:
             y = _FUSED(x2.to(self.sz.dtype).contiguous(), self.q[0], self.group_size, self.sz[0])
         else:
-            return F.linear(x, self.dense().to(x.dtype), bias)
-        y = y[:, : self.out_features].to(x.dtype)
+            y = F.linear(x, self.dense().to(x.dtype), bias)
+            return y.float() if float32 else y
+        y = y[:, : self.out_features]
+        if float32 and bias is None and y.dtype == torch.float32:  # (no copy in x's dtype)
+            return round_values(y.contiguous(), x.dtype).reshape(*lead, self.out_features)
+        y = y.to(x.dtype)
         if bias is not None:
             y = y + bias
-        return y.reshape(*lead, self.out_features)
+        y = y.reshape(*lead, self.out_features)
+        return y.float() if float32 else y
 

@@ -154,7 +154,7 @@ class TieredWeights:
         home = self.plan.homes[self._embed_group]
         tier = self.tiers[home]
         if isinstance(tier, MemoryTier):
-            table = self.layouts[self._embed_group].views(tier.view(self._embed_group))[self._embed_tensor]
+            table = self._typed(self._embed_group, tier.view(self._embed_group))[1][self._embed_tensor]
             return table[ids.to(table.device)].to(self.device, self.compute_dtype)
         assert isinstance(tier, DiskTier)
         unique, inverse = torch.unique(ids.cpu(), return_inverse=True)
@@ -185,10 +185,7 @@ class TieredWeights:
 
     def views(self, group: str, buf: torch.Tensor) -> dict:
         """A group's tensors over its bytes `buf` (1-D uint8) at the compute dtype; packed ones as `PackedLinear`s."""
-        key = (group, buf.data_ptr())  # the same bytes in the same place (a home, a ring or expert-cache slot):
-        views = self._views.get(key)  # the same typed views, not ~10 new ones per layer a step
-        if views is None:
-            views = self._views[key] = self.layouts[group].views(buf)
+        key, views = self._typed(group, buf)
         if self.compute_dtype != self.dtype:  # upcast after the transfer (dense weights only: see compute_dtype),
             # except the matrices a CPU kernel widens as it multiplies (no float32 copy of them per pass)
             if (up := self._upcast.get(key)) is None:
@@ -200,6 +197,14 @@ class TieredWeights:
         if (packed := self._packed.get(key)) is None:  # the same weight objects each step (the fused layer keeps
             packed = self._packed[key] = weight_views(self.cfg, group, views, self.scratch, self.fmt)  # its args)
         return packed
+
+    def _typed(self, group: str, buf: torch.Tensor) -> tuple[tuple[str, int], dict[str, torch.Tensor]]:
+        """(key, the group's typed views over buf): the same bytes in the same place (a home, a ring or expert-cache
+        slot) get the same views, not ~10 new ones per layer a step."""
+        key = (group, buf.data_ptr())
+        if (views := self._views.get(key)) is None:
+            views = self._views[key] = self.layouts[group].views(buf)
+        return key, views
 
     def release(self, group: str, span: tuple[float, float] | None = None) -> None:
         self.prefetcher.release(group, span)
