@@ -2,7 +2,8 @@
 CPU kernels choose their paths by, and the CPUs this process may use. `calibrate` records it; a file that records
 another machine is measured again by `offload chat --auto` and scripts/bench_cpu.py, and named in a warning where a
 run or a plan reads it (its times are that machine's: a Zen 3 file read on a Zen 4 put `offload plan` 18-38% off).
-Reads /proc/cpuinfo (Linux); elsewhere the platform's processor name and no features. Knows nothing else.
+Reads /proc/cpuinfo (Linux); elsewhere the platform's processor name and no features. Also whether the machine is
+busy with other work now (`busy`: the OpenMP wait policy `offload` picks at import). Knows nothing else.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,41 @@ def cpu_info() -> tuple[str, list[str]]:
 def cpus() -> int:
     """The CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+#: the kernel's load figures: 1-, 5-, 15-minute averages, then "runnable/all" tasks now
+LOADAVG = Path("/proc/loadavg")
+
+
+def runnable_others(samples: int = 5, gap_s: float = 0.004) -> int | None:
+    """The fewest tasks besides this one the kernel had runnable over a few samples a few ms apart (LOADAVG's
+    count, which counts the reader), None where it cannot say: a load that lasts shows in every sample, a task that
+    just ran in one."""
+    fewest = None
+    for i in range(samples):
+        try:
+            running = int(LOADAVG.read_text().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        fewest = running - 1 if fewest is None else min(fewest, running - 1)
+        if fewest <= 0 or i == samples - 1:
+            return fewest
+        time.sleep(gap_s)
+    return fewest
+
+
+def busy() -> bool:
+    """Is other work taking this machine's cores now: a 1-minute load average at or above its cores, and other tasks
+    still runnable on at least half of them (`runnable_others`)? The average trails by a minute, so a run started
+    on an idle machine just after a build, a conversion or another run would look busy by it alone. Where no load
+    average is known: busy (the safe choice for a wait policy)."""
+    try:
+        if os.getloadavg()[0] < cpus():
+            return False
+    except OSError:
+        return True
+    others = runnable_others()
+    return others is None or others >= max(1, cpus() // 2)
 
 
 def identity() -> dict[str, Any]:
