@@ -8,6 +8,7 @@ import torch
 from offload.errors import CapacityError
 from offload.runtime.engine import Engine, Request, Sampling
 from offload.runtime.runner import Runner
+from offload.runtime.sampling import sample
 from tests.conftest import run_config
 
 PROMPTS = [[1, 17, 99, 23, 5, 61, 7, 300, 41], [1, 8, 2], [1, 400, 33, 12, 19, 250]]
@@ -85,8 +86,6 @@ def test_a_request_that_can_never_fit_is_refused_before_anything_runs(runner):
 
 def test_greedy_sampling_takes_torch_argmax_first_maximum_and_nan():
     """Greedy picks (numpy's argmax on the CPU) are torch's: the first of equal maxima, a NaN over any number."""
-    from offload.runtime.sampling import sample
-
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(4, 1000, generator=g)
     rows[1, 7] = rows[1, 900] = 50.0

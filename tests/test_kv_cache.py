@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload.kv.blocks import slot_table, tier_blocks
 from offload.kv.cache import PagedKVCache
 from offload.model.config import ModelConfig
 from offload.model.functional import BatchLayout
@@ -98,8 +99,6 @@ def test_a_step_in_one_tier_gets_the_same_index_tensors_as_the_general_path():
     """The one-tier fast path (`blocks.one_tier`, numpy) against `tier_blocks` (tensor ops over the cache's
     (tier, slot) table), and each new token's slot against its block table, on a batch of uneven sequences whose
     blocks were taken out of order."""
-    from offload.kv.blocks import slot_table, tier_blocks
-
     kv = PagedKVCache(CFG, block_size=4, num_blocks=16, dtype=torch.float32, device="cpu")
     a, b, c = kv.add_sequence(), kv.add_sequence(), kv.add_sequence()
     kv.prepare([a, b, c], [6, 1, 9])

@@ -160,16 +160,15 @@ def test_cpu_rms_norm_is_transformers_formula_row_by_row(dtype):
 
 
 def test_logits_rounded_in_place_take_the_values_of_a_bf16_copy():
-    """`round_values` (a bf16 head's logits kept in float32, no bf16 copy) against torch's `.to(bf16).float()`:
-    every number, its rounding ties, subnormals, infinities and overflow to infinity; a NaN stays a NaN."""
-    from offload.model.cpu_elementwise import round_values
-
+    """`cpu_elementwise.round_values` (a bf16 head's logits kept in float32, no bf16 copy) against torch's
+    `.to(bf16).float()`: every number, its rounding ties, subnormals, infinities and overflow to infinity; a NaN stays
+    a NaN."""
     g = torch.Generator().manual_seed(0)
     y = torch.randn(3, 4099, generator=g) * torch.logspace(-44, 38, 4099)
     y[0, :8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.4e38, 1e-45, -1e-40])
     y[1, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-20])  # ties to even, past a tie
     want = y.to(torch.bfloat16).float()
-    got = round_values(y.clone(), torch.bfloat16)
+    got = cpu_elementwise.round_values(y.clone(), torch.bfloat16)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
-    half = round_values(y.clone(), torch.float16)
+    half = cpu_elementwise.round_values(y.clone(), torch.float16)
     assert torch.equal(half.nan_to_num(), y.half().float().nan_to_num())

@@ -7,7 +7,8 @@
     StepKV       index tensors built once per step and shared by every layer
     KVSettings   the cache's settings with every `auto` resolved (by the planner)
     tier_blocks  one tier's TierBlocks of a step, from the block tables by tensor operations
-    step_tables  a step's [B, cols] tables (positions, valid, block ids) and its new tokens' slots, built in numpy
+    step_tables  a step's [B, cols] tables (positions, valid, block ids), built in numpy
+    new_slots    the device slot and offset each new token of a step is written to, built in numpy
     one_tier     the TierBlocks of a step whose blocks all lie in one tier (the token order), without tensor ops
 
 Bookkeeping only: nothing here moves a block or touches its bytes.
@@ -155,7 +156,7 @@ def slot_table(groups: tuple[TierBlocks, ...], block_ids: torch.Tensor) -> torch
 
 
 # A decode step builds these once for a few tokens: numpy's ~1 us an operation, not torch's ~5-20 (SmolLM2-135M's
-# int4 step on 2 cores: the KV step's index tensors 0.45 -> 0.1 ms of a ~6.5 ms step).
+# int4 step on 2 cores, in situ: the KV step's index tensors 0.45 -> 0.23 ms of a ~6.5 ms step).
 def step_tables(tables: list[list[int]], kv_lens: list[int], bs: int,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The token-order layout of a step's block tables (each sequence's logical ids): (positions [B, cols * bs] of

@@ -129,11 +129,12 @@ class BatchLayout:
     @classmethod
     def build(cls, q_lens: list[int], kv_lens: list[int], device: torch.device | str) -> BatchLayout:
         B, Tq = len(q_lens), max(q_lens)  # (numpy: a decode step's few rows at ~1 us an op, not torch's ~5-20)
-        pad, q_pos, unpad = np.zeros((B, Tq), np.int64), np.full((B, Tq), -1, np.int64), []
-        for b, (start, ql, kl) in enumerate(zip(np.cumsum([0, *q_lens[:-1]]).tolist(), q_lens, kv_lens)):
+        pad, q_pos, unpad, start = np.zeros((B, Tq), np.int64), np.full((B, Tq), -1, np.int64), [], 0
+        for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
             pad[b, :ql] = np.arange(start, start + ql)
             q_pos[b, :ql] = np.arange(kl - ql, kl)
             unpad.append(np.arange(b * Tq, b * Tq + ql))
+            start += ql
         positions = np.concatenate([row[:ql] for row, ql in zip(q_pos, q_lens)])
         return cls(list(q_lens), list(kv_lens), *(torch.from_numpy(a).to(device) for a in (
             positions, pad, np.concatenate(unpad), q_pos)))
