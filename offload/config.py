@@ -197,6 +197,9 @@ class WeightsConfig:
     keep: tuple[str, ...] = _opt(_names("qkv", "o", "gate_up", "down", "lm_head"),
                                  "matrices kept in the compute dtype (the LM head, when packed, is int8 even in an "
                                  "int4 format, as llama.cpp keeps its output matrix at 6-8 bits)", ())
+    int4_activations: str = _opt(_choice("int8", "int16"), "on the CPU, bf16 activations meet int4 weights in int8 "
+                                 "steps per group (llama.cpp's Q4_0 class: 1.3-1.5x faster products) or int16 steps "
+                                 "(closer; one setting a process)", "int8")
 
 
 @dataclass(frozen=True)

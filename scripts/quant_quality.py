@@ -55,17 +55,18 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village by 
 NEW = 32
 
 
-def config(path: Path, quantization: str, group: int) -> dict:
-    return {"model": str(path), "device": "cpu", "dtype": "float32",
-            "weights": {"quantization": quantization, "group_size": group, "keep": ["lm_head"]}}
+def config(path: Path, quantization: str, group: int, dtype: str = "float32", steps: str = "int8") -> dict:
+    return {"model": str(path), "device": "cpu", "dtype": dtype,
+            "weights": {"quantization": quantization, "group_size": group, "keep": ["lm_head"],
+                        "int4_activations": steps}}
 
 
 @torch.no_grad()
-def layer_errors(path: Path, ids: list[int], fmt: WeightFormat) -> list[float]:
+def layer_errors(path: Path, ids: list[int], fmt: WeightFormat, dtype: torch.dtype = torch.float32) -> list[float]:
     """Per layer: relative error of the quantized layer's update on the dense model's input to that layer."""
     ckpt = Checkpoint(path)
     cfg = ckpt.config
-    dtype, dev = torch.float32, torch.device("cpu")
+    dev = torch.device("cpu")
     x = ckpt.read("embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), dtype)[torch.tensor(ids)]
     rope = M.Rope(cfg, dev, dtype)
     caches = {}
@@ -86,7 +87,7 @@ def layer_errors(path: Path, ids: list[int], fmt: WeightFormat) -> list[float]:
             outs[name] = M.decoder_layer(x, w, kv.view(i, layout_, step), layout_, rope(layout_.positions), cfg,
                                          cfg.sliding_windows[i])
         update, update_q = outs["dense"] - x, outs["quant"] - x
-        errors.append(float((update_q - update).norm() / update.norm()))
+        errors.append(float((update_q - update).float().norm() / update.float().norm()))
         x = outs["dense"]
     return errors
 
@@ -97,15 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="quant-quality", help="the results' file name (without .md / .json)")
     ap.add_argument("--new", type=int, default=NEW, help="greedy tokens per prompt")
     ap.add_argument("--formats", nargs="*", default=[f"{q}:{g}" for q, g in FORMATS],
-                    help="QUANTIZATION:GROUP pairs; the first is the reference (none)")
+                    help="QUANTIZATION:GROUP[:int8|int16] (the last: weights.int4_activations, int4's "
+                    "activation steps in bf16); the first is the reference (none)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="compute dtype (bfloat16: packed products take the activations in integer steps)")
     args = ap.parse_args(argv)
     header = Result()
-    formats = [(f.split(":")[0], int(f.split(":")[1])) for f in args.formats]
-    path = ensure_trained_model(dtype="float32")
+    formats = [(f.split(":") + ["int8"])[:3] for f in args.formats]
+    formats = [(q, int(g), a) for q, g, a in formats]
+    dtype = getattr(torch, args.dtype)
+    path = ensure_trained_model(dtype=args.dtype)
     rows, ref_logits, ref_tokens = [], None, None
-    for quantization, group in formats:
+    for quantization, group, steps in formats:
         t0 = time.perf_counter()
-        with Runner.from_config(config(path, quantization, group)) as r:
+        with Runner.from_config(config(path, quantization, group, args.dtype, steps)) as r:
             ids = r.encode(TEXT)
             logits = r.prefill_logits([ids])[0, : len(ids)]  # [T, V]
             greedy = [g.token_ids for g in r.generate(PROMPTS, max_new_tokens=args.new, stop_on_eos=False)]
@@ -118,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         prefix = [next((k for k, (a, b) in enumerate(zip(g, ref)) if a != b), len(g)) for g, ref in
                   zip(greedy, ref_tokens)]
         errs = [0.0] if quantization == "none" else layer_errors(path, ids, WeightFormat(quantization, group,
-                                                                                         ("lm_head",)))
-        rows.append({"weights": quantization, "group_size": group, "perplexity": math.exp(float(nll)),
+                                                                                         ("lm_head",)), dtype)
+        rows.append({"weights": quantization, "group_size": group, "dtype": args.dtype,
+                     "int4_activations": steps if args.dtype == "bfloat16" and quantization == "int4" else None,
+                     "perplexity": math.exp(float(nll)),
                      "top1_agreement": float((top1 == ref_logits).float().mean()),
                      "greedy_agreement": sum(same) / sum(map(len, greedy)),
                      "greedy_common_prefix": sum(prefix) / len(prefix),
@@ -127,15 +135,16 @@ def main(argv: list[str] | None = None) -> int:
                      "seconds": time.perf_counter() - t0})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "layer_rel_errors"}), file=sys.stderr)
     lines = [f"Quality of stored weight formats on SmolLM2-135M-Instruct (trained; `scripts/trained_model.py`), "
-             f"CPU float32, a fixed {rows[0]['tokens']}-token English text and {len(PROMPTS)} prompts x {args.new} "
-             "greedy tokens; agreement is with `none` (the float weights).", "",
-             "| weights | group | perplexity | top-1 agreement | greedy tokens equal | common greedy prefix "
-             "| max layer rel. error |", "|---|---|---|---|---|---|---|"]
+             f"CPU {args.dtype}, a fixed {rows[0]['tokens']}-token English text and {len(PROMPTS)} prompts x "
+             f"{args.new} greedy tokens; agreement is with `none` (the float weights).", "",
+             "| weights | group | activations | perplexity | top-1 agreement | greedy tokens equal "
+             "| common greedy prefix | max layer rel. error |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['weights']} | {r['group_size'] if r['weights'] != 'none' else '-'} | "
+        acts = r["int4_activations"] or ("int16" if args.dtype == "bfloat16" and r["weights"] == "int8" else "-")
+        lines.append(f"| {r['weights']} | {r['group_size'] if r['weights'] != 'none' else '-'} | {acts} | "
                      f"{r['perplexity']:.3f} | {100 * r['top1_agreement']:.1f}% | {100 * r['greedy_agreement']:.1f}% "
                      f"| {r['greedy_common_prefix']:.1f} / {args.new} | {r['max_layer_rel_error']:.4f} |")
-    if any(q == "int4" and g == 32 for q, g in formats):
+    if any(q == "int4" and g == 32 for q, g, _ in formats):
         lines += ["", "This checkpoint was itself dequantized from a Q4_1 GGUF (4-bit, blocks of 32, scale + minimum; "
                   "`scripts/trained_model.py`), so int4 g32 lands back on its own grid and loses next to nothing "
                   "here; on a model trained in bf16 it would not. The other rows show the cost of re-quantizing."]

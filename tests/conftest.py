@@ -60,13 +60,14 @@ def _sigint_handled():
     yield
 
 
-def within_int16_split(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group: int) -> None:
-    """The packed kernels multiply bf16 activations split into int16 steps per group (`cpu_packed16._split`):
-    each x[k] is off by at most half its group's step, max |x| over the group / 32767, so a product by at most
-    sum_k |w[n, k]| * that, plus float32 rounding. Asserts got (the kernel's [M, n]) is x @ w.T within that bound."""
+def within_split(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group: int, qmax: int = 32767) -> None:
+    """The packed kernels multiply bf16 activations split into integer steps per group (`cpu_packed16._split`):
+    each x[k] is off by at most half its group's step, max |x| over the group / qmax (int16 steps 32767, int8 127),
+    so a product by at most sum_k |w[n, k]| * that, plus float32 rounding. Asserts got (the kernel's [M, n]) is
+    x @ w.T within that bound."""
     M, K = x.shape
     x = x.double()
-    half = (x.abs().view(M, K // group, group).amax(-1) / 32767 / 2).repeat_interleave(group, dim=1)
+    half = (x.abs().view(M, K // group, group).amax(-1) / qmax / 2).repeat_interleave(group, dim=1)
     bound = half @ w.abs().double().T + 1e-5 * (x.abs() @ w.abs().double().T)
     err = (got.double() - x @ w.double().T).abs()
     assert bool((err <= bound).all()), f"largest error {float(err.max()):.3g}, its bound {float(bound.max()):.3g}"

@@ -19,7 +19,7 @@ from offload.runtime.executor import ForwardBatch
 from offload.runtime.resident import ResidentLayers
 from offload.runtime.runner import Runner
 from offload.weights import quant
-from tests.conftest import run_config, within_int16_split
+from tests.conftest import run_config, within_split
 
 pytestmark = pytest.mark.skipif(not kernels.ROW_INVARIANT, reason="row-invariant CPU kernels need numba")
 
@@ -142,35 +142,40 @@ def test_an_int4_products_row_has_the_same_bits_at_any_place_in_any_pass(K, grou
                 f"rows {start}:{start + rows}"
 
 
-@pytest.mark.parametrize("bits,K,group", [(4, 576, 64), (4, 2048, 128), (4, 40, 20), (8, 576, 64), (8, 584, 146),
-                                          (8, 18, 18)])
+@pytest.mark.parametrize("bits,K,group", [(4, 576, 64), (4, 2048, 128), (4, 40, 20), (4, 36, 18), (8, 576, 64),
+                                          (8, 584, 146), (8, 18, 18)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_packed_products_of_bf16_activations_are_int16_steps_and_rows_keep_their_bits(bits, K, group, dtype):
-    """bf16 activations are multiplied in int16 steps: within what the steps change of the exact product, and a row
-    comes out the same at any place in any pass (every size 1-10, every offset: the direct, three-row and one-row
-    paths). fp16 activations (more significant bits than the steps keep) as float32 ones."""
+def test_packed_products_of_bf16_activations_are_integer_steps_and_rows_keep_their_bits(bits, K, group, dtype):
+    """bf16 activations are multiplied in integer steps: int8 steps against int4 codes where the groups are a
+    multiple of 4, else int16 steps; within what the steps change of the exact product, and a row comes out the same
+    at any place in any pass (every size 1-10 at every offset: the direct, four-row and one-row paths; 17 and 21 rows:
+    the buffered path). fp16 activations (more significant bits than the steps keep) as float32 ones."""
     g = torch.Generator().manual_seed(K)
     packed = quant.quantize(torch.randn(70, K, generator=g), bits, group, torch.bfloat16)
-    x = torch.randn(11, K, generator=g).to(getattr(torch, dtype))
+    x = torch.randn(21, K, generator=g).to(getattr(torch, dtype))
     w = quant.dequantize(packed["q"], packed["sz"].float())
     full = kernels.packed_linear(x, packed["q"], packed["sz"])
     as_float32 = kernels.packed_linear(x.float(), packed["q"], packed["sz"])
     if dtype == "bfloat16":
-        within_int16_split(full, x.float(), w, group)
+        int8_steps = bits == 4 and group % 4 == 0
+        within_split(full, x.float(), w, group, 127 if int8_steps else 32767)
         assert not torch.equal(full, as_float32)
+        if int8_steps:  # (coarser than int16 steps: their bound would not hold)
+            with pytest.raises(AssertionError):
+                within_split(full, x.float(), w, group, 32767)
     else:
         assert torch.equal(full, as_float32)
-    for rows in range(1, 11):
-        for start in range(11 - rows + 1):
-            got = kernels.packed_linear(x[start:start + rows], packed["q"], packed["sz"])
-            assert torch.equal(got.view(torch.int32), full[start:start + rows].view(torch.int32)), \
-                f"rows {start}:{start + rows}"
+    passes = [(start, start + rows) for rows in range(1, 11) for start in range(11 - rows + 1)] + [(4, 21), (0, 21)]
+    for start, end in passes:
+        got = kernels.packed_linear(x[start:end], packed["q"], packed["sz"])
+        assert torch.equal(got.view(torch.int32), full[start:end].view(torch.int32)), f"rows {start}:{end}"
 
 
-def test_the_int16_split_does_not_overflow_and_keeps_zero_and_nan_rows_to_themselves():
-    """The int16 split (`cpu_packed16._split`) at its edges: a group as large as int32 allows (512 columns of the
-    largest int8 code against the largest |x|: the step grows instead of the sum wrapping), a row of zeros gives
-    exact zeros, and a NaN in one row makes that row NaN and leaves the others' bits as they are alone. Tiles with
+def test_the_integer_split_does_not_overflow_and_keeps_zero_and_nan_rows_to_themselves():
+    """The integer split (`cpu_packed16._split`) at its edges: a group as large as int32 allows (512 columns of the
+    largest int8 code against the largest |x|: the step grows instead of the sum wrapping; the same for int4 codes
+    in int8 steps), a row of zeros gives exact zeros, and a NaN in one row makes that row NaN and leaves the others'
+    bits as they are alone. Tiles with
     odd groups (not quantization's, which pairs columns) multiply in float32."""
     K = 512
     q = torch.full((1, K, 64), 255, dtype=torch.uint8)  # one 64-row tile, every code 255
@@ -183,6 +188,13 @@ def test_the_int16_split_does_not_overflow_and_keeps_zero_and_nan_rows_to_themse
     assert torch.equal(out[1], torch.zeros(64))
     assert bool(out[2].isnan().all())
     assert torch.equal(kernels.packed_linear(x[:1], q, sz), out[:1])
+    q4 = torch.full((1, 64, K // 2), 0xFF, dtype=torch.uint8)  # int4: every code 15, w = (15 - 8) * 1 + 0
+    sz4 = torch.stack([torch.ones(1, 1, 64), torch.zeros(1, 1, 64)], dim=-1)
+    out = kernels.packed_linear(x, q4, sz4)  # (int8 steps: rows 32-63's sums come as 16x theirs, then divided)
+    torch.testing.assert_close(out[0], torch.full((64,), 7.0 * K), rtol=1e-5, atol=0)
+    assert torch.equal(out[1], torch.zeros(64))
+    assert bool(out[2].isnan().all())
+    assert torch.equal(kernels.packed_linear(x[:1], q4, sz4), out[:1])
     odd = torch.rand(3, 64, 2).to(torch.bfloat16)  # 51 columns in groups of 17
     x = torch.randn(4, 51).to(torch.bfloat16)
     assert torch.equal(kernels.packed_linear(x, q[:, :51], odd), kernels.packed_linear(x.float(), q[:, :51], odd))

@@ -14,7 +14,16 @@ largest |x|: bf16's 8 significant bits are kept wherever an entry is within 2^7 
 off by at most 2^-16 of it. On the trained SmolLM2-135M in bf16 (12 prompts, against transformers in float32 on the
 same dequantized weights) the mean |logit difference| goes 0.21 -> 0.26 (int4) and 0.28 -> 0.30 (int8); the same
 split in a float32 run would move the logits 1e-2 where float32 products stay within 1e-4, so float32 (and fp16)
-activations keep float32 products. Knows nothing about models, tiers or files.
+activations keep float32 products.
+
+Against int4 codes x is split into int8 steps by default (`kernels.use_int4_activations`; llama.cpp's Q4_0 takes
+its activations in 8 bits too): four columns a lane, AVX-512 VNNI's vpdpbusd (`simd_int.vdot8`, 64 multiply-adds an
+instruction) on the codes gathered four columns a row (`vquads4`: two byte permutations per 256 codes). A step is
+2^-7 of the group's largest |x|. On the trained SmolLM2-135M in bf16 (a 182-token text, `scripts/quant_quality.py
+--dtype bfloat16`) perplexity 24.19 -> 24.34 where int4 g32 lands on the checkpoint's own grid (bf16 weights: 24.54)
+and 33.29 -> 33.52 at g64, the worst layer's relative error 1.4% -> 3.1% and 25.5% -> 25.8%. One row takes the
+int8 steps as int16 pairs (`_QUADS`): the same exact sums, so the same bits. Knows nothing about models, tiers or
+files.
 """
 
 from __future__ import annotations
@@ -33,8 +42,19 @@ from offload.model.cpu_packed import (
     _store4,
 )
 from offload.model.simd import LANES, _bits_f32, parts, prefetch, vfma, vsplat, vzero
-from offload.model.simd_int import vcodes4, vcodes8, vdot, viload, visplat, vistore, vitof, vizero
+from offload.model.simd_int import vcodes4, vcodes8, vdot, vdot8, viload, visplat, vistore, vitof, vizero, vquads4, vsra
 
+#: How a product runs (`kind`, every helper's last argument): int4 codes by x in int16 pairs, int8 codes by x in
+#: int16 pairs, int4 codes by x in int8 quads.
+_INT4, _INT8, _INT4_8 = 0, 1, 2
+#: `packed`'s choices for x: float32 products, int16 steps, int8 steps against int4 codes (int16 against int8's).
+FLOAT32_STEPS, INT16_STEPS, INT8_STEPS = 0, 1, 2
+#: Rows of x from which int8 steps meet int4 codes as quads (`vquads4`, `vdot8`); fewer: as int16 pairs, like int16
+#: steps (the same exact sums). 1.7B-shaped int4 matrices (182 MB) from DRAM, a Zen 4, interleaved in one process:
+#: one row, 2 threads, 7.4 ms as pairs and 8.7 as quads (one thread 11.9 and 14.6: the quads' half as many
+#: instructions wait longer on memory); 2 rows 12.9 -> 9.9 ms, 3 12.0 -> 9.6, 5 17.3 -> 11.8, 9 36-41 -> 26-32;
+#: from L2 and L3 one row 1.45-1.53x faster as quads.
+_QUADS = 2
 #: Rows of x from which they are split into int16 in parallel.
 _SPLIT_PARALLEL = 16
 #: Rows of x from which a block's codes are converted once per group into a buffer that every four rows read
@@ -44,13 +64,13 @@ _WIDEN = 16
 
 
 @njit(nogil=True)
-def _split(xr, gs, cmax, xq, step, xs):  # pragma: no cover - compiled
-    """Row xr in int16, a step per group of gs columns: xq[k] = round(x[k] / step[g]) with step[g] = the group's
-    largest |x| / qmax, and xs[g] = step[g] * the (exact) sum of xq over g. qmax is 32767, or less where a group's
-    products with codes up to cmax could pass int32. A group with a NaN or infinity gets step NaN (its outputs NaN,
-    as a float product's would be). (The largest |x| as the largest of the bits without the sign, NaN and infinity
-    above every number: integer loops, which LLVM vectorises without fast-math.)"""
-    qmax = min(32767, 2147483647 // (gs * cmax))
+def _split(xr, gs, cmax, top, xq, step, xs):  # pragma: no cover - compiled
+    """Row xr in int16 (or int8: top), a step per group of gs columns: xq[k] = round(x[k] / step[g]) with step[g] =
+    the group's largest |x| / qmax, and xs[g] = step[g] * the (exact) sum of xq over g. qmax is top (32767 or 127),
+    or less where a group's products with codes up to cmax could pass int32. A group with a NaN or infinity gets
+    step NaN (its outputs NaN, as a float product's would be). (The largest |x| as the largest of the bits without
+    the sign, NaN and infinity above every number: integer loops, which LLVM vectorises without fast-math.)"""
+    qmax = min(top, 2147483647 // (gs * cmax))
     bits = xr.view(np.uint32)
     for g in range(step.shape[0]):
         k0 = g * gs
@@ -73,37 +93,61 @@ def _split(xr, gs, cmax, xq, step, xs):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def _scale16(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, step, xs):  # pragma: no cover - compiled
-    """`_scale` for a group's exact integer sums t: a = fma(scale, step * t, a) then fma(zero', xs, a)."""
+def _scale16(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma: no cover - compiled
+    """`_scale` for a group's exact integer sums t: a = fma(scale, step * t, a) then fma(zero', xs, a). (int8 quads:
+    rows 32-63's sums are of their codes times 16, `vquads4`: divided exactly first.)"""
+    if kind == _INT4_8:
+        t2, t3 = vsra(t2, 4), vsra(t3, 4)
     sv, z = vsplat(step), vzero()
     return _scale(a0, a1, a2, a3, vfma(vitof(t0), sv, z), vfma(vitof(t1), sv, z), vfma(vitof(t2), sv, z),
                   vfma(vitof(t3), sv, z), Sg, Zg, xs)
 
 
 @njit(inline="always")
-def _close16(A, t0, t1, t2, t3, Sg, Zg, step, xs):  # pragma: no cover - compiled
+def _close16(A, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma: no cover - compiled
     """A [64] = `_scale16` of A with a group's sums t."""
     a0, a1, a2, a3 = _load4(A)
-    a0, a1, a2, a3 = _scale16(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, step, xs)
+    a0, a1, a2, a3 = _scale16(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, step, xs, kind)
     _store4(A, a0, a1, a2, a3)
 
 
 @njit(inline="always")
-def _pair_codes(qb, p, wide):  # pragma: no cover - compiled
-    """Columns 2p, 2p + 1 of a block's codes qb as four int16-pair vectors of 16 rows (0-15, 16-31, 32-47, 48-63):
-    int8 (`wide`) 128 bytes, int4 64."""
-    if wide:
+def _per(kind):  # pragma: no cover - compiled
+    """Columns of x in an int32 lane: an int16 pair, or (`_INT4_8`) an int8 quad."""
+    return 4 if kind == _INT4_8 else 2
+
+
+@njit(inline="always")
+def _pair_codes(qb, p, kind):  # pragma: no cover - compiled
+    """Lane unit p's columns (2p, 2p + 1; int8 quads: 4p .. 4p + 3) of a block's codes qb as four vectors of 16 rows
+    (0-15, 16-31, 32-47, 48-63): int8 128 bytes of int16 pairs, int4 64, int4 in quads 128 (`vquads4`)."""
+    if kind == _INT8:
         return vcodes8(qb, 128 * p)
+    if kind == _INT4_8:
+        return vquads4(qb, 128 * p)
     return vcodes4(qb, 64 * p)
 
 
 @njit(inline="always")
-def _pair_prefetch(qb, p, ahead, wide):  # pragma: no cover - compiled
-    """Ask for the codes `ahead` bytes past column pair p's (int8: two cache lines a pair, int4: one). (Also asking
+def _dot(acc, c, x, kind):  # pragma: no cover - compiled
+    """acc + the lane's products of codes c and x: int16 pairs (`vdot`) or byte quads (`vdot8`)."""
+    return vdot8(acc, c, x) if kind == _INT4_8 else vdot(acc, c, x)
+
+
+@njit(inline="always")
+def _dots(t, u, v, s, c, xv, yv, zv, wv, kind):  # pragma: no cover - compiled
+    """`_dot` of codes c for four rows (their x: xv .. wv) into their sums t, u, v, s."""
+    return _dot(t, c, xv, kind), _dot(u, c, yv, kind), _dot(v, c, zv, kind), _dot(s, c, wv, kind)
+
+
+@njit(inline="always")
+def _pair_prefetch(qb, p, ahead, kind):  # pragma: no cover - compiled
+    """Ask for the codes `ahead` bytes past lane unit p's (int8 pairs and int4 quads: two cache lines, int4 pairs:
+    one). (Also asking
     int4's codes 4x as far ahead helped a Zen 5 (one [2048, 8192] matrix from DRAM, 350-370 -> 250-270 us) but costs a
     Zen 4 12% (216 MB of 1.7B-shaped matrices, 2 threads, interleaved: 10.5 -> 9.3 ms without it, 15 of 15 faster;
     16 KB ahead alone: 5%).)"""
-    if wide:
+    if kind != _INT4:
         prefetch(qb, 128 * p + ahead)
         prefetch(qb, 128 * p + ahead + 64)
     else:
@@ -111,49 +155,49 @@ def _pair_prefetch(qb, p, ahead, wide):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def _sums1(xp, qb, p0, half, wide):  # pragma: no cover - compiled
+def _sums1(xp, qb, p0, half, kind):  # pragma: no cover - compiled
     """One row's exact sums (four int32 vectors: rows 0-15 .. 48-63 of the block) over column pairs p0 .. p0 + half
     - 1: its int16 pairs xp against the block's codes qb, converted as they are read."""
     t0 = t1 = t2 = t3 = vizero()
     for p in range(p0, p0 + half):
-        _pair_prefetch(qb, p, _AHEAD, wide)
+        _pair_prefetch(qb, p, _AHEAD, kind)
         xv = visplat(xp, p)
-        c0, c1, c2, c3 = _pair_codes(qb, p, wide)
-        t0 = vdot(t0, c0, xv)
-        t1 = vdot(t1, c1, xv)
-        t2 = vdot(t2, c2, xv)
-        t3 = vdot(t3, c3, xv)
+        c0, c1, c2, c3 = _pair_codes(qb, p, kind)
+        t0 = _dot(t0, c0, xv, kind)
+        t1 = _dot(t1, c1, xv, kind)
+        t2 = _dot(t2, c2, xv, kind)
+        t3 = _dot(t3, c3, xv, kind)
     return t0, t1, t2, t3
 
 
 @njit(inline="always")
-def _direct16(xp, step, xs, qb, S, Z, gs, A, wide):  # pragma: no cover - compiled
+def _direct16(xp, step, xs, qb, S, Z, gs, A, kind):  # pragma: no cover - compiled
     """`_direct` in integers: one row (its int16 pairs xp, steps and sums) against a block's codes qb, converted as
     they are read."""
     a0, a1, a2, a3 = _load4(A)
-    half = gs // 2
+    half = gs // _per(kind)
     for g in range(S.shape[0]):
-        t0, t1, t2, t3 = _sums1(xp, qb, g * half, half, wide)
-        a0, a1, a2, a3 = _scale16(a0, a1, a2, a3, t0, t1, t2, t3, S[g], Z[g], step[g], xs[g])
+        t0, t1, t2, t3 = _sums1(xp, qb, g * half, half, kind)
+        a0, a1, a2, a3 = _scale16(a0, a1, a2, a3, t0, t1, t2, t3, S[g], Z[g], step[g], xs[g], kind)
     _store4(A, a0, a1, a2, a3)
 
 
 @njit(inline="always")
-def _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, v2, v3, s0, s1, s2,
-            s3):  # pragma: no cover - compiled
+def _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, v2, v3, s0, s1, s2, s3,
+            kind):  # pragma: no cover - compiled
     """`_close16` of group g for rows r .. r + n - 1 (n <= 4) with their sums t, u, v, s (each four vectors, passed
     one by one: they stay in registers)."""
-    _close16(A[r], t0, t1, t2, t3, S[g], Z[g], step[r, g], xs[r, g])
+    _close16(A[r], t0, t1, t2, t3, S[g], Z[g], step[r, g], xs[r, g], kind)
     if n > 1:
-        _close16(A[r + 1], u0, u1, u2, u3, S[g], Z[g], step[r + 1, g], xs[r + 1, g])
+        _close16(A[r + 1], u0, u1, u2, u3, S[g], Z[g], step[r + 1, g], xs[r + 1, g], kind)
     if n > 2:
-        _close16(A[r + 2], v0, v1, v2, v3, S[g], Z[g], step[r + 2, g], xs[r + 2, g])
+        _close16(A[r + 2], v0, v1, v2, v3, S[g], Z[g], step[r + 2, g], xs[r + 2, g], kind)
     if n > 3:
-        _close16(A[r + 3], s0, s1, s2, s3, S[g], Z[g], step[r + 3, g], xs[r + 3, g])
+        _close16(A[r + 3], s0, s1, s2, s3, S[g], Z[g], step[r + 3, g], xs[r + 3, g], kind)
 
 
 @njit(inline="always")
-def _direct4(XP, step, xs, r, n, g, qb, S, Z, half, A, wide):  # pragma: no cover - compiled
+def _direct4(XP, step, xs, r, n, g, qb, S, Z, half, A, kind):  # pragma: no cover - compiled
     """`_direct16`'s group g (half: its column pairs) for rows r .. r + n - 1 of XP (n <= 4; a missing row's place
     computes the last row again, unstored): each pair of columns' codes is converted once for four rows, in
     registers, with no buffer to write and read back; the callers take every row for one group before the next,
@@ -164,25 +208,25 @@ def _direct4(XP, step, xs, r, n, g, qb, S, Z, half, A, wide):  # pragma: no cove
     xa, xb, xc, xd = XP[r], XP[min(r + 1, last)], XP[min(r + 2, last)], XP[min(r + 3, last)]
     t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = v0 = v1 = v2 = v3 = s0 = s1 = s2 = s3 = vizero()
     for p in range(g * half, g * half + half):
-        _pair_prefetch(qb, p, _AHEAD, wide)
-        c0, c1, c2, c3 = _pair_codes(qb, p, wide)
+        _pair_prefetch(qb, p, _AHEAD, kind)
+        c0, c1, c2, c3 = _pair_codes(qb, p, kind)
         xv, yv, zv, wv = visplat(xa, p), visplat(xb, p), visplat(xc, p), visplat(xd, p)
-        t0, u0, v0, s0 = vdot(t0, c0, xv), vdot(u0, c0, yv), vdot(v0, c0, zv), vdot(s0, c0, wv)
-        t1, u1, v1, s1 = vdot(t1, c1, xv), vdot(u1, c1, yv), vdot(v1, c1, zv), vdot(s1, c1, wv)
-        t2, u2, v2, s2 = vdot(t2, c2, xv), vdot(u2, c2, yv), vdot(v2, c2, zv), vdot(s2, c2, wv)
-        t3, u3, v3, s3 = vdot(t3, c3, xv), vdot(u3, c3, yv), vdot(v3, c3, zv), vdot(s3, c3, wv)
-    _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, v2, v3, s0, s1, s2, s3)
+        t0, u0, v0, s0 = _dots(t0, u0, v0, s0, c0, xv, yv, zv, wv, kind)
+        t1, u1, v1, s1 = _dots(t1, u1, v1, s1, c1, xv, yv, zv, wv, kind)
+        t2, u2, v2, s2 = _dots(t2, u2, v2, s2, c2, xv, yv, zv, wv, kind)
+        t3, u3, v3, s3 = _dots(t3, u3, v3, s3, c3, xv, yv, zv, wv, kind)
+    _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, v2, v3, s0, s1, s2, s3, kind)
 
 
 @njit(inline="always")
-def _widen16(qb, g, half, W, wide):  # pragma: no cover - compiled
-    """W [half * 64] = the block's codes of group g's column pairs as int16 pairs (the values `_direct16` makes),
-    the next group's codes asked for meanwhile."""
-    ahead = 2 * half * (_BLOCK if wide else _BLOCK // 2)
+def _widen16(qb, g, half, W, kind):  # pragma: no cover - compiled
+    """W [half * 64] = the block's codes of group g's lane units (`_pair_codes`: the values `_direct16` makes), the
+    next group's codes asked for meanwhile."""
+    ahead = _per(kind) * half * (_BLOCK if kind == _INT8 else _BLOCK // 2)  # (a group's bytes)
     for i in range(half):
         p = g * half + i
-        _pair_prefetch(qb, p, ahead, wide)
-        c0, c1, c2, c3 = _pair_codes(qb, p, wide)
+        _pair_prefetch(qb, p, ahead, kind)
+        c0, c1, c2, c3 = _pair_codes(qb, p, kind)
         vistore(W, _BLOCK * i, c0)
         vistore(W, _BLOCK * i + LANES, c1)
         vistore(W, _BLOCK * i + 2 * LANES, c2)
@@ -190,7 +234,7 @@ def _widen16(qb, g, half, W, wide):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def _dot4_16(XP, step, xs, r, n, g, W, S, Z, A):  # pragma: no cover - compiled
+def _dot4_16(XP, step, xs, r, n, g, W, S, Z, A, kind):  # pragma: no cover - compiled
     """`_direct4` for group g against the buffered codes W: each load of the codes serves four rows."""
     half = W.shape[0] // _BLOCK
     p0 = g * half
@@ -200,45 +244,53 @@ def _dot4_16(XP, step, xs, r, n, g, W, S, Z, A):  # pragma: no cover - compiled
     for i in range(half):
         j, p = _BLOCK * i, p0 + i
         xv, yv, zv, wv = visplat(xa, p), visplat(xb, p), visplat(xc, p), visplat(xd, p)
-        c = viload(W, j)
-        t0, u0, v0, s0 = vdot(t0, c, xv), vdot(u0, c, yv), vdot(v0, c, zv), vdot(s0, c, wv)
-        c = viload(W, j + LANES)
-        t1, u1, v1, s1 = vdot(t1, c, xv), vdot(u1, c, yv), vdot(v1, c, zv), vdot(s1, c, wv)
-        c = viload(W, j + 2 * LANES)
-        t2, u2, v2, s2 = vdot(t2, c, xv), vdot(u2, c, yv), vdot(v2, c, zv), vdot(s2, c, wv)
-        c = viload(W, j + 3 * LANES)
-        t3, u3, v3, s3 = vdot(t3, c, xv), vdot(u3, c, yv), vdot(v3, c, zv), vdot(s3, c, wv)
-    _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, v2, v3, s0, s1, s2, s3)
+        t0, u0, v0, s0 = _dots(t0, u0, v0, s0, viload(W, j), xv, yv, zv, wv, kind)
+        t1, u1, v1, s1 = _dots(t1, u1, v1, s1, viload(W, j + LANES), xv, yv, zv, wv, kind)
+        t2, u2, v2, s2 = _dots(t2, u2, v2, s2, viload(W, j + 2 * LANES), xv, yv, zv, wv, kind)
+        t3, u3, v3, s3 = _dots(t3, u3, v3, s3, viload(W, j + 3 * LANES), xv, yv, zv, wv, kind)
+    _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, v2, v3, s0, s1, s2, s3, kind)
 
 
 @njit(inline="always")
-def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, wide):  # pragma: no cover - compiled
+def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, kind):  # pragma: no cover - compiled
     """A [R, 64] = block b's outputs for the rows XP (`_tiles16`), its scales into S, Z and (from `_WIDEN` rows) each
     group's codes into W on the way."""
     R, G = A.shape[0], S.shape[0]
-    gs = 2 * XP.shape[1] // G
-    _scales(sz, b, nb, S, Z, wide)
+    gs = _per(kind) * XP.shape[1] // G
+    _scales(sz, b, nb, S, Z, kind == _INT8)
     A[:] = 0
     qb = q[b].reshape(q.shape[1] * q.shape[2])
     if R == 1:  # (decode: its own call, the loop's code stays out of it)
-        _direct16(XP[0], step[0], xs[0], qb, S, Z, gs, A[0], wide)
+        _direct16(XP[0], step[0], xs[0], qb, S, Z, gs, A[0], kind)
     elif R < _WIDEN:
-        half = gs // 2
+        half = gs // _per(kind)
         for g in range(G):
             for r in range(0, R - R % 4 if R % 4 == 1 else R, 4):
-                _direct4(XP, step, xs, r, min(4, R - r), g, qb, S, Z, half, A, wide)
+                _direct4(XP, step, xs, r, min(4, R - r), g, qb, S, Z, half, A, kind)
             if R % 4 == 1:  # (a lone row: its own four sums, not four rows' work)
-                t0, t1, t2, t3 = _sums1(XP[R - 1], qb, g * half, half, wide)
-                _close16(A[R - 1], t0, t1, t2, t3, S[g], Z[g], step[R - 1, g], xs[R - 1, g])
+                t0, t1, t2, t3 = _sums1(XP[R - 1], qb, g * half, half, kind)
+                _close16(A[R - 1], t0, t1, t2, t3, S[g], Z[g], step[R - 1, g], xs[R - 1, g], kind)
     else:
         for g in range(G):
-            _widen16(qb, g, gs // 2, W, wide)
+            _widen16(qb, g, gs // _per(kind), W, kind)
             for r in range(0, R, 4):
-                _dot4_16(XP, step, xs, r, min(4, R - r), g, W, S, Z, A)
+                _dot4_16(XP, step, xs, r, min(4, R - r), g, W, S, Z, A, kind)
 
 
 @njit(inline="always")
-def _tiles16(x, q, sz, out, wide):  # pragma: no cover - compiled
+def _split_row(x, r, gs, XP, step, xs, kind, form):  # pragma: no cover - compiled
+    """`_split` of row r into XP[r]: int8 steps against int4 codes (bounded as `vquads4`'s, up to 240), as quads or
+    (`form` _INT4) as int16 pairs, else int16 steps against codes up to 15 (int4) or 255 (int8)."""
+    if kind == _INT4_8 and form == _INT4_8:
+        _split(x[r], gs, 240, 127, XP[r].view(np.int8), step[r], xs[r])
+    elif kind == _INT4_8:
+        _split(x[r], gs, 240, 127, XP[r].view(np.int16), step[r], xs[r])
+    else:
+        _split(x[r], gs, 255 if kind == _INT8 else 15, 32767, XP[r].view(np.int16), step[r], xs[r])
+
+
+@njit(inline="always")
+def _tiles16(x, q, sz, out, kind):  # pragma: no cover - compiled
     """`_tiles` with x in int16 steps (even groups), its rows four at a time: below `_WIDEN` rows against the codes
     as they are read (`_direct4`, one group for every row, then the next), from there against each group's codes
     converted once into a buffer (`_dot4_16`). Integer sums are exact, so every path gives a row the same bits."""
@@ -246,22 +298,22 @@ def _tiles16(x, q, sz, out, wide):  # pragma: no cover - compiled
     nb, G = q.shape[0], sz.shape[0]
     gs = K // G
     sz = sz.reshape(G, sz.shape[1] * sz.shape[2])
-    XP = np.empty((R, K // 2), np.int32)  # x's int16, a pair of columns an int32
+    form = _INT4 if kind == _INT4_8 and R < _QUADS else kind  # (the same integer sums either way)
+    XP = np.empty((R, K // _per(form)), np.int32)  # x's int16 pairs (int8 quads), a lane unit an int32
     step, xs = np.empty((R, G), np.float32), np.empty((R, G), np.float32)
-    cmax = 255 if wide else 15
     if R >= _SPLIT_PARALLEL:
         for r in prange(R):
-            _split(x[r], gs, cmax, XP[r].view(np.int16), step[r], xs[r])
+            _split_row(x, r, gs, XP, step, xs, kind, form)
     else:  # (a parallel region costs more than splitting a few rows)
         for r in range(R):
-            _split(x[r], gs, cmax, XP[r].view(np.int16), step[r], xs[r])
+            _split_row(x, r, gs, XP, step, xs, kind, form)
     share, shares = parts(nb, 1)
     for t in prange(shares):  # (one share of blocks a thread, its buffers made once)
         S, Z = np.empty((G, _BLOCK), np.float32), np.empty((G, _BLOCK), np.float32)
         A = np.empty((R, _BLOCK), np.float32)
-        W = np.empty(gs // 2 * _BLOCK if R >= _WIDEN else 0, np.int32)
+        W = np.empty(gs // _per(form) * _BLOCK if R >= _WIDEN else 0, np.int32)
         for b in range(t * share, min(nb, t * share + share)):
-            _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, wide)
+            _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, form)
             for r in range(R):
                 out[r, b * _BLOCK:(b + 1) * _BLOCK] = A[r]
 
@@ -269,24 +321,34 @@ def _tiles16(x, q, sz, out, wide):  # pragma: no cover - compiled
 @njit(parallel=True, cache=True, nogil=True)
 def _int4_16(x, q, sz, out):  # pragma: no cover - compiled
     """`_int4` with x in int16 steps (`_tiles16`)."""
-    _tiles16(x, q, sz, out, False)
+    _tiles16(x, q, sz, out, _INT4)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _int8_16(x, q, sz, out):  # pragma: no cover - compiled
     """`_int8` with x in int16 steps (`_tiles16`)."""
-    _tiles16(x, q, sz, out, True)
+    _tiles16(x, q, sz, out, _INT8)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _int4_8(x, q, sz, out):  # pragma: no cover - compiled
+    """`_int4` with x in int8 steps (`_tiles16`, `vquads4`)."""
+    _tiles16(x, q, sz, out, _INT4_8)
 
 
 @njit(nogil=True, cache=True)
 def packed(x, q, sz, out, ints):  # pragma: no cover - compiled
-    """x [R, K] float32 @ int8 or int4 tiles (by their width) -> out [R, rows] float32: x in int16 steps (`ints`, for
-    bf16 activations) where the groups are even, else in float32. One numba type for every case:
+    """x [R, K] float32 @ int8 or int4 tiles (by their width) -> out [R, rows] float32: x in int16 steps (`ints`
+    INT16_STEPS, for bf16 activations) where the groups are even, in int8 steps against int4 codes (INT8_STEPS)
+    where they are a multiple of 4, else in float32. One numba type for every case:
     compiled callers choose at run time. Cached like the kernels it calls (their files stamp it: `kernels`): a
     process's first packed product 3.0 -> 0.8 s with a warm cache."""
-    if ints and (x.shape[1] // sz.shape[0]) % 2 == 0:
+    gs = x.shape[1] // sz.shape[0]
+    if ints != FLOAT32_STEPS and gs % 2 == 0:
         if q.shape[2] == _BLOCK:
             _int8_16(x, q, sz, out)
+        elif ints == INT8_STEPS and gs % 4 == 0:
+            _int4_8(x, q, sz, out)
         else:
             _int4_16(x, q, sz, out)
     elif q.shape[2] == _BLOCK:

@@ -9,16 +9,12 @@ all its rows (the weights read once), not one product per column.
 
     dense    numba (LLVM, compiled at first use and cached; no compiler needed): eight output features at a time,
              their weight rows widened exactly to float32 into an L1 buffer (bf16 and fp16 inline: no dense copy
-             of the matrix, so a bf16 model computes in float32 at bf16's bytes), then every input row against
-             the eight on its own (one loop, 8 FMAs per load of x): no padding, so a decode row costs one row.
-             2-core AVX-512 machine, SmolLM2-135M's bf16 matrices, 30 layers' worth (212 MB, beyond the cache):
-             this layout 14-16 GB/s at batch 1 against 7-9 GB/s for the earlier 4-row-padded blocking and
-             13 GB/s for torch's bf16 F.linear; at 9 rows 7.8 against 5.5 and 3.6.
+             of the matrix), then every input row against the eight on its own (8 FMAs per load of x): no
+             padding, so a decode row costs one row; bf16 by bf16 in pairs (`cpu_bf16`).
     int4     the group-wise tile layouts of `offload.weights.quant` (int4: torch's CPU int4 packing; int8: one
     int8     byte a weight in the same 64-row tiles): `offload.model.cpu_packed`, across the 64 rows of a tile
              in explicit 16-lane vectors, each output accumulating along k in order, scaled once a group
              (torch's `_weight_int4pack_mm_for_cpu` only without numba).
-
     layer    `offload.model.fused`: a whole decoder layer in one compiled call over these kernels.
 
 Without numba (or with OFFLOAD_CPU_KERNELS=library, to measure what invariance costs), products fall back
@@ -49,18 +45,9 @@ log = logging.getLogger(__name__)
 #: Every CPU product of this module keeps rows independent of the batch.
 ROW_INVARIANT = numba is not None
 #: Which CPU kernels a calibration measured (raised when their speed changes: a calibration of older ones is
-#: measured again by `offload chat --auto` and scripts/bench_cpu.py). 2: three-row tiles, 512-column chunks;
-#: 3: int8 widened by whole groups, attention by KV head; 4-5: int8 by whole rows; 6: int8 in explicit lanes;
-#: 7: int4 in explicit lanes; 8: int8 in int4's tiles; 9: packed products of 16-bit activations in int16 (VNNI);
-#: 10: the dense kernel prefetches the columns its next pass widens; 11: bf16 by bf16 in pairs (`cpu_bf16`);
-#: 12: packed codes asked for further ahead; 13: attention, SiLU, RMSNorm and RoPE in 16-lane vectors (`simd_math`);
-#: 14: a one-row bf16 product of rows of 2048+ columns reads four weight rows at a time; packed products of 2+
-#: rows take four rows at a time (`cpu_packed16._direct4`, `_dot4_16`); 15: a one-row bf16 product reads one
-#: weight row at a time, in order (`cpu_bf16._rows1`); without AVX-512, bf16 products of 2+ rows take four weight
-#: rows for one row of x (`cpu_bf16._rows4`); 16: a product's rows (dense) or blocks (packed) in one contiguous
-#: share a thread, its buffers made once a thread (`simd.parts`); 17: int4 codes unpacked in 7 instructions, not 10,
-#: and asked for once a line (`simd_int.vcodes4`).
-VERSION = 17
+#: measured again by `offload chat --auto` and scripts/bench_cpu.py; `git log -S VERSION` tells each step, from 2:
+#: three-row tiles, to 17: int4 codes unpacked in 7 instructions). 18: int4 codes by bf16 activations in int8 steps.
+VERSION = 18
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
 #: 1.7B shape's four bf16 matrices x 2, one thread: whole rows (64-180 KiB buffers, read from L2) -> 512 columns:
 #: 64 rows 195 -> 150 ms, 9 rows 51 -> 42 ms, 1 row 34 -> 25 ms. In a 1.7B bf16 run (weights from DRAM) 512 is
@@ -266,6 +253,11 @@ if numba is not None:
                     for r in range(R - R % 3, R):
                         _dot8(x, r, buf, n, count, out, k0, kc)
 
+    @njit(inline="always")
+    def _ints(kind):  # pragma: no cover - compiled
+        """`cpu_packed16.packed`'s `ints` of a packed kind."""
+        return 1 if kind == PACKED_INT16 else (2 if kind == PACKED_INT8 else 0)
+
     def _product(x, w, sz, out, kind):
         """out = x @ w.T for compiled callers: int8 / int4 tiles (uint8 [rows / 64, K, 64 / 32]) by `cpu_packed`
         (the width chosen at run time), other weights by `_dense` (chosen by type when the caller compiles, so none
@@ -274,14 +266,24 @@ if numba is not None:
     @overload(_product)
     def _product_by_type(x, w, sz, out, kind):  # pragma: no cover - compiled
         if w.dtype == types.uint8:
-            return lambda x, w, sz, out, kind: packed(x, w, sz, out, kind == PACKED_INT16)
+            return lambda x, w, sz, out, kind: packed(x, w, sz, out, _ints(kind))
         return lambda x, w, sz, out, kind: _dense(x, w, out, kind)
 
 #: The dense kernel's weight kinds (`_widen`) by a dense matrix's dtype; PACKED: a packed matrix's, x in float32;
-#: PACKED_INT16: a packed matrix's, x (bf16 activations) in int16 steps (`cpu_packed16`); DENSE_BF16: a bf16 matrix's
-#: with bf16 activations, multiplied as bf16 pairs (`cpu_bf16`; x holds bf16 values).
+#: PACKED_INT16 / PACKED_INT8: x (bf16) in int16 steps / int8 steps against int4 codes (`cpu_packed16`);
+#: DENSE_BF16: a bf16 matrix's with bf16 activations, multiplied as bf16 pairs (`cpu_bf16`; x holds bf16 values).
 DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is not None else {}
-PACKED, PACKED_INT16, DENSE_BF16 = 3, 4, 5
+PACKED, PACKED_INT16, DENSE_BF16, PACKED_INT8 = 3, 4, 5, 6
+#: The steps of bf16 activations against int4 codes: "int8" or "int16" (`packed_kind`; config
+#: `weights.int4_activations`, set for the process by each executor built: `use_int4_activations`).
+INT4_ACTIVATIONS = "int8"
+
+
+def use_int4_activations(steps: str) -> None:
+    """bf16 activations meet int4 codes in "int8" steps (llama.cpp's Q4_0 error class) or "int16" ones, from the next
+    layer built; process-wide, like the kernels' threads (`cpu_packed16`)."""
+    global INT4_ACTIVATIONS
+    INT4_ACTIVATIONS = steps
 
 
 def dense_kind(weights: torch.dtype, activations: torch.dtype) -> int:
@@ -291,10 +293,13 @@ def dense_kind(weights: torch.dtype, activations: torch.dtype) -> int:
 
 
 def packed_kind(activations: torch.dtype) -> int:
-    """How a packed matrix multiplies activations of this dtype: bf16 in int16 steps (twice float32's multiply-adds
-    an instruction; bf16's 8 significant bits kept wherever an entry is within 2^7 of its group's largest), float32
-    and fp16 (11 significant bits, more than the steps keep) in float32."""
-    return PACKED_INT16 if activations == torch.bfloat16 else PACKED
+    """How a packed matrix multiplies activations of this dtype: bf16 in integer steps (int16 steps: twice float32's
+    multiply-adds an instruction, bf16's 8 significant bits kept wherever an entry is within 2^7 of its group's
+    largest; against int4 codes int8 steps by default, `use_int4_activations`), float32 and fp16 (11 significant
+    bits, more than the steps keep) in float32."""
+    if activations != torch.bfloat16:
+        return PACKED
+    return PACKED_INT8 if INT4_ACTIVATIONS == "int8" else PACKED_INT16
 NO_SCALES = np.zeros((0, 1, 2), np.uint16)  # the scales argument of a dense (not int8) product
 
 
@@ -322,8 +327,7 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
 
 def dense_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Does `dense_linear` take this pair (CPU, a 2-D weight of a dtype it widens)?"""
-    return (numba is not None and x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2
-            and w.dtype in DENSE_KIND and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    return x.device.type == "cpu" and widens(w, x.dtype)
 
 
 def widens(w: torch.Tensor, compute: torch.dtype) -> bool:
@@ -353,8 +357,7 @@ def packed_supported(sz: torch.Tensor) -> bool:
 
 
 def is_int8(sz: torch.Tensor) -> bool:
-    """Which format packed a matrix (`offload.weights.quant`), by its scales' shape: int8 [K/g, rows, 2], int4's
-    plane [1, K/g, rows, 2]."""
+    """Is a packed matrix int8 (scales [K/g, rows, 2]) or int4 (its plane's [1, K/g, rows, 2])?"""
     return sz.dim() == 3
 
 
@@ -366,8 +369,7 @@ def packed_rows_cols(q: torch.Tensor, sz: torch.Tensor) -> tuple[int, int]:
 def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ a packed matrix: int8 tiles (q uint8 [rows / 64, K, 64], sz [K/g, rows, 2] (scale, min)) or the
     int4 plane (q uint8 [1, rows, K/2] in tile order, sz [1, K/g, rows, 2] (scale, zero)), scales bf16 or float32
-    -> [M, rows] float32, every row independent of the others (`offload.model.cpu_packed`; bf16 x in int16 steps:
-    `packed_kind`)."""
+    -> [M, rows] float32, every row independent of the others (`cpu_packed`; bf16 x in steps: `packed_kind`)."""
     int8 = is_int8(sz)
     rows, K = packed_rows_cols(q, sz)
     G = sz.shape[-3]
@@ -379,13 +381,12 @@ def packed_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> torch.T
     out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
     if out.numel():
         tiles, bits = packed_args(q, sz)
-        packed(x32.numpy(), tiles, bits, out.numpy(), packed_kind(x.dtype) == PACKED_INT16)
+        packed(x32.numpy(), tiles, bits, out.numpy(), _ints(packed_kind(x.dtype)))
     return out
 
 
 def packed_args(q: torch.Tensor, sz: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """A packed matrix as the compiled kernels take it: (its tiles, uint8 [rows / 64, K, 64] for int8 and the int4
-    plane's [rows / 64, K, 32]; its scales' bits, `scale_bits`)."""
+    """A packed matrix as the kernels take it: (its tiles, uint8 [rows / 64, K, 64 (int8) or 32], `scale_bits`)."""
     if is_int8(sz):
         return q.contiguous().numpy(), scale_bits(sz)
     _, rows, half = q.shape

@@ -41,6 +41,7 @@ from offload.config import OffloadConfig
 from offload.kv.cache import PagedKVCache
 from offload.kv.view import LayerKV
 from offload.model import functional as M
+from offload.model import kernels
 from offload.model.checkpoint import Checkpoint
 from offload.plan.passes import pass_tokens
 from offload.plan.planner import Planner, resolve_capacities
@@ -121,6 +122,7 @@ class Executor:
         self.cfg = self.checkpoint.config
         # every tensor config.json and the weight format imply, from the headers: before planning or allocating
         check_tensors(self.checkpoint, WeightFormat.from_config(config.weights, self.cfg))
+        kernels.use_int4_activations(config.weights.int4_activations)
         self.dtype = resolve_dtype(config.dtype, self.cfg.torch_dtype)  # the weights move as this
         self.timeline = timeline or Timeline(nvtx=self.device.type == "cuda", keep_steps=config.timeline.keep_steps)
         self.traffic = Traffic()  # bytes moved by weights and KV blocks, per route

@@ -1,0 +1,66 @@
+"""The integer lane operations of `offload.model.simd_int` give the same lanes in every form they compile to: the
+AVX-512 VNNI instructions, AVX-512 BW's pmaddwd, and plain LLVM vector code (what a CPU without either runs). Each
+form is compiled here by hiding CPU features from the code generator, so all of them run on this machine, and every
+lane is checked against numpy's exact integer arithmetic: a packed product's bits do not depend on the CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba")
+
+from offload.model import simd_int  # noqa: E402  (after the skip: the module needs numba)
+
+FORMS = {"vnni": {"avx512vnni", "avx512bw"}, "avx512bw": {"avx512bw"}, "plain": set()}
+
+
+def _compiled(monkeypatch, features: set[str]):
+    """Fresh (uncached) functions over the lane operations, compiled as for a CPU with only these features."""
+    monkeypatch.setattr(simd_int, "_has", lambda feature: feature in features)
+    from offload.model.simd import _x86
+    if features and not _x86():
+        pytest.skip("the x86 forms compile on x86 only")
+
+    @numba.njit(cache=False)
+    def dots(acc, w, x, out8, out16):
+        a = simd_int.viload(acc, 0)
+        simd_int.vistore(out8, 0, simd_int.vdot8(a, simd_int.viload(w, 0), simd_int.viload(x, 0)))
+        simd_int.vistore(out16, 0, simd_int.vdot(a, simd_int.viload(w, 0), simd_int.viload(x, 0)))
+
+    @numba.njit(cache=False)
+    def quads(codes, v, out, shifted):
+        c0, c1, c2, c3 = simd_int.vquads4(codes, 0)
+        simd_int.vistore(out, 0, c0)
+        simd_int.vistore(out, 16, c1)
+        simd_int.vistore(out, 32, c2)
+        simd_int.vistore(out, 48, c3)
+        simd_int.vistore(shifted, 0, simd_int.vsra(simd_int.viload(v, 0), 4))
+
+    return dots, quads
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_integer_dots_and_int4_quads_give_exact_lanes_in_every_form(monkeypatch, form):
+    dots, quads = _compiled(monkeypatch, FORMS[form])
+    rng = np.random.default_rng(7)
+    acc = rng.integers(-2**20, 2**20, 16).astype(np.int32)
+    w8 = rng.integers(0, 256, 64).astype(np.uint8)  # vdot8: unsigned bytes by signed bytes
+    x8 = rng.integers(-127, 128, 64).astype(np.int8)
+    out8, out16 = np.empty(16, np.int32), np.empty(16, np.int32)
+    dots(acc, w8.view(np.int32), x8.view(np.int32), out8, out16)
+    want8 = acc + (w8.astype(np.int64) * x8.astype(np.int64)).reshape(16, 4).sum(1)
+    assert np.array_equal(out8, want8)
+    w16, x16 = w8.view(np.int16).astype(np.int64), x8.view(np.int16).astype(np.int64)  # vdot: signed int16 pairs
+    assert np.array_equal(out16, acc + (w16 * x16).reshape(16, 2).sum(1))
+
+    # int4 tiles: 4 columns of a 64-row block, 32 bytes a column, byte j = row j's code low, row j + 32's high
+    codes = rng.integers(0, 16, (4, 64)).astype(np.uint8)  # [column, row]
+    packed = (codes[:, :32] | (codes[:, 32:] << 4)).astype(np.uint8).reshape(-1)
+    v = rng.integers(-2**31, 2**31, 16, dtype=np.int64).astype(np.int32)
+    out, shifted = np.empty(64, np.int32), np.empty(16, np.int32)
+    quads(packed, v, out, shifted)
+    lanes = out.view(np.uint8).reshape(64, 4)  # lane r: row r's codes at the four columns, rows 32-63 times 16
+    assert np.array_equal(lanes[:32], codes.T[:32])
+    assert np.array_equal(lanes[32:], codes.T[32:] * 16)
+    assert np.array_equal(shifted, v >> 4)
