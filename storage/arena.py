@@ -28,6 +28,7 @@ from storage.units import ceil_div, fmt_bytes
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
+HUGE = 2 * 2**20  # an x86-64 / arm64 transparent huge page
 
 
 def round_up(n: int, multiple: int = PAGE) -> int:
@@ -35,10 +36,30 @@ def round_up(n: int, multiple: int = PAGE) -> int:
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
-    """A page-aligned uint8 CPU tensor of `nbytes` (anonymous memory: untouched pages cost no RAM)."""
+    """A page-aligned uint8 CPU tensor of `nbytes` (anonymous memory: untouched pages cost no RAM), its whole 2 MiB
+    spans asked to be huge pages (`huge_pages`)."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)  # pages come when touched
     buf = mmap.mmap(-1, max(round_up(nbytes), PAGE), flags=flags)
-    return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes]  # the tensor keeps the mapping alive
+    out = torch.frombuffer(buf, dtype=torch.uint8)[:nbytes]  # the tensor keeps the mapping alive
+    huge_pages(buf, out.data_ptr(), nbytes)
+    return out
+
+
+def huge_pages(buf: mmap.mmap, address: int, nbytes: int) -> None:
+    """Ask for transparent huge pages (MADV_HUGEPAGE) on the whole 2 MiB spans of a fresh mapping at `address`, so
+    that the weights streamed from it walk one TLB entry per 2 MiB, not per 4 KiB (Linux's default THP setting,
+    `madvise`, gives them to no one else). Only whole spans inside the tensor: none beyond its bytes becomes RAM. A
+    2-core Zen 4 VM, a bf16 [131072, 2048] product from DRAM: 41 -> 49 GB/s (28 -> 29 in a slow minute). A kernel
+    without THP (or another OS) says no: nothing changes."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    start = -address % HUGE
+    length = (nbytes - start) // HUGE * HUGE
+    if advice is None or length <= 0:
+        return
+    try:
+        buf.madvise(advice, start, length)
+    except OSError:  # (THP compiled out: EINVAL)
+        pass
 
 
 def pinnable_bytes() -> int:

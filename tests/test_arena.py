@@ -3,11 +3,13 @@ accounted by the plan. Pinning itself needs CUDA (tests/test_cuda.py); the accou
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from offload.plan.placement import GroupSpec, make_plan
 from schedulers.plan import Capacities
-from storage.arena import PAGE, HostArena, PageRuns, check_pinnable
+from storage.arena import HUGE, PAGE, HostArena, PageRuns, aligned_empty, check_pinnable
 from storage.errors import CapacityError
 from storage.tiers import DeviceTier, HostTier
 
@@ -62,3 +64,34 @@ def test_pinning_more_than_the_machine_has_available_is_refused():
                                             r"tiers\.cpu\.capacity .* tiers\.cpu\.pinned: false"):
         check_pinnable(8 * 2**30, available=4 * 2**30)
     check_pinnable(2 * 2**30, available=4 * 2**30)
+
+
+def _thp_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping that holds `address` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            if lo <= address < hi:
+                for rest in lines[i + 1:]:
+                    if rest.startswith("VmFlags:"):
+                        return rest.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+                    reason="needs Linux with transparent huge pages")
+def test_host_memory_asks_for_huge_pages_on_its_whole_spans_only():
+    """Weights stream from host memory with one TLB entry per 2 MiB: an arena's (and an unpinned tier's) memory is
+    advised MADV_HUGEPAGE ("hg" in its flags) on its whole 2 MiB spans, and nothing outside the tensor's bytes is;
+    a tensor with no whole span is left alone."""
+    big = aligned_empty(5 * HUGE + 3 * PAGE)
+    big.fill_(1)
+    start = big.data_ptr() + (-big.data_ptr() % HUGE)
+    assert "hg" in _thp_flags(start)
+    assert "hg" not in _thp_flags(big.data_ptr()) or big.data_ptr() % HUGE == 0  # the head before the first span
+    small = aligned_empty(HUGE - PAGE)
+    assert "hg" not in _thp_flags(small.data_ptr())
+    assert bool((big == 1).all())

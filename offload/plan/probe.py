@@ -29,6 +29,7 @@ from offload.model import kernels
 from offload.model.config import ModelConfig
 from offload.weights.groups import WeightFormat, group_layout, weight_views
 from offload.weights.quant import Scratch
+from storage.arena import aligned_empty
 from storage.units import blocks_for
 
 REFERENCE = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32,
@@ -150,7 +151,11 @@ def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dty
     cfg = ModelConfig.from_dict(shape)
     fmt = WeightFormat(quantization)
     layout = group_layout(cfg, "layer.0", dtype, fmt)
-    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    def fresh() -> torch.Tensor:  # a layer's bytes in the memory a run's CPU tier gives them (huge pages)
+        return aligned_empty(layout.nbytes) if device.type == "cpu" else \
+            torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+
+    buf = fresh()
     g = torch.Generator(device="cpu").manual_seed(0)
     for name, t in layout.views(buf).items():
         if t.dtype == torch.uint8:  # packed codes
@@ -172,7 +177,8 @@ def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dty
     # the copies beside w: together at most cold_bytes
     copies = min(MAX_COPIES, math.ceil(cold_bytes / layout.nbytes)) if run is not None else 0
     copies = copies if copies >= 2 else 0
-    cold_run = M.layer_run(probe, [w] + [weights(buf.clone()) for _ in range(copies - 1)], cfg) if copies else None
+    others = [weights(fresh().copy_(buf)) for _ in range(copies - 1)]
+    cold_run = M.layer_run(probe, [w] + others, cfg) if copies else None
     rope = M.Rope(cfg, device, compute)
     planes = ModelConfig.from_dict(shape | {"num_hidden_layers": max(RUN_LAYERS, copies)})  # the KV pool's layers
     hot: list[float] = []
