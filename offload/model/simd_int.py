@@ -205,25 +205,34 @@ def _pairs(builder, v, lo, hi):
     return builder.bitcast(builder.zext(b, _I16x32), _IT)
 
 
-@intrinsic
-def vcodes8(typingctx, a, i):  # pragma: no cover - compiled
+def _codes(name: str, nbytes: int, lanes):
+    """The intrinsic `name` over tile codes (a C-contiguous uint8 array and an index; four lane vectors back) whose
+    codegen loads a[i : i + nbytes] as one byte vector v and returns `lanes(builder, v)`."""
+    def typer(typingctx, a, i):
+        if not _contiguous(a, (types.uint8,)) or not isinstance(i, types.Integer):
+            return None
+        ret = types.UniTuple(i32x16, 4)
+
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.VectorType(ir.IntType(8), nbytes).as_pointer())
+            return context.make_tuple(builder, ret, lanes(builder, builder.load(ptr, align=1)))
+        return ret(a, i), codegen
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = lanes.__doc__
+    return intrinsic(typer)
+
+
+def _codes8(builder, v):
     """int8 tiles: from a[i : i + 128] (columns k, k + 1 of a 64-row block, 64 bytes each) the four lane vectors of
     rows 0-15, 16-31, 32-47, 48-63, lane j holding (code[row, k], code[row, k + 1]) as int16."""
-    if not _contiguous(a, (types.uint8,)) or not isinstance(i, types.Integer):
-        return None
-    ret = types.UniTuple(i32x16, 4)
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.VectorType(ir.IntType(8), 128).as_pointer())
-        v = builder.load(ptr, align=1)
-        out = [_pairs(builder, v, 16 * r, 64 + 16 * r) for r in range(4)]
-        return context.make_tuple(builder, ret, out)
-    return ret(a, i), codegen
+    return [_pairs(builder, v, 16 * r, 64 + 16 * r) for r in range(4)]
 
 
-@intrinsic
-def vcodes4(typingctx, a, i):  # pragma: no cover - compiled
+vcodes8 = _codes("vcodes8", 128, _codes8)
+
+
+def _codes4(builder, v):
     """int4 tiles (torch's packing): from a[i : i + 64] (columns k, k + 1 of a 64-row block, 32 bytes each, byte j
     row j's nibble low and row j + 32's high) the four lane vectors of rows 0-15, 16-31, 32-47, 48-63, lane j
     holding (code[row, k], code[row, k + 1]) as int16. The nibbles are split on all 64 bytes at once (an and, a
@@ -231,49 +240,35 @@ def vcodes4(typingctx, a, i):  # pragma: no cover - compiled
     a shift and masks for each vector). With one prefetch a line (`cpu_packed16._pair_prefetch`): 216 MB of
     1.7B-shaped int4 matrices from DRAM, 2 Zen 4 threads, interleaved in one process, 8.8-11.5 -> 7.2-10.4 ms (15
     of 15 faster); the prefetch alone 10.5 -> 9.3."""
-    if not _contiguous(a, (types.uint8,)) or not isinstance(i, types.Integer):
-        return None
-    ret = types.UniTuple(i32x16, 4)
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), _I8x64.as_pointer())
-        v = builder.load(ptr, align=1)
-        nibbles = (builder.and_(v, ir.Constant(_I8x64, [0x0F] * 64)),  # rows 0-31 of both columns
-                   builder.lshr(v, ir.Constant(_I8x64, [4] * 64)))  # rows 32-63
-        zero = ir.Constant(_I8x64, [0] * 64)
-        out = []
-        for src in nibbles:  # each vector one byte permutation with zeros between (vpermb, zero-masked)
-            for half in (0, 16):
-                idx = [x for j in range(LANES) for x in (half + j, 64, 32 + half + j, 64)]
-                out.append(builder.bitcast(builder.shuffle_vector(src, zero, ir.Constant(ir.VectorType(_I32, 64), idx)),
-                                           _IT))
-        return context.make_tuple(builder, ret, out)
-    return ret(a, i), codegen
+    nibbles = (builder.and_(v, ir.Constant(_I8x64, [0x0F] * 64)),  # rows 0-31 of both columns
+               builder.lshr(v, ir.Constant(_I8x64, [4] * 64)))  # rows 32-63
+    zero = ir.Constant(_I8x64, [0] * 64)
+    out = []
+    for src in nibbles:  # each vector one byte permutation with zeros between (vpermb, zero-masked)
+        for half in (0, 16):
+            idx = [x for j in range(LANES) for x in (half + j, 64, 32 + half + j, 64)]
+            out.append(builder.bitcast(builder.shuffle_vector(src, zero, ir.Constant(ir.VectorType(_I32, 64), idx)),
+                                       _IT))
+    return out
 
 
-@intrinsic
-def vquads4(typingctx, a, i):  # pragma: no cover - compiled
+vcodes4 = _codes("vcodes4", 64, _codes4)
+
+
+def _quads4(builder, v):
     """int4 tiles (torch's packing): from a[i : i + 128] (columns k .. k + 3 of a 64-row block, 32 bytes each) the
     four lane vectors of rows 0-15, 16-31, 32-47, 48-63 for `vdot8`, lane j holding the row's four codes as bytes;
     rows 32-63's codes are 16 times theirs (the high nibbles, unshifted: the caller divides those sums by 16, exact).
     Two byte permutations of both 64-byte halves (vpermt2b) bring each row's bytes of the four columns together, one
     and a vector keeps its nibble: 6 instructions a 256 codes, where `vcodes4` takes 14 (and twice the `vdot`s)."""
-    if not _contiguous(a, (types.uint8,)) or not isinstance(i, types.Integer):
-        return None
-    ret = types.UniTuple(i32x16, 4)
+    quads = [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 64),
+                                                      [c * 32 + half + j for j in range(LANES) for c in range(4)]))
+             for half in (0, 16)]  # rows 0-15 (and 32-47), rows 16-31 (and 48-63)
+    masks = [ir.Constant(_I8x64, [m] * 64) for m in (0x0F, 0xF0)]
+    return [builder.bitcast(builder.and_(q, m), _IT) for m in masks for q in quads]
 
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.VectorType(ir.IntType(8), 128).as_pointer())
-        v = builder.load(ptr, align=1)
-        quads = [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 64),
-                                                          [c * 32 + half + j for j in range(LANES) for c in range(4)]))
-                 for half in (0, 16)]  # rows 0-15 (and 32-47), rows 16-31 (and 48-63)
-        masks = [ir.Constant(_I8x64, [m] * 64) for m in (0x0F, 0xF0)]
-        out = [builder.bitcast(builder.and_(q, m), _IT) for m in masks for q in quads]
-        return context.make_tuple(builder, ret, out)
-    return ret(a, i), codegen
+
+vquads4 = _codes("vquads4", 128, _quads4)
 
 
 def _u16(a) -> bool:
