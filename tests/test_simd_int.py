@@ -11,6 +11,7 @@ import pytest
 numba = pytest.importorskip("numba")
 
 from offload.model import simd_int  # noqa: E402  (after the skip: the module needs numba)
+from offload.model.simd import _x86  # noqa: E402
 
 FORMS = {"vnni": {"avx512vnni", "avx512bw"}, "avx512bw": {"avx512bw"}, "plain": set()}
 
@@ -18,7 +19,6 @@ FORMS = {"vnni": {"avx512vnni", "avx512bw"}, "avx512bw": {"avx512bw"}, "plain": 
 def _compiled(monkeypatch, features: set[str]):
     """Fresh (uncached) functions over the lane operations, compiled as for a CPU with only these features."""
     monkeypatch.setattr(simd_int, "_has", lambda feature: feature in features)
-    from offload.model.simd import _x86
     if features and not _x86():
         pytest.skip("the x86 forms compile on x86 only")
 

@@ -143,10 +143,9 @@ def _dots(t, u, v, s, c, xv, yv, zv, wv, kind):  # pragma: no cover - compiled
 @njit(inline="always")
 def _pair_prefetch(qb, p, ahead, kind):  # pragma: no cover - compiled
     """Ask for the codes `ahead` bytes past lane unit p's (int8 pairs and int4 quads: two cache lines, int4 pairs:
-    one). (Also asking
-    int4's codes 4x as far ahead helped a Zen 5 (one [2048, 8192] matrix from DRAM, 350-370 -> 250-270 us) but costs a
-    Zen 4 12% (216 MB of 1.7B-shaped matrices, 2 threads, interleaved: 10.5 -> 9.3 ms without it, 15 of 15 faster;
-    16 KB ahead alone: 5%).)"""
+    one). (Also asking int4's codes 4x as far ahead helped a Zen 5 (one [2048, 8192] matrix from DRAM, 350-370 ->
+    250-270 us) but costs a Zen 4 12% (216 MB of 1.7B-shaped matrices, 2 threads, interleaved: 10.5 -> 9.3 ms
+    without it, 15 of 15 faster; 16 KB ahead alone: 5%).)"""
     if kind != _INT4:
         prefetch(qb, 128 * p + ahead)
         prefetch(qb, 128 * p + ahead + 64)
@@ -156,8 +155,8 @@ def _pair_prefetch(qb, p, ahead, kind):  # pragma: no cover - compiled
 
 @njit(inline="always")
 def _sums1(xp, qb, p0, half, kind):  # pragma: no cover - compiled
-    """One row's exact sums (four int32 vectors: rows 0-15 .. 48-63 of the block) over column pairs p0 .. p0 + half
-    - 1: its int16 pairs xp against the block's codes qb, converted as they are read."""
+    """One row's exact sums (four int32 vectors: rows 0-15 .. 48-63 of the block) over lane units p0 .. p0 + half
+    - 1: its int16 pairs (int8 quads) xp against the block's codes qb, converted as they are read."""
     t0 = t1 = t2 = t3 = vizero()
     for p in range(p0, p0 + half):
         _pair_prefetch(qb, p, _AHEAD, kind)

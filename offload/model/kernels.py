@@ -109,7 +109,7 @@ if numba is not None:
     from numba.extending import overload
 
     from offload.model.cpu_bf16 import bf16_bits, rows_bf16
-    from offload.model.cpu_packed16 import packed
+    from offload.model.cpu_packed16 import FLOAT32_STEPS, INT8_STEPS, INT16_STEPS, packed
     from offload.model.simd import _avx512, _bits_f32, _f32_bits, parts, prefetch  # noqa: F401 - the fused layer's too
 
     _WIDE = _avx512()  # registers for `cpu_bf16._rows3`'s tile (frozen into the compiled code: numba's cache keys
@@ -256,7 +256,7 @@ if numba is not None:
     @njit(inline="always")
     def _ints(kind):  # pragma: no cover - compiled
         """`cpu_packed16.packed`'s `ints` of a packed kind."""
-        return 1 if kind == PACKED_INT16 else (2 if kind == PACKED_INT8 else 0)
+        return INT16_STEPS if kind == PACKED_INT16 else (INT8_STEPS if kind == PACKED_INT8 else FLOAT32_STEPS)
 
     def _product(x, w, sz, out, kind):
         """out = x @ w.T for compiled callers: int8 / int4 tiles (uint8 [rows / 64, K, 64 / 32]) by `cpu_packed`
