@@ -93,7 +93,7 @@ def test_bf16_products_of_bf16_activations_round_as_pairs_and_rows_keep_their_bi
     multiply-adds elsewhere): every output has exactly the roundings the reference spells out, on this machine's
     path, and a row the same bits in every pass size and offset (three rows at a time, one or two left alone), with
     either tiling of rows (AVX-512's eight weight rows for three of x, and four weight rows for one of x elsewhere:
-    both run on any CPU)."""
+    both run on any CPU), in work items that 8 weight rows at a time do not divide."""
     g = torch.Generator().manual_seed(K)
     x = torch.randn(11, K, generator=g).to(torch.bfloat16)
     w = (torch.randn(37, K, generator=g) * 3).to(torch.bfloat16)
@@ -115,9 +115,9 @@ def test_bf16_products_of_bf16_activations_round_as_pairs_and_rows_keep_their_bi
     for wide in (True, False):
         for rows in (1, 2, 3, 9, 11):
             out = torch.full((rows, w.shape[0]), float("nan"))
-            for n in range(0, w.shape[0], 16):  # `_dense`'s work items
+            for n in range(0, w.shape[0], 13):  # work items as `_dense`'s, ranges the 8-row tiles do not divide
                 kernels.rows_bf16(kernels._as_numpy(x[:rows].contiguous()), kernels._as_numpy(w), out.numpy(), n,
-                          min(n + 16, w.shape[0]), wide)
+                                  min(n + 13, w.shape[0]), wide)
             assert torch.equal(out.view(torch.int32), full[:rows].view(torch.int32)), f"wide {wide}, rows {rows}"
     # the public product rounds the same sums to bf16
     assert torch.equal(kernels.dense_linear(x, w), full.to(torch.bfloat16))
