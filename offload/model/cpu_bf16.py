@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from offload.model.simd import fma, prefetch, vsum, vsum8, vzero
+from offload.model.simd import fma, prefetch, prefetch_l2, vsum, vsum8, vzero
 from offload.model.simd_int import bfat, f32put, vbfpairs, vdpbf
 
 #: Bytes ahead of its loads that a one-row product asks for (`_rows1`; past the matrix's end: a hint, no fault).
@@ -91,9 +91,10 @@ def _rows4(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
 
 
 @njit(nogil=True)
-def _rows3(x, xs, w, ws, n, last, out, os, K):  # pragma: no cover - compiled
+def _rows3(x, xs, w, ws, n, last, out, os, K, pf, step):  # pragma: no cover - compiled
     """`_rows1` for three rows of x (at x, x + xs, x + 2 xs; outputs at out, out + os, ...): each weight load
-    serves three rows, every output the same roundings."""
+    serves three rows, every output the same roundings. Each 32 columns ask for `step` bytes into L2 from the
+    address `pf` on (none where `step` is 0): weight rows wanted next, while these are read from the caches."""
     K32 = K - K % 32
     rows = _rows8(w, ws, n, last)
     w0, w1, w2, w3, w4, w5, w6, w7 = rows
@@ -102,6 +103,8 @@ def _rows3(x, xs, w, ws, n, last, out, os, K):  # pragma: no cover - compiled
     b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = vzero()
     c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = vzero()
     for k in range(0, K32, 32):
+        for q in range(0, step, 64):
+            prefetch_l2(pf, k // 32 * step + q)
         xva, xvb, xvc = vbfpairs(xa, k), vbfpairs(xb, k), vbfpairs(xc, k)
         v = vbfpairs(w0, k)
         a0, b0, c0 = vdpbf(a0, v, xva), vdpbf(b0, v, xvb), vdpbf(c0, v, xvc)
@@ -143,8 +146,10 @@ def rows_bf16(x, w, out, n, end, wide):  # pragma: no cover - compiled
     where the CPU has AVX-512 (`wide`: 32 registers of 16 lanes), three rows of x at a time (`_rows3`), then
     `_rows1` for each row left; elsewhere `_rows4` for each row of x. (Rows left had each read the whole range from
     memory again: 2 Zen 4 threads, 960 MB of 1.7B-shaped matrices, x of 2 / 4 / 5 rows 62 / 63 / 83 -> 45 / 45 /
-    51 ms, 1 / 3 / 9 rows unchanged.) The same bits either way and whatever the batch: each output is one weight
-    row's and one x row's fixed sums. The arrays stay alive here; the row kernels get their addresses."""
+    51 ms, 1 / 3 / 9 rows unchanged.) The groups of three after the first ask for the next 8 weight rows into L2
+    meanwhile (into L1 they pushed out the rows being read: 9 rows 48 -> 60 ms; into L2, two runs: 53 -> 48,
+    59 -> 54). The same bits either way and whatever the batch: each output is one weight row's and one x row's
+    fixed sums. The arrays stay alive here; the row kernels get their addresses."""
     R, K = x.shape
     xa, wa, oa = x.ctypes.data, w.ctypes.data, out.ctypes.data
     xs, ws, os = x.strides[0], w.strides[0], out.strides[0]
@@ -153,10 +158,14 @@ def rows_bf16(x, w, out, n, end, wide):  # pragma: no cover - compiled
         _rows1(xa, wa, ws, n, end - 1, oa, K)
         return
     first = R - R % 3 if wide else 0
+    groups, steps = first // 3, max(K // 32, 1)
     for m in range(n, end, 8):
         last = min(m + 7, end - 1)
-        for r in range(0, first, 3):
-            _rows3(xa + r * xs, xs, wa, ws, m, last, oa + r * os, os, K)
+        # the next 8 rows' bytes, asked for in shares by the groups after the first (which reads these from memory)
+        share = -(-min(end - 1 - last, 8) * ws // (groups - 1) // steps) if groups > 1 else 0
+        for g in range(groups):
+            _rows3(xa + 3 * g * xs, xs, wa, ws, m, last, oa + 3 * g * os, os, K,
+                   wa + (last + 1) * ws + max(g - 1, 0) * share * steps, share if g else 0)
         for r in range(first, R):
             if wide:
                 _rows1(xa + r * xs, wa, ws, m, last, oa + r * os, K)

@@ -214,23 +214,31 @@ def _bits_f32(typingctx, bits):  # pragma: no cover - compiled
     return types.float32(bits), codegen
 
 
-@intrinsic
-def prefetch(typingctx, a, i):  # pragma: no cover - compiled
-    """A hint to bring the cache line of a[i] (a C-contiguous 1-D array; or byte i at the integer address a) into
-    the caches; no bounds needed."""
-    if not (isinstance(a, types.Integer) or isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C") \
-            or not isinstance(i, types.Integer):
-        return None
+def _prefetcher(locality: int, doc: str):
+    """A prefetch intrinsic: llvm.prefetch of a read at `locality` (3: every cache level, x86's prefetcht0; 2: from
+    L2 on, prefetcht1)."""
+    @intrinsic
+    def fetch(typingctx, a, i):  # pragma: no cover - compiled
+        if not (isinstance(a, types.Integer) or isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C") \
+                or not isinstance(i, types.Integer):
+            return None
 
-    def codegen(context, builder, sig, args):
-        ptr = builder.bitcast(_at(context, builder, sig.args[0], args[0], args[1], ir.IntType(8)),
-                              ir.IntType(8).as_pointer())
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [
-            ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(32), ir.IntType(32)]), "llvm.prefetch.p0i8")
-        i32 = ir.IntType(32)
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-    return types.none(a, i), codegen
+        def codegen(context, builder, sig, args):
+            ptr = builder.bitcast(_at(context, builder, sig.args[0], args[0], args[1], ir.IntType(8)),
+                                  ir.IntType(8).as_pointer())
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [
+                ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(32), ir.IntType(32)]), "llvm.prefetch.p0i8")
+            i32 = ir.IntType(32)
+            builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, locality), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+        return types.none(a, i), codegen
+    fetch.__doc__ = doc
+    return fetch
+
+
+prefetch = _prefetcher(3, """A hint to bring the cache line of a[i] (a C-contiguous 1-D array; or byte i at the integer
+address a) into the caches; no bounds needed.""")
+prefetch_l2 = _prefetcher(2, """`prefetch` into L2 and beyond, not L1: lines wanted after the ones L1 holds now.""")
 
 
 def _x86() -> bool:
