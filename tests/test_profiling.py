@@ -190,6 +190,24 @@ def test_calibration_measures_and_round_trips(tmp_path):
     assert back.links["host->device"] > 0  # missing links fall back to the defaults
 
 
+def test_a_calibration_keeps_the_faster_of_two_timings_of_its_dense_layers():
+    """Measured twice (before and after the packed kernels), at each pass size the rate, fixed cost and cold rate
+    come from the timing that went faster, and the pass costs are the smaller: a slow stretch of a shared host during
+    one of them no longer sets the plan of every dense run."""
+    a = {"tokens": [1, 8], "weight_bytes_per_s": [11e9, 20e9], "layer_overhead_s": [1e-5, 2e-5],
+         "cold_weight_bytes_per_s": [10e9, 19e9], "pass_overhead_s": [3e-4, 1e-4], "cold_pass_overhead_s": [5e-4, 6e-4]}
+    b = {"tokens": [1, 8], "weight_bytes_per_s": [30e9, 15e9], "layer_overhead_s": [4e-5, 5e-5],
+         "cold_weight_bytes_per_s": [28e9, 14e9], "pass_overhead_s": [2e-4, 2e-4], "cold_pass_overhead_s": [7e-4, 1e-4]}
+    merged = probe.faster_of(a, b)
+    assert merged["weight_bytes_per_s"] == [30e9, 20e9] and merged["layer_overhead_s"] == [4e-5, 2e-5]
+    assert merged["cold_weight_bytes_per_s"] == [28e9, 19e9]
+    assert merged["pass_overhead_s"] == [2e-4, 1e-4] and merged["cold_pass_overhead_s"] == [5e-4, 1e-4]
+    assert a["weight_bytes_per_s"] == [11e9, 20e9]  # its arguments untouched
+    no_cold = {k: v for k, v in a.items() if not k.startswith("cold_")}
+    assert "cold_weight_bytes_per_s" not in probe.faster_of(no_cold, {k: v for k, v in b.items()
+                                                                     if not k.startswith("cold_")})
+
+
 def test_calibration_defaults_and_bad_files(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "empty"))
     assert load_calibration().source == "defaults"
