@@ -192,7 +192,8 @@ def test_two_starts_at_once_measure_the_machine_once(tmp_path, monkeypatch, caps
                       range(2)))
     out = capsys.readouterr().out
     assert len(measured) == 1 and Calibration.load(path).meta["kernels"] == kernels_id()
-    assert "waiting for pid" in out and "(measured by the process it waited for; no calibration)" in out
+    # (who: "pid N (calibrating since ...)", or "another process" where the second looked before the first announced)
+    assert "calibration: waiting for " in out and "(measured by the process it waited for; no calibration)" in out
 
 
 def test_auto_weights_other_than_the_kept_yaml_are_refused(setup, monkeypatch, capsys):
