@@ -138,7 +138,9 @@ def _ensure_store(disk: DiskTierConfig, ckpt: Checkpoint, dtype: torch.dtype, fm
             convert(ckpt, store, dtype, force=True, capacity=disk.capacity, fmt=fmt, progress=True).close()
             print(f"store: converted in {time.perf_counter() - t0:.1f}s")
             return
-    again = " (an interrupted conversion is started again)" if state is StoreState.PARTIAL else ""
+    # (a partial store: an interrupted conversion, or another start's still running, which open_tier_store waits for)
+    again = " (a conversion there has not finished: resumed, or waited for where another process runs it)" \
+        if state is StoreState.PARTIAL else ""
     print(f"store: converting {ckpt.path} into {store}, once{again}")
     t0 = time.perf_counter()
     opened = open_tier_store(ckpt, disk, dtype, fmt, progress=True)  # (another process converting it too: waited
