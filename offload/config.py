@@ -200,6 +200,9 @@ class WeightsConfig:
     int4_activations: str = _opt(_choice("int8", "int16"), "on the CPU, bf16 activations meet int4 weights in int8 "
                                  "steps per group (llama.cpp's Q4_0 class: 1.3-1.5x faster products) or int16 steps "
                                  "(closer; one setting a process)", "int8")
+    int8_activations: str = _opt(_choice("int8", "int16"), "on the CPU, bf16 activations meet int8 weights in int8 "
+                                 "steps per group (llama.cpp's Q8_0 class: faster prefill and verify passes) or int16 "
+                                 "steps (closer; one setting a process)", "int8")
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ NEW = 32
 def config(path: Path, quantization: str, group: int, dtype: str = "float32", steps: str = "int8") -> dict:
     return {"model": str(path), "device": "cpu", "dtype": dtype,
             "weights": {"quantization": quantization, "group_size": group, "keep": ["lm_head"],
-                        "int4_activations": steps}}
+                        "int4_activations": steps, "int8_activations": steps}}
 
 
 @torch.no_grad()
@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="quant-quality", help="the results' file name (without .md / .json)")
     ap.add_argument("--new", type=int, default=NEW, help="greedy tokens per prompt")
     ap.add_argument("--formats", nargs="*", default=[f"{q}:{g}" for q, g in FORMATS],
-                    help="QUANTIZATION:GROUP[:int8|int16] (the last: weights.int4_activations, int4's "
-                    "activation steps in bf16); the first is the reference (none)")
+                    help="QUANTIZATION:GROUP[:int8|int16] (the last: weights.int4_activations and "
+                    "int8_activations, the packed products' activation steps in bf16); the first is the reference "
+                    "(none)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="compute dtype (bfloat16: packed products take the activations in integer steps)")
     args = ap.parse_args(argv)
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         errs = [0.0] if quantization == "none" else layer_errors(path, ids, WeightFormat(quantization, group,
                                                                                          ("lm_head",)), dtype)
         rows.append({"weights": quantization, "group_size": group, "dtype": args.dtype,
-                     "int4_activations": steps if args.dtype == "bfloat16" and quantization == "int4" else None,
+                     "activations": steps if args.dtype == "bfloat16" and quantization != "none" else None,
                      "perplexity": math.exp(float(nll)),
                      "top1_agreement": float((top1 == ref_logits).float().mean()),
                      "greedy_agreement": sum(same) / sum(map(len, greedy)),
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
              "| weights | group | activations | perplexity | top-1 agreement | greedy tokens equal "
              "| common greedy prefix | max layer rel. error |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        acts = r["int4_activations"] or ("int16" if args.dtype == "bfloat16" and r["weights"] == "int8" else "-")
+        acts = r["activations"] or "-"
         lines.append(f"| {r['weights']} | {r['group_size'] if r['weights'] != 'none' else '-'} | {acts} | "
                      f"{r['perplexity']:.3f} | {100 * r['top1_agreement']:.1f}% | {100 * r['greedy_agreement']:.1f}% "
                      f"| {r['greedy_common_prefix']:.1f} / {args.new} | {r['max_layer_rel_error']:.4f} |")

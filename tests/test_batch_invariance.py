@@ -146,8 +146,8 @@ def test_an_int4_products_row_has_the_same_bits_at_any_place_in_any_pass(K, grou
                                           (8, 584, 146), (8, 18, 18)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_packed_products_of_bf16_activations_are_integer_steps_and_rows_keep_their_bits(bits, K, group, dtype):
-    """bf16 activations are multiplied in integer steps: int8 steps against int4 codes where the groups are a
-    multiple of 4, else int16 steps; within what the steps change of the exact product, and a row comes out the same
+    """bf16 activations are multiplied in integer steps: int8 steps where the groups are a multiple of 4, else
+    int16 steps; within what the steps change of the exact product, and a row comes out the same
     at any place in any pass (every size 1-10 at every offset: the direct, four-row and one-row paths; 17 and 21 rows:
     the buffered path). fp16 activations (more significant bits than the steps keep) as float32 ones."""
     g = torch.Generator().manual_seed(K)
@@ -157,7 +157,7 @@ def test_packed_products_of_bf16_activations_are_integer_steps_and_rows_keep_the
     full = kernels.packed_linear(x, packed["q"], packed["sz"])
     as_float32 = kernels.packed_linear(x.float(), packed["q"], packed["sz"])
     if dtype == "bfloat16":
-        int8_steps = bits == 4 and group % 4 == 0
+        int8_steps = group % 4 == 0  # (both widths: `weights.int4_activations`, `int8_activations`)
         within_split(full, x.float(), w, group, 127 if int8_steps else 32767)
         assert not torch.equal(full, as_float32)
         if int8_steps:  # (coarser than int16 steps: their bound would not hold)
@@ -171,12 +171,14 @@ def test_packed_products_of_bf16_activations_are_integer_steps_and_rows_keep_the
         assert torch.equal(got.view(torch.int32), full[start:end].view(torch.int32)), f"rows {start}:{end}"
 
 
-def test_the_integer_split_does_not_overflow_and_keeps_zero_and_nan_rows_to_themselves():
+@pytest.mark.parametrize("int8_steps", ["int8", "int16"])
+def test_the_integer_split_does_not_overflow_and_keeps_zero_and_nan_rows_to_themselves(monkeypatch, int8_steps):
     """The integer split (`cpu_packed16._split`) at its edges: a group as large as int32 allows (512 columns of the
     largest int8 code against the largest |x|: the step grows instead of the sum wrapping; the same for int4 codes
     in int8 steps), a row of zeros gives exact zeros, and a NaN in one row makes that row NaN and leaves the others'
-    bits as they are alone. Tiles with
-    odd groups (not quantization's, which pairs columns) multiply in float32."""
+    bits as they are alone; int8 codes in both steps (`weights.int8_activations`). Tiles with odd groups (not
+    quantization's, which pairs columns) multiply in float32."""
+    monkeypatch.setitem(kernels.ACTIVATIONS, "int8", int8_steps)
     K = 512
     q = torch.full((1, K, 64), 255, dtype=torch.uint8)  # one 64-row tile, every code 255
     sz = torch.stack([torch.ones(1, 64), torch.zeros(1, 64)], dim=-1)  # one group: scale 1, min 0

@@ -29,19 +29,24 @@ def _compiled(monkeypatch, features: set[str]):
         simd_int.vistore(out16, 0, simd_int.vdot(a, simd_int.viload(w, 0), simd_int.viload(x, 0)))
 
     @numba.njit(cache=False)
-    def quads(codes, v, out, shifted):
+    def quads(codes, codes8, v, out, out8, shifted):
         c0, c1, c2, c3 = simd_int.vquads4(codes, 0)
         simd_int.vistore(out, 0, c0)
         simd_int.vistore(out, 16, c1)
         simd_int.vistore(out, 32, c2)
         simd_int.vistore(out, 48, c3)
+        c0, c1, c2, c3 = simd_int.vquads8(codes8, 0)
+        simd_int.vistore(out8, 0, c0)
+        simd_int.vistore(out8, 16, c1)
+        simd_int.vistore(out8, 32, c2)
+        simd_int.vistore(out8, 48, c3)
         simd_int.vistore(shifted, 0, simd_int.vsra(simd_int.viload(v, 0), 4))
 
     return dots, quads
 
 
 @pytest.mark.parametrize("form", list(FORMS))
-def test_integer_dots_and_int4_quads_give_exact_lanes_in_every_form(monkeypatch, form):
+def test_integer_dots_and_code_quads_give_exact_lanes_in_every_form(monkeypatch, form):
     dots, quads = _compiled(monkeypatch, FORMS[form])
     rng = np.random.default_rng(7)
     acc = rng.integers(-2**20, 2**20, 16).astype(np.int32)
@@ -58,9 +63,11 @@ def test_integer_dots_and_int4_quads_give_exact_lanes_in_every_form(monkeypatch,
     codes = rng.integers(0, 16, (4, 64)).astype(np.uint8)  # [column, row]
     packed = (codes[:, :32] | (codes[:, 32:] << 4)).astype(np.uint8).reshape(-1)
     v = rng.integers(-2**31, 2**31, 16, dtype=np.int64).astype(np.int32)
-    out, shifted = np.empty(64, np.int32), np.empty(16, np.int32)
-    quads(packed, v, out, shifted)
+    codes8 = rng.integers(0, 256, (4, 64)).astype(np.uint8)  # int8 tiles: 4 columns of a 64-row block, 64 bytes each
+    out, out8, shifted = np.empty(64, np.int32), np.empty(64, np.int32), np.empty(16, np.int32)
+    quads(packed, codes8.reshape(-1), v, out, out8, shifted)
     lanes = out.view(np.uint8).reshape(64, 4)  # lane r: row r's codes at the four columns, rows 32-63 times 16
     assert np.array_equal(lanes[:32], codes.T[:32])
     assert np.array_equal(lanes[32:], codes.T[32:] * 16)
+    assert np.array_equal(out8.view(np.uint8).reshape(64, 4), codes8.T)  # lane r: row r's four codes
     assert np.array_equal(shifted, v >> 4)

@@ -16,14 +16,20 @@ same dequantized weights) the mean |logit difference| goes 0.21 -> 0.26 (int4) a
 split in a float32 run would move the logits 1e-2 where float32 products stay within 1e-4, so float32 (and fp16)
 activations keep float32 products.
 
-Against int4 codes x is split into int8 steps by default (`kernels.use_int4_activations`; llama.cpp's Q4_0 takes
+Against int4 codes x is split into int8 steps by default (`kernels.use_activations`; llama.cpp's Q4_0 takes
 its activations in 8 bits too): four columns a lane, AVX-512 VNNI's vpdpbusd (`simd_int.vdot8`, 64 multiply-adds an
 instruction) on the codes gathered four columns a row (`vquads4`: two byte permutations per 256 codes). A step is
 2^-7 of the group's largest |x|. On the trained SmolLM2-135M in bf16 (a 182-token text, `scripts/quant_quality.py
 --dtype bfloat16`) perplexity 24.19 -> 24.34 where int4 g32 lands on the checkpoint's own grid (bf16 weights: 24.54)
 and 33.29 -> 33.52 at g64, the worst layer's relative error 1.4% -> 3.1% and 25.5% -> 25.8%. One row takes the
-int8 steps as int16 pairs (`_QUADS`): the same exact sums, so the same bits. Knows nothing about models, tiers or
-files.
+int8 steps as int16 pairs (`_QUADS`): the same exact sums, so the same bits.
+
+Against int8 codes (unsigned bytes, as vpdpbusd takes them) x goes in int8 steps by default too, like llama.cpp's
+Q8_0, the codes gathered four columns a row by `vquads8`. 403 MB of 1.7B-shaped int8 matrices from DRAM, 2 Zen 4
+threads, int16 -> int8 steps interleaved: 9 rows 37.9 -> 30.9 ms, 16 rows 60 -> 45, 64 rows 167 -> 108 (one row
+16.1 -> 16.0). Trained SmolLM2-135M, bf16, int8 g64: perplexity 24.59 -> 24.38 (bf16 weights 24.54), top-1
+agreement with bf16 weights 95.6% -> 91.2%, the worst layer's error 2.4% -> 4.2% (`weights.int8_activations:
+int16` keeps int16 steps). Knows nothing about models, tiers or files.
 """
 
 from __future__ import annotations
@@ -42,13 +48,26 @@ from offload.model.cpu_packed import (
     _store4,
 )
 from offload.model.simd import LANES, _bits_f32, parts, prefetch, vfma, vsplat, vzero
-from offload.model.simd_int import vcodes4, vcodes8, vdot, vdot8, viload, visplat, vistore, vitof, vizero, vquads4, vsra
+from offload.model.simd_int import (
+    vcodes4,
+    vcodes8,
+    vdot,
+    vdot8,
+    viload,
+    visplat,
+    vistore,
+    vitof,
+    vizero,
+    vquads4,
+    vquads8,
+    vsra,
+)
 
-#: How a product runs (`kind`, every helper's last argument): int4 codes by x in int16 pairs, int8 codes by x in
-#: int16 pairs, int4 codes by x in int8 quads.
-_INT4, _INT8, _INT4_8 = 0, 1, 2
-#: `packed`'s choices for x: float32 products, int16 steps, int8 steps against int4 codes (int16 against int8's).
-FLOAT32_STEPS, INT16_STEPS, INT8_STEPS = 0, 1, 2
+#: How a product runs (`kind`, every helper's last argument): int4 / int8 codes by x in int16 pairs, in int8 quads.
+_INT4, _INT8, _INT4_8, _INT8_8 = 0, 1, 2, 3
+#: `packed`'s choices for x (`ints`, bits): float32 products (0), integer steps (INT16_STEPS: int16 against both
+#: widths), int8 steps against int4 codes (| INT4_AS_INT8) and against int8 codes (| INT8_AS_INT8).
+FLOAT32_STEPS, INT16_STEPS, INT4_AS_INT8, INT8_AS_INT8 = 0, 1, 2, 4
 #: Rows of x from which int8 steps meet int4 codes as quads (`vquads4`, `vdot8`); fewer: as int16 pairs, like int16
 #: steps (the same exact sums). 1.7B-shaped int4 matrices (182 MB) from DRAM, a Zen 4, interleaved in one process:
 #: one row, 2 threads, 7.4 ms as pairs and 8.7 as quads (one thread 11.9 and 14.6: the quads' half as many
@@ -113,8 +132,13 @@ def _close16(A, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma: no cover - c
 
 @njit(inline="always")
 def _per(kind):  # pragma: no cover - compiled
-    """Columns of x in an int32 lane: an int16 pair, or (`_INT4_8`) an int8 quad."""
-    return 4 if kind == _INT4_8 else 2
+    """Columns of x in an int32 lane: an int16 pair, or (`_INT4_8`, `_INT8_8`) an int8 quad."""
+    return 4 if kind == _INT4_8 or kind == _INT8_8 else 2
+
+
+@njit(inline="always")
+def _wide(kind):  # pragma: no cover - compiled
+    return kind == _INT8 or kind == _INT8_8  # int8 codes (a byte a code), not int4
 
 
 @njit(inline="always")
@@ -123,6 +147,8 @@ def _pair_codes(qb, p, kind):  # pragma: no cover - compiled
     (0-15, 16-31, 32-47, 48-63): int8 128 bytes of int16 pairs, int4 64, int4 in quads 128 (`vquads4`)."""
     if kind == _INT8:
         return vcodes8(qb, 128 * p)
+    if kind == _INT8_8:
+        return vquads8(qb, 256 * p)
     if kind == _INT4_8:
         return vquads4(qb, 128 * p)
     return vcodes4(qb, 64 * p)
@@ -131,7 +157,7 @@ def _pair_codes(qb, p, kind):  # pragma: no cover - compiled
 @njit(inline="always")
 def _dot(acc, c, x, kind):  # pragma: no cover - compiled
     """acc + the lane's products of codes c and x: int16 pairs (`vdot`) or byte quads (`vdot8`)."""
-    return vdot8(acc, c, x) if kind == _INT4_8 else vdot(acc, c, x)
+    return vdot8(acc, c, x) if _per(kind) == 4 else vdot(acc, c, x)
 
 
 @njit(inline="always")
@@ -142,11 +168,14 @@ def _dots(t, u, v, s, c, xv, yv, zv, wv, kind):  # pragma: no cover - compiled
 
 @njit(inline="always")
 def _pair_prefetch(qb, p, ahead, kind):  # pragma: no cover - compiled
-    """Ask for the codes `ahead` bytes past lane unit p's (int8 pairs and int4 quads: two cache lines, int4 pairs:
-    one). (Also asking int4's codes 4x as far ahead helped a Zen 5 (one [2048, 8192] matrix from DRAM, 350-370 ->
-    250-270 us) but costs a Zen 4 12% (216 MB of 1.7B-shaped matrices, 2 threads, interleaved: 10.5 -> 9.3 ms
-    without it, 15 of 15 faster; 16 KB ahead alone: 5%).)"""
-    if kind != _INT4:
+    """Ask for the codes `ahead` bytes past lane unit p's (int8 quads: four cache lines, int8 pairs and int4 quads:
+    two, int4 pairs: one). (Also asking int4's codes 4x as far ahead helped a Zen 5 (one [2048, 8192] matrix from
+    DRAM, 350-370 -> 250-270 us) but costs a Zen 4 12% (216 MB of 1.7B-shaped matrices, 2 threads, interleaved:
+    10.5 -> 9.3 ms without it, 15 of 15 faster; 16 KB ahead alone: 5%).)"""
+    if kind == _INT8_8:
+        for e in range(0, 256, 64):
+            prefetch(qb, 256 * p + ahead + e)
+    elif kind != _INT4:
         prefetch(qb, 128 * p + ahead)
         prefetch(qb, 128 * p + ahead + 64)
     else:
@@ -221,7 +250,7 @@ def _direct4(XP, step, xs, r, n, g, qb, S, Z, half, A, kind):  # pragma: no cove
 def _widen16(qb, g, half, W, kind):  # pragma: no cover - compiled
     """W [half * 64] = the block's codes of group g's lane units (`_pair_codes`: the values `_direct16` makes), the
     next group's codes asked for meanwhile."""
-    ahead = _per(kind) * half * (_BLOCK if kind == _INT8 else _BLOCK // 2)  # (a group's bytes)
+    ahead = _per(kind) * half * (_BLOCK if _wide(kind) else _BLOCK // 2)  # (a group's bytes)
     for i in range(half):
         p = g * half + i
         _pair_prefetch(qb, p, ahead, kind)
@@ -256,7 +285,7 @@ def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, kind):  # pragma: no cover 
     group's codes into W on the way."""
     R, G = A.shape[0], S.shape[0]
     gs = _per(kind) * XP.shape[1] // G
-    _scales(sz, b, nb, S, Z, kind == _INT8)
+    _scales(sz, b, nb, S, Z, _wide(kind))
     A[:] = 0
     qb = q[b].reshape(q.shape[1] * q.shape[2])
     if R == 1:  # (decode: its own call, the loop's code stays out of it)
@@ -278,12 +307,14 @@ def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, kind):  # pragma: no cover 
 
 @njit(inline="always")
 def _split_row(x, r, gs, XP, step, xs, kind, form):  # pragma: no cover - compiled
-    """`_split` of row r into XP[r]: int8 steps against int4 codes (bounded as `vquads4`'s, up to 240), as quads or
-    (`form` _INT4) as int16 pairs, else int16 steps against codes up to 15 (int4) or 255 (int8)."""
-    if kind == _INT4_8 and form == _INT4_8:
-        _split(x[r], gs, 240, 127, XP[r].view(np.int8), step[r], xs[r])
-    elif kind == _INT4_8:
-        _split(x[r], gs, 240, 127, XP[r].view(np.int16), step[r], xs[r])
+    """`_split` of row r into XP[r]: int8 steps against int4 codes (bounded as `vquads4`'s, up to 240) or int8
+    codes (up to 255), as quads or (`form` _INT4, _INT8) as int16 pairs, else int16 steps against codes up to 15
+    (int4) or 255 (int8)."""
+    cmax = 255 if kind == _INT8_8 else 240
+    if _per(kind) == 4 and form == kind:
+        _split(x[r], gs, cmax, 127, XP[r].view(np.int8), step[r], xs[r])
+    elif _per(kind) == 4:
+        _split(x[r], gs, cmax, 127, XP[r].view(np.int16), step[r], xs[r])
     else:
         _split(x[r], gs, 255 if kind == _INT8 else 15, 32767, XP[r].view(np.int16), step[r], xs[r])
 
@@ -297,7 +328,9 @@ def _tiles16(x, q, sz, out, kind):  # pragma: no cover - compiled
     nb, G = q.shape[0], sz.shape[0]
     gs = K // G
     sz = sz.reshape(G, sz.shape[1] * sz.shape[2])
-    form = _INT4 if kind == _INT4_8 and R < _QUADS else kind  # (the same integer sums either way)
+    form = kind  # below _QUADS rows int8 steps go as int16 pairs: the same integer sums, so the same bits
+    if R < _QUADS and _per(kind) == 4:
+        form = _INT8 if kind == _INT8_8 else _INT4
     XP = np.empty((R, K // _per(form)), np.int32)  # x's int16 pairs (int8 quads), a lane unit an int32
     step, xs = np.empty((R, G), np.float32), np.empty((R, G), np.float32)
     if R >= _SPLIT_PARALLEL:
@@ -335,22 +368,33 @@ def _int4_8(x, q, sz, out):  # pragma: no cover - compiled
     _tiles16(x, q, sz, out, _INT4_8)
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def _int8_8(x, q, sz, out):  # pragma: no cover - compiled
+    """`_int8` with x in int8 steps (`_tiles16`, `vquads8`)."""
+    _tiles16(x, q, sz, out, _INT8_8)
+
+
 @njit(nogil=True, cache=True)
 def packed(x, q, sz, out, ints):  # pragma: no cover - compiled
-    """x [R, K] float32 @ int8 or int4 tiles (by their width) -> out [R, rows] float32: x in int16 steps (`ints`
-    INT16_STEPS, for bf16 activations) where the groups are even, in int8 steps against int4 codes (INT8_STEPS)
-    where they are a multiple of 4, else in float32. One numba type for every case:
-    compiled callers choose at run time. Cached like the kernels it calls (their files stamp it: `kernels`): a
-    process's first packed product 3.0 -> 0.8 s with a warm cache."""
+    """x [R, K] float32 @ int8 or int4 tiles (by their width) -> out [R, rows] float32: for bf16 activations (`ints`
+    not FLOAT32_STEPS) x in integer steps where the groups are even: int8 steps against a width whose bit is set
+    (INT4_AS_INT8, INT8_AS_INT8) where the groups are a multiple of 4, else int16 steps; float32 products otherwise.
+    One numba type for every case: compiled callers choose at run time. Cached like the kernels it calls (their
+    files stamp it: `kernels`): a process's first packed product 3.0 -> 0.8 s with a warm cache."""
     gs = x.shape[1] // sz.shape[0]
+    wide = q.shape[2] == _BLOCK
     if ints != FLOAT32_STEPS and gs % 2 == 0:
-        if q.shape[2] == _BLOCK:
-            _int8_16(x, q, sz, out)
-        elif ints == INT8_STEPS and gs % 4 == 0:
+        quads = gs % 4 == 0 and (ints & (INT8_AS_INT8 if wide else INT4_AS_INT8)) != 0
+        if wide:
+            if quads:
+                _int8_8(x, q, sz, out)
+            else:
+                _int8_16(x, q, sz, out)
+        elif quads:
             _int4_8(x, q, sz, out)
         else:
             _int4_16(x, q, sz, out)
-    elif q.shape[2] == _BLOCK:
+    elif wide:
         _int8(x, q, sz, out)
     else:
         _int4(x, q, sz, out)

@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 ROW_INVARIANT = numba is not None
 #: Which CPU kernels a calibration measured (raised when their speed changes: a calibration of older ones is
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py; `git log -S VERSION` tells each step, from 2:
-#: three-row tiles, to 18: int4 codes by bf16 activations in int8 steps). 19: bf16 rows read 8 weight rows once.
-VERSION = 19
+#: three-row tiles, to 19: bf16 rows read 8 weight rows once). 20: int8 codes by bf16 activations in int8 steps.
+VERSION = 20
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
 #: 1.7B shape's four bf16 matrices x 2, one thread: whole rows (64-180 KiB buffers, read from L2) -> 512 columns:
 #: 64 rows 195 -> 150 ms, 9 rows 51 -> 42 ms, 1 row 34 -> 25 ms. In a 1.7B bf16 run (weights from DRAM) 512 is
@@ -109,7 +109,7 @@ if numba is not None:
     from numba.extending import overload
 
     from offload.model.cpu_bf16 import bf16_bits, rows_bf16
-    from offload.model.cpu_packed16 import FLOAT32_STEPS, INT8_STEPS, INT16_STEPS, packed
+    from offload.model.cpu_packed16 import FLOAT32_STEPS, INT4_AS_INT8, INT8_AS_INT8, INT16_STEPS, packed
     from offload.model.simd import _avx512, _bits_f32, _f32_bits, parts, prefetch  # noqa: F401 - the fused layer's too
 
     _WIDE = _avx512()  # registers for `cpu_bf16._rows3`'s tile (frozen into the compiled code: numba's cache keys
@@ -256,7 +256,7 @@ if numba is not None:
     @njit(inline="always")
     def _ints(kind):  # pragma: no cover - compiled
         """`cpu_packed16.packed`'s `ints` of a packed kind."""
-        return INT16_STEPS if kind == PACKED_INT16 else (INT8_STEPS if kind == PACKED_INT8 else FLOAT32_STEPS)
+        return kind - PACKED_STEPS if kind > PACKED_STEPS else FLOAT32_STEPS
 
     def _product(x, w, sz, out, kind):
         """out = x @ w.T for compiled callers: int8 / int4 tiles (uint8 [rows / 64, K, 64 / 32]) by `cpu_packed`
@@ -270,20 +270,19 @@ if numba is not None:
         return lambda x, w, sz, out, kind: _dense(x, w, out, kind)
 
 #: The dense kernel's weight kinds (`_widen`) by a dense matrix's dtype; PACKED: a packed matrix's, x in float32;
-#: PACKED_INT16 / PACKED_INT8: x (bf16) in int16 steps / int8 steps against int4 codes (`cpu_packed16`);
+#: PACKED_STEPS + `cpu_packed16`'s `ints` bits: x (bf16) in integer steps (`packed_kind`);
 #: DENSE_BF16: a bf16 matrix's with bf16 activations, multiplied as bf16 pairs (`cpu_bf16`; x holds bf16 values).
 DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is not None else {}
-PACKED, PACKED_INT16, DENSE_BF16, PACKED_INT8 = 3, 4, 5, 6
-#: The steps of bf16 activations against int4 codes: "int8" or "int16" (`packed_kind`; config
-#: `weights.int4_activations`, set for the process by each executor built: `use_int4_activations`).
-INT4_ACTIVATIONS = "int8"
+PACKED, DENSE_BF16, PACKED_STEPS = 3, 5, 8
+#: The steps of bf16 activations against int4 and int8 codes: "int8" or "int16" each (`packed_kind`; config
+#: `weights.int4_activations` / `int8_activations`, set for the process by each executor built).
+ACTIVATIONS = {"int4": "int8", "int8": "int8"}
 
 
-def use_int4_activations(steps: str) -> None:
-    """bf16 activations meet int4 codes in "int8" steps (llama.cpp's Q4_0 error class) or "int16" ones, from the next
-    layer built; process-wide, like the kernels' threads (`cpu_packed16`)."""
-    global INT4_ACTIVATIONS
-    INT4_ACTIVATIONS = steps
+def use_activations(int4: str, int8: str) -> None:
+    """bf16 activations meet int4 / int8 codes in "int8" steps (llama.cpp's Q4_0 / Q8_0 error class) or "int16"
+    ones, from the next layer built; process-wide, like the kernels' threads (`cpu_packed16`)."""
+    ACTIVATIONS.update(int4=int4, int8=int8)
 
 
 def dense_kind(weights: torch.dtype, activations: torch.dtype) -> int:
@@ -295,11 +294,12 @@ def dense_kind(weights: torch.dtype, activations: torch.dtype) -> int:
 def packed_kind(activations: torch.dtype) -> int:
     """How a packed matrix multiplies activations of this dtype: bf16 in integer steps (int16 steps: twice float32's
     multiply-adds an instruction, bf16's 8 significant bits kept wherever an entry is within 2^7 of its group's
-    largest; against int4 codes int8 steps by default, `use_int4_activations`), float32 and fp16 (11 significant
+    largest; int8 steps by default, `use_activations`), float32 and fp16 (11 significant
     bits, more than the steps keep) in float32."""
     if activations != torch.bfloat16:
         return PACKED
-    return PACKED_INT8 if INT4_ACTIVATIONS == "int8" else PACKED_INT16
+    return (PACKED_STEPS + INT16_STEPS + (INT4_AS_INT8 if ACTIVATIONS["int4"] == "int8" else 0)
+            + (INT8_AS_INT8 if ACTIVATIONS["int8"] == "int8" else 0))
 NO_SCALES = np.zeros((0, 1, 2), np.uint16)  # the scales argument of a dense (not int8) product
 
 

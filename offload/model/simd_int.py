@@ -12,6 +12,7 @@
     vcodes8(a, i)        int8 tiles: columns k, k + 1 of a 64-row block as four vectors of (code, code) int16 pairs
     vcodes4(a, i)        the same from int4 tiles (torch's packing)
     vquads4(a, i)        int4 tiles: columns k .. k + 3 as four vectors of byte quads (rows 32-63's codes times 16)
+    vquads8(a, i)        int8 tiles: columns k .. k + 3 as four vectors of byte quads
     vbfpairs(a, i)       a[i : i + 32] of bf16 bits (an array, or an address) as 16 lanes of (a[i + 2j], a[i + 2j + 1])
     bfat(a, i)           a[i] of bf16 bits as float32; f32put(a, i, v) stores float32 v at an address
     vdpbf(acc, w, x)     acc + w[2j + 1] x[2j + 1] + w[2j] x[2j] in float32 lane j, bf16 pairs, two roundings
@@ -269,6 +270,29 @@ def _quads4(builder, v):
 
 
 vquads4 = _codes("vquads4", 128, _quads4)
+
+
+def _quads8(builder, v):
+    """int8 tiles: from a[i : i + 256] (columns k .. k + 3 of a 64-row block, 64 bytes each) the four lane vectors
+    of rows 0-15, 16-31, 32-47, 48-63 for `vdot8`, lane j holding the row's four codes as bytes. Two rounds of
+    two-source permutations (vpermt2b): columns k, k + 1 and k + 2, k + 3 interleaved byte by byte (rows 0-31 and
+    32-63 of each pair), then the two pairs' halves word by word: 8 instructions a 256 codes, where `vcodes8` takes
+    8 widenings and twice the `vdot`s."""
+    v64 = ir.VectorType(_I32, 64)
+    cols = [builder.shuffle_vector(v, v, ir.Constant(v64, list(range(64 * c, 64 * c + 64)))) for c in range(4)]
+    pairs = [[builder.shuffle_vector(cols[c], cols[c + 1], ir.Constant(v64, [x for j in range(32 * h, 32 * h + 32)
+                                                                            for x in (j, 64 + j)]))
+              for h in (0, 1)] for c in (0, 2)]  # pairs[0][h]: columns k, k + 1 of rows 32h .. 32h + 31
+    out = []
+    for r in range(4):
+        lo, hi = pairs[0][r // 2], pairs[1][r // 2]
+        base = 32 * (r % 2)
+        idx = [x for j in range(16) for x in (base + 2 * j, base + 2 * j + 1, 64 + base + 2 * j, 65 + base + 2 * j)]
+        out.append(builder.bitcast(builder.shuffle_vector(lo, hi, ir.Constant(v64, idx)), _IT))
+    return out
+
+
+vquads8 = _codes("vquads8", 256, _quads8)
 
 
 def _u16(a) -> bool:

@@ -122,7 +122,7 @@ class Executor:
         self.cfg = self.checkpoint.config
         # every tensor config.json and the weight format imply, from the headers: before planning or allocating
         check_tensors(self.checkpoint, WeightFormat.from_config(config.weights, self.cfg))
-        kernels.use_int4_activations(config.weights.int4_activations)
+        kernels.use_activations(config.weights.int4_activations, config.weights.int8_activations)
         self.dtype = resolve_dtype(config.dtype, self.cfg.torch_dtype)  # the weights move as this
         self.timeline = timeline or Timeline(nvtx=self.device.type == "cuda", keep_steps=config.timeline.keep_steps)
         self.traffic = Traffic()  # bytes moved by weights and KV blocks, per route
