@@ -111,7 +111,7 @@ def _split(xr, gs, cmax, top, xq, step, xs):  # pragma: no cover - compiled
         xs[g] = np.float32(total) * step[g]
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _scale16(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma: no cover - compiled
     """`_scale` for a group's exact integer sums t: a = fma(scale, step * t, a) then fma(zero', xs, a). (int8 quads:
     rows 32-63's sums are of their codes times 16, `vquads4`: divided exactly first.)"""
@@ -122,7 +122,7 @@ def _scale16(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma:
                   vfma(vitof(t3), sv, z), Sg, Zg, xs)
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _close16(A, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma: no cover - compiled
     """A [64] = `_scale16` of A with a group's sums t."""
     a0, a1, a2, a3 = _load4(A)
@@ -130,18 +130,18 @@ def _close16(A, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma: no cover - c
     _store4(A, a0, a1, a2, a3)
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _per(kind):  # pragma: no cover - compiled
     """Columns of x in an int32 lane: an int16 pair, or (`_INT4_8`, `_INT8_8`) an int8 quad."""
     return 4 if kind == _INT4_8 or kind == _INT8_8 else 2
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _wide(kind):  # pragma: no cover - compiled
     return kind == _INT8 or kind == _INT8_8  # int8 codes (a byte a code), not int4
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _pair_codes(qb, p, kind):  # pragma: no cover - compiled
     """Lane unit p's columns (2p, 2p + 1; int8 quads: 4p .. 4p + 3) of a block's codes qb as four vectors of 16 rows
     (0-15, 16-31, 32-47, 48-63): int8 128 bytes of int16 pairs, int4 64, int4 in quads 128 (`vquads4`)."""
@@ -154,19 +154,19 @@ def _pair_codes(qb, p, kind):  # pragma: no cover - compiled
     return vcodes4(qb, 64 * p)
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _dot(acc, c, x, kind):  # pragma: no cover - compiled
     """acc + the lane's products of codes c and x: int16 pairs (`vdot`) or byte quads (`vdot8`)."""
     return vdot8(acc, c, x) if _per(kind) == 4 else vdot(acc, c, x)
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _dots(t, u, v, s, c, xv, yv, zv, wv, kind):  # pragma: no cover - compiled
     """`_dot` of codes c for four rows (their x: xv .. wv) into their sums t, u, v, s."""
     return _dot(t, c, xv, kind), _dot(u, c, yv, kind), _dot(v, c, zv, kind), _dot(s, c, wv, kind)
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _pair_prefetch(qb, p, ahead, kind):  # pragma: no cover - compiled
     """Ask for the codes `ahead` bytes past lane unit p's (int8 quads: four cache lines, int8 pairs and int4 quads:
     two, int4 pairs: one). (Also asking int4's codes 4x as far ahead helped a Zen 5 (one [2048, 8192] matrix from
@@ -182,7 +182,7 @@ def _pair_prefetch(qb, p, ahead, kind):  # pragma: no cover - compiled
         prefetch(qb, 64 * p + ahead)
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _sums1(xp, qb, p0, half, kind):  # pragma: no cover - compiled
     """One row's exact sums (four int32 vectors: rows 0-15 .. 48-63 of the block) over lane units p0 .. p0 + half
     - 1: its int16 pairs (int8 quads) xp against the block's codes qb, converted as they are read."""
@@ -198,7 +198,7 @@ def _sums1(xp, qb, p0, half, kind):  # pragma: no cover - compiled
     return t0, t1, t2, t3
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _direct16(xp, step, xs, qb, S, Z, gs, A, kind):  # pragma: no cover - compiled
     """`_direct` in integers: one row (its int16 pairs xp, steps and sums) against a block's codes qb, converted as
     they are read."""
@@ -210,7 +210,7 @@ def _direct16(xp, step, xs, qb, S, Z, gs, A, kind):  # pragma: no cover - compil
     _store4(A, a0, a1, a2, a3)
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, v2, v3, s0, s1, s2, s3,
             kind):  # pragma: no cover - compiled
     """`_close16` of group g for rows r .. r + n - 1 (n <= 4) with their sums t, u, v, s (each four vectors, passed
@@ -224,7 +224,7 @@ def _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, 
         _close16(A[r + 3], s0, s1, s2, s3, S[g], Z[g], step[r + 3, g], xs[r + 3, g], kind)
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _direct4(XP, step, xs, r, n, g, qb, S, Z, half, A, kind):  # pragma: no cover - compiled
     """`_direct16`'s group g (half: its column pairs) for rows r .. r + n - 1 of XP (n <= 4; a missing row's place
     computes the last row again, unstored): each pair of columns' codes is converted once for four rows, in
@@ -246,7 +246,7 @@ def _direct4(XP, step, xs, r, n, g, qb, S, Z, half, A, kind):  # pragma: no cove
     _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, v2, v3, s0, s1, s2, s3, kind)
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _widen16(qb, g, half, W, kind):  # pragma: no cover - compiled
     """W [half * 64] = the block's codes of group g's lane units (`_pair_codes`: the values `_direct16` makes), the
     next group's codes asked for meanwhile."""
@@ -261,7 +261,7 @@ def _widen16(qb, g, half, W, kind):  # pragma: no cover - compiled
         vistore(W, _BLOCK * i + 3 * LANES, c3)
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _dot4_16(XP, step, xs, r, n, g, W, S, Z, A, kind):  # pragma: no cover - compiled
     """`_direct4` for group g against the buffered codes W: each load of the codes serves four rows."""
     half = W.shape[0] // _BLOCK
@@ -279,7 +279,7 @@ def _dot4_16(XP, step, xs, r, n, g, W, S, Z, A, kind):  # pragma: no cover - com
     _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, v2, v3, s0, s1, s2, s3, kind)
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, kind):  # pragma: no cover - compiled
     """A [R, 64] = block b's outputs for the rows XP (`_tiles16`), its scales into S, Z and (from `_WIDEN` rows) each
     group's codes into W on the way."""
@@ -305,7 +305,7 @@ def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, kind):  # pragma: no cover 
                 _dot4_16(XP, step, xs, r, min(4, R - r), g, W, S, Z, A, kind)
 
 
-@njit(inline="always")
+@njit(forceinline=True, nogil=True)
 def _split_row(x, r, gs, XP, step, xs, kind, form):  # pragma: no cover - compiled
     """`_split` of row r into XP[r]: int8 steps against int4 codes (bounded as `vquads4`'s, up to 240) or int8
     codes (up to 255), as quads or (`form` _INT4, _INT8) as int16 pairs, else int16 steps against codes up to 15
@@ -319,7 +319,7 @@ def _split_row(x, r, gs, XP, step, xs, kind, form):  # pragma: no cover - compil
         _split(x[r], gs, 255 if kind == _INT8 else 15, 32767, XP[r].view(np.int16), step[r], xs[r])
 
 
-@njit(inline="always")
+@njit(inline="always")  # (its prange must land in each parallel entry; the helpers inline in LLVM, not numba)
 def _tiles16(x, q, sz, out, kind):  # pragma: no cover - compiled
     """`_tiles` with x in int16 steps (even groups), its rows four at a time: below `_WIDEN` rows against the codes
     as they are read (`_direct4`, one group for every row, then the next), from there against each group's codes
