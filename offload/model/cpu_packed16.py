@@ -113,8 +113,8 @@ def _split(xr, gs, cmax, top, xq, step, xs):  # pragma: no cover - compiled
 
 @njit(forceinline=True, nogil=True)
 def _scale16(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma: no cover - compiled
-    """`_scale` for a group's exact integer sums t: a = fma(scale, step * t, a) then fma(zero', xs, a). (int8 quads:
-    rows 32-63's sums are of their codes times 16, `vquads4`: divided exactly first.)"""
+    """`_scale` for a group's exact integer sums t: a = fma(scale, step * t, a) then fma(zero', xs, a). (int4 codes
+    in quads: rows 32-63's sums are of their codes times 16, `vquads4`: divided exactly first.)"""
     if kind == _INT4_8:
         t2, t3 = vsra(t2, 4), vsra(t3, 4)
     sv, z = vsplat(step), vzero()
@@ -144,7 +144,7 @@ def _wide(kind):  # pragma: no cover - compiled
 @njit(forceinline=True, nogil=True)
 def _pair_codes(qb, p, kind):  # pragma: no cover - compiled
     """Lane unit p's columns (2p, 2p + 1; int8 quads: 4p .. 4p + 3) of a block's codes qb as four vectors of 16 rows
-    (0-15, 16-31, 32-47, 48-63): int8 128 bytes of int16 pairs, int4 64, int4 in quads 128 (`vquads4`)."""
+    (0-15, 16-31, 32-47, 48-63): int8 128 bytes of int16 pairs, int4 64; in quads int8 256, int4 128."""
     if kind == _INT8:
         return vcodes8(qb, 128 * p)
     if kind == _INT8_8:
@@ -310,13 +310,11 @@ def _split_row(x, r, gs, XP, step, xs, kind, form):  # pragma: no cover - compil
     """`_split` of row r into XP[r]: int8 steps against int4 codes (bounded as `vquads4`'s, up to 240) or int8
     codes (up to 255), as quads or (`form` _INT4, _INT8) as int16 pairs, else int16 steps against codes up to 15
     (int4) or 255 (int8)."""
-    cmax = 255 if kind == _INT8_8 else 240
-    if _per(kind) == 4 and form == kind:
+    cmax = 255 if _wide(kind) else (240 if kind == _INT4_8 else 15)
+    if _per(form) == 4:
         _split(x[r], gs, cmax, 127, XP[r].view(np.int8), step[r], xs[r])
-    elif _per(kind) == 4:
-        _split(x[r], gs, cmax, 127, XP[r].view(np.int16), step[r], xs[r])
     else:
-        _split(x[r], gs, 255 if kind == _INT8 else 15, 32767, XP[r].view(np.int16), step[r], xs[r])
+        _split(x[r], gs, cmax, 127 if _per(kind) == 4 else 32767, XP[r].view(np.int16), step[r], xs[r])
 
 
 @njit(inline="always")  # (its prange must land in each parallel entry; the helpers inline in LLVM, not numba)

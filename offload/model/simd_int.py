@@ -275,9 +275,9 @@ vquads4 = _codes("vquads4", 128, _quads4)
 def _quads8(builder, v):
     """int8 tiles: from a[i : i + 256] (columns k .. k + 3 of a 64-row block, 64 bytes each) the four lane vectors
     of rows 0-15, 16-31, 32-47, 48-63 for `vdot8`, lane j holding the row's four codes as bytes. Two rounds of
-    two-source permutations (vpermt2b): columns k, k + 1 and k + 2, k + 3 interleaved byte by byte (rows 0-31 and
-    32-63 of each pair), then the two pairs' halves word by word: 8 instructions a 256 codes, where `vcodes8` takes
-    8 widenings and twice the `vdot`s."""
+    two-source permutations: columns k, k + 1 and k + 2, k + 3 interleaved byte by byte (rows 0-31 and 32-63 of each
+    pair: vpermt2b), then the two pairs' halves word by word (vpermt2w): 8 instructions a 256 codes on a Zen 4 (its
+    assembly), where `vcodes8` takes 8 widenings and twice the `vdot`s."""
     v64 = ir.VectorType(_I32, 64)
     cols = [builder.shuffle_vector(v, v, ir.Constant(v64, list(range(64 * c, 64 * c + 64)))) for c in range(4)]
     pairs = [[builder.shuffle_vector(cols[c], cols[c + 1], ir.Constant(v64, [x for j in range(32 * h, 32 * h + 32)
