@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +42,19 @@ class Span:
         return self.end - self.start
 
 
+@dataclass(slots=True)
+class _Run:
+    """Spans of a run of names on one track in one step, made when read (`Timeline.add_many`)."""
+    track: str
+    names: list[str]
+    step: int
+    spans: list[tuple[float, float]] | Callable[[], list[tuple[float, float]]]
+
+    def made(self) -> list[Span]:
+        times = self.spans() if callable(self.spans) else self.spans
+        return [Span(self.track, name, self.step, start, end) for name, (start, end) in zip(self.names, times)]
+
+
 class Timeline:
     def __init__(self, enabled: bool = True, nvtx: bool = False, keep_steps: int | None = None) -> None:
         self.enabled = enabled
@@ -50,7 +63,8 @@ class Timeline:
             raise ValueError(f"keep_steps must be None or at least 1, got {keep_steps}")
         self.keep_steps = keep_steps  # None: keep every span; N: the last N steps (bounded memory)
         self.origin = time.perf_counter()
-        self.spans: list[Span] = []
+        self._spans: list[Span | _Run] = []  # a run's host spans are made when first read (`spans`)
+        self._lazy = False  # `_spans` holds a `_Run`
         self.counters: list[tuple[str, float, dict[str, float]]] = []  # (name, time, values)
         self.step = 0
         self._pending: list[tuple[Span, Any, Any, int]] = []  # (span, start event, end event, device index)
@@ -70,8 +84,8 @@ class Timeline:
     def _forget_before(self, step: int) -> None:
         """Drop the spans of steps before `step`, and the counter samples older than every span kept."""
         with self._lock:
-            self.spans = [s for s in self.spans if s.step >= step]
-            oldest = min((s.start for s in self.spans), default=self.now())
+            self._spans = [s for s in self._folded() if s.step >= step]
+            oldest = min((s.start for s in self._spans), default=self.now())
             self.counters = [c for c in self.counters if c[1] >= oldest]
 
     def add(self, track: str, name: str, start: float, end: float, nbytes: int = 0, slot: int | None = None,
@@ -79,7 +93,31 @@ class Timeline:
         if self.enabled:
             span = Span(track, name, self.step if step is None else step, start, end, nbytes, slot, args)
             with self._lock:
-                self.spans.append(span)
+                self._spans.append(span)
+
+    def add_many(self, track: str, names: list[str],
+                 spans: list[tuple[float, float]] | Callable[[], list[tuple[float, float]]]) -> None:
+        """`add` of one span per name on a track, this step's (a pass's layers in one call); spans: their (start,
+        end)s, or a function that gives them, called when the spans are first read. A step's Python runs with the
+        caches cold (the weights went through them): 30 spans made per step cost ~0.1 ms of a ~12 ms step."""
+        if self.enabled:
+            run = _Run(track, list(names), self.step, spans)
+            with self._lock:
+                self._spans.append(run)
+                self._lazy = True
+
+    @property
+    def spans(self) -> list[Span]:
+        """Every span recorded (and kept), in the order recorded."""
+        with self._lock:
+            return self._folded()
+
+    def _folded(self) -> list[Span]:
+        """`_spans` with its runs made into spans (the lock held)."""
+        if self._lazy:
+            self._spans = [s for item in self._spans for s in (item.made() if isinstance(item, _Run) else (item,))]
+            self._lazy = False
+        return self._spans  # type: ignore[return-value]
 
     @contextmanager
     def span(self, track: str, name: str, nbytes: int = 0, slot: int | None = None, step: int | None = None,
@@ -160,7 +198,7 @@ class Timeline:
             span.start = t0 + anchor.elapsed_time(start) / 1000
             span.end = t0 + anchor.elapsed_time(end) / 1000
             with self._lock:
-                self.spans.append(span)
+                self._spans.append(span)
         if later:
             with self._lock:
                 self._pending = later + self._pending
@@ -169,7 +207,7 @@ class Timeline:
     def spans_resolved(self) -> list[Span]:
         self.resolve()
         with self._lock:
-            return list(self.spans)
+            return list(self._folded())
 
 
     def on(self, track: str, step: int | None = None) -> list[Span]:
@@ -184,7 +222,8 @@ class Timeline:
     def clear(self) -> None:
         self.resolve()
         with self._lock:
-            self.spans.clear()
+            self._spans.clear()
+            self._lazy = False
             self.counters.clear()
 
 

@@ -13,6 +13,7 @@ import functools
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from offload.model import functional as M
@@ -71,8 +72,7 @@ class ResidentLayers:
         start = timeline.now()
         with timeline.range("offload/compute/layers"):
             x, stamps = M.run_layers(run, x, first, paged, p.layout, p.cos_sin, ex.cfg)
-        spans = spans_of(stamps, start, timeline.now()) if timeline.enabled else [None] * len(groups)
-        ex.weights.release_resident(groups, spans)
+        ex.weights.release_resident(groups, functools.partial(spans_of, stamps, start, timeline.now()))
         return x
 
 
@@ -80,10 +80,7 @@ def spans_of(stamps: Any, start: float, end: float) -> list[tuple[float, float]]
     """Each layer's (start, end) on the timeline from the cycle counter read at the start of a compiled run and after
     each layer (`fused.LayerRun`), placed linearly between the host clock's start and end around the call; equal
     shares where there is no counter (0s: not x86-64)."""
-    c = [int(v) for v in stamps]
-    n, total = len(c) - 1, c[-1] - c[0]
-    if total <= 0:
-        cuts = [start + (end - start) * i / n for i in range(n + 1)]
-    else:
-        cuts = [start + (end - start) * (v - c[0]) / total for v in c]
+    c = np.asarray(stamps, dtype=np.float64)
+    total = c[-1] - c[0]
+    cuts = (start + (end - start) * (c - c[0]) / total if total > 0 else np.linspace(start, end, len(c))).tolist()
     return list(zip(cuts[:-1], cuts[1:]))

@@ -62,6 +62,7 @@ class TieredWeights:
         self._views: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (group, address) -> its typed views
         self._upcast: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # the same, at the compute dtype
         self._packed: dict[tuple[str, int], dict] = {}  # the same, packed matrices as their weight objects
+        self._resident: dict[tuple[str, ...], tuple[list, list[dict]]] = {}  # `acquire_resident`'s runs
         self.scratch = Scratch()  # packed matrices are dequantized here when no fused kernel applies
         self.plan = plan
         embed_group, self._embed_tensor = embedding_source(ckpt.config, self.fmt)
@@ -171,8 +172,21 @@ class TieredWeights:
         return self._acquired(group, self.prefetcher.acquire(group))
 
     def acquire_resident(self, groups: list[str]) -> list[dict]:
-        """`acquire` of a run of resident groups in one call (`Prefetcher.acquire_resident`)."""
-        return [self._acquired(g, buf) for g, buf in zip(groups, self.prefetcher.acquire_resident(groups))]
+        """`acquire` of a run of resident groups in one call (`Prefetcher.acquire_resident`); their views are made
+        once a run where they are the same objects each step (the same bytes in the same place: the prefetcher's
+        same list; not where matrices are upcast per pass)."""
+        bufs = self.prefetcher.acquire_resident(groups)
+        got = self._resident.get(key := tuple(groups))
+        if got is None or got[0] is not bufs:
+            got = (bufs, [self.views(g, buf) for g, buf in zip(groups, bufs)])
+            if self.compute_dtype == self.dtype or all(self._upcast.get((g, b.data_ptr())) is v for g, b, v in
+                                                       zip(groups, bufs, got[1])):
+                self._resident[key] = got
+        if self.predictor.enabled:  # kept for predicting these layers' experts
+            for group, views in zip(groups, got[1]):
+                if "router" in views:
+                    self.predictor.keep_router(int(group.split(".")[1]), views["router"])
+        return got[1]
 
     def _acquired(self, group: str, buf: torch.Tensor) -> dict:
         views = self.views(group, buf)
@@ -237,6 +251,7 @@ class TieredWeights:
         self._views.clear()
         self._upcast.clear()
         self._packed.clear()
+        self._resident.clear()
         if self.cache is not None:
             self.cache.close()
             self.cache = None
