@@ -202,6 +202,35 @@ def test_the_integer_split_does_not_overflow_and_keeps_zero_and_nan_rows_to_them
     assert torch.equal(kernels.packed_linear(x, q[:, :51], odd), kernels.packed_linear(x.float(), q[:, :51], odd))
 
 
+@pytest.mark.parametrize("dtype,weights", [("bfloat16", "bfloat16"), ("float32", "float32"), ("float32", "bfloat16"),
+                                           ("bfloat16", "int8"), ("bfloat16", "int4"), ("float32", "int4")])
+def test_the_compiled_head_gives_the_norm_and_products_bits(dtype, weights):
+    """A CPU head is one compiled call (`fused.head_logits`: the last RMSNorm and the head's product): the bits of
+    `rms_norm` then `linear` one by one, rows of any count (1, 3, 9) alike, with a vocabulary that is no multiple of
+    64 (packed matrices are padded to whole tiles)."""
+    from offload.model import functional as M
+    from offload.weights.quant import PackedLinear
+
+    g = torch.Generator().manual_seed(7)
+    H, V = 72, 200
+    x = (torch.randn(9, H, generator=g) * 3).to(getattr(torch, dtype))
+    norm = (1 + torch.randn(H, generator=g) / 4).to(getattr(torch, dtype))
+    m = torch.randn(V, H, generator=g) / 8
+    if weights in ("int8", "int4"):
+        packed = quant.quantize(m, 8 if weights == "int8" else 4, 24, torch.bfloat16)
+        w = PackedLinear(packed["q"], packed["sz"], V, None)
+    else:
+        w = m.to(getattr(torch, weights))
+    assert fused.head_supported(x, w)
+    ref = M.linear(M.rms_norm(x, norm, 1e-5), w, None, float32=True)
+    for rows in (slice(0, 1), slice(2, 5), slice(0, 9)):
+        got = fused.head_logits(x[rows], norm, 1e-5, w)
+        assert got.dtype == torch.float32 and got.shape == (rows.stop - rows.start, V)
+        assert torch.equal(got.view(torch.int32), ref[rows].view(torch.int32)), rows
+    if dtype == "bfloat16":  # logits hold bf16 values, as the op-by-op head's do
+        assert torch.equal(got, got.bfloat16().float())
+
+
 @pytest.fixture(scope="module")
 def wide(model_factory):
     return model_factory("llama", overrides=WIDE)
