@@ -82,6 +82,7 @@ class Prefetcher:
         self._stop = False
         self._current: dict[str, tuple[Load | None, float, Marker | None]] = {}
         self._runs: dict[tuple[str, ...], tuple[list[torch.Tensor], dict[str, int]]] = {}  # `acquire_resident`'s
+        self._taken: dict[tuple[str, ...], tuple[float, Marker | None]] = {}  # runs acquired: when, the marker
         self._stage_free: list[threading.Event] = []
         self._staged_events: dict[tuple[int, int], threading.Event] = {}
         self._threads: list[threading.Thread] = []
@@ -92,8 +93,10 @@ class Prefetcher:
     @interrupts.deferring
     def acquire(self, group: str) -> torch.Tensor:
         """The group's bytes on the compute device (1-D uint8, exactly its size)."""
-        if self.plan.is_resident(group):
-            return self.acquire_resident([group])[0]
+        if self.plan.is_resident(group):  # (released by `release`, as a streamed group is)
+            buf = self.acquire_resident([group])[0]
+            self._current[group] = (None, *self._taken.pop((group,)))
+            return buf
         size = self.plan.sizes[group]
         self.traffic.add("weights", self.plan.homes[group], COMPUTE, size)
         with self._cond:
@@ -147,7 +150,7 @@ class Prefetcher:
                 home = self.plan.homes[group]
                 served[home] = served.get(home, 0) + self.plan.sizes[group]
             run = self._runs[key] = ([self._home_view(g) for g in groups], served)
-        self._current.update(dict.fromkeys(groups, (None, self.timeline.now(), self._compute_marker())))
+        self._taken[key] = (self.timeline.now(), self._compute_marker())
         for home, nbytes in run[1].items():
             self.traffic.add("weights", home, COMPUTE, nbytes)
         return run[0]
@@ -157,15 +160,14 @@ class Prefetcher:
                          ) -> None:
         """`release` of groups taken by `acquire_resident`, each with its compute span (as `release`'s; or a function
         that gives them all, called when the timeline is read: `Timeline.add_many`)."""
-        done, taken = self.engine.mark_compute(), [self._current.pop(g) for g in groups]
-        if any(load is not None for load, _, _ in taken):
-            raise RuntimeError(f"release_resident: one of {', '.join(groups)} is streamed, not resident")
-        if all(marker is None for _, _, marker in taken):  # host clocks: every span in one call (or made when read)
+        start, marker = self._taken.pop(tuple(groups))
+        if marker is None:  # host clocks: every span in one call (or made when read)
             now = self.timeline.now()
             self.timeline.add_many("compute", groups, spans if callable(spans) else
-                                   [span or (start, now) for span, (_, start, _) in zip(spans, taken)])
+                                   [span or (start, now) for span in spans])
         else:
-            for group, span, (_, start, marker) in zip(groups, spans() if callable(spans) else spans, taken):
+            done = self.engine.mark_compute()
+            for group, span in zip(groups, spans() if callable(spans) else spans):
                 self._record_compute(group, start, marker, done, None, span)
         self.side.advance(len(groups))
 
@@ -373,6 +375,7 @@ class Prefetcher:
             m.wait()
         self._loads.clear()
         self._current.clear()
+        self._taken.clear()
         self._in_ring = 0
         self._released = 0  # streamed loads whose compute is done
         self._slot_free = [threading.Event() for _ in self.ring]

@@ -310,7 +310,7 @@ def internal_sizes(r: Runner) -> dict[str, int]:
     p = r.weights.prefetcher
     return {"spans": len(r.timeline.spans), "counters": len(r.timeline.counters), "pending": len(r.timeline._pending),
             "loads": len(p._loads), "staged": len(p._staged), "staged_events": len(p._staged_events),
-            "current": len(p._current), "seqs": len(r.kv.seqs), "blocks": len(r.kv.blocks)}
+            "current": len(p._current), "taken": len(p._taken), "seqs": len(r.kv.seqs), "blocks": len(r.kv.blocks)}
 
 
 @pytest.mark.slow
