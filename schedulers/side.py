@@ -64,6 +64,9 @@ class SideWorker:
 
     @interrupts.deferring
     def advance(self, groups: int = 1) -> None:
+        if self._thread is None:  # no job was ever submitted: nothing waits on the count (a resident CPU run)
+            self._progress += groups
+            return
         with self._cond:
             self._progress += groups
             self._cond.notify_all()

@@ -392,6 +392,6 @@ def run_layers(run: fused.LayerRun, x: torch.Tensor, kv: KVView, paged: tuple[to
 def head(x: torch.Tensor, w: HeadWeights, cfg: ModelConfig,
          groups: list[torch.Tensor] | None = None) -> torch.Tensor:
     """x [N, H] -> logits [N, V] in float32 (on a CPU in one compiled call: row-invariant, no groups needed)."""
-    if kernels.ROW_INVARIANT and fused.head_supported(x, w.lm_head):
-        return fused.head_logits(x, w.norm, cfg.rms_norm_eps, w.lm_head)
+    if kernels.ROW_INVARIANT and (y := fused.head_logits(x, w.norm, cfg.rms_norm_eps, w.lm_head)) is not None:
+        return y
     return linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head, None, groups, float32=True)

@@ -195,22 +195,25 @@ def head_supported(x: torch.Tensor, w) -> bool:
                           and w.device.type == "cpu")
 
 
-def head_logits(x: torch.Tensor, norm: torch.Tensor, eps: float, w) -> torch.Tensor:
-    """x [N, H] -> float32 logits [N, V] of `norm`'s RMSNorm and the head's product in one compiled call (`_head`):
-    the same bits as `functional.head`'s ops one by one (~0.4 ms less of a step's Python, run with its caches cold
-    after the weights went through them). The matrix's arguments are made once and kept on it."""
-    anchor = w.q if _packed(w) else w
-    got = anchor.__dict__.get("_offload_head")
-    if got is None or got[0] is not norm or got[1] != x.dtype:
-        got = (norm, x.dtype, *_matrix(w), _raw(norm.to(x.dtype).contiguous()),
-               packed_kind(x.dtype) if _packed(w) else dense_kind(w.dtype, x.dtype))
-        anchor.__dict__["_offload_head"] = got
-    _, _, wm, scales, nm, kind = got
-    rows = w.out_features if _packed(w) else w.shape[0]
-    _threads(x.numel() * rows)
+def head_logits(x: torch.Tensor, norm: torch.Tensor, eps: float, w) -> torch.Tensor | None:
+    """x [N, H] -> float32 logits [N, V] of `norm`'s RMSNorm and the head's product in one compiled call (`_head`),
+    or None where it does not take them (`head_supported`): the same bits as `functional.head`'s ops one by one
+    (~0.4 ms less of a step's Python, run with its caches cold after the weights went through them). What the matrix
+    needs is made once and kept on it (for norm and x's dtype)."""
+    got = getattr(w, "q", w).__dict__.get("_offload_head")
+    if got is None or got[0] is not norm or got[1] is not x.dtype:
+        if not head_supported(x, w):
+            return None
+        wm, scales = _matrix(w)
+        got = (norm, x.dtype, wm, scales, _raw(norm.to(x.dtype).contiguous()),
+               packed_kind(x.dtype) if _packed(w) else dense_kind(w.dtype, x.dtype),
+               w.out_features if _packed(w) else w.shape[0], x.dtype == torch.bfloat16)
+        getattr(w, "q", w).__dict__["_offload_head"] = got
+    _, _, wm, scales, nm, kind, rows, bf16 = got
+    _threads(x.shape[0] * x.shape[1] * rows)
     out = torch.empty(x.shape[0], wm.shape[0] * 64 if wm.ndim == 3 else rows, dtype=torch.float32)
     if out.numel():
-        _head(_raw(x.contiguous()), nm, float(eps), x.dtype == torch.bfloat16, wm, scales, kind, out.numpy())
+        _head(_raw(x.contiguous()), nm, float(eps), bf16, wm, scales, kind, out.numpy())
     return out[:, :rows] if out.shape[1] != rows else out
 
 
