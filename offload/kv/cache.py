@@ -374,8 +374,8 @@ class PagedKVCache(PrefixBlocks):
             found = (tier_blocks(self._where, t, block_ids, kv_lens, (positions, valid), bs, self.device)
                      for t in TIERS if t in self.pools)
             groups = tuple(g for g in found if g is not None)
-        step = StepKV(slot_blocks.to(self.device), slot_offsets.to(self.device), groups, block_ids.shape[1],
-                      positions.to(self.device), valid.to(self.device), block_ids, slot_table(groups, block_ids))
+        sb, so, kp, kv = (kvb.on(t, self.device) for t in (slot_blocks, slot_offsets, positions, valid))
+        step = StepKV(sb, so, groups, block_ids.shape[1], kp, kv, block_ids, slot_table(groups, block_ids))
         return layout, step
 
     def _copy_on_write(self, sid: int, protected: set[int]) -> None:

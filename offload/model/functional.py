@@ -129,15 +129,20 @@ class BatchLayout:
     @classmethod
     def build(cls, q_lens: list[int], kv_lens: list[int], device: torch.device | str) -> BatchLayout:
         B, Tq = len(q_lens), max(q_lens)  # (numpy: a decode step's few rows at ~1 us an op, not torch's ~5-20)
-        pad, q_pos, unpad, start = np.zeros((B, Tq), np.int64), np.full((B, Tq), -1, np.int64), [], 0
-        for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
-            pad[b, :ql] = np.arange(start, start + ql)
-            q_pos[b, :ql] = np.arange(kl - ql, kl)
-            unpad.append(np.arange(b * Tq, b * Tq + ql))
-            start += ql
-        positions = np.concatenate([row[:ql] for row, ql in zip(q_pos, q_lens)])
-        return cls(list(q_lens), list(kv_lens), *(torch.from_numpy(a).to(device) for a in (
-            positions, pad, np.concatenate(unpad), q_pos)))
+        if min(q_lens) == Tq == 1:  # a decode step: a row a sequence, at its last position
+            last = np.asarray(kv_lens, np.int64) - 1
+            arrays = [last, np.arange(B).reshape(B, 1), np.arange(B), last.reshape(B, 1).copy()]
+        else:
+            pad, q_pos, unpad, start = np.zeros((B, Tq), np.int64), np.full((B, Tq), -1, np.int64), [], 0
+            for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+                pad[b, :ql] = np.arange(start, start + ql)
+                q_pos[b, :ql] = np.arange(kl - ql, kl)
+                unpad.append(np.arange(b * Tq, b * Tq + ql))
+                start += ql
+            arrays = [np.concatenate([row[:ql] for row, ql in zip(q_pos, q_lens)]), pad, np.concatenate(unpad), q_pos]
+        cpu = str(device) == "cpu"  # (a `to` that changes nothing still costs a dispatch: ~5 us a step's cold call)
+        return cls(list(q_lens), list(kv_lens), *(torch.from_numpy(a) if cpu else torch.from_numpy(a).to(device)
+                                                  for a in arrays))
 
     @property
     def uniform(self) -> bool:
@@ -193,10 +198,8 @@ class KVView(Protocol):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if cpu_elementwise.elementwise_supported(x):  # one call, the fused layer's formula (the same bits either way)
         return cpu_elementwise.rms_norm(x, weight, eps)
-    dtype = x.dtype
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def norm_heads(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
