@@ -144,6 +144,33 @@ def test_layers_run_in_one_call_still_get_a_compute_span_each_in_order(tiny_llam
         assert all(a.end <= b.start + 1e-9 for a, b in zip(mine, mine[1:]))
 
 
+def test_a_run_of_spans_is_made_when_read_in_the_order_recorded_and_forgotten_like_the_others():
+    """`Timeline.add_many` with a function (a pass's resident layers: their times from the cycle counter) calls it
+    only when the spans are read, keeps them where they were recorded, and the bounded window drops them too."""
+    from schedulers.timeline import Timeline
+
+    tl, calls = Timeline(keep_steps=40), []  # (forgets every 10 steps)
+
+    def times(step):
+        calls.append(step)
+        return [(step, step + 0.25), (step + 0.25, step + 0.5)]
+    for step in range(100):
+        tl.add("stall", "layer.0", step, step)
+        tl.add_many("compute", ["layer.0", "layer.1"], lambda step=step: times(step))
+        tl.add("compute", "head", step + 0.5, step + 1)
+        if step == 3:
+            assert calls == [] and [s.name for s in tl.spans] == ["layer.0", "layer.0", "layer.1", "head"] * 4
+            assert calls == [0, 1, 2, 3] and [s.start for s in tl.on("compute", step=2)] == [2, 2.25, 2.5]
+        tl.next_step()
+    kept = tl.spans
+    assert 40 <= len({s.step for s in kept}) <= 50 and {s.step for s in kept} >= set(range(60, 100))
+    assert [s.name for s in kept if s.track == "compute"][-3:] == ["layer.0", "layer.1", "head"]
+    assert sorted(calls) == list(range(100))  # each run's times made once (forgetting reads them too)
+    off = Timeline(enabled=False)
+    off.add_many("compute", ["layer.0"], lambda: calls.append("off") or [(0, 1)])
+    assert off.spans == [] and "off" not in calls
+
+
 def test_no_spans_when_the_timeline_is_off(tiny_llama, store):
     from schedulers.timeline import Timeline
 
