@@ -17,6 +17,7 @@ import yaml
 
 from offload.cli import auto
 from offload.cli.main import main
+from offload.model import kernels
 from offload.plan import machine
 from offload.plan.calibrate import PACKED, Calibration, kernels_id
 from offload.runtime.conversation import Conversation
@@ -43,7 +44,7 @@ def setup(tmp_path, tiny_llama, monkeypatch):
         calls["packed"].append(tuple(packed))  # the packed formats whose kernels it times
         cal = Calibration.defaults()
         cal.compute |= {f"cpu/{scheme}": cal.compute["cpu"] for scheme in packed}
-        cal.meta |= {"kernels": kernels_id(), "machine": machine.identity()}
+        cal.meta |= {"kernels": kernels_id(), "machine": machine.identity(), "activations": dict(kernels.ACTIVATIONS)}
         return cal
 
     real_convert = auto.open_tier_store
@@ -54,6 +55,7 @@ def setup(tmp_path, tiny_llama, monkeypatch):
         return store
 
     monkeypatch.setattr(auto, "calibrate", fake_calibrate)
+    monkeypatch.setattr(kernels, "ACTIVATIONS", dict(kernels.ACTIVATIONS))  # (a run sets them for the process)
     monkeypatch.setattr(auto, "open_tier_store", counting_convert)
     small = auto.Machine.detect(tmp_path)
     monkeypatch.setattr(auto.Machine, "detect", classmethod(lambda cls, disk: auto.Machine(
@@ -174,6 +176,25 @@ def test_auto_with_packed_weights_converts_plans_and_chats_packed_then_reuses_th
     assert fourth.out == expected + "\n"
 
 
+def test_a_calibration_of_packed_kernels_in_other_activation_steps_is_measured_again(setup, monkeypatch, capsys):
+    """`weights.int8_activations` / `int4_activations` choose the packed kernels' steps (int8 and int16 steps differ
+    1.2-1.5x past one row): a calibration timed in the other steps is measured again, in the run's, then reused."""
+    model, disk, calls = setup
+    start_packed(model, disk, "int8", monkeypatch, capsys)
+    path, yaml_path = disk / "calibration.json", disk / "offload.yaml"
+    assert json.loads(path.read_text())["activations"]["int8"] == "int8" and calls["calibrate"] == 1
+    config = yaml.safe_load(yaml_path.read_text())
+    config["weights"]["int4_activations"] = "int16"  # (a format this run does not compute with: not a reason)
+    yaml_path.write_text(yaml.safe_dump(config))
+    assert "(reused; no calibration)" in start_packed(model, disk, "int8", monkeypatch, capsys).err
+    config["weights"]["int8_activations"] = "int16"
+    yaml_path.write_text(yaml.safe_dump(config))
+    again = start_packed(model, disk, "int8", monkeypatch, capsys)
+    assert "(it measured the int8 kernels in other activation steps)" in again.err and calls["calibrate"] == 2
+    assert json.loads(path.read_text())["activations"] == {"int4": "int16", "int8": "int16"}
+    assert "(reused; no calibration)" in start_packed(model, disk, "int8", monkeypatch, capsys).err
+
+
 def test_two_starts_at_once_measure_the_machine_once(tmp_path, monkeypatch, capsys):
     """The second of two setups starting together waits for the first's calibration and reuses it."""
     measured = []
@@ -182,7 +203,7 @@ def test_two_starts_at_once_measure_the_machine_once(tmp_path, monkeypatch, caps
         measured.append(packed)
         time.sleep(0.5)  # (long enough for the other start to find the lock held)
         cal = Calibration.defaults()
-        cal.meta |= {"kernels": kernels_id(), "machine": machine.identity()}
+        cal.meta |= {"kernels": kernels_id(), "machine": machine.identity(), "activations": dict(kernels.ACTIVATIONS)}
         return cal
 
     monkeypatch.setattr(auto, "calibrate", slow_calibrate)

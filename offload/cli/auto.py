@@ -28,7 +28,7 @@ from offload.cli.plan import show_plan
 from offload.cli.prepare import store_to_fill
 from offload.config import DiskTierConfig, OffloadConfig, cache_dir, format_size
 from offload.errors import ConfigError, StaleStoreError
-from offload.model import hub
+from offload.model import hub, kernels
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import PACKED, calibrate, why_measure
@@ -217,6 +217,7 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
     if config.tiers is not None and config.tiers.disk is not None:
         _ensure_store(config.tiers.disk, ckpt, dtype, WeightFormat.from_config(config.weights, ckpt.config), root)
     cal_path = config.calibration or root / "calibration.json"
+    kernels.use_activations(config.weights.int4_activations, config.weights.int8_activations)  # (what it times)
     _ensure_calibration(cal_path, packed_kernels(config), device, dtype,
                         config.tiers.disk.path.parent if config.tiers and config.tiers.disk else root)
     config = config.replace(calibration=cal_path)

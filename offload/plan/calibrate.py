@@ -295,8 +295,9 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
 def why_measure(path: Path, packed: Sequence[str] = ()) -> tuple[str | None, tuple[str, ...]]:
     """Why the calibration file at `path` is to be measured (again), None when it can be reused: missing, not a
     calibration, measured with other CPU kernels than these (`Calibration.stale`), or a CPU calibration without the
-    `packed` formats' kernels (those a run computes with). Beside it, the packed formats a new measurement times
-    (`calibrate`'s argument): `packed` and those the file holds, kept (it may be shared with other runs)."""
+    `packed` formats' kernels (those a run computes with) or with them in other activation steps than this process's
+    (`kernels.use_activations`: int8 and int16 steps differ 1.2-1.5x past one row). Beside it, the packed formats a
+    new measurement times (`calibrate`'s argument): `packed` and those the file holds, kept (it may be shared)."""
     if not path.is_file():
         return "there is none", _packed(packed)
     try:
@@ -309,7 +310,12 @@ def why_measure(path: Path, packed: Sequence[str] = ()) -> tuple[str | None, tup
     if other := cal.other_machine:
         return f"it measured another machine: {other}", _packed([*packed, *held])
     missing = [s for s in packed if "cpu" in cal.compute and f"cpu/{s}" not in cal.compute]
-    return (f"it did not measure the {' and '.join(missing)} kernels" if missing else None), _packed([*packed, *held])
+    if missing:
+        return f"it did not measure the {' and '.join(missing)} kernels", _packed([*packed, *held])
+    steps = cal.meta.get("activations") or {}  # (files before this record: the defaults of their kernels)
+    other = [s for s in packed if f"cpu/{s}" in cal.compute and steps.get(s, "int8") != kernels.ACTIVATIONS[s]]
+    return (f"it measured the {' and '.join(other)} kernels in other activation steps" if other else None), \
+        _packed([*packed, *held])
 
 
 def _packed(names: Sequence[str]) -> tuple[str, ...]:
@@ -381,7 +387,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
         again = {"cpu": measure_compute(device, dtype, compute=run_dtype, shape=shape, cold_bytes=cold)} | tables()
         compute |= {key: faster_of(compute[key], table) for key, table in again.items()}
     meta = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
-            "kernels": kernels_id(),
+            "kernels": kernels_id(), "activations": dict(kernels.ACTIVATIONS),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "cpus": os.cpu_count(), "machine": machine.identity(), "llc_bytes": llc,
             "dtype": str(dtype).removeprefix("torch."),
