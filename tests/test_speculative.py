@@ -462,6 +462,9 @@ def test_a_prompt_chunk_riding_in_a_verify_pass_is_one_product_and_changes_no_to
     linear = M.linear
     monkeypatch.setattr(M, "linear",
                         lambda x, w, b=None, g=None, **kw: (groups.append(len(g or [0])), linear(x, w, b, g, **kw))[1])
+    from offload.model import fused  # (the compiled layer and head multiply once inside: seen op by op here)
+    monkeypatch.setattr(fused, "layer_supported", lambda *a: False)
+    monkeypatch.setattr(fused, "head_supported", lambda *a: False)
     with Runner.from_config(cfg) as r:
         engine = Engine(r)
         first = engine.submit(Request(prompts[0], Sampling(max_new_tokens=12)))
