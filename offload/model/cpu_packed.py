@@ -35,6 +35,7 @@ from numba import njit, prange
 
 from offload.model.simd import (
     LANES,
+    _bits_f32,
     parts,
     prefetch,
     vfma,
@@ -267,3 +268,32 @@ def _int8(x, q, sz, out):  # pragma: no cover - compiled
     """x [R, K] float32 @ int8 tiles q uint8 [rows / 64, K, 64] -> out [R, rows] float32. Compiled without fastmath:
     the order is the source's."""
     _tiles(x, q, sz, out, True)
+
+
+@njit(nogil=True)
+def _split(xr, gs, cmax, top, xq, step, xs):  # pragma: no cover - compiled
+    """Row xr in int16 (or int8: top), a step per group of gs columns: xq[k] = round(x[k] / step[g]) with step[g] =
+    the group's largest |x| / qmax, and xs[g] = step[g] * the (exact) sum of xq over g. qmax is top (32767 or 127),
+    or less where a group's products with codes up to cmax could pass int32. A group with a NaN or infinity gets
+    step NaN (its outputs NaN, as a float product's would be). (The largest |x| as the largest of the bits without
+    the sign, NaN and infinity above every number: integer loops, which LLVM vectorises without fast-math.)"""
+    qmax = min(top, 2147483647 // (gs * cmax))
+    bits = xr.view(np.uint32)
+    for g in range(step.shape[0]):
+        k0 = g * gs
+        top = np.uint32(0)
+        for k in range(k0, k0 + gs):
+            top = max(top, bits[k] & np.uint32(0x7FFFFFFF))
+        if top >= np.uint32(0x7F800000):
+            xq[k0:k0 + gs] = 0
+            step[g], xs[g] = np.float32(np.nan), np.float32(np.nan)
+            continue
+        amax = _bits_f32(top)
+        inv = np.float32(qmax) / amax if amax > 0 else np.float32(0.0)
+        total, lo, hi = np.int32(0), np.int32(-qmax), np.int32(qmax)
+        for k in range(k0, k0 + gs):
+            v = min(max(np.int32(np.rint(xr[k] * inv)), lo), hi)
+            xq[k] = v
+            total += v
+        step[g] = amax / np.float32(qmax)
+        xs[g] = np.float32(total) * step[g]

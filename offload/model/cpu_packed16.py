@@ -45,9 +45,10 @@ from offload.model.cpu_packed import (
     _load4,
     _scale,
     _scales,
+    _split,
     _store4,
 )
-from offload.model.simd import LANES, _bits_f32, parts, prefetch, vfma, vsplat, vzero
+from offload.model.simd import LANES, parts, prefetch, vfma, vsplat, vzero
 from offload.model.simd_int import (
     vcodes4,
     vcodes8,
@@ -80,35 +81,6 @@ _SPLIT_PARALLEL = 16
 #: (`_dot4_16`); fewer: converted as read, four rows at a time (`_direct4`). One [8192, 2048] int4 matrix (g64), 2
 #: threads, a Zen 5, buffered / as read: 16 rows 1038 / 1033 us, 64 rows 3259 / 3377 us.
 _WIDEN = 16
-
-
-@njit(nogil=True)
-def _split(xr, gs, cmax, top, xq, step, xs):  # pragma: no cover - compiled
-    """Row xr in int16 (or int8: top), a step per group of gs columns: xq[k] = round(x[k] / step[g]) with step[g] =
-    the group's largest |x| / qmax, and xs[g] = step[g] * the (exact) sum of xq over g. qmax is top (32767 or 127),
-    or less where a group's products with codes up to cmax could pass int32. A group with a NaN or infinity gets
-    step NaN (its outputs NaN, as a float product's would be). (The largest |x| as the largest of the bits without
-    the sign, NaN and infinity above every number: integer loops, which LLVM vectorises without fast-math.)"""
-    qmax = min(top, 2147483647 // (gs * cmax))
-    bits = xr.view(np.uint32)
-    for g in range(step.shape[0]):
-        k0 = g * gs
-        top = np.uint32(0)
-        for k in range(k0, k0 + gs):
-            top = max(top, bits[k] & np.uint32(0x7FFFFFFF))
-        if top >= np.uint32(0x7F800000):
-            xq[k0:k0 + gs] = 0
-            step[g], xs[g] = np.float32(np.nan), np.float32(np.nan)
-            continue
-        amax = _bits_f32(top)
-        inv = np.float32(qmax) / amax if amax > 0 else np.float32(0.0)
-        total, lo, hi = np.int32(0), np.int32(-qmax), np.int32(qmax)
-        for k in range(k0, k0 + gs):
-            v = min(max(np.int32(np.rint(xr[k] * inv)), lo), hi)
-            xq[k] = v
-            total += v
-        step[g] = amax / np.float32(qmax)
-        xs[g] = np.float32(total) * step[g]
 
 
 @njit(forceinline=True, nogil=True)
@@ -247,6 +219,25 @@ def _direct4(XP, step, xs, r, n, g, qb, S, Z, half, A, kind):  # pragma: no cove
 
 
 @njit(forceinline=True, nogil=True)
+def _direct5(XP, step, xs, r, g, qb, S, Z, half, A, kind):  # pragma: no cover - compiled
+    """`_direct4` for the five rows r .. r + 4: rows that leave one over fours (9 = 4 + 5, not 4 + 4 + 1) gather the
+    codes once less (20 sums, 4 code vectors and 5 rows' x: 29 of AVX-512's 32 registers)."""
+    xa, xb, xc, xd, xe = XP[r], XP[r + 1], XP[r + 2], XP[r + 3], XP[r + 4]
+    t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = v0 = v1 = v2 = v3 = s0 = s1 = s2 = s3 = e0 = e1 = e2 = e3 = vizero()
+    for p in range(g * half, g * half + half):
+        _pair_prefetch(qb, p, _AHEAD, kind)
+        c0, c1, c2, c3 = _pair_codes(qb, p, kind)
+        xv, yv, zv, wv, ev = visplat(xa, p), visplat(xb, p), visplat(xc, p), visplat(xd, p), visplat(xe, p)
+        t0, u0, v0, s0 = _dots(t0, u0, v0, s0, c0, xv, yv, zv, wv, kind)
+        t1, u1, v1, s1 = _dots(t1, u1, v1, s1, c1, xv, yv, zv, wv, kind)
+        t2, u2, v2, s2 = _dots(t2, u2, v2, s2, c2, xv, yv, zv, wv, kind)
+        t3, u3, v3, s3 = _dots(t3, u3, v3, s3, c3, xv, yv, zv, wv, kind)
+        e0, e1, e2, e3 = _dot(e0, c0, ev, kind), _dot(e1, c1, ev, kind), _dot(e2, c2, ev, kind), _dot(e3, c3, ev, kind)
+    _close4(A, r, 4, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, v2, v3, s0, s1, s2, s3, kind)
+    _close16(A[r + 4], e0, e1, e2, e3, S[g], Z[g], step[r + 4, g], xs[r + 4, g], kind)
+
+
+@njit(forceinline=True, nogil=True)
 def _widen16(qb, g, half, W, kind):  # pragma: no cover - compiled
     """W [half * 64] = the block's codes of group g's lane units (`_pair_codes`: the values `_direct16` makes), the
     next group's codes asked for meanwhile."""
@@ -292,12 +283,12 @@ def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, kind):  # pragma: no cover 
         _direct16(XP[0], step[0], xs[0], qb, S, Z, gs, A[0], kind)
     elif R < _WIDEN:
         half = gs // _per(kind)
+        fours = R - 5 if R % 4 == 1 else R  # (one row over fours: the last five together, not a lone row)
         for g in range(G):
-            for r in range(0, R - R % 4 if R % 4 == 1 else R, 4):
+            for r in range(0, fours, 4):
                 _direct4(XP, step, xs, r, min(4, R - r), g, qb, S, Z, half, A, kind)
-            if R % 4 == 1:  # (a lone row: its own four sums, not four rows' work)
-                t0, t1, t2, t3 = _sums1(XP[R - 1], qb, g * half, half, kind)
-                _close16(A[R - 1], t0, t1, t2, t3, S[g], Z[g], step[R - 1, g], xs[R - 1, g], kind)
+            if fours < R:
+                _direct5(XP, step, xs, fours, g, qb, S, Z, half, A, kind)
     else:
         for g in range(G):
             _widen16(qb, g, gs // _per(kind), W, kind)
