@@ -182,17 +182,19 @@ class TieredWeights:
             if self.compute_dtype == self.dtype or all(self._upcast.get((g, b.data_ptr())) is v for g, b, v in
                                                        zip(groups, bufs, got[1])):
                 self._resident[key] = got
-        if self.predictor.enabled:  # kept for predicting these layers' experts
+        if self.predictor.enabled:
             for group, views in zip(groups, got[1]):
-                if "router" in views:
-                    self.predictor.keep_router(int(group.split(".")[1]), views["router"])
+                self._keep_router(group, views)
         return got[1]
 
     def _acquired(self, group: str, buf: torch.Tensor) -> dict:
         views = self.views(group, buf)
+        self._keep_router(group, views)
+        return views
+
+    def _keep_router(self, group: str, views: dict) -> None:
         if "router" in views and self.predictor.enabled:  # kept for predicting this layer's experts
             self.predictor.keep_router(int(group.split(".")[1]), views["router"])
-        return views
 
     def release_resident(self, groups: list[str], spans: list[tuple[float, float] | None]) -> None:
         self.prefetcher.release_resident(groups, spans)
