@@ -29,6 +29,12 @@ from storage.units import fmt_bytes
 TIERS = ("gpu", "cpu", "disk")
 
 
+def on(t: torch.Tensor, dev: torch.device | str) -> torch.Tensor:
+    """t (made on the CPU) on dev: a `to` that changes nothing still costs a dispatch (~5 us a decode step's cold
+    call: the weights streamed through the caches)."""
+    return t if str(dev) == "cpu" else t.to(dev)
+
+
 class Tier(ABC):
     """A capacity-limited set of named byte regions."""
 

@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 import torch
 
+from offload.model import functional as M
 from offload.model import fused, kernels
 from offload.runtime.engine import Engine, Request, Sampling
 from offload.runtime.executor import ForwardBatch
 from offload.runtime.resident import ResidentLayers
 from offload.runtime.runner import Runner
 from offload.weights import quant
+from offload.weights.quant import PackedLinear
 from tests.conftest import run_config, within_split
 
 pytestmark = pytest.mark.skipif(not kernels.ROW_INVARIANT, reason="row-invariant CPU kernels need numba")
@@ -208,9 +210,6 @@ def test_the_compiled_head_gives_the_norm_and_products_bits(dtype, weights):
     """A CPU head is one compiled call (`fused.head_logits`: the last RMSNorm and the head's product): the bits of
     `rms_norm` then `linear` one by one, rows of any count (1, 3, 9) alike, with a vocabulary that is no multiple of
     64 (packed matrices are padded to whole tiles)."""
-    from offload.model import functional as M
-    from offload.weights.quant import PackedLinear
-
     g = torch.Generator().manual_seed(7)
     H, V = 72, 200
     x = (torch.randn(9, H, generator=g) * 3).to(getattr(torch, dtype))

@@ -24,6 +24,7 @@ from offload.plan.predict import Workload, predict_decode
 from offload.runtime.overhead import engine_overhead_s
 from offload.runtime.runner import Runner
 from schedulers.plan import Capacities
+from schedulers.timeline import Timeline
 from schedulers.trace import check_chrome, load_chrome, summarize
 from storage.disk import DiskTier
 from storage.errors import CapacityError
@@ -147,8 +148,6 @@ def test_layers_run_in_one_call_still_get_a_compute_span_each_in_order(tiny_llam
 def test_a_run_of_spans_is_made_when_read_in_the_order_recorded_and_forgotten_like_the_others():
     """`Timeline.add_many` with a function (a pass's resident layers: their times from the cycle counter) calls it
     only when the spans are read, keeps them where they were recorded, and the bounded window drops them too."""
-    from schedulers.timeline import Timeline
-
     tl, calls = Timeline(keep_steps=40), []  # (forgets every 10 steps)
 
     def times(step):
@@ -172,8 +171,6 @@ def test_a_run_of_spans_is_made_when_read_in_the_order_recorded_and_forgotten_li
 
 
 def test_no_spans_when_the_timeline_is_off(tiny_llama, store):
-    from schedulers.timeline import Timeline
-
     cfg = OffloadConfig.load(streaming_config(tiny_llama, store))
     with Runner(cfg, timeline=Timeline(enabled=False)) as r:
         r.generate([[1, 5, 9]], max_new_tokens=4, stop_on_eos=False)

@@ -16,6 +16,7 @@ import torch
 from offload.cli.main import main
 from offload.errors import ConfigError
 from offload.kv.cache import PagedKVCache
+from offload.model import fused
 from offload.model.checkpoint import Checkpoint
 from offload.plan.speculative import choose_tokens, expected_tokens
 from offload.runtime.executor import ForwardBatch
@@ -462,7 +463,7 @@ def test_a_prompt_chunk_riding_in_a_verify_pass_is_one_product_and_changes_no_to
     linear = M.linear
     monkeypatch.setattr(M, "linear",
                         lambda x, w, b=None, g=None, **kw: (groups.append(len(g or [0])), linear(x, w, b, g, **kw))[1])
-    from offload.model import fused  # (the compiled layer and head multiply once inside: seen op by op here)
+    # (the compiled layer and head multiply once inside: seen op by op here)
     monkeypatch.setattr(fused, "layer_supported", lambda *a: False)
     monkeypatch.setattr(fused, "head_supported", lambda *a: False)
     with Runner.from_config(cfg) as r:

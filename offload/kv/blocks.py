@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from storage.tiers import TIERS
+from storage.tiers import TIERS, on
 
 
 @dataclass
@@ -193,8 +193,3 @@ def one_tier(tier: str, tables: list[list[int]], slots: list[list[int]], positio
     index = on(torch.from_numpy(np.array(flat, np.int64)), dev) if tier == "gpu" else None
     return TierBlocks(tier, flat, [i for row in tables for i in row], seq, block, block, max(lens),
                       on(positions.contiguous(), dev), on(valid, dev), index)
-
-
-def on(t: torch.Tensor, dev: torch.device | str) -> torch.Tensor:
-    """t (made on the CPU) on dev: a `to` that changes nothing still costs a dispatch (~5 us a step's cold call)."""
-    return t if str(dev) == "cpu" else t.to(dev)

@@ -55,7 +55,7 @@ from schedulers.transfer import TransferEngine, make_engine
 from storage.block_pool import Admission, BlockPool
 from storage.errors import CapacityError
 from storage.lock import ScratchDir
-from storage.tiers import TIERS
+from storage.tiers import TIERS, on
 from storage.units import blocks_for
 
 
@@ -374,7 +374,7 @@ class PagedKVCache(PrefixBlocks):
             found = (tier_blocks(self._where, t, block_ids, kv_lens, (positions, valid), bs, self.device)
                      for t in TIERS if t in self.pools)
             groups = tuple(g for g in found if g is not None)
-        sb, so, kp, kv = (kvb.on(t, self.device) for t in (slot_blocks, slot_offsets, positions, valid))
+        sb, so, kp, kv = (on(t, self.device) for t in (slot_blocks, slot_offsets, positions, valid))
         step = StepKV(sb, so, groups, block_ids.shape[1], kp, kv, block_ids, slot_table(groups, block_ids))
         return layout, step
 

@@ -21,6 +21,7 @@ from offload.model import cpu_attention, cpu_elementwise, fused, kernels, moe
 from offload.model.config import ModelConfig
 from offload.model.rope import Rope, apply_rope, rope_inv_freq  # noqa: F401 (the model math's names)
 from offload.model.sdpa import sdpa_with_lse
+from storage.tiers import on
 
 
 # ----------------------------------------------------------------------------- weights
@@ -140,9 +141,7 @@ class BatchLayout:
                 unpad.append(np.arange(b * Tq, b * Tq + ql))
                 start += ql
             arrays = [np.concatenate([row[:ql] for row, ql in zip(q_pos, q_lens)]), pad, np.concatenate(unpad), q_pos]
-        cpu = str(device) == "cpu"  # (a `to` that changes nothing still costs a dispatch: ~5 us a step's cold call)
-        return cls(list(q_lens), list(kv_lens), *(torch.from_numpy(a) if cpu else torch.from_numpy(a).to(device)
-                                                  for a in arrays))
+        return cls(list(q_lens), list(kv_lens), *(on(torch.from_numpy(a), device) for a in arrays))
 
     @property
     def uniform(self) -> bool:
