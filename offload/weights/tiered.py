@@ -179,7 +179,7 @@ class TieredWeights:
         got = self._resident.get(key := tuple(groups))
         if got is None or got[0] is not bufs:
             got = (bufs, [self.views(g, buf) for g, buf in zip(groups, bufs)])
-            if self.compute_dtype == self.dtype or all(self._upcast.get((g, b.data_ptr())) is v for g, b, v in
+            if self.compute_dtype == self.dtype or all(self._upcast.get(self._typed(g, b)[0]) is v for g, b, v in
                                                        zip(groups, bufs, got[1])):
                 self._resident[key] = got
         if self.predictor.enabled:
