@@ -17,7 +17,8 @@ repeats is reported, and the load average is recorded beside every number):
              pass is), over its decode step
   streamed   Offload with its weights on disk and a device tier of a quarter of them, the ring's three layers
              and 64 MiB of workspace (`--streamed` formats)
-  verify     a verify pass over k+1 tokens (one sequence) over a plain decode step, for each k in `--verify`
+  verify     a verify pass over k+1 tokens (one sequence) over a plain decode step timed beside it (alternating,
+             best of 5 each), for each k in `--verify`
 Writes OUT/cpu-vs-llama.json and OUT/cpu-vs-llama.md (OUT defaults to scripts/results/), the command line included.
 """
 
@@ -87,8 +88,10 @@ def worker_offload(spec: dict) -> dict:
     return out
 
 
-def verify_costs(r, ids: list[int], ks: list[int], reps: int = 3) -> dict[str, float]:
-    """Seconds of a pass over k+1 new tokens of one sequence (a verify pass) over a plain decode step."""
+def verify_costs(r, ids: list[int], ks: list[int], rounds: int = 5) -> dict[str, float]:
+    """A pass over k+1 new tokens of one sequence (a verify pass) over a plain decode step: each k's passes and plain
+    steps alternate, `rounds` of each, and the best of each is compared (this host's speed swings minute to minute:
+    a plain step timed once, before the passes, set some k against a faster minute than its own)."""
     from offload.runtime.executor import ForwardBatch
 
     ex = r.target  # offload.runtime.executor.Executor
@@ -97,22 +100,22 @@ def verify_costs(r, ids: list[int], ks: list[int], reps: int = 3) -> dict[str, f
     try:
         ex.forward(ForwardBatch.last([sid], [ids]))
 
-        def timed(tokens: list[int], keep: list[int] | None) -> float:
-            best = float("inf")
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                batch = ForwardBatch.last([sid], [tokens]) if keep is None else \
-                    ForwardBatch.verify([sid], [tokens], keep)
-                ex.forward(batch)
-                best = min(best, time.perf_counter() - t0)
-                kv.truncate(sid, len(ids))
-            return best
+        def once(tokens: list[int], keep: list[int] | None) -> float:
+            t0 = time.perf_counter()
+            ex.forward(ForwardBatch.last([sid], [tokens]) if keep is None else
+                       ForwardBatch.verify([sid], [tokens], keep))
+            took = time.perf_counter() - t0
+            kv.truncate(sid, len(ids))
+            return took
 
-        plain = timed([5], None)
-        out = {"plain_ms": 1000 * plain}
+        out, plains = {}, []
         for k in ks:
-            out[str(k)] = timed([5 + i for i in range(k + 1)], [k + 1]) / plain
-        return out
+            plain = verify = float("inf")
+            for _ in range(rounds):
+                plain = min(plain, once([5], None))
+                verify = min(verify, once([5 + i for i in range(k + 1)], [k + 1]))
+            out[str(k)], plains = verify / plain, plains + [plain]
+        return {"plain_ms": 1000 * min(plains)} | out
     finally:
         kv.free_sequence(sid)
 
