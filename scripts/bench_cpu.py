@@ -108,14 +108,14 @@ def verify_costs(r, ids: list[int], ks: list[int], rounds: int = 5) -> dict[str,
             kv.truncate(sid, len(ids))
             return took
 
-        out, plains = {}, []
+        out, fastest = {}, float("inf")
         for k in ks:
             plain = verify = float("inf")
             for _ in range(rounds):
                 plain = min(plain, once([5], None))
                 verify = min(verify, once([5 + i for i in range(k + 1)], [k + 1]))
-            out[str(k)], plains = verify / plain, plains + [plain]
-        return {"plain_ms": 1000 * min(plains)} | out
+            out[str(k)], fastest = verify / plain, min(fastest, plain)
+        return {"plain_ms": 1000 * fastest} | out
     finally:
         kv.free_sequence(sid)
 
