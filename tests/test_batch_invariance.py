@@ -150,11 +150,12 @@ def test_an_int4_products_row_has_the_same_bits_at_any_place_in_any_pass(K, grou
 def test_packed_products_of_bf16_activations_are_integer_steps_and_rows_keep_their_bits(bits, K, group, dtype):
     """bf16 activations are multiplied in integer steps: int8 steps where the groups are a multiple of 4, else
     int16 steps; within what the steps change of the exact product, and a row comes out the same
-    at any place in any pass (every size 1-10 at every offset: the direct, four-row and one-row paths; 17 and 21 rows:
-    the buffered path). fp16 activations (more significant bits than the steps keep) as float32 ones."""
+    at any place in any pass (every size 1-10 at every offset: the direct, four-row and one-row paths; 17-130 rows:
+    the buffered path from 16 rows of int16 steps, 24 of int8 quads, 128 of int4 quads). fp16 activations (more
+    significant bits than the steps keep) as float32 ones."""
     g = torch.Generator().manual_seed(K)
     packed = quant.quantize(torch.randn(70, K, generator=g), bits, group, torch.bfloat16)
-    x = torch.randn(21, K, generator=g).to(getattr(torch, dtype))
+    x = torch.randn(130, K, generator=g).to(getattr(torch, dtype))
     w = quant.dequantize(packed["q"], packed["sz"].float())
     full = kernels.packed_linear(x, packed["q"], packed["sz"])
     as_float32 = kernels.packed_linear(x.float(), packed["q"], packed["sz"])
@@ -167,7 +168,8 @@ def test_packed_products_of_bf16_activations_are_integer_steps_and_rows_keep_the
                 within_split(full, x.float(), w, group, 32767)
     else:
         assert torch.equal(full, as_float32)
-    passes = [(start, start + rows) for rows in range(1, 11) for start in range(11 - rows + 1)] + [(4, 21), (0, 21)]
+    passes = [(start, start + rows) for rows in range(1, 11) for start in range(11 - rows + 1)]
+    passes += [(4, 21), (0, 21), (0, 23), (1, 25), (2, 129), (0, 130)]
     for start, end in passes:
         got = kernels.packed_linear(x[start:end], packed["q"], packed["sz"])
         assert torch.equal(got.view(torch.int32), full[start:end].view(torch.int32)), f"rows {start}:{end}"

@@ -78,9 +78,11 @@ _QUADS = 2
 #: Rows of x from which they are split into int16 in parallel.
 _SPLIT_PARALLEL = 16
 #: Rows of x from which a block's codes are converted once per group into a buffer that every four rows read
-#: (`_dot4_16`); fewer: converted as read, four rows at a time (`_direct4`). One [8192, 2048] int4 matrix (g64), 2
-#: threads, a Zen 5, buffered / as read: 16 rows 1038 / 1033 us, 64 rows 3259 / 3377 us.
-_WIDEN = 16
+#: (`_dot4_16`); fewer: converted as read, four rows at a time (`_direct4`). int16 steps: one [8192, 2048] int4
+#: matrix (g64), 2 threads, a Zen 5, buffered / as read: 16 rows 1038 / 1033 us, 64 rows 3259 / 3377 us. Quads
+#: (`_WIDEN8`, `_WIDEN4`): 1.7B-shaped matrices, a Zen 4, interleaved in one process, as read / buffered: int8
+#: (8 permutations per 256 codes) 16 rows 0.86, 24-48 1.03-1.09, 96 1.26; int4 (2) 16-96 rows 0.85-0.93, 256 1.05.
+_WIDEN, _WIDEN8, _WIDEN4 = 16, 24, 128
 
 
 @njit(forceinline=True, nogil=True)
@@ -100,6 +102,12 @@ def _close16(A, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma: no cover - c
     a0, a1, a2, a3 = _load4(A)
     a0, a1, a2, a3 = _scale16(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, step, xs, kind)
     _store4(A, a0, a1, a2, a3)
+
+
+@njit(forceinline=True, nogil=True)
+def _widens(R, kind):  # pragma: no cover - compiled
+    """Whether R rows read each group's codes from a buffer (`_WIDEN`)."""
+    return R >= (_WIDEN4 if kind == _INT4_8 else (_WIDEN8 if kind == _INT8_8 else _WIDEN))
 
 
 @njit(forceinline=True, nogil=True)
@@ -272,7 +280,7 @@ def _dot4_16(XP, step, xs, r, n, g, W, S, Z, A, kind):  # pragma: no cover - com
 
 @njit(forceinline=True, nogil=True)
 def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, kind):  # pragma: no cover - compiled
-    """A [R, 64] = block b's outputs for the rows XP (`_tiles16`), its scales into S, Z and (from `_WIDEN` rows) each
+    """A [R, 64] = block b's outputs for the rows XP (`_tiles16`), its scales into S, Z and (from `_widens` rows) each
     group's codes into W on the way."""
     R, G = A.shape[0], S.shape[0]
     gs = _per(kind) * XP.shape[1] // G
@@ -281,7 +289,7 @@ def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, kind):  # pragma: no cover 
     qb = q[b].reshape(q.shape[1] * q.shape[2])
     if R == 1:  # (decode: its own call, the loop's code stays out of it)
         _direct16(XP[0], step[0], xs[0], qb, S, Z, gs, A[0], kind)
-    elif R < _WIDEN:
+    elif not _widens(R, kind):
         half = gs // _per(kind)
         fours = R - 5 if R % 4 == 1 else R  # (one row over fours: the last five together, not a lone row)
         for g in range(G):
@@ -310,7 +318,7 @@ def _split_row(x, r, gs, XP, step, xs, kind, form):  # pragma: no cover - compil
 
 @njit(inline="always")  # (its prange must land in each parallel entry; the helpers inline in LLVM, not numba)
 def _tiles16(x, q, sz, out, kind):  # pragma: no cover - compiled
-    """`_tiles` with x in int16 steps (even groups), its rows four at a time: below `_WIDEN` rows against the codes
+    """`_tiles` with x in int16 steps (even groups), its rows four at a time: below `_widens` rows against the codes
     as they are read (`_direct4`, one group for every row, then the next), from there against each group's codes
     converted once into a buffer (`_dot4_16`). Integer sums are exact, so every path gives a row the same bits."""
     R, K = x.shape
@@ -332,7 +340,7 @@ def _tiles16(x, q, sz, out, kind):  # pragma: no cover - compiled
     for t in prange(shares):  # (one share of blocks a thread, its buffers made once)
         S, Z = np.empty((G, _BLOCK), np.float32), np.empty((G, _BLOCK), np.float32)
         A = np.empty((R, _BLOCK), np.float32)
-        W = np.empty(gs // _per(form) * _BLOCK if R >= _WIDEN else 0, np.int32)
+        W = np.empty(gs // _per(form) * _BLOCK if _widens(R, form) else 0, np.int32)
         for b in range(t * share, min(nb, t * share + share)):
             _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, form)
             for r in range(R):
