@@ -50,6 +50,8 @@ from scripts.machine import cpu_flags, load  # noqa: E402
 WORKSPACE_MIB = 64
 LLAMA = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
+#: what a row's JSON keeps of each repeat of each engine
+REPEAT_KEYS = ("decode_tok_s", "prefill_tok_s", "load_before", "memory_before")
 #: shared/peers/llama_cpp.sh beside the checkout (/work/main) or beside a worktree's parent (/work/wt/NAME)
 PEERS = Path(os.environ.get("OFFLOAD_PEERS", next((p / "shared" / "peers" / "llama_cpp.sh" for p in ROOT.parents
                                                    if (p / "shared" / "peers" / "llama_cpp.sh").is_file()),
@@ -172,14 +174,18 @@ def settle() -> None:
 
 
 def run_worker(kind: str, spec: dict, env: dict | None = None, timeout: int = 5400) -> dict:
+    """One worker in its own process, after `settle`; its JSON with the load before and after and this machine's
+    memory read rate just before (`memory_before`, a sum of 256 MiB: this host's swings 25-43 GB/s within an hour,
+    so a row's engines are compared at the rates their repeats met)."""
     settle()
-    before = load()
+    before, memory = load(), memory_bandwidth(2**28)["sum"]
     proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)],
                           capture_output=True, text=True, timeout=timeout, cwd=str(ROOT),
                           env=START_ENV | {"PYTHONPATH": str(ROOT)} | (env or {}))
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1]) | {"load_before": before, "load_after": load()}
+    return json.loads(proc.stdout.strip().splitlines()[-1]) | {"load_before": before, "load_after": load(),
+                                                               "memory_before": memory}
 
 
 # ----------------------------------------------------------------------------- models
@@ -274,8 +280,7 @@ def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) ->
                "offload": off, "offload_prefill_tok_s": best(runs["offload"], "prefill_tok_s")["prefill_tok_s"],
                "verify": runs["offload"][0].get("verify"), "plan": plan,
                "prediction_error": plan["predicted_step_ms"] / off["decode_ms"] - 1,
-               "repeats": {k: [{x: r.get(x) for x in ("decode_tok_s", "prefill_tok_s", "load_before")} for r in v]
-                           for k, v in runs.items()}}
+               "repeats": {k: [{x: r.get(x) for x in REPEAT_KEYS} for r in v] for k, v in runs.items()}}
         if runs["library"]:
             lib = best(runs["library"], "decode_tok_s")
             row["library"] = lib | {"prefill_tok_s": best(runs["library"], "prefill_tok_s")["prefill_tok_s"]}
@@ -350,6 +355,11 @@ def markdown(result: dict) -> str:
              "| verify k+1 over plain, by k | llama.cpp's pass of k+1 over its step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [fmt_row(r) for r in result["rows"]]
+    met = [x["memory_before"] for r in result["rows"] for v in r["repeats"].values() for x in v
+           if x.get("memory_before")]
+    if met:
+        lines += ["", f"Memory read rate just before each engine's run (a sum of 256 MiB): {min(met) / 1e9:.1f}-"
+                      f"{max(met) / 1e9:.1f} GB/s; each repeat's is in the JSON (`repeats`)."]
     return "\n".join(lines) + "\n"
 
 
