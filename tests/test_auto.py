@@ -17,8 +17,9 @@ import yaml
 
 from offload.cli import auto
 from offload.cli.main import main
+from offload.fields import parse_size
 from offload.model import kernels
-from offload.plan import machine
+from offload.plan import machine, memory
 from offload.plan.calibrate import PACKED, Calibration, kernels_id
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Sampling
@@ -244,9 +245,6 @@ def test_run_70b_script_shows_its_usage():
 def test_a_machine_too_small_for_the_smallest_plan_is_told_before_anything_is_converted(setup, monkeypatch, capsys):
     """A first start on a machine whose free RAM cannot hold even the smallest plan (a 300 MiB container) is refused
     before the conversion and the calibration (minutes on a large model), naming the RAM that would do."""
-    from offload.fields import parse_size
-    from offload.plan import memory
-
     model, disk, calls = setup
     monkeypatch.setattr(memory, "ram_available", lambda: 256 * 2**10)
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n"))

@@ -3,6 +3,7 @@ not only the machine's free memory, or a run planned for 20 GiB would be killed 
 
 from pathlib import Path
 
+from offload.config import CpuTierConfig, GpuTierConfig, TiersConfig
 from offload.plan import memory
 
 
@@ -49,8 +50,6 @@ def test_cpu_device_auto_tiers_share_one_ram(monkeypatch):
     """On a CPU device the gpu and cpu tiers are one RAM: `auto` gets what the other tier leaves, never the whole
     of it twice (a plan from that would be refused, or killed by a container's limit)."""
     import torch
-
-    from offload.config import CpuTierConfig, GpuTierConfig, TiersConfig
 
     monkeypatch.setattr(memory, "ram_available", lambda: 1000 << 20)
     cpu = torch.device("cpu")

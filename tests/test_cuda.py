@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload.model.functional import attend_group
 from offload.runtime.executor import ForwardBatch
 from offload.runtime.runner import Runner
 from schedulers.plan import Capacities, Plan
@@ -163,8 +164,6 @@ def test_cuda_kv_beyond_the_device_gives_the_device_tokens(model_factory, tmp_pa
 def test_cuda_attention_is_the_fused_kernel_exact_and_linear_in_context():
     """A 512-token chunk over 32k keys, 32 heads: float32 scores alone would be 2 GiB; the fused kernel returns
     the same attention and log-sum-exp (checked against the float32 CPU kernel on a small case)."""
-    from offload.model.functional import attend_group
-
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(*s, generator=g) for s in ((2, 7, 8, 64), (2, 50, 2, 64), (2, 50, 2, 64)))
     mask = torch.rand(2, 7, 50, generator=g) > 0.3

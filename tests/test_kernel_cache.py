@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from offload.model import kernels
+from offload.model import fused, kernels
 
 pytestmark = pytest.mark.skipif(kernels.numba is None, reason="needs numba")
 
@@ -18,7 +18,6 @@ def _stamp(func, path):
 def test_a_cached_layer_is_stamped_with_the_packed_kernels_it_compiles_in():
     """The fused layer's cache holds the int8 kernel compiled into it: its stamp must change when cpu_packed.py does,
     although the layer lives in fused.py (a `git pull` touching one file must not leave the old kernel running)."""
-    from offload.model import fused
     here = os.path.dirname(kernels.__file__)
     digest = hashlib.sha256()
     for name in kernels._SOURCES:

@@ -9,6 +9,7 @@ from offload.errors import ConfigError
 from offload.kv.blocks import KVSettings
 from offload.kv.cache import PagedKVCache
 from offload.kv.formats import dequantize_int8, quantize_int8
+from offload.model import functional as M
 from offload.model.config import ModelConfig
 from offload.model.functional import attend_group
 from offload.runtime.engine import Engine
@@ -17,6 +18,8 @@ from offload.runtime.requests import Request
 from offload.runtime.runner import Runner
 from offload.runtime.sampling import Sampling
 from schedulers.eviction import Candidate, Idle, make_policy
+from storage.block_pool import Admission
+from storage.errors import StoreError
 from storage.slots import DiskSlots, MemorySlots
 from tests.conftest import run_config
 
@@ -211,8 +214,6 @@ def test_int8_kv_error_and_bytes(model_factory, tmp_path):
 def int8_attention_error(model) -> float:
     """Worst relative error, over the layers, of attention with int8 K/V against float K/V: the model's own
     queries over the model's own keys and values for an 80-token prompt (float32)."""
-    from offload.model import functional as M
-
     queries = {}
     original = M.attention
 
@@ -282,7 +283,6 @@ def test_four_samples_of_a_512_token_prompt_share_its_blocks(small):
 def test_admission_answers_ok_later_never(small):
     with Runner.from_config(run_config(small, kv_cache={"gpu_blocks": 12}, activations={"prefill_chunk": 16})) as r:
         cache = r.ensure_kv(12)
-        from storage.block_pool import Admission
         assert cache.admit(100) is Admission.OK
         sid = cache.add_sequence(reserve_tokens=150)  # 10 of the 12 blocks reserved
         assert cache.admit(100) is Admission.LATER
@@ -306,7 +306,6 @@ def test_disk_slots_round_trip_and_read_planes_in_runs(tmp_path, monkeypatch):
     assert writes == []
     assert torch.equal(disk.read(7), mem.read(7))
     assert torch.equal(disk.read_plane(2, [7, 1, 2, 3]), mem.read_plane(2, [7, 1, 2, 3]))
-    from storage.errors import StoreError
     with pytest.raises(StoreError, match="read before it was written"):
         disk.read_plane(0, [5])
     meta = zarr.open_array(str(tmp_path / "kv"), mode="r")

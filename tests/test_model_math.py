@@ -7,6 +7,8 @@ import torch
 
 from offload.model import cpu_attention, cpu_elementwise, kernels
 from offload.model.functional import attend_group, merge_attention, sdpa_with_lse
+from offload.model.simd import vload, vstore
+from offload.model.simd_math import vexp
 
 
 def reference_attention(q, k, v, mask, scale):
@@ -100,9 +102,6 @@ def test_cpu_attention_kernel_is_the_exact_attention_and_a_querys_bits_do_not_de
 def test_vector_exp_is_within_an_ulp_and_keeps_its_edges():
     import numpy as np
     from numba import njit
-
-    from offload.model.simd import vload, vstore
-    from offload.model.simd_math import vexp
 
     @njit
     def exp16(x, out):

@@ -15,6 +15,7 @@ from offload.config import OffloadConfig
 from offload.errors import CheckpointError
 from offload.model import moe
 from offload.model.checkpoint import Checkpoint
+from offload.model.config import ModelConfig
 from offload.plan.planner import Planner, resolve_capacities
 from offload.runtime.runner import Runner
 from offload.weights.convert import convert
@@ -273,7 +274,6 @@ def test_routing_config_that_cannot_be_is_refused(model_factory, tmp_path):
 def test_config_reads_each_family_routing():
     base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4, "vocab_size": 100,
             "intermediate_size": 128}
-    from offload.model.config import ModelConfig
     mix = ModelConfig.from_dict(base | {"model_type": "mixtral", "num_local_experts": 8, "sliding_window": 16})
     assert (mix.num_experts, mix.experts_per_token, mix.moe_intermediate_size, mix.norm_topk_prob) == (8, 2, 128, True)
     assert mix.sliding_windows == (16,) * 4 and mix.moe_layers == (True,) * 4

@@ -19,6 +19,7 @@ from schedulers.prefetch import Prefetcher
 from schedulers.timeline import Span, Timeline
 from schedulers.transfer import ThreadEngine
 from storage.disk import DiskTier
+from storage.errors import StoreError
 from storage.tiers import DeviceTier, HostTier
 
 SIZES = {"g0": 40_000, "g1": 65_536, "g2": 12_288, "g3": 65_536, "g4": 30_000, "g5": 50_000}
@@ -219,7 +220,6 @@ def test_a_failed_read_reaches_compute_as_the_error(world, tmp_path):
         for name in ("g0", "g1", "g2"):
             pf.acquire(name)
             pf.release(name)
-        from storage.errors import StoreError
         with pytest.raises(StoreError, match="checksum mismatch"):
             pf.acquire("g3")
     finally:

@@ -12,6 +12,7 @@ import torch
 
 from offload.cli.main import main
 from offload.config import OffloadConfig
+from offload.errors import ConfigError
 from offload.model import fused
 from offload.model.checkpoint import Checkpoint
 from offload.plan import calibrate, machine, probe
@@ -235,7 +236,6 @@ def test_a_calibration_keeps_the_faster_of_two_timings_of_its_dense_layers():
 def test_calibration_defaults_and_bad_files(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "empty"))
     assert load_calibration().source == "defaults"
-    from offload.errors import ConfigError
     with pytest.raises(ConfigError, match="does not exist; run `offload calibrate"):
         load_calibration(tmp_path / "nope.json")
     (tmp_path / "bad.json").write_text("{}")

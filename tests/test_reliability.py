@@ -27,12 +27,14 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from offload.cli.main import main
 from offload.config import ConfigError, OffloadConfig
 from offload.errors import CheckpointError, StoreError
 from offload.model.checkpoint import Checkpoint, read_safetensors_header
 from offload.model.config import ModelConfig
 from offload.runtime.runner import Runner
-from offload.weights.convert import convert
+from offload.weights.convert import convert, open_store
+from schedulers.timeline import Timeline
 from scripts.exit_check import FIVE_LINES, five_line_config
 from storage.disk import DiskTier
 from storage.lock import SCRATCH_LOCK, FileLock
@@ -210,8 +212,6 @@ def test_a_waiting_process_names_the_converter_then_uses_its_store(tmp_path, tin
 def test_an_open_store_says_whether_this_process_converted_it(tmp_path, tiny_llama):
     """`chat --auto` says "converted" only where it converted: a process that waited for another's conversion
     (or found the store complete) reused it."""
-    from offload.weights.convert import open_store
-
     ckpt, store = Checkpoint(tiny_llama), tmp_path / "store"
     store.mkdir()
     holder = FileLock(store / LOCK)  # another "process" (an open file of its own) converts
@@ -263,8 +263,6 @@ def test_kv_slot_files_are_per_process_and_the_dead_ones_are_swept(tmp_path, tin
 
 # ----------------------------------------------------------------------------- bounded memory
 def test_the_timeline_keeps_a_bounded_window():
-    from schedulers.timeline import Timeline
-
     tl = Timeline(keep_steps=10)
     for _ in range(1000):
         tl.add("compute", "layer.0", tl.now(), tl.now())
@@ -554,8 +552,6 @@ def test_a_disk_filling_up_during_a_kv_spill_is_an_error_and_the_next_call_is_ex
 
 
 def test_a_disk_full_while_writing_the_trace_leaves_no_half_file(tmp_path, tiny_llama, monkeypatch, capsys):
-    from offload.cli.main import main
-
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(streamed(tiny_llama, tmp_path / "s")))
     tokens(streamed(tiny_llama, tmp_path / "s"), n=1)  # the store is converted before the disk fills up

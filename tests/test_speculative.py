@@ -16,9 +16,11 @@ import torch
 from offload.cli.main import main
 from offload.errors import ConfigError
 from offload.kv.cache import PagedKVCache
+from offload.model import functional as M
 from offload.model import fused
 from offload.model.checkpoint import Checkpoint
 from offload.plan.speculative import choose_tokens, expected_tokens
+from offload.runtime.engine import Engine, Request, Sampling
 from offload.runtime.executor import ForwardBatch
 from offload.runtime.runner import Runner
 from offload.runtime.speculative import Speculator
@@ -450,9 +452,6 @@ def test_a_prompt_chunk_riding_in_a_verify_pass_is_one_product_and_changes_no_to
     """A request joins while others speculate: its prompt chunk shares their verify pass. The chunk is
     multiplied as one product and attended in one call (not one per token: 64 tokens would be 64 products
     per matrix), and every request still gets the tokens it gets alone without a draft."""
-    import offload.model.functional as M
-    from offload.runtime.engine import Engine, Request, Sampling
-
     assert [len(g) for g in M.column_groups([5, 64, 3], lanes=[0, -1, 0])] == [2, 2, 2, 1, 1, 64]
     prompts = [[1, 17, 99, 23, 5, 61, 7, 300, 41], [1, *range(40, 100)]]
     with Runner.from_config(run_config(tiny_llama, kv_cache={"gpu_blocks": 64})) as r:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import storage.store as st
 from offload.errors import CapacityError, StoreError
 from offload.model.checkpoint import Checkpoint
 from offload.runtime.runner import Runner
@@ -102,8 +103,6 @@ def test_an_interrupted_conversion_resumes_after_its_last_whole_group(tmp_path, 
     """Ctrl-C (or a kill) half way through converting a 140 GB model must not cost the half already written:
     the next conversion of the same checkpoint, dtype and format writes only the groups still missing, and
     rewrites a journaled group whose bytes were damaged since; another dtype starts again from scratch."""
-    import storage.store as st
-
     ckpt, store = Checkpoint(tiny_llama), tmp_path / "store"
     groups = list(model_layouts(ckpt.config, torch.float32))
     written: list[str] = []

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from storage import io as sio
+from storage.arena import aligned_empty
 from storage.disk import DiskTier
 from storage.errors import CapacityError, StoreError
 from storage.tiers import DeviceTier, HostTier, Tier
@@ -199,9 +201,6 @@ class TestDiskTier(TierTests):
 def test_direct_reads_land_in_aligned_slots_without_touching_the_page_cache(tmp_path, monkeypatch):
     """O_DIRECT: page-aligned destinations are read by the disk itself (nothing to drop from the page cache);
     an unaligned destination (a row of the embeddings) still reads through the page cache."""
-    from storage import io as sio
-    from storage.arena import aligned_empty
-
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, 256, (3 * 4096 * 5,), dtype=torch.uint8, generator=g)
     writer = DiskTier(tmp_path / "d")
