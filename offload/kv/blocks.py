@@ -16,6 +16,7 @@ Bookkeeping only: nothing here moves a block or touches its bytes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -165,9 +166,22 @@ def step_tables(tables: list[list[int]], kv_lens: list[int], bs: int,
     ids = np.full((len(tables), cols), -1, np.int64)
     for b, t in enumerate(tables):
         ids[b, :len(t)] = t
-    keys = np.arange(cols * bs)
-    valid = keys[None, :] < np.asarray(kv_lens, np.int64)[:, None]
-    return torch.from_numpy(keys).expand(len(tables), -1), torch.from_numpy(valid), torch.from_numpy(ids)
+    valid = np.arange(cols * bs)[None, :] < np.asarray(kv_lens, np.int64)[:, None]
+    return _key_positions(len(tables), cols * bs), torch.from_numpy(valid), torch.from_numpy(ids)
+
+
+@functools.lru_cache(maxsize=8)  # (B * n longs each: the shapes in use now)
+def _key_positions(B: int, n: int) -> torch.Tensor:
+    """[B, n] long: 0 .. n - 1 in every row, contiguous, read only (shared by the steps of B sequences over n key slots:
+    a decode step makes a new one only when a sequence takes a new block)."""
+    return torch.arange(n).expand(B, -1).contiguous()
+
+
+@functools.lru_cache(maxsize=16)
+def _block_rows(lens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch row, index in its table) [n] of each block of tables of these lengths, read only (`one_tier`)."""
+    return (torch.from_numpy(np.repeat(np.arange(len(lens)), lens)),
+            torch.from_numpy(np.concatenate([np.arange(n) for n in lens])))
 
 
 def new_slots(slots: list[list[int]], starts: list[int], q_lens: list[int], bs: int,
@@ -186,9 +200,8 @@ def new_slots(slots: list[list[int]], starts: list[int], q_lens: list[int], bs: 
 def one_tier(tier: str, tables: list[list[int]], slots: list[list[int]], positions: torch.Tensor,
              valid: torch.Tensor, dev: torch.device) -> TierBlocks:
     """`tier_blocks` where `tier` holds every block of the step's tables (slots: theirs in it, in table order)."""
-    lens = list(map(len, tables))
-    seq = on(torch.from_numpy(np.repeat(np.arange(len(tables)), lens)), dev)
-    block = on(torch.from_numpy(np.concatenate([np.arange(n) for n in lens])), dev)
+    lens = tuple(map(len, tables))
+    seq, block = (on(t, dev) for t in _block_rows(lens))
     flat = [s for row in slots for s in row]
     index = on(torch.from_numpy(np.array(flat, np.int64)), dev) if tier == "gpu" else None
     return TierBlocks(tier, flat, [i for row in tables for i in row], seq, block, block, max(lens),

@@ -58,9 +58,12 @@ class LayerKV:
     def _step_mask(self, window: int | None) -> torch.Tensor:
         """The mask over the step's token-order key layout, built once a step for each window and shared by every
         layer with it."""
-        step = self.step
+        step, layout = self.step, self.layout
         if (mask := step.masks.get(window)) is None:
-            mask = step.masks[window] = self.layout.mask(step.positions, step.valid, window).to(self.cache.device)
+            # a decode step's query is its sequence's last token: a key before it is one that is valid (4 ops fewer)
+            mask = step.valid[:, None, :] if window is None and max(layout.q_lens) == 1 else \
+                layout.mask(step.positions, step.valid, window)
+            mask = step.masks[window] = mask.to(self.cache.device)
         return mask
 
     @property

@@ -109,6 +109,7 @@ class HeadWeights:
 
 
 # ----------------------------------------------------------------------------- batch layout
+_ROWS: dict = {}  # (B, device) -> a decode step's pad_index, unpad_index: the same each step, made once
 @dataclass(frozen=True)
 class BatchLayout:
     """How the flat token rows of one step map onto sequences; built once per step, shared by all layers.
@@ -130,17 +131,18 @@ class BatchLayout:
     @classmethod
     def build(cls, q_lens: list[int], kv_lens: list[int], device: torch.device | str) -> BatchLayout:
         B, Tq = len(q_lens), max(q_lens)  # (numpy: a decode step's few rows at ~1 us an op, not torch's ~5-20)
-        if min(q_lens) == Tq == 1:  # a decode step: a row a sequence, at its last position
-            last = np.asarray(kv_lens, np.int64) - 1
-            arrays = [last, np.arange(B).reshape(B, 1), np.arange(B), last.reshape(B, 1).copy()]
-        else:
-            pad, q_pos, unpad, start = np.zeros((B, Tq), np.int64), np.full((B, Tq), -1, np.int64), [], 0
-            for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
-                pad[b, :ql] = np.arange(start, start + ql)
-                q_pos[b, :ql] = np.arange(kl - ql, kl)
-                unpad.append(np.arange(b * Tq, b * Tq + ql))
-                start += ql
-            arrays = [np.concatenate([row[:ql] for row, ql in zip(q_pos, q_lens)]), pad, np.concatenate(unpad), q_pos]
+        if min(q_lens) == Tq == 1:  # a decode step: a row a sequence at its last position (q_pos: a view of it)
+            last, key = on(torch.from_numpy(np.asarray(kv_lens, np.int64) - 1), device), (B, str(device))
+            rows = _ROWS.get(key) or _ROWS.setdefault(key, (on(torch.arange(B).view(B, 1), device),
+                                                            on(torch.arange(B), device)))
+            return cls(list(q_lens), list(kv_lens), last, *rows, last.view(B, 1))
+        pad, q_pos, unpad, start = np.zeros((B, Tq), np.int64), np.full((B, Tq), -1, np.int64), [], 0
+        for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+            pad[b, :ql] = np.arange(start, start + ql)
+            q_pos[b, :ql] = np.arange(kl - ql, kl)
+            unpad.append(np.arange(b * Tq, b * Tq + ql))
+            start += ql
+        arrays = [np.concatenate([row[:ql] for row, ql in zip(q_pos, q_lens)]), pad, np.concatenate(unpad), q_pos]
         return cls(list(q_lens), list(kv_lens), *(on(torch.from_numpy(a), device) for a in arrays))
 
     @property
@@ -149,8 +151,7 @@ class BatchLayout:
 
     def last_token_rows(self) -> torch.Tensor:
         """Flat row of each sequence's last new token."""
-        ends = torch.tensor(self.q_lens).cumsum(0) - 1
-        return ends.to(self.positions.device)
+        return (torch.tensor(self.q_lens).cumsum(0) - 1).to(self.positions.device)
 
     def column_keys(self, block: int) -> list[int]:
         """Key slots a decode step gathers for the j-th new token of every sequence (keys in token order,

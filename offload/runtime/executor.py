@@ -255,7 +255,8 @@ class Executor:
         ids = torch.tensor([t for seq in batch.tokens for t in seq], dtype=torch.long)
         rope_table = self.rope if self.kv_settings.restore == "recompute" else None
         cold = any(g.tier != "gpu" for g in step.groups)
-        return LayerPass(batch, ids, layout, step, self.rope(layout.positions), rope_table, cold)
+        return LayerPass(batch, ids, layout, step, self.rope(layout.positions, max(layout.kv_lens, default=0)),
+                         rope_table, cold)
 
     def layer(self, i: int, x: torch.Tensor, p: LayerPass) -> torch.Tensor:
         """Decoder layer i on x [N, H] -> [N, H], its group acquired for the computation and released after."""
