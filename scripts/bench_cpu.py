@@ -237,13 +237,16 @@ def ensure_store(model: Path, store: Path, quant: str) -> None:
         convert(ckpt, store, torch.bfloat16, force=True, fmt=fmt).close()
 
 
-def layer_bytes(model: Path, quant: str) -> int:
+def layer_bytes(model: Path, quant: str) -> tuple[int, int]:
+    """(the model's bytes in this format, the bytes a decode step reads: all but a packed format's embedding table,
+    of which a step looks up one row a token; a dense tied model's head is its embedding, read whole)."""
     import torch
 
     from offload.model.checkpoint import Checkpoint
     from offload.weights.groups import WeightFormat, model_layouts
 
-    return sum(g.nbytes for g in model_layouts(Checkpoint(model).config, torch.bfloat16, WeightFormat(quant)).values())
+    groups = model_layouts(Checkpoint(model).config, torch.bfloat16, WeightFormat(quant))
+    return sum(g.nbytes for g in groups.values()), sum(g.nbytes for name, g in groups.items() if name != "embed")
 
 
 # ----------------------------------------------------------------------------- orchestration
@@ -275,8 +278,9 @@ def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) ->
         cfg_path = cache / f"plan-{name}-{fmt}.yaml"
         cfg_path.write_text(json.dumps(config))
         plan = run_worker("plan", {"config_path": str(cfg_path), "context": args.prompt + args.new // 2})
+        size, read = layer_bytes(model, QUANT[fmt])
         row = {"model": name, "format": fmt, "llama_format": LLAMA[fmt].upper(),
-               "bytes": layer_bytes(model, QUANT[fmt]),
+               "bytes": size, "read_bytes": read,
                "offload": off, "offload_prefill_tok_s": best(runs["offload"], "prefill_tok_s")["prefill_tok_s"],
                "verify": runs["offload"][0].get("verify"), "plan": plan,
                "prediction_error": plan["predicted_step_ms"] / off["decode_ms"] - 1,
@@ -324,7 +328,8 @@ def fmt_row(r: dict) -> str:
         return f"{a / b:.2f}" if b else "-"
 
     cells = [r["model"], f"{r['format']} / {r['llama_format']}", num(r["bytes"] / 2**20, ".0f"),
-             num(o["decode_tok_s"]), num(r["bytes"] / o["decode_ms"] / 1e6), num(ll and ll["decode_tok_s"]),
+             num(o["decode_tok_s"]), num(r.get("read_bytes", r["bytes"]) / o["decode_ms"] / 1e6),
+             num(ll and ll["decode_tok_s"]),
              ratio(o["decode_tok_s"], ll and ll["decode_tok_s"]),
              num(r["offload_prefill_tok_s"]), num(ll and ll["prefill_tok_s"]),
              ratio(r["offload_prefill_tok_s"], ll and ll["prefill_tok_s"]),
@@ -348,7 +353,7 @@ def markdown(result: dict) -> str:
              "machine; each repeat's load is in the JSON). Decode: batch 1, all resident, a "
              f"{result['prompt']}-token prompt, {result['new']} new tokens; prefill: the {result['prompt']}-token "
              "prompt.", "",
-             "| model | Offload / llama.cpp format | MiB | Offload decode tok/s | weights GB/s "
+             "| model | Offload / llama.cpp format | MiB | Offload decode tok/s | weights read GB/s "
              "| llama.cpp decode tok/s | ratio "
              "| Offload prefill tok/s | llama.cpp prefill tok/s | ratio | library-kernels decode tok/s "
              "| library prefill tok/s | same tokens | plan predicted / measured ms (error) | streamed decode tok/s "
@@ -390,15 +395,16 @@ def main(argv: list[str] | None = None) -> int:
         args.verify, args.new, args.prompt = [1, 2], 4, 16
     import torch
 
-    from offload.plan.calibrate import PACKED, calibrate, why_measure
+    from offload.plan.calibrate import PACKED, calibrate
     from offload.runtime.overhead import engine_overhead_s
 
     cache = args.cache.resolve()
     cache.mkdir(parents=True, exist_ok=True)
     models = ensure_models(args.models, cache, args.quick)
+    # measured at the start of every run, never one of an earlier run: the plan rows compare a prediction with runs
+    # of this hour (a calibration 90 minutes old put the plan at +6..+37% where one of the run's own said -18..+1%)
     calibration = cache / "calibration.json"
-    if why_measure(calibration, PACKED)[0] or args.quick:  # (the plan rows predict every packed format)
-        calibrate(torch.device("cpu"), torch.bfloat16, cache, engine=engine_overhead_s).save(calibration)
+    calibrate(torch.device("cpu"), torch.bfloat16, cache, engine=engine_overhead_s, packed=PACKED).save(calibration)
     machine = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                "cpu_flags": cpu_flags(), "load_before": load(), "torch": torch.__version__,
                "numba": _numba_version(), "python": sys.version.split()[0], "memory": memory_bandwidth(),
