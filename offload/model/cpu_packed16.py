@@ -9,12 +9,12 @@ scales apply in float32:
 
 An integer sum has no order, so a row's bits depend on nothing but the row, and the choice between this and float32
 products is made by the activations' dtype, never by the batch. Past a few rows float32 products are bound by
-multiply-adds, not bytes, so this is what makes prefill and a verify pass cheap. A step is 2^-15 of the group's
-largest |x|: bf16's 8 significant bits are kept wherever an entry is within 2^7 of that largest, a smaller entry is
-off by at most 2^-16 of it. On the trained SmolLM2-135M in bf16 (12 prompts, against transformers in float32 on the
-same dequantized weights) the mean |logit difference| goes 0.21 -> 0.26 (int4) and 0.28 -> 0.30 (int8); the same
-split in a float32 run would move the logits 1e-2 where float32 products stay within 1e-4, so float32 (and fp16)
-activations keep float32 products.
+multiply-adds, not bytes, so this is what makes prefill and a verify pass cheap. A step is 2^-15 of the group's largest
+|x|: bf16's 8 significant bits are kept wherever an entry is within 2^7 of that largest, a smaller entry is off by at
+most 2^-16 of it. On the trained SmolLM2-135M in bf16 (12 prompts, against transformers in float32 on the same
+dequantized weights) the mean |logit difference| goes 0.21 -> 0.26 (int4) and 0.28 -> 0.30 (int8); the same split in a
+float32 run would move the logits 1e-2 where float32 products stay within 1e-4, so float32 (and fp16) activations keep
+float32 products.
 
 Against int4 codes x is split into int8 steps by default (`kernels.use_activations`; llama.cpp's Q4_0 takes
 its activations in 8 bits too): four columns a lane, AVX-512 VNNI's vpdpbusd (`simd_int.vdot8`, 64 multiply-adds an
@@ -37,18 +37,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from offload.model.cpu_packed import (
-    _AHEAD,
-    _BLOCK,
-    _int4,
-    _int8,
-    _load4,
-    _scale,
-    _scales,
-    _split,
-    _store4,
-)
-from offload.model.simd import LANES, parts, prefetch, vfma, vsplat, vzero
+from offload.model.cpu_packed import _AHEAD, _BLOCK, _int4, _int8, _load4, _scale, _scales, _split, _store4
+from offload.model.simd import LANES, parts, prefetch, prefetch_l2, vfma, vsplat, vzero
 from offload.model.simd_int import (
     vcodes4,
     vcodes8,
@@ -83,6 +73,10 @@ _SPLIT_PARALLEL = 16
 #: (`_WIDEN8`, `_WIDEN4`): 1.7B-shaped matrices, a Zen 4, interleaved in one process, as read / buffered: int8
 #: (8 permutations per 256 codes) 16 rows 0.86, 24-48 1.03-1.09, 96 1.26; int4 (2) 16-96 rows 0.85-0.93, 256 1.05.
 _WIDEN, _WIDEN8, _WIDEN4 = 16, 24, 128
+#: Bytes ahead int4 pairs also ask for into L2 (`_pair_prefetch`: more in flight than L1's misses allow). One row, 170
+#: MB of 1.7B int4 matrices, Zen 4, interleaved: 2 threads 26.8 / 32.6 / 31.6 -> 29.0 / 34.7 / 33.1 GB/s, 1 thread
+#: 17.7 / 18.7 / 19.0 -> 20.7 / 21.4 / 21.8 (8-32 KB alike); int8 pairs (at memory's rate) lost 6-10%: not there.
+_AHEAD_L2 = 16384
 
 
 @njit(forceinline=True, nogil=True)
@@ -149,9 +143,8 @@ def _dots(t, u, v, s, c, xv, yv, zv, wv, kind):  # pragma: no cover - compiled
 @njit(forceinline=True, nogil=True)
 def _pair_prefetch(qb, p, ahead, kind):  # pragma: no cover - compiled
     """Ask for the codes `ahead` bytes past lane unit p's (int8 quads: four cache lines, int8 pairs and int4 quads:
-    two, int4 pairs: one). (Also asking int4's codes 4x as far ahead helped a Zen 5 (one [2048, 8192] matrix from
-    DRAM, 350-370 -> 250-270 us) but costs a Zen 4 12% (216 MB of 1.7B-shaped matrices, 2 threads, interleaved:
-    10.5 -> 9.3 ms without it, 15 of 15 faster; 16 KB ahead alone: 5%).)"""
+    two, int4 pairs: one, and into L2 `_AHEAD_L2` past). (A second ask of int4's 4x as far into L1 helped a Zen 5
+    ([2048, 8192] from DRAM 350-370 -> 250-270 us) but cost a Zen 4 12% (216 MB, 2 threads: 10.5 -> 9.3 ms without).)"""
     if kind == _INT8_8:
         for e in range(0, 256, 64):
             prefetch(qb, 256 * p + ahead + e)
@@ -160,6 +153,7 @@ def _pair_prefetch(qb, p, ahead, kind):  # pragma: no cover - compiled
         prefetch(qb, 128 * p + ahead + 64)
     else:
         prefetch(qb, 64 * p + ahead)
+        prefetch_l2(qb, 64 * p + _AHEAD_L2)
 
 
 @njit(forceinline=True, nogil=True)
