@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         args.verify, args.new, args.prompt = [1, 2], 4, 16
     import torch
 
-    from offload.plan.calibrate import PACKED, calibrate
+    from offload.plan.calibrate import calibrate
     from offload.runtime.overhead import engine_overhead_s
 
     cache = args.cache.resolve()
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     # measured at the start of every run, never one of an earlier run: the plan rows compare a prediction with runs
     # of this hour (a calibration 90 minutes old put the plan at +6..+37% where one of the run's own said -18..+1%)
     calibration = cache / "calibration.json"
-    calibrate(torch.device("cpu"), torch.bfloat16, cache, engine=engine_overhead_s, packed=PACKED).save(calibration)
+    calibrate(torch.device("cpu"), torch.bfloat16, cache, engine=engine_overhead_s).save(calibration)  # (all packed)
     machine = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                "cpu_flags": cpu_flags(), "load_before": load(), "torch": torch.__version__,
                "numba": _numba_version(), "python": sys.version.split()[0], "memory": memory_bandwidth(),
