@@ -47,7 +47,7 @@ from offload.kv.prefix import PrefixBlocks, PrefixCache
 from offload.kv.view import LayerKV
 from offload.model import functional as M
 from offload.model.config import ModelConfig
-from offload.model.functional import BatchLayout
+from offload.model.layout import BatchLayout
 from schedulers.eviction import Candidate, make_policy
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic

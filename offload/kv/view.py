@@ -16,7 +16,7 @@ from offload.kv.blocks import StepKV, TierBlocks
 from offload.kv.fetch import receive
 from offload.kv.formats import cold_kv
 from offload.model import functional as M
-from offload.model.functional import BatchLayout
+from offload.model.layout import BatchLayout
 
 
 class LayerKV:

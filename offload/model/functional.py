@@ -13,15 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from offload.model import cpu_attention, cpu_elementwise, fused, kernels, moe
 from offload.model.config import ModelConfig
+from offload.model.layout import BatchLayout, column_groups  # noqa: F401 (the model math's names)
 from offload.model.rope import Rope, apply_rope, rope_inv_freq  # noqa: F401 (the model math's names)
 from offload.model.sdpa import sdpa_with_lse
-from storage.tiers import on
 
 
 # ----------------------------------------------------------------------------- weights
@@ -59,22 +58,6 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
     return y.float() if float32 else y
 
 
-def column_groups(lens: list[int], device: torch.device | str = "cpu",
-                  lanes: list[int] | None = None) -> list[torch.Tensor]:
-    """Flat rows of sequences with `lens` rows each, grouped by column: group j holds row j of every
-    sequence that has one (the j-th new token of each chain). With `lanes` (tree mode: the branch each
-    sequence verifies), a group is a column of one lane: one row per output, as a plain step has; lane -1
-    (a prompt chunk in the same pass) is one group whatever its length."""
-    starts = torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()
-    lanes = lanes or [0] * len(lens)
-    groups = [torch.tensor([s + j for s, n, b in zip(starts, lens, lanes) if n > j and b == lane], device=device)
-              for lane in sorted(set(lanes) - {-1}) for j in range(max(n for n, b in zip(lens, lanes) if b == lane))]
-    if -1 in lanes:  # prompt chunks riding in the pass: one product (their bits are not a decode step's anyway)
-        groups.append(torch.tensor([s + j for s, n, b in zip(starts, lens, lanes) if b == -1 for j in range(n)],
-                                   device=device))
-    return groups
-
-
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
@@ -106,71 +89,6 @@ class HeadWeights:
     @classmethod
     def from_views(cls, v: dict[str, torch.Tensor]) -> HeadWeights:
         return cls(v["norm"], v["lm_head"])
-
-
-# ----------------------------------------------------------------------------- batch layout
-_ROWS: dict = {}  # (B, device) -> a decode step's pad_index, unpad_index: the same each step, made once
-@dataclass(frozen=True)
-class BatchLayout:
-    """How the flat token rows of one step map onto sequences; built once per step, shared by all layers.
-
-    Sequence b contributes `q_lens[b]` new tokens (rows `q_starts[b]:q_starts[b]+q_lens[b]`)
-    and, after this step, has `kv_lens[b]` tokens of context; its new tokens sit at
-    positions `kv_lens[b] - q_lens[b] ...`.
-    """
-
-    q_lens: list[int]
-    kv_lens: list[int]
-    positions: torch.Tensor  # [N] long, absolute position of each flat token
-    pad_index: torch.Tensor  # [B, Tq] long, flat row of each padded query slot (0 for padding)
-    unpad_index: torch.Tensor  # [N] long, index of each flat token into the flattened [B * Tq] padded queries
-    q_pos: torch.Tensor  # [B, Tq] long, position of each padded query (-1 for padding)
-    row_groups: list[torch.Tensor] | None = None  # matrix products one group of rows at a time (see linear)
-    columns: int = 0  # with row_groups: query columns attended one at a time (the verified chains' longest)
-
-    @classmethod
-    def build(cls, q_lens: list[int], kv_lens: list[int], device: torch.device | str) -> BatchLayout:
-        B, Tq = len(q_lens), max(q_lens)  # (numpy: a decode step's few rows at ~1 us an op, not torch's ~5-20)
-        if min(q_lens) == Tq == 1:  # a decode step: a row a sequence at its last position (q_pos: a view of it)
-            last, key = on(torch.from_numpy(np.asarray(kv_lens, np.int64) - 1), device), (B, str(device))
-            rows = _ROWS.get(key) or _ROWS.setdefault(key, (on(torch.arange(B).view(B, 1), device),
-                                                            on(torch.arange(B), device)))
-            return cls(list(q_lens), list(kv_lens), last, *rows, last.view(B, 1))
-        pad, q_pos, unpad, start = np.zeros((B, Tq), np.int64), np.full((B, Tq), -1, np.int64), [], 0
-        for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
-            pad[b, :ql] = np.arange(start, start + ql)
-            q_pos[b, :ql] = np.arange(kl - ql, kl)
-            unpad.append(np.arange(b * Tq, b * Tq + ql))
-            start += ql
-        arrays = [np.concatenate([row[:ql] for row, ql in zip(q_pos, q_lens)]), pad, np.concatenate(unpad), q_pos]
-        return cls(list(q_lens), list(kv_lens), *(on(torch.from_numpy(a), device) for a in arrays))
-
-    @property
-    def uniform(self) -> bool:
-        return len(set(self.q_lens)) == 1
-
-    def last_token_rows(self) -> torch.Tensor:
-        """Flat row of each sequence's last new token."""
-        return (torch.tensor(self.q_lens).cumsum(0) - 1).to(self.positions.device)
-
-    def column_keys(self, block: int) -> list[int]:
-        """Key slots a decode step gathers for the j-th new token of every sequence (keys in token order,
-        `block` to a block): up to the block holding the latest such token, for each column j."""
-        last = [max(kl - ql + j for ql, kl in zip(self.q_lens, self.kv_lens) if ql > j)
-                for j in range(min(self.columns, max(self.q_lens)))]
-        return [-(-(p + 1) // block) * block for p in last]
-
-    def mask(self, key_positions: torch.Tensor, key_valid: torch.Tensor, window: int | None) -> torch.Tensor:
-        """[B, Tq, Tk] bool: may padded query (b, i) attend to key slot (b, j)?
-
-        key_positions: [B, Tk] absolute position of each gathered key; key_valid: [B, Tk].
-        Causal, plus a sliding window (q - k < window) when the layer has one.
-        """
-        qp, kp = self.q_pos[:, :, None], key_positions[:, None, :]
-        m = key_valid[:, None, :] & (kp <= qp) & (qp >= 0)
-        if window is not None:
-            m &= (qp - kp) < window
-        return m
 
 
 class KVView(Protocol):

@@ -43,6 +43,7 @@ from offload.kv.view import LayerKV
 from offload.model import functional as M
 from offload.model import kernels
 from offload.model.checkpoint import Checkpoint
+from offload.model.layout import kept_rows
 from offload.plan.passes import pass_tokens
 from offload.plan.planner import Planner, resolve_capacities
 from offload.runtime.device import DTYPES, resolve_device, resolve_dtype  # noqa: F401 (re-exported)
@@ -282,8 +283,8 @@ class Executor:
         """x [N, H] -> logits [rows, V] float32 of the rows the batch keeps."""
         b, groups = p.batch, None
         if b.keep is not None:
-            ends = torch.tensor(p.layout.q_lens).cumsum(0).tolist()
-            x = x[torch.cat([torch.arange(e - n, e) for e, n in zip(ends, b.keep)]).to(x.device)]
+            rows = kept_rows(p.layout.q_lens, list(b.keep), x.device)
+            x = x if rows is None else x[rows]
             groups = M.column_groups(list(b.keep), x.device, list(b.lanes or ()))
         elif not b.every and any(n != 1 for n in p.layout.q_lens):  # (one row a sequence: already its last)
             x = x[p.layout.last_token_rows()]
