@@ -11,6 +11,7 @@ One chat process takes many signals, the others one each; a few run at once to k
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -293,3 +294,17 @@ def test_an_interrupt_inside_the_schedulers_locks_waits_for_their_end_and_a_bloc
         assert not setter.is_alive() and never.is_set()  # its lock was not left held
     finally:
         signals.restore(previous)
+
+
+def test_settle_heap_freezes_the_commands_own_process_only(monkeypatch):
+    """A command's own process (`program`) freezes its heap once the model is loaded; a test or an embedder calling
+    `main` keeps its collector as it was."""
+    before = gc.get_freeze_count()
+    signals.settle_heap()
+    assert gc.get_freeze_count() == before
+    monkeypatch.setitem(signals._OWN, "process", True)
+    try:
+        signals.settle_heap()
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()

@@ -29,7 +29,7 @@ from typing import TextIO
 from offload.cli import auto
 from offload.cli.prepare import check_new_tokens, convert_first, load_config, model_config, require_chat
 from offload.cli.run import add_sampling_args, check_sampling_args, cli_sampling
-from offload.cli.signals import Terminated
+from offload.cli.signals import Terminated, settle_heap
 from offload.errors import ConfigError, OffloadError
 from offload.model import hub
 from offload.runtime.conversation import Conversation
@@ -157,6 +157,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print("loading the weights into their homes ...", file=sys.stderr)
     t0 = time.perf_counter()
     with Runner(config) as runner:
+        settle_heap()
         print(f"ready in {time.perf_counter() - t0:.1f}s; type a message (/reset starts over, /exit quits)",
               file=sys.stderr)
         return chat_with(runner, args)

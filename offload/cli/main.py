@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 def program() -> NoReturn:
     """The `offload` command (console script, `python -m offload`): `main`, then out of the process at once."""
     signals.install()
+    signals.own_process()
     try:
         status = main()
     except KeyboardInterrupt as e:  # a second signal while the first one's clean-up ran

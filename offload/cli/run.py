@@ -25,6 +25,7 @@ from offload.cli.prepare import (
     parse_ids,
     require_chat,
 )
+from offload.cli.signals import settle_heap
 from offload.cli.trace import decode_summary, trace_meta, write_trace
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
@@ -274,6 +275,7 @@ def run_prompts(config: OffloadConfig, prompts: list[Prompt], args: argparse.Nam
     timeline = Timeline(enabled=not getattr(args, "no_spans", False),
                         keep_steps=None if trace else config.timeline.keep_steps)
     with Runner(config, timeline=timeline) as runner:
+        settle_heap()
         generate_and_print(runner, inputs, args)
         if trace:
             write_trace(trace, runner.timeline, trace_meta(runner, runner.last_stats))
@@ -297,6 +299,7 @@ def run_jsonl(args: argparse.Namespace) -> int:
     defaults = FileDefaults(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
     inp, outp = Path(args.input), Path(args.output)
     with Runner(config, timeline=Timeline(enabled=not args.no_spans), concurrency=args.batch) as runner:
+        settle_heap()
         try:
             report = run_file(runner, inp, outp, defaults, args.batch)
         except KeyboardInterrupt:  # the results written so far stay; a rerun resumes after them

@@ -18,6 +18,7 @@ import sys
 import uvicorn
 
 from offload.cli.prepare import convert_first, load_config
+from offload.cli.signals import settle_heap
 from offload.errors import ConfigError
 from offload.runtime.runner import Runner
 from offload.serve.api import create_app
@@ -122,6 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     try:
         fixed_pool(runner, args.kv_tokens)
+        settle_heap()
         loop = EngineLoop(runner, Limits(args.max_batch, args.max_queue, args.request_timeout))
         served = ServedModel.from_runner(runner, args.model_name, args.default_max_tokens)
         loop.start()
