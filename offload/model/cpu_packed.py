@@ -276,24 +276,28 @@ def _split(xr, gs, cmax, top, xq, step, xs):  # pragma: no cover - compiled
     the group's largest |x| / qmax, and xs[g] = step[g] * the (exact) sum of xq over g. qmax is top (32767 or 127),
     or less where a group's products with codes up to cmax could pass int32. A group with a NaN or infinity gets
     step NaN (its outputs NaN, as a float product's would be). (The largest |x| as the largest of the bits without
-    the sign, NaN and infinity above every number: integer loops, which LLVM vectorises without fast-math.)"""
+    the sign, NaN and infinity above every number: integer loops, which LLVM vectorises without fast-math. Each group
+    is walked by an unsigned index over its own slices: a signed index into the row makes numba wrap negative ones,
+    which kept LLVM from vectorising; 9 rows of 576 / 1536 columns 9.6 / 31.9 -> 3.2 / 7.7 us, the same bits.)"""
     qmax = min(top, 2147483647 // (gs * cmax))
     bits = xr.view(np.uint32)
+    n = np.uint64(gs)
     for g in range(step.shape[0]):
         k0 = g * gs
+        xg, bg, qg = xr[k0:k0 + gs], bits[k0:k0 + gs], xq[k0:k0 + gs]
         top = np.uint32(0)
-        for k in range(k0, k0 + gs):
-            top = max(top, bits[k] & np.uint32(0x7FFFFFFF))
+        for k in range(n):
+            top = max(top, bg[k] & np.uint32(0x7FFFFFFF))
         if top >= np.uint32(0x7F800000):
-            xq[k0:k0 + gs] = 0
+            qg[:] = 0
             step[g], xs[g] = np.float32(np.nan), np.float32(np.nan)
             continue
         amax = _bits_f32(top)
         inv = np.float32(qmax) / amax if amax > 0 else np.float32(0.0)
         total, lo, hi = np.int32(0), np.int32(-qmax), np.int32(qmax)
-        for k in range(k0, k0 + gs):
-            v = min(max(np.int32(np.rint(xr[k] * inv)), lo), hi)
-            xq[k] = v
+        for k in range(n):
+            v = min(max(np.int32(np.rint(xg[k] * inv)), lo), hi)
+            qg[k] = v
             total += v
         step[g] = amax / np.float32(qmax)
         xs[g] = np.float32(total) * step[g]
