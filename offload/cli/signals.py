@@ -7,7 +7,8 @@ conversion keeps what it wrote, journaled, to resume. The commands turn them int
 one line on stderr (`cli.main`). `leave` then ends the process without the interpreter's teardown: once a
 command has returned, everything it started is closed, and collecting torch's modules at exit alone takes
 seconds on a loaded machine (12 s measured here at load 19), which
-would hold up the exit that Ctrl-C asked for.
+would hold up the exit that Ctrl-C asked for. The process being the command's own also lets `settle_heap` take
+the loaded model's objects out of the cyclic collector's walks.
 """
 
 from __future__ import annotations
