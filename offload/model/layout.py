@@ -24,7 +24,8 @@ KEPT_SHAPES = 32
 @functools.lru_cache(KEPT_SHAPES)
 def _decode_rows(batch: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's pad_index [B, 1] and unpad_index [B]: one row a sequence, the same every step."""
-    return on(torch.arange(batch).view(batch, 1), torch.device(device)), on(torch.arange(batch), torch.device(device))
+    rows = on(torch.arange(batch), torch.device(device))
+    return rows.view(batch, 1), rows
 
 
 @functools.lru_cache(KEPT_SHAPES)
@@ -100,8 +101,8 @@ class BatchLayout:
         return len(set(self.q_lens)) == 1
 
     def last_token_rows(self) -> torch.Tensor:
-        """Flat row of each sequence's last new token."""
-        return (torch.tensor(self.q_lens).cumsum(0) - 1).to(self.positions.device)
+        """Flat row of each sequence's last new token (`kept_rows` of one a sequence: made once per shape)."""
+        return _kept_rows(tuple(self.q_lens), (1,) * len(self.q_lens), str(self.positions.device))
 
     def column_keys(self, block: int) -> list[int]:
         """Key slots a decode step gathers for the j-th new token of every sequence (keys in token order,
