@@ -76,7 +76,9 @@ _WIDEN, _WIDEN8, _WIDEN4 = 16, 24, 128
 #: Bytes ahead int4 pairs also ask for into L2 (`_pair_prefetch`: more in flight than L1's misses allow). One row, 170
 #: MB of 1.7B int4 matrices, Zen 4, interleaved: 2 threads 26.8 / 32.6 / 31.6 -> 29.0 / 34.7 / 33.1 GB/s, 1 thread
 #: 17.7 / 18.7 / 19.0 -> 20.7 / 21.4 / 21.8 (8-32 KB alike); int8 pairs (at memory's rate) lost 6-10%: not there.
-#: int4 quads too: 2 / 5 / 9 rows 31.5 / 26.9-28.0 / 17.1-17.4 -> 32.2 / 28.1-29.3 / 18.0-18.1 GB/s.
+#: int4 quads too: 2 / 5 / 9 rows 31.5 / 26.9-28.0 / 17.1-17.4 -> 32.2 / 28.1-29.3 / 18.0-18.1 GB/s. int8 quads too
+#: (189 MB of 1.7B-shaped matrices, 2 threads, interleaved in one process, best of 7): 5 rows 6.74 -> 5.66 ms, 9 rows
+#: 9.08 / 10.11 / 9.79 -> 7.96 / 9.55 / 8.28, 16 rows 15.3 -> 13.6, 32 rows 28.7 -> 21.8 (one row, as pairs, unchanged).
 _AHEAD_L2 = 16384
 
 
@@ -144,12 +146,13 @@ def _dots(t, u, v, s, c, xv, yv, zv, wv, kind):  # pragma: no cover - compiled
 @njit(forceinline=True, nogil=True)
 def _pair_prefetch(qb, p, ahead, kind):  # pragma: no cover - compiled
     """Ask for the codes `ahead` bytes past lane unit p's (int8 quads: four cache lines, int8 pairs and int4 quads:
-    two, int4 pairs: one; int4's also into L2 `_AHEAD_L2` past). (A second ask of int4's 4x as far into L1 helped a
-    Zen 5 ([2048, 8192] from DRAM 350-370 -> 250-270 us) but cost a Zen 4 12% (216 MB, 2 threads: 10.5 -> 9.3 ms
-    without).)"""
+    two, int4 pairs: one; all but int8 pairs also into L2 `_AHEAD_L2` past). (A second ask of int4's 4x as far into
+    L1 helped a Zen 5 ([2048, 8192] from DRAM 350-370 -> 250-270 us) but cost a Zen 4 12% (216 MB, 2 threads: 10.5 ->
+    9.3 ms without).)"""
     if kind == _INT8_8:
         for e in range(0, 256, 64):
             prefetch(qb, 256 * p + ahead + e)
+            prefetch_l2(qb, 256 * p + _AHEAD_L2 + e)
     elif kind != _INT4:
         prefetch(qb, 128 * p + ahead)
         prefetch(qb, 128 * p + ahead + 64)
