@@ -136,34 +136,42 @@ if numba is not None:
         _silu_mul_act(_rows_f32(gu, bf16), np.zeros((1, 0), gu.dtype), act.shape[1], bf16, act)
         _store_rows(act, bf16, out)
 
+    @njit(inline="always")
+    def _silu_vec(gate, up, bf16):  # pragma: no cover - compiled
+        """`F.silu(gate) * up` of 16 columns, each op rounded as torch's (`simd_math.vround`; e^-gate by `vexp`)."""
+        one, neg, z = vsplat(np.float32(1.0)), vsplat(np.float32(-1.0)), vzero()
+        x = vround(gate, bf16)  # (a value of the dtype already: rounding twice is rounding once)
+        s = vround(vdiv(x, vadd(one, vexp(vfma(x, neg, z)))), bf16)
+        return vround(vmul(s, vround(up, bf16)), bf16)
+
     @njit(parallel=True, nogil=True, cache=True)
     def _silu_mul_act(g, b, inter, bf16, act):  # pragma: no cover - compiled
         """act [N, inter] = `F.silu(gate) * up` of the gate_up product's float32 rows g [N, >= 2 inter] plus bias
-        bits b (`_biased`: each rounded to the dtype), each op rounded as torch's (`simd_math.vround`), in parallel
-        runs of `_SILU_RUN` columns, 16 at a time: every column the same operations (e^-gate by `simd_math.vexp`;
-        one libm exp and scalar roundings a column cost ~9 ns, 1536 of them a SmolLM2 row)."""
+        bits b (`_biased`: each rounded to the dtype), in parallel runs of `_SILU_RUN` columns, 16 at a time, read
+        and written in place (the columns past the last 16 through a buffer): every column the same operations
+        (`_silu_vec`). (One libm exp and scalar roundings a column cost ~9 ns; each run copied through two buffers
+        before, 1536 columns 1 / 9 rows 4.3 / 18.2 -> 2.8 / 8.0 us, 8192: 14.4 / 113 -> 5.8 / 36.9, the same bits.)"""
         N = g.shape[0]
         runs = (inter + _SILU_RUN - 1) // _SILU_RUN
+        bias, at = b.shape[1] != 0, b.ctypes.data
         for c in prange(N * runs):
             n, i0 = c // runs, (c % runs) * _SILU_RUN
-            cols = min(inter, i0 + _SILU_RUN) - i0
-            gate = np.zeros(_SILU_RUN, np.float32)  # whole vectors (the buffers' size): past cols unused
-            up = np.zeros(_SILU_RUN, np.float32)
-            if b.shape[1]:
-                for i in range(cols):
-                    gate[i] = _biased(g[n, i0 + i], b, i0 + i, bf16)
-                    up[i] = _biased(g[n, inter + i0 + i], b, inter + i0 + i, bf16)
-            else:  # rounded below (rounding twice is rounding once)
-                for i in range(cols):
-                    gate[i] = g[n, i0 + i]
-                    up[i] = g[n, inter + i0 + i]
-            one, neg, z = vsplat(np.float32(1.0)), vsplat(np.float32(-1.0)), vzero()
-            for k in range(0, cols, LANES):
-                x = vround(vload(gate, k), bf16)
-                s = vround(vdiv(x, vadd(one, vexp(vfma(x, neg, z)))), bf16)
-                vstore(gate, k, vround(vmul(s, vround(vload(up, k), bf16)), bf16))
-            for i in range(cols):
-                act[n, i0 + i] = gate[i]
+            end = min(inter, i0 + _SILU_RUN)
+            full = end - (end - i0) % LANES
+            gr, ar = g[n], act[n]
+            for k in range(i0, full, LANES):
+                gate, up = vload(gr, k), vload(gr, inter + k)
+                if bias:  # (rounded in `_silu_vec`)
+                    gate, up = vadd(gate, vraw(at, k, bf16)), vadd(up, vraw(at, inter + k, bf16))
+                vstore(ar, k, _silu_vec(gate, up, bf16))
+            if full < end:
+                gate, up = np.zeros(LANES, np.float32), np.zeros(LANES, np.float32)
+                for i in range(full, end):
+                    gate[i - full] = _biased(g[n, i], b, i, bf16)
+                    up[i - full] = _biased(g[n, inter + i], b, inter + i, bf16)
+                vstore(gate, 0, _silu_vec(vload(gate, 0), vload(up, 0), bf16))
+                for i in range(full, end):
+                    act[n, i] = gate[i - full]
 
 
 def _raw(t: torch.Tensor, keep: bool = False) -> np.ndarray:
