@@ -54,15 +54,21 @@ if numba is not None:
                     qs[g * D + d] = q[b, t, kh * G + g, d]
             m = np.full(G, -np.inf, np.float32)
             seen = False
-            for j in range(Tk):
+            slot, off, ahead_col, ahead_off = table[b, 0], -1, _AHEAD // bs, _AHEAD % bs - 1
+            for j in range(Tk):  # (key j's block and offset, and key j + _AHEAD's, counted: no division a key)
+                off += 1
+                if off == bs:
+                    slot, off = table[b, j // bs], 0
+                ahead_off += 1
+                if ahead_off == bs:
+                    ahead_col, ahead_off = ahead_col + 1, 0
                 if j + _AHEAD < Tk:  # the K and V rows a few keys on: the pool is cold after a layer's weights
-                    ahead = (table[b, (j + _AHEAD) // bs] * s0 + ((j + _AHEAD) % bs) * s2 + kh * s3)
+                    ahead = table[b, ahead_col] * s0 + ahead_off * s2 + kh * s3
                     for e in range(0, D * isz, 64):
                         prefetch(base, ahead + e)
                         prefetch(base, ahead + s1 + e)
                 if mask[b, t, j]:
                     seen = True
-                    slot, off = table[b, j // bs], j % bs
                     key = base + slot * s0 + off * s2 + kh * s3  # the key row's address in the pool
                     for d in range(D16, D):  # (the dimensions past the last 16, widened)
                         bits[d] = np.uint32(kv[slot, 0, off, kh, d]) << shift
@@ -88,9 +94,12 @@ if numba is not None:
                 for j in range(g * TkP, (g + 1) * TkP, LANES):
                     vstore(probs, j, vexp(vfma(vload(scores, j), one, low)))
             total = np.zeros(G)
+            slot, off = table[b, 0], -1
             for j in range(Tk):
+                off += 1
+                if off == bs:
+                    slot, off = table[b, j // bs], 0
                 if mask[b, t, j]:
-                    slot, off = table[b, j // bs], j % bs
                     value = base + slot * s0 + s1 + off * s2 + kh * s3
                     for d in range(D16, D):
                         bits[d] = np.uint32(kv[slot, 1, off, kh, d]) << shift
