@@ -8,7 +8,7 @@ import torch
 from offload.kv.blocks import slot_table, tier_blocks
 from offload.kv.cache import PagedKVCache
 from offload.model.config import ModelConfig
-from offload.model.functional import BatchLayout
+from offload.model.layout import BatchLayout
 from storage.block_pool import Admission, BlockPool
 from storage.errors import CapacityError
 

@@ -19,6 +19,7 @@ from offload.kv.cache import PagedKVCache
 from offload.model import functional as M
 from offload.model import fused
 from offload.model.checkpoint import Checkpoint
+from offload.model.layout import column_groups
 from offload.plan.speculative import choose_tokens, expected_tokens
 from offload.runtime.engine import Engine, Request, Sampling
 from offload.runtime.executor import ForwardBatch
@@ -452,7 +453,7 @@ def test_a_prompt_chunk_riding_in_a_verify_pass_is_one_product_and_changes_no_to
     """A request joins while others speculate: its prompt chunk shares their verify pass. The chunk is
     multiplied as one product and attended in one call (not one per token: 64 tokens would be 64 products
     per matrix), and every request still gets the tokens it gets alone without a draft."""
-    assert [len(g) for g in M.column_groups([5, 64, 3], lanes=[0, -1, 0])] == [2, 2, 2, 1, 1, 64]
+    assert [len(g) for g in column_groups([5, 64, 3], lanes=[0, -1, 0])] == [2, 2, 2, 1, 1, 64]
     prompts = [[1, 17, 99, 23, 5, 61, 7, 300, 41], [1, *range(40, 100)]]
     with Runner.from_config(run_config(tiny_llama, kv_cache={"gpu_blocks": 64})) as r:
         want = [r.generate([p], max_new_tokens=12, stop_on_eos=False)[0].token_ids for p in prompts]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from offload.model import cpu_attention, cpu_elementwise, fused, kernels, moe
 from offload.model.config import ModelConfig
-from offload.model.layout import BatchLayout, column_groups  # noqa: F401 (the model math's names)
+from offload.model.layout import BatchLayout
 from offload.model.rope import Rope, apply_rope, rope_inv_freq  # noqa: F401 (the model math's names)
 from offload.model.sdpa import sdpa_with_lse
 

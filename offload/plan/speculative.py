@@ -125,7 +125,7 @@ def verify_cost(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str
 
     On a CPU with row-invariant kernels (`offload.model.kernels`) a verify pass is one pass over k+1 tokens;
     elsewhere it multiplies each of its k+1 token columns as its own product (the bits of a plain step:
-    `functional.column_groups`), so its compute is k+1 single-row passes' while its bytes move once."""
+    `layout.column_groups`), so its compute is k+1 single-row passes' while its bytes move once."""
     one = compute_seconds(plan, cfg, cal, device_type, 1, Workload().context, 1, dtype_bytes, sizes)
 
     def step(columns: int) -> float:

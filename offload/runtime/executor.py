@@ -43,7 +43,7 @@ from offload.kv.view import LayerKV
 from offload.model import functional as M
 from offload.model import kernels
 from offload.model.checkpoint import Checkpoint
-from offload.model.layout import kept_rows
+from offload.model.layout import column_groups, kept_rows
 from offload.plan.passes import pass_tokens
 from offload.plan.planner import Planner, resolve_capacities
 from offload.runtime.device import DTYPES, resolve_device, resolve_dtype  # noqa: F401 (re-exported)
@@ -252,7 +252,7 @@ class Executor:
             lanes = list(batch.lanes or ())
             columns = max((n for n, b in zip(layout.q_lens, lanes) if b >= 0), default=0)
             layout = dataclasses.replace(layout, columns=columns,
-                                         row_groups=M.column_groups(layout.q_lens, layout.positions.device, lanes))
+                                         row_groups=column_groups(layout.q_lens, layout.positions.device, lanes))
         ids = torch.tensor([t for seq in batch.tokens for t in seq], dtype=torch.long)
         rope_table = self.rope if self.kv_settings.restore == "recompute" else None
         cold = any(g.tier != "gpu" for g in step.groups)
@@ -285,7 +285,7 @@ class Executor:
         if b.keep is not None:
             rows = kept_rows(p.layout.q_lens, list(b.keep), x.device)
             x = x if rows is None else x[rows]
-            groups = M.column_groups(list(b.keep), x.device, list(b.lanes or ()))
+            groups = column_groups(list(b.keep), x.device, list(b.lanes or ()))
         elif not b.every and any(n != 1 for n in p.layout.q_lens):  # (one row a sequence: already its last)
             x = x[p.layout.last_token_rows()]
         w = M.HeadWeights.from_views(self.weights.acquire("head"))

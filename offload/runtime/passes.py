@@ -12,6 +12,7 @@ import torch
 
 from offload.kv.blocks import StepKV
 from offload.model import functional as M
+from offload.model.layout import BatchLayout
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class LayerPass:
 
     batch: ForwardBatch
     ids: torch.Tensor  # [N] int64 (CPU): the new tokens, flat in row order
-    layout: M.BatchLayout  # where each row's tokens sit among the KV positions
+    layout: BatchLayout  # where each row's tokens sit among the KV positions
     step: StepKV  # this pass's block tables per tier (from `PagedKVCache.prepare`)
     cos_sin: tuple[torch.Tensor, torch.Tensor]  # RoPE at every new token's position, [N, D] each
     rope_table: M.Rope | None  # only when the KV cache rebuilds cold blocks from their layer inputs
