@@ -50,6 +50,10 @@ from scripts.machine import cpu_flags, load  # noqa: E402
 WORKSPACE_MIB = 64
 LLAMA = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
+#: llama.cpp's CMake options for a build without AMX (its native build's AMX Q8_0 / Q4_0 kernels crashed with SIGILL
+#: on a 2-core Xeon VM whose torch runs AMX matmuls; this build's AVX-512 kernels, repacking on, are its fastest there)
+LLAMA_NO_AMX = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+                "-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON")
 #: what a row's JSON keeps of each repeat of each engine
 REPEAT_KEYS = ("decode_tok_s", "prefill_tok_s", "load_before", "memory_before")
 #: shared/peers/llama_cpp.sh beside the checkout (/work/main) or beside a worktree's parent (/work/wt/NAME)
@@ -125,6 +129,11 @@ def verify_costs(r, ids: list[int], ks: list[int], rounds: int = 5) -> dict[str,
 def worker_llama(spec: dict) -> dict:
     proc = subprocess.run(["bash", str(PEERS), "bench", spec["gguf"], str(spec["threads"])], capture_output=True,
                           text=True, timeout=3600)
+    if proc.returncode in (132, 134, 139):  # SIGILL / SIGABRT / SIGSEGV through bash
+        raise RuntimeError(f"llama-bench crashed (exit {proc.returncode}) on {spec['gguf']}: a native build on a CPU "
+                           "that reports AMX runs ggml's AMX kernels for Q8_0 / Q4_0, which crashed on a 2-core Xeon "
+                           f"VM whose torch runs AMX; build it with {LLAMA_NO_AMX} in the build directory llama_cpp.sh "
+                           f"prints.\n{proc.stderr[-2000:]}")
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     rows = json.loads(proc.stdout[proc.stdout.index("["):])
