@@ -15,7 +15,7 @@ from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.model import fused
 from offload.model.checkpoint import Checkpoint
-from offload.plan import calibrate, machine, probe
+from offload.plan import calibrate, links, machine, probe
 from offload.plan.calibrate import CACHE_SHARE, DEFAULTS, Calibration, load_calibration, measure_compute
 from offload.plan.costmodel import simulate
 from offload.plan.links import measure_disk, measure_memcpy
@@ -277,8 +277,10 @@ def test_calibration_probes_fit_in_a_quarter_of_the_ram_the_process_may_fill(tmp
     quarter of the room (`ram_available`: the cgroup's if that is less), the test layer shrinking to fit."""
     budget, probes = room // 4, []
     monkeypatch.setattr(calibrate, "ram_available", lambda: room)
-    monkeypatch.setattr(calibrate, "measure_memcpy", lambda nbytes: probes.append(("memcpy", 2 * nbytes)) or 5e9)
-    monkeypatch.setattr(calibrate, "measure_disk", lambda d, nbytes: probes.append(("disk", 2 * nbytes)) or 1e9)
+    monkeypatch.setattr(links, "measure_memcpy", lambda nbytes: probes.append(("memcpy", 2 * nbytes)) or 5e9)
+    monkeypatch.setattr(links, "measure_disk", lambda d, nbytes: probes.append(("disk", 2 * nbytes)) or 1e9)
+    monkeypatch.setattr(calibrate, "cache_curve", lambda limit: probes.append(("curve", limit)) or
+                        {"bytes": [16 << 20, limit], "bytes_per_s": [5e10, 3e10]})
     shapes = []
 
     def layer_seconds(shape, device, dtype, tokens, context, compute, quantization, cold_bytes):
@@ -318,6 +320,26 @@ def test_a_pass_larger_than_the_cache_is_planned_at_the_cold_rate():
     assert cal.weight_bytes_per_s("cpu", 64, 10 << 30) == 7e9 and cal.weight_bytes_per_s("cpu", 1) == 30e9
     no_cold = Calibration({}, {"cpu": {"tokens": [1], "weight_bytes_per_s": [30e9]}}, "measured", {"llc_bytes": 1})
     assert no_cold.weight_bytes_per_s("cpu", 1, 10 << 30) == 30e9  # an older file: the one rate it has
+
+
+def test_a_pass_is_planned_at_the_cached_rate_for_the_share_of_its_bytes_the_cache_curve_finds_cached():
+    """sysfs can name a host's shared cache: a 2-core Xeon VM's says 480 MiB, its buffers were read at the cache's
+    pace up to 96 MiB, and SmolLM2 int8 (175 MB a step, under CACHE_SHARE of 480 MiB) was planned -48% off. A
+    calibration's cache curve (read rate by buffer size) says what share of a pass's bytes comes from the cache."""
+    curve = {"bytes": [16 << 20, 64 << 20, 128 << 20, 256 << 20], "bytes_per_s": [50e9, 50e9, 30e9, 30e9]}
+    table = {"tokens": [1], "weight_bytes_per_s": [60e9], "cold_weight_bytes_per_s": [20e9],
+             "pass_overhead_s": [1e-4], "cold_pass_overhead_s": [5e-4]}
+    cal = Calibration({}, {"cpu": table}, "measured", {"llc_bytes": 480 << 20, "cache_curve": curve})
+    assert cal.weight_bytes_per_s("cpu", 1, 32 << 20) == 60e9 and cal.weight_bytes_per_s("cpu", 1) == 60e9
+    assert cal.weight_bytes_per_s("cpu", 1, 190 << 20) == pytest.approx(20e9)  # beyond the curve's cache: cold
+    halfway = 2**26.5  # between 64 and 128 MiB in log(bytes): read at 40 GB/s, half the way from DRAM to the cache
+    assert cal.weight_bytes_per_s("cpu", 1, halfway) == pytest.approx(1 / (0.5 / 60e9 + 0.5 / 20e9))
+    assert cal.pass_overhead_s("cpu", 1, halfway, engine=False) == pytest.approx(3e-4)
+    assert probe.hot_share(curve | {"bytes_per_s": [50e9, 50e9, 30e9, 33e9]}, 250 << 20) == 0.0  # never above 0
+    flat = {"bytes": [16 << 20, 64 << 20], "bytes_per_s": [30e9, 30e9]}  # no cache the curve sees
+    assert probe.hot_share(flat, 8 << 20) == 1.0 and probe.hot_share(flat, 32 << 20) == 0.0
+    measured = probe.cache_curve(40 << 20)
+    assert measured["bytes"] == [16 << 20, 24 << 20, 32 << 20] and all(r > 1e8 for r in measured["bytes_per_s"])
 
 
 def test_the_probe_measures_a_cold_rate_through_copies_beyond_the_cache_no_faster_than_the_cached_one():

@@ -36,13 +36,15 @@ from offload.errors import ConfigError
 from offload.model import kernels
 from offload.model.config import ModelConfig
 from offload.plan import machine
-from offload.plan.links import measure_cuda_links, measure_disk, measure_memcpy
+from offload.plan.links import DEFAULT_LINKS, measure_links
 from offload.plan.memory import ram_available
 from offload.plan.probe import (  # noqa: F401 (re-exported)
     REFERENCE,
     SMALL,
     SPLIT_TOKENS,
+    cache_curve,
     faster_of,
+    hot_share,
     llc_bytes,
     measure_compute,
 )
@@ -61,8 +63,7 @@ class CalibrationError(OffloadError):
 VERSION = 1
 #: Used when no calibration file exists: slow but real hardware (a SATA-class disk, PCIe 3 x8, a laptop CPU).
 DEFAULTS: dict[str, Any] = {
-    "links": {"disk read": 0.5e9, "host->device": 6e9, "host->device pageable": 3e9, "device->host": 6e9,
-              "memcpy": 4e9, "device memory": 4e9},
+    "links": DEFAULT_LINKS,
     "compute": {"cpu": {"tokens": [1, 8, 64, 512], "weight_bytes_per_s": [4e9, 4e9, 3e9, 0.6e9]},
                 "cuda": {"tokens": [1, 8, 64, 512], "weight_bytes_per_s": [300e9, 300e9, 250e9, 60e9]}},
 }
@@ -115,10 +116,14 @@ class Calibration:
 
     def weight_bytes_per_s(self, device_type: str, tokens: int, reads: float | None = None) -> float:
         """Layer-kernel throughput for a pass of `tokens` rows, interpolated in log(tokens). `reads`: the weight
-        bytes a pass reads; where they exceed CACHE_SHARE of the last-level cache and the table measured layers
-        beyond it (`offload.plan.probe`), the cold rate (from DRAM), else the cached one."""
+        bytes a pass reads; where the table measured layers beyond the last-level cache (`offload.plan.probe`), the
+        pass's bytes found in the cache (`hot`) go at the cached rate and the rest at the cold one (from DRAM)."""
         table = self._table(device_type)
-        return _interpolate(table["tokens"], table[self._key(table, "weight_bytes_per_s", reads)], tokens)
+        rate = _interpolate(table["tokens"], table["weight_bytes_per_s"], tokens)
+        hot = self.hot(table, "weight_bytes_per_s", reads)
+        if hot == 1.0:
+            return rate
+        return 1 / (hot / rate + (1 - hot) / _interpolate(table["tokens"], table["cold_weight_bytes_per_s"], tokens))
 
     def layer_overhead_s(self, device_type: str, tokens: int) -> float:
         """Seconds a decoder layer costs whatever its size at a pass of `tokens` rows (0 in files without it)."""
@@ -128,19 +133,28 @@ class Calibration:
                         ) -> float:
         """Seconds a pass of `tokens` rows costs beside its layers: its KV step, RoPE (`offload.plan.probe`; 0 in
         files without it), and (`engine`) the engine's step around it: sampling, the head's and embedding's calls
-        (`offload.runtime.overhead`; 0 in files without it). `reads`: the weight bytes a pass reads; beyond
-        CACHE_SHARE of the last-level cache, as both cost after them (the `cold_` columns: their code and data
-        pushed out of the caches)."""
+        (`offload.runtime.overhead`; 0 in files without it). `reads`: the weight bytes a pass reads; the share of
+        them not found in the cache (`hot`) pushes both out of it, as the `cold_` columns measured."""
         table = self._table(device_type)
-        own = self._overhead(device_type, tokens, self._key(table, "pass_overhead_s", reads))
-        return own + (float(table.get(self._key(table, "engine_overhead_s", reads), 0.0)) if engine else 0.0)
+        hot = self.hot(table, "pass_overhead_s", reads)
+        own = self._overhead(device_type, tokens, "pass_overhead_s")
+        if hot < 1.0:
+            own = hot * own + (1 - hot) * self._overhead(device_type, tokens, "cold_pass_overhead_s")
+        if not engine:
+            return own
+        warm = float(table.get("engine_overhead_s", 0.0))
+        hot = self.hot(table, "engine_overhead_s", reads)
+        return own + hot * warm + (1 - hot) * float(table.get("cold_engine_overhead_s", warm))
 
-    def _key(self, table: dict[str, list[float]], key: str, reads: float | None) -> str:
-        """`key`, or its cold twin (measured beyond the last-level cache) where a pass reads more weight bytes than
-        CACHE_SHARE of that cache and the table has it."""
-        if reads is not None and f"cold_{key}" in table and reads > CACHE_SHARE * self.meta.get("llc_bytes", 0):
-            return f"cold_{key}"
-        return key
+    def hot(self, table: dict[str, list[float]], key: str, reads: float | None) -> float:
+        """The share of a pass's `reads` weight bytes the next pass finds in the last-level cache: off the
+        calibration's `cache_curve` (`offload.plan.probe.hot_share`), or in files without one all of them where they
+        fit in CACHE_SHARE of the cache; 1 where `reads` is not given or the table has no cold twin of `key`."""
+        if reads is None or f"cold_{key}" not in table:
+            return 1.0
+        if self.meta.get("cache_curve"):
+            return hot_share(self.meta["cache_curve"], reads)
+        return 1.0 if reads <= CACHE_SHARE * self.meta.get("llc_bytes", 0) else 0.0
 
     def _overhead(self, device_type: str, tokens: int, key: str) -> float:
         table = self._table(device_type)
@@ -168,23 +182,8 @@ def _interpolate(xs: list[float], ys: list[float], tokens: int) -> float:
 
 
 # ----------------------------------------------------------------------------- measurements
-def measure_links(device: torch.device, disk_path: Path | None, budget: int = 2**30) -> dict[str, float]:
-    """Every link this machine has, in bytes per second (defaults for the ones it cannot measure), each probe
-    within `budget` bytes of RAM: memcpy's two buffers, disk's buffer and its page cache, CUDA's host buffer."""
-    half = max(budget // 2, 2**20)
-    links: dict[str, float] = {"memcpy": measure_memcpy(min(half, 256 * 2**20))}
-    if disk_path is not None:
-        links["disk read"] = measure_disk(disk_path, min(half, 512 * 2**20))
-    if device.type == "cuda":
-        links |= measure_cuda_links(device, min(2 * half, 256 * 2**20))
-    else:
-        # a CPU compute device reads host memory in place: "copies" to it are memcpy-speed at worst
-        links["host->device"] = links["device->host"] = links["host->device pageable"] = links["memcpy"]
-        links["device memory"] = links["memcpy"]
-    return DEFAULTS["links"] | links
-
-
 # ----------------------------------------------------------------------------- the model side
+#: In a calibration file without a `cache_curve` (`offload.plan.probe`), written before it:
 #: the share of the last-level cache a pass's weights may fill and still be read from it the next pass (other
 #: data and other processes take the rest; a cyclic pass over more than the cache finds none of it there). A
 #: 2-core VM's 260 MB L3, SmolLM2-135M decode: int4 (85 MB a pass) ran at the cached rate, int8 (143 MB) near
@@ -373,6 +372,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
     llc = llc_bytes()  # distinct test layers beyond the cache, beside the probe layer, where the budget has room
     cold = min(2 * llc, budget - layer_probe_bytes(shape, dtype, run_dtype)) if device.type == "cpu" and shape else 0
     cold = cold if cold >= llc else 0
+    curve = cache_curve(min(2 * llc, budget)) if cold else None  # how much of that cache this process gets
     compute = {} if shape is None else {device.type: measure_compute(device, dtype, compute=run_dtype, shape=shape,
                                                                      cold_bytes=cold)}
     if shape is None:
@@ -390,6 +390,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
             "kernels": kernels_id(), "activations": dict(kernels.ACTIVATIONS),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "cpus": os.cpu_count(), "machine": machine.identity(), "llc_bytes": llc,
+            "cache_curve": curve if curve and curve["bytes"][-1] >= llc else None,
             "dtype": str(dtype).removeprefix("torch."),
             "compute_dtype": str(run_dtype).removeprefix("torch."),
             "reference_hidden_size": shape and shape["hidden_size"],

@@ -13,6 +13,10 @@ import torch
 
 from storage import io
 
+#: Used when no calibration file exists: slow but real hardware (a SATA-class disk, PCIe 3 x8).
+DEFAULT_LINKS = {"disk read": 0.5e9, "host->device": 6e9, "host->device pageable": 3e9, "device->host": 6e9,
+                 "memcpy": 4e9, "device memory": 4e9}
+
 
 def measure_disk(directory: Path, nbytes: int = 512 * 2**20, threads: int = 4, piece: int = 8 * 2**20) -> float:
     """Cold read of a fresh test file with `threads` preadv pieces in flight (the prefetcher's pattern). The file is
@@ -82,3 +86,19 @@ def measure_cuda_links(device: torch.device, nbytes: int = 256 * 2**20) -> dict[
         end.synchronize()
         out[name] = 3 * nbytes / (start.elapsed_time(end) / 1000)
     return out
+
+
+def measure_links(device: torch.device, disk_path: Path | None, budget: int = 2**30) -> dict[str, float]:
+    """Every link this machine has, in bytes per second (defaults for the ones it cannot measure), each probe
+    within `budget` bytes of RAM: memcpy's two buffers, disk's buffer and its page cache, CUDA's host buffer."""
+    half = max(budget // 2, 2**20)
+    links: dict[str, float] = {"memcpy": measure_memcpy(min(half, 256 * 2**20))}
+    if disk_path is not None:
+        links["disk read"] = measure_disk(disk_path, min(half, 512 * 2**20))
+    if device.type == "cuda":
+        links |= measure_cuda_links(device, min(2 * half, 256 * 2**20))
+    else:
+        # a CPU compute device reads host memory in place: "copies" to it are memcpy-speed at worst
+        links["host->device"] = links["device->host"] = links["host->device pageable"] = links["memcpy"]
+        links["device memory"] = links["memcpy"]
+    return DEFAULT_LINKS | links
