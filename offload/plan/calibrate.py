@@ -183,11 +183,10 @@ def _interpolate(xs: list[float], ys: list[float], tokens: int) -> float:
 
 # ----------------------------------------------------------------------------- measurements
 # ----------------------------------------------------------------------------- the model side
-#: In a calibration file without a `cache_curve` (`offload.plan.probe`), written before it:
-#: the share of the last-level cache a pass's weights may fill and still be read from it the next pass (other
-#: data and other processes take the rest; a cyclic pass over more than the cache finds none of it there). A
-#: 2-core VM's 260 MB L3, SmolLM2-135M decode: int4 (85 MB a pass) ran at the cached rate, int8 (143 MB) near
-#: the cold one.
+#: Where a calibration has no `cache_curve` (`offload.plan.probe`; older files), the share of the last-level
+#: cache a pass's weights may fill and still be read from it the next pass (other data and other processes take the
+#: rest; a cyclic pass over more than the cache finds none of it there). A 2-core VM's 260 MB L3, SmolLM2-135M
+#: decode: int4 (85 MB a pass) ran at the cached rate, int8 (143 MB) near the cold one.
 CACHE_SHARE = 0.4
 #: halvings of REFERENCE's WIDTHS a short-of-RAM calibration may use (hidden 1024, then 512: still 20x SMALL's bytes)
 SHRINKS = 2
