@@ -342,6 +342,16 @@ def test_a_pass_is_planned_at_the_cached_rate_for_the_share_of_its_bytes_the_cac
     assert measured["bytes"] == [16 << 20, 24 << 20, 32 << 20] and all(r > 1e8 for r in measured["bytes_per_s"])
 
 
+def test_the_cache_evictor_takes_at_most_a_quarter_of_the_ram_the_process_may_fill(monkeypatch):
+    """A Xeon VM's sysfs names a 480 MiB last-level cache: the evictor's 512 MiB buffer had the first `chat --auto`
+    in a 600 MiB memory cgroup killed while calibrating."""
+    monkeypatch.setattr(probe, "llc_bytes", lambda: 480 << 20)
+    monkeypatch.setattr(probe, "ram_available", lambda: 400 << 20)
+    flush = probe.evictor()
+    flush()
+    assert next(c.cell_contents for c in flush.__closure__).numel() * 4 <= 100 << 20
+
+
 def test_the_probe_measures_a_cold_rate_through_copies_beyond_the_cache_no_faster_than_the_cached_one():
     shape = probe.SMALL | {"hidden_size": 256, "intermediate_size": 512}
     table = measure_compute(torch.device("cpu"), torch.float32, (1, 8), shape=shape, cold_bytes=16 << 20)

@@ -39,6 +39,7 @@ from offload.plan import machine
 from offload.plan.links import DEFAULT_LINKS, measure_links
 from offload.plan.memory import ram_available
 from offload.plan.probe import (  # noqa: F401 (re-exported)
+    PROBE_SHARE,
     REFERENCE,
     SMALL,
     SPLIT_TOKENS,
@@ -191,8 +192,6 @@ CACHE_SHARE = 0.4
 #: halvings of REFERENCE's WIDTHS a short-of-RAM calibration may use (hidden 1024, then 512: still 20x SMALL's bytes)
 SHRINKS = 2
 WIDTHS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
-#: the probes (buffers, test layers) take at most this share of the RAM the process may still fill, one at a time
-PROBE_SHARE = 1 / 4
 
 
 #: float32 compute is chosen on a CPU that multiplies 64 rows at least this much faster in float32

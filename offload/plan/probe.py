@@ -27,6 +27,7 @@ from offload.kv.cache import PagedKVCache
 from offload.model import functional as M
 from offload.model import kernels
 from offload.model.config import ModelConfig
+from offload.plan.memory import ram_available
 from offload.weights.groups import WeightFormat, group_layout, weight_views
 from offload.weights.quant import Scratch
 from storage.arena import aligned_empty
@@ -154,6 +155,8 @@ def pass_seconds(device: torch.device, compute: torch.dtype, tokens: tuple[int, 
     return out
 
 
+#: the probes (buffers, test layers) take at most this share of the RAM the process may still fill, one at a time
+PROBE_SHARE = 1 / 4
 #: the smallest buffer `cache_curve` reads (past any core's L2), each next one half again as large
 CURVE_FROM = 16 * 2**20
 #: bytes each round of a `cache_curve` size reads (at least two passes over its buffer)
@@ -206,10 +209,12 @@ EVICT_MAX = 512 * 2**20
 
 
 def evictor() -> Callable[[], None]:
-    """A call that reads twice the last-level cache's bytes (at most EVICT_MAX): what a pass's weights do to the
-    caches, so bookkeeping timed after it finds its code and data where a run finds them (in DRAM). Its buffer lives
-    as long as the call."""
-    buf = torch.ones(min(2 * llc_bytes(), EVICT_MAX) // 4, dtype=torch.float32)
+    """A call that reads twice the last-level cache's bytes (at most EVICT_MAX, and PROBE_SHARE of the RAM the
+    process may still fill): what a pass's weights do to the caches, so bookkeeping timed after it finds its code and
+    data where a run finds them (in DRAM). Its buffer lives as long as the call. (A Xeon VM's sysfs names a 480 MiB
+    cache: its 512 MiB buffer had the first `chat --auto` in a 600 MiB memory cgroup killed while calibrating.)"""
+    room = int(ram_available() * PROBE_SHARE)
+    buf = torch.ones(max(min(2 * llc_bytes(), EVICT_MAX, room), 2**20) // 4, dtype=torch.float32)
     return lambda: buf.sum()
 
 
