@@ -21,8 +21,7 @@ its activations in 8 bits too): four columns a lane, AVX-512 VNNI's vpdpbusd (`s
 instruction) on the codes gathered four columns a row (`vquads4`: two byte permutations per 256 codes). A step is
 2^-7 of the group's largest |x|. On the trained SmolLM2-135M in bf16 (a 182-token text, `scripts/quant_quality.py
 --dtype bfloat16`) perplexity 24.19 -> 24.34 where int4 g32 lands on the checkpoint's own grid (bf16 weights: 24.54)
-and 33.29 -> 33.52 at g64, the worst layer's relative error 1.4% -> 3.1% and 25.5% -> 25.8%. One row takes the
-int8 steps as int16 pairs (`_QUADS`): the same exact sums, so the same bits.
+and 33.29 -> 33.52 at g64, the worst layer's relative error 1.4% -> 3.1% and 25.5% -> 25.8%. One row: int16 pairs.
 
 Against int8 codes (unsigned bytes, as vpdpbusd takes them) x goes in int8 steps by default too, like llama.cpp's
 Q8_0, the codes gathered four columns a row by `vquads8`. 403 MB of 1.7B-shaped int8 matrices from DRAM, 2 Zen 4
@@ -38,7 +37,7 @@ import numpy as np
 from numba import njit, prange
 
 from offload.model.cpu_packed import _AHEAD, _BLOCK, _int4, _int8, _load4, _scale, _scales, _split, _store4
-from offload.model.simd import LANES, parts, prefetch, prefetch_l2, vfma, vsplat, vzero
+from offload.model.simd import LANES, _has, parts, prefetch, prefetch_l2, vfma, vsplat, vzero
 from offload.model.simd_int import (
     vcodes4,
     vcodes8,
@@ -63,8 +62,10 @@ FLOAT32_STEPS, INT16_STEPS, INT4_AS_INT8, INT8_AS_INT8 = 0, 1, 2, 4
 #: steps (the same exact sums). 1.7B-shaped int4 matrices (182 MB) from DRAM, a Zen 4, interleaved in one process:
 #: one row, 2 threads, 7.4 ms as pairs and 8.7 as quads (one thread 11.9 and 14.6: the quads' half as many
 #: instructions wait longer on memory); 2 rows 12.9 -> 9.9 ms, 3 12.0 -> 9.6, 5 17.3 -> 11.8, 9 36-41 -> 26-32;
-#: from L2 and L3 one row 1.45-1.53x faster as quads.
+#: from L2 and L3 one row 1.45-1.53x faster as quads. Either way the same exact sums. `_QUADS8`: against int8 codes
+#: where the cores have AMX (a 2-core Xeon VM, 570 MB of 1.7B-shaped ones: one row 12.6-12.9 -> 10.1-10.4 ms).
 _QUADS = 2
+_QUADS8 = 1 if _has("amx-int8") else _QUADS
 #: Rows of x from which they are split into int16 in parallel.
 _SPLIT_PARALLEL = 16
 #: Rows of x from which a block's codes are converted once per group into a buffer that every four rows read
@@ -319,7 +320,7 @@ def _split_row(x, r, gs, XP, step, xs, kind, form):  # pragma: no cover - compil
 
 
 @njit(inline="always")  # (its prange must land in each parallel entry; the helpers inline in LLVM, not numba)
-def _tiles16(x, q, sz, out, kind):  # pragma: no cover - compiled
+def _tiles16(x, q, sz, out, kind, quads):  # pragma: no cover - compiled
     """`_tiles` with x in int16 steps (even groups), its rows four at a time: below `_widens` rows against the codes
     as they are read (`_direct4`, one group for every row, then the next), from there against each group's codes
     converted once into a buffer (`_dot4_16`). Integer sums are exact, so every path gives a row the same bits."""
@@ -328,7 +329,7 @@ def _tiles16(x, q, sz, out, kind):  # pragma: no cover - compiled
     gs = K // G
     sz = sz.reshape(G, sz.shape[1] * sz.shape[2])
     form = kind  # below _QUADS rows int8 steps go as int16 pairs: the same integer sums, so the same bits
-    if R < _QUADS and _per(kind) == 4:
+    if R < quads and _per(kind) == 4:
         form = _INT8 if kind == _INT8_8 else _INT4
     XP = np.empty((R, K // _per(form)), np.int32)  # x's int16 pairs (int8 quads), a lane unit an int32
     step, xs = np.empty((R, G), np.float32), np.empty((R, G), np.float32)
@@ -352,25 +353,25 @@ def _tiles16(x, q, sz, out, kind):  # pragma: no cover - compiled
 @njit(parallel=True, cache=True, nogil=True)
 def _int4_16(x, q, sz, out):  # pragma: no cover - compiled
     """`_int4` with x in int16 steps (`_tiles16`)."""
-    _tiles16(x, q, sz, out, _INT4)
+    _tiles16(x, q, sz, out, _INT4, _QUADS)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _int8_16(x, q, sz, out):  # pragma: no cover - compiled
     """`_int8` with x in int16 steps (`_tiles16`)."""
-    _tiles16(x, q, sz, out, _INT8)
+    _tiles16(x, q, sz, out, _INT8, _QUADS)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _int4_8(x, q, sz, out):  # pragma: no cover - compiled
     """`_int4` with x in int8 steps (`_tiles16`, `vquads4`)."""
-    _tiles16(x, q, sz, out, _INT4_8)
+    _tiles16(x, q, sz, out, _INT4_8, _QUADS)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _int8_8(x, q, sz, out):  # pragma: no cover - compiled
     """`_int8` with x in int8 steps (`_tiles16`, `vquads8`)."""
-    _tiles16(x, q, sz, out, _INT8_8)
+    _tiles16(x, q, sz, out, _INT8_8, _QUADS8)
 
 
 @njit(nogil=True, cache=True)
