@@ -47,6 +47,7 @@ from offload.plan.probe import (  # noqa: F401 (re-exported)
     faster_of,
     hot_share,
     llc_bytes,
+    log_linear,
     measure_compute,
 )
 from offload.weights.groups import WeightFormat, group_layout, model_layouts
@@ -161,12 +162,7 @@ class Calibration:
         table = self._table(device_type)
         if key not in table:
             return 0.0
-        xs, ys = table["tokens"], table[key]
-        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):  # linear in log(tokens), flat outside
-            if x0 <= tokens <= x1:
-                w = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
-                return (1 - w) * y0 + w * y1
-        return ys[0] if tokens <= xs[0] else ys[-1]
+        return log_linear(table["tokens"], table[key], tokens)
 
 
 def _interpolate(xs: list[float], ys: list[float], tokens: int) -> float:

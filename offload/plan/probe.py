@@ -195,13 +195,16 @@ def hot_share(curve: dict[str, list[float]], reads: float) -> float:
     fast, slow = rates[0], rates[-1]
     if fast <= 1.05 * slow:  # no cache the curve can see at these sizes
         return 1.0 if reads < sizes[0] else 0.0
-    rate = rates[0] if reads <= sizes[0] else slow
-    for (x0, y0), (x1, y1) in zip(zip(sizes, rates), zip(sizes[1:], rates[1:])):
-        if x0 <= reads <= x1:
-            w = (math.log(reads) - math.log(x0)) / (math.log(x1) - math.log(x0))
-            rate = (1 - w) * y0 + w * y1
-            break
-    return min(1.0, max(0.0, (rate - slow) / (fast - slow)))
+    return min(1.0, max(0.0, (log_linear(sizes, rates, reads) - slow) / (fast - slow)))
+
+
+def log_linear(xs: list[float], ys: list[float], x: float) -> float:
+    """ys at x, linear in log(x) between the points, flat outside them."""
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x0 <= x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return (1 - w) * y0 + w * y1
+    return ys[0] if x <= xs[0] else ys[-1]
 
 
 #: the most bytes `evictor`'s call reads to push other data out of the caches
