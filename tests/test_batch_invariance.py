@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from offload.model import cpu_packed_entry, fused, kernels, simd_amx
 from offload.model import functional as M
-from offload.model import fused, kernels
 from offload.runtime.engine import Engine, Request, Sampling
 from offload.runtime.executor import ForwardBatch
 from offload.runtime.resident import ResidentLayers
@@ -173,6 +173,50 @@ def test_packed_products_of_bf16_activations_are_integer_steps_and_rows_keep_the
     for start, end in passes:
         got = kernels.packed_linear(x[start:end], packed["q"], packed["sz"])
         assert torch.equal(got.view(torch.int32), full[start:end].view(torch.int32)), f"rows {start}:{end}"
+
+
+def test_amx_tiles_are_asked_for_once_and_configured_for_the_sums_codes_and_rows():
+    """Where the process may use AMX tiles (`simd_amx.granted`: x86-64 Linux with AMX, asked once) packed kinds of
+    bf16 activations carry AMX_TILES, nowhere else; the tile record `quad_sums` loads: palette 1, four sum tiles of
+    the rows by 16 int32, x's tile of the rows by the group's quads, three code tiles of the quads' rows."""
+    ok = simd_amx.granted()
+    assert ok is simd_amx.granted() and (not ok or simd_amx.AMX)
+    ints = kernels.packed_kind(torch.bfloat16) - kernels.PACKED_STEPS
+    assert bool(ints & cpu_packed_entry.AMX_TILES) == ok and kernels.packed_kind(torch.float32) == kernels.PACKED
+    cfg = np.full(64, 7, np.uint8)
+    simd_amx.configure(cfg, 9, 8)
+    colsb, rows = cfg[16:32].view(np.uint16), cfg[48:56]
+    assert cfg[0] == 1 and not cfg[1:16].any() and not cfg[56:].any()
+    assert colsb.tolist() == [64, 64, 64, 64, 32, 64, 64, 64] and rows.tolist() == [9, 9, 9, 9, 9, 8, 8, 8]
+    assert [simd_amx.tile_units(h) for h in (8, 16, 24, 32)] == [8, 16, 0, 16]
+
+
+@pytest.mark.skipif(not simd_amx.granted(), reason="needs AMX tiles (x86-64 Linux, AMX-INT8)")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("K,group", [(512, 64), (512, 32), (1024, 128), (576, 96)])
+def test_amx_tiles_give_each_row_the_bits_of_the_vector_products(bits, K, group):
+    """int8 steps against int8 / int4 codes on AMX tiles (exact int32 sums, then the same scaling) give every row the
+    bits the VNNI vectors give it, alone or in a pass of any size: from `_TILE_ROWS` rows, across 16-row tiles, a
+    group of 128 in two tiles, one of 96 (not whole tiles) on vectors; the largest codes, a zero and a NaN row."""
+    g = torch.Generator().manual_seed(K + bits)
+    packed = quant.quantize(torch.randn(128, K, generator=g), bits, group, torch.bfloat16)
+    q, sz = kernels.packed_args(packed["q"], packed["sz"])
+    x = torch.randn(37, K, generator=g)
+    x[3] = 0.0
+    x[5, 11] = float("nan")
+    x[6] *= 1e4
+    x = x.to(torch.bfloat16).float().numpy()
+    ints = cpu_packed_entry.INT16_STEPS | cpu_packed_entry.INT4_AS_INT8 | cpu_packed_entry.INT8_AS_INT8
+    for R in (10, 16, 17, 37):
+        vec, tiles = np.empty((R, 128), np.float32), np.empty((R, 128), np.float32)
+        cpu_packed_entry.packed(x[:R], q, sz, vec, ints)
+        cpu_packed_entry.packed(x[:R], q, sz, tiles, ints | cpu_packed_entry.AMX_TILES)
+        assert np.array_equal(vec.view(np.uint32), tiles.view(np.uint32)), f"{R} rows"
+    one = np.empty((1, 128), np.float32)
+    for r in (0, 3, 5, 6, 36):
+        cpu_packed_entry.packed(x[r:r + 1].copy(), q, sz, one, ints | cpu_packed_entry.AMX_TILES)
+        assert np.array_equal(one[0].view(np.uint32), tiles[r].view(np.uint32)), f"row {r}"
+    assert bool(np.isnan(tiles[5]).all()) and not tiles[3].any()
 
 
 @pytest.mark.parametrize("int8_steps", ["int8", "int16"])

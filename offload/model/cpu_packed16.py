@@ -1,5 +1,5 @@
 """The int4 and int8 products of bf16 activations on the CPU (`offload.model.cpu_packed`'s tiles and order of
-blocks), and `packed`, the entry every caller uses, which chooses between these and cpu_packed's float32 products.
+blocks; their entries and `packed`, which chooses: `offload.model.cpu_packed_entry`).
 
 x is split per group into int16 steps and summed against the codes exactly in int32 (two columns a lane:
 `simd_int.vdot`, AVX-512 VNNI's vpdpwssds, 32 multiply-adds an instruction against float32's 16), then the group's
@@ -36,8 +36,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from offload.model.cpu_packed import _AHEAD, _BLOCK, _int4, _int8, _load4, _scale, _scales, _split, _store4
-from offload.model.simd import LANES, _has, parts, prefetch, prefetch_l2, vfma, vsplat, vzero
+from offload.model.cpu_packed import _AHEAD, _BLOCK, _load4, _scale, _scales, _split, _store4
+from offload.model.simd import LANES, _has, parts, prefetch, prefetch_l2, vfma, vload, vsplat, vstore, vzero
+from offload.model.simd_amx import configure, quad_sums, tile_units, tiles_config, tiles_release
 from offload.model.simd_int import (
     vcodes4,
     vcodes8,
@@ -55,9 +56,6 @@ from offload.model.simd_int import (
 
 #: How a product runs (`kind`, every helper's last argument): int4 / int8 codes by x in int16 pairs, in int8 quads.
 _INT4, _INT8, _INT4_8, _INT8_8 = 0, 1, 2, 3
-#: `packed`'s choices for x (`ints`, bits): float32 products (0), integer steps (INT16_STEPS: int16 against both
-#: widths), int8 steps against int4 codes (| INT4_AS_INT8) and against int8 codes (| INT8_AS_INT8).
-FLOAT32_STEPS, INT16_STEPS, INT4_AS_INT8, INT8_AS_INT8 = 0, 1, 2, 4
 #: Rows of x from which int8 steps meet int4 codes as quads (`vquads4`, `vdot8`); fewer: as int16 pairs, like int16
 #: steps (the same exact sums). 1.7B-shaped int4 matrices (182 MB) from DRAM, a Zen 4, interleaved in one process:
 #: one row, 2 threads, 7.4 ms as pairs and 8.7 as quads (one thread 11.9 and 14.6: the quads' half as many
@@ -66,6 +64,12 @@ FLOAT32_STEPS, INT16_STEPS, INT4_AS_INT8, INT8_AS_INT8 = 0, 1, 2, 4
 #: where the cores have AMX (a 2-core Xeon VM, 570 MB of 1.7B-shaped ones: one row 12.6-12.9 -> 10.1-10.4 ms).
 _QUADS = 2
 _QUADS8 = 1 if _has("amx-int8") else _QUADS
+#: Rows of x from which int8 steps meet the codes on AMX tiles where the process may use them (`packed`: the
+#: same exact sums). 243 MB of 1.7B-shaped int8 (int4: 122 MB) matrices, a 2-core Xeon VM, 2 threads, interleaved,
+#: vectors / tiles: 8 rows 17.9 / 17.0 ms (int4 10.9 / 10.2), 10 23.3 / 17.9 (14.7 / 11.7), 16 28.8 / 20.5 (18.7 /
+#: 14.1), 64 62.3 / 52.8 (66.0 / 44.4). Below 10 a group's sums leaving the tiles (stored, scaled row by row) cost
+#: what the tiles save.
+_TILE_ROWS = 10
 #: Rows of x from which they are split into int16 in parallel.
 _SPLIT_PARALLEL = 16
 #: Rows of x from which a block's codes are converted once per group into a buffer that every four rows read
@@ -95,11 +99,15 @@ def _scale16(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma:
 
 
 @njit(forceinline=True, nogil=True)
-def _close16(A, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma: no cover - compiled
-    """A [64] = `_scale16` of A with a group's sums t."""
-    a0, a1, a2, a3 = _load4(A)
+def _close16(A, i, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma: no cover - compiled
+    """A [i : i + 64] = `_scale16` of them with a group's sums t. (A flat: a row's view A[r] made in the loop costs
+    its reference counts.)"""
+    a0, a1, a2, a3 = vload(A, i), vload(A, i + LANES), vload(A, i + 2 * LANES), vload(A, i + 3 * LANES)
     a0, a1, a2, a3 = _scale16(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, step, xs, kind)
-    _store4(A, a0, a1, a2, a3)
+    vstore(A, i, a0)
+    vstore(A, i + LANES, a1)
+    vstore(A, i + 2 * LANES, a2)
+    vstore(A, i + 3 * LANES, a3)
 
 
 @njit(forceinline=True, nogil=True)
@@ -198,13 +206,13 @@ def _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, 
             kind):  # pragma: no cover - compiled
     """`_close16` of group g for rows r .. r + n - 1 (n <= 4) with their sums t, u, v, s (each four vectors, passed
     one by one: they stay in registers)."""
-    _close16(A[r], t0, t1, t2, t3, S[g], Z[g], step[r, g], xs[r, g], kind)
+    _close16(A, _BLOCK * (r), t0, t1, t2, t3, S[g], Z[g], step[r, g], xs[r, g], kind)
     if n > 1:
-        _close16(A[r + 1], u0, u1, u2, u3, S[g], Z[g], step[r + 1, g], xs[r + 1, g], kind)
+        _close16(A, _BLOCK * (r + 1), u0, u1, u2, u3, S[g], Z[g], step[r + 1, g], xs[r + 1, g], kind)
     if n > 2:
-        _close16(A[r + 2], v0, v1, v2, v3, S[g], Z[g], step[r + 2, g], xs[r + 2, g], kind)
+        _close16(A, _BLOCK * (r + 2), v0, v1, v2, v3, S[g], Z[g], step[r + 2, g], xs[r + 2, g], kind)
     if n > 3:
-        _close16(A[r + 3], s0, s1, s2, s3, S[g], Z[g], step[r + 3, g], xs[r + 3, g], kind)
+        _close16(A, _BLOCK * (r + 3), s0, s1, s2, s3, S[g], Z[g], step[r + 3, g], xs[r + 3, g], kind)
 
 
 @njit(forceinline=True, nogil=True)
@@ -245,7 +253,7 @@ def _direct5(XP, step, xs, r, g, qb, S, Z, half, A, kind):  # pragma: no cover -
         t3, u3, v3, s3 = _dots(t3, u3, v3, s3, c3, xv, yv, zv, wv, kind)
         e0, e1, e2, e3 = _dot(e0, c0, ev, kind), _dot(e1, c1, ev, kind), _dot(e2, c2, ev, kind), _dot(e3, c3, ev, kind)
     _close4(A, r, 4, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, v2, v3, s0, s1, s2, s3, kind)
-    _close16(A[r + 4], e0, e1, e2, e3, S[g], Z[g], step[r + 4, g], xs[r + 4, g], kind)
+    _close16(A, _BLOCK * (r + 4), e0, e1, e2, e3, S[g], Z[g], step[r + 4, g], xs[r + 4, g], kind)
 
 
 @njit(forceinline=True, nogil=True)
@@ -282,29 +290,46 @@ def _dot4_16(XP, step, xs, r, n, g, W, S, Z, A, kind):  # pragma: no cover - com
 
 
 @njit(forceinline=True, nogil=True)
-def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, kind):  # pragma: no cover - compiled
-    """A [R, 64] = block b's outputs for the rows XP (`_tiles16`), its scales into S, Z and (from `_widens` rows) each
-    group's codes into W on the way."""
+def _close_tiles(A, T, R, Sg, Zg, step, xs, g, kind):  # pragma: no cover - compiled
+    """`_close16` of group g for every row from the tiles' sums T (`quad_sums`: 16 rows a tile, 1024 int32 apart)."""
+    for r in range(R):
+        i = (r >> 4) * 1024 + 16 * (r & 15)
+        _close16(A, _BLOCK * r, viload(T, i), viload(T, i + 256), viload(T, i + 512), viload(T, i + 768), Sg, Zg,
+                 step[r, g], xs[r, g], kind)
+
+
+@njit(forceinline=True, nogil=True)
+def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, T, kq, kind):  # pragma: no cover - compiled
+    """A [R, 64] = block b's outputs for the rows XP (`_tiles16`), its scales into S, Z and (from `_widens` rows, or
+    on tiles: kq > 0) each group's codes into W on the way."""
     R, G = A.shape[0], S.shape[0]
     gs = _per(kind) * XP.shape[1] // G
     _scales(sz, b, nb, S, Z, _wide(kind))
     A[:] = 0
     qb = q[b].reshape(q.shape[1] * q.shape[2])
-    if R == 1:  # (decode: its own call, the loop's code stays out of it)
+    A1 = A.reshape(R * _BLOCK)
+    if kq:  # AMX tiles, 16 rows a tile (XP padded to them)
+        half = gs // 4
+        for g in range(G):
+            _widen16(qb, g, half, W, kind)
+            for c in range((R + 15) // 16):
+                quad_sums(XP, 16 * c, g * half, half, kq, W, T, 1024 * c)
+            _close_tiles(A1, T, R, S[g], Z[g], step, xs, g, kind)
+    elif R == 1:  # (decode: its own call, the loop's code stays out of it)
         _direct16(XP[0], step[0], xs[0], qb, S, Z, gs, A[0], kind)
     elif not _widens(R, kind):
         half = gs // _per(kind)
         fours = R - 5 if R % 4 == 1 else R  # (one row over fours: the last five together, not a lone row)
         for g in range(G):
             for r in range(0, fours, 4):
-                _direct4(XP, step, xs, r, min(4, R - r), g, qb, S, Z, half, A, kind)
+                _direct4(XP, step, xs, r, min(4, R - r), g, qb, S, Z, half, A1, kind)
             if fours < R:
-                _direct5(XP, step, xs, fours, g, qb, S, Z, half, A, kind)
+                _direct5(XP, step, xs, fours, g, qb, S, Z, half, A1, kind)
     else:
         for g in range(G):
             _widen16(qb, g, gs // _per(kind), W, kind)
             for r in range(0, R, 4):
-                _dot4_16(XP, step, xs, r, min(4, R - r), g, W, S, Z, A, kind)
+                _dot4_16(XP, step, xs, r, min(4, R - r), g, W, S, Z, A1, kind)
 
 
 @njit(forceinline=True, nogil=True)
@@ -320,7 +345,7 @@ def _split_row(x, r, gs, XP, step, xs, kind, form):  # pragma: no cover - compil
 
 
 @njit(inline="always")  # (its prange must land in each parallel entry; the helpers inline in LLVM, not numba)
-def _tiles16(x, q, sz, out, kind, quads):  # pragma: no cover - compiled
+def _tiles16(x, q, sz, out, kind, quads, amx):  # pragma: no cover - compiled
     """`_tiles` with x in int16 steps (even groups), its rows four at a time: below `_widens` rows against the codes
     as they are read (`_direct4`, one group for every row, then the next), from there against each group's codes
     converted once into a buffer (`_dot4_16`). Integer sums are exact, so every path gives a row the same bits."""
@@ -331,7 +356,9 @@ def _tiles16(x, q, sz, out, kind, quads):  # pragma: no cover - compiled
     form = kind  # below _QUADS rows int8 steps go as int16 pairs: the same integer sums, so the same bits
     if R < quads and _per(kind) == 4:
         form = _INT8 if kind == _INT8_8 else _INT4
-    XP = np.empty((R, K // _per(form)), np.int32)  # x's int16 pairs (int8 quads), a lane unit an int32
+    kq = tile_units(gs // 4) if amx and _per(form) == 4 and R >= _TILE_ROWS else 0
+    XP = np.empty(((R + 15) // 16 * 16 if kq else R, K // _per(form)), np.int32)  # x's int16 pairs (int8 quads), a
+    XP[R:] = 0  # lane unit an int32; on tiles, rows to a whole tile
     step, xs = np.empty((R, G), np.float32), np.empty((R, G), np.float32)
     if R >= _SPLIT_PARALLEL:
         for r in prange(R):
@@ -343,58 +370,14 @@ def _tiles16(x, q, sz, out, kind, quads):  # pragma: no cover - compiled
     for t in prange(shares):  # (one share of blocks a thread, its buffers made once)
         S, Z = np.empty((G, _BLOCK), np.float32), np.empty((G, _BLOCK), np.float32)
         A = np.empty((R, _BLOCK), np.float32)
-        W = np.empty(gs // _per(form) * _BLOCK if _widens(R, form) else 0, np.int32)
+        W = np.empty(gs // _per(form) * _BLOCK if kq or _widens(R, form) else 0, np.int32)
+        T, cfg = np.empty(1024 * ((R + 15) // 16) if kq else 0, np.int32), np.empty(64, np.uint8)
+        if kq:  # (a thread's tiles: configured in the thread)
+            configure(cfg, min(16, R), kq)
+            tiles_config(cfg)
         for b in range(t * share, min(nb, t * share + share)):
-            _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, form)
+            _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, T, kq, form)
             for r in range(R):
                 out[r, b * _BLOCK:(b + 1) * _BLOCK] = A[r]
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _int4_16(x, q, sz, out):  # pragma: no cover - compiled
-    """`_int4` with x in int16 steps (`_tiles16`)."""
-    _tiles16(x, q, sz, out, _INT4, _QUADS)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _int8_16(x, q, sz, out):  # pragma: no cover - compiled
-    """`_int8` with x in int16 steps (`_tiles16`)."""
-    _tiles16(x, q, sz, out, _INT8, _QUADS)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _int4_8(x, q, sz, out):  # pragma: no cover - compiled
-    """`_int4` with x in int8 steps (`_tiles16`, `vquads4`)."""
-    _tiles16(x, q, sz, out, _INT4_8, _QUADS)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _int8_8(x, q, sz, out):  # pragma: no cover - compiled
-    """`_int8` with x in int8 steps (`_tiles16`, `vquads8`)."""
-    _tiles16(x, q, sz, out, _INT8_8, _QUADS8)
-
-
-@njit(nogil=True, cache=True)
-def packed(x, q, sz, out, ints):  # pragma: no cover - compiled
-    """x [R, K] float32 @ int8 or int4 tiles (by their width) -> out [R, rows] float32: for bf16 activations (`ints`
-    not FLOAT32_STEPS) x in integer steps where the groups are even: int8 steps against a width whose bit is set
-    (INT4_AS_INT8, INT8_AS_INT8) where the groups are a multiple of 4, else int16 steps; float32 products otherwise.
-    One numba type for every case: compiled callers choose at run time. Cached like the kernels it calls (their
-    files stamp it: `kernels`): a process's first packed product 3.0 -> 0.8 s with a warm cache."""
-    gs = x.shape[1] // sz.shape[0]
-    wide = q.shape[2] == _BLOCK
-    if ints != FLOAT32_STEPS and gs % 2 == 0:
-        quads = gs % 4 == 0 and (ints & (INT8_AS_INT8 if wide else INT4_AS_INT8)) != 0
-        if wide:
-            if quads:
-                _int8_8(x, q, sz, out)
-            else:
-                _int8_16(x, q, sz, out)
-        elif quads:
-            _int4_8(x, q, sz, out)
-        else:
-            _int4_16(x, q, sz, out)
-    elif wide:
-        _int8(x, q, sz, out)
-    else:
-        _int4(x, q, sz, out)
+        if kq:
+            tiles_release()

@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 ROW_INVARIANT = numba is not None
 #: Which CPU kernels a calibration measured (raised when their speed changes: a calibration of older ones is
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py; `git log -S VERSION` tells each step, from 2:
-#: three-row tiles, to 28: one row by int8 codes as quads where the cores have AMX, `cpu_packed16._QUADS8`).
-VERSION = 28
+#: three-row tiles, to 29: int8 steps on AMX tiles from 10 rows where the process may use them, `simd_amx`).
+VERSION = 29
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
 #: 1.7B shape's four bf16 matrices x 2, one thread: whole rows (64-180 KiB buffers, read from L2) -> 512 columns:
 #: 64 rows 195 -> 150 ms, 9 rows 51 -> 42 ms, 1 row 34 -> 25 ms. In a 1.7B bf16 run (weights from DRAM) 512 is
@@ -55,8 +55,8 @@ VERSION = 28
 _KC = 512
 
 #: The files whose compiled code numba's cache keeps for this package (see `_stamp_kernel_sources`).
-_SOURCES = ("kernels.py", "cpu_bf16.py", "cpu_packed.py", "cpu_packed16.py", "cpu_attention.py", "cpu_elementwise.py",
-            "fused.py", "simd.py", "simd_int.py", "simd_math.py")
+_SOURCES = ("kernels.py", "cpu_bf16.py", "cpu_packed.py", "cpu_packed16.py", "cpu_packed_entry.py", "cpu_attention.py",
+            "cpu_elementwise.py", "fused.py", "simd.py", "simd_int.py", "simd_math.py", "simd_amx.py")
 
 
 def _stamp_kernel_sources() -> None:
@@ -109,8 +109,9 @@ if numba is not None:
     from numba.extending import overload
 
     from offload.model.cpu_bf16 import bf16_bits, rows_bf16
-    from offload.model.cpu_packed16 import FLOAT32_STEPS, INT4_AS_INT8, INT8_AS_INT8, INT16_STEPS, packed
+    from offload.model.cpu_packed_entry import AMX_TILES, FLOAT32_STEPS, INT4_AS_INT8, INT8_AS_INT8, INT16_STEPS, packed
     from offload.model.simd import _avx512, _bits_f32, _f32_bits, parts, prefetch  # noqa: F401 - the fused layer's too
+    from offload.model.simd_amx import granted
 
     _WIDE = _avx512()  # registers for `cpu_bf16._rows3`'s tile (frozen into the compiled code: numba's cache keys
     # on the CPU)
@@ -255,7 +256,7 @@ if numba is not None:
 
     @njit(inline="always")
     def _ints(kind):  # pragma: no cover - compiled
-        """`cpu_packed16.packed`'s `ints` of a packed kind."""
+        """`cpu_packed_entry.packed`'s `ints` of a packed kind."""
         return kind - PACKED_STEPS if kind > PACKED_STEPS else FLOAT32_STEPS
 
     def _product(x, w, sz, out, kind):
@@ -270,8 +271,8 @@ if numba is not None:
         return lambda x, w, sz, out, kind: _dense(x, w, out, kind)
 
 #: The dense kernel's weight kinds (`_widen`) by a dense matrix's dtype; PACKED: a packed matrix's, x in float32;
-#: PACKED_STEPS + `cpu_packed16`'s `ints` bits: x (bf16) in integer steps (`packed_kind`);
-#: DENSE_BF16: a bf16 matrix's with bf16 activations, multiplied as bf16 pairs (`cpu_bf16`; x holds bf16 values).
+#: PACKED_STEPS + `cpu_packed_entry`'s `ints` bits: x (bf16) in integer steps (`packed_kind`); DENSE_BF16: a bf16
+#: matrix's with bf16 activations, multiplied as bf16 pairs (`cpu_bf16`; x holds bf16 values).
 DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is not None else {}
 PACKED, DENSE_BF16, PACKED_STEPS = 3, 5, 8
 #: The steps of bf16 activations against int4 and int8 codes: "int8" or "int16" each (`packed_kind`; config
@@ -292,14 +293,13 @@ def dense_kind(weights: torch.dtype, activations: torch.dtype) -> int:
 
 
 def packed_kind(activations: torch.dtype) -> int:
-    """How a packed matrix multiplies activations of this dtype: bf16 in integer steps (int16 steps: twice float32's
-    multiply-adds an instruction, bf16's 8 significant bits kept wherever an entry is within 2^7 of its group's
-    largest; int8 steps by default, `use_activations`), float32 and fp16 (11 significant
-    bits, more than the steps keep) in float32."""
+    """How a packed matrix multiplies activations of this dtype: bf16 in integer steps (int16: bf16's 8 significant
+    bits kept wherever an entry is within 2^7 of its group's largest; int8 by default, `use_activations`; on AMX
+    tiles where granted), float32 and fp16 (11 significant bits, more than the steps keep) in float32."""
     if activations != torch.bfloat16:
         return PACKED
     return (PACKED_STEPS + INT16_STEPS + (INT4_AS_INT8 if ACTIVATIONS["int4"] == "int8" else 0)
-            + (INT8_AS_INT8 if ACTIVATIONS["int8"] == "int8" else 0))
+            + (INT8_AS_INT8 if ACTIVATIONS["int8"] == "int8" else 0) + (AMX_TILES if granted() else 0))
 NO_SCALES = np.zeros((0, 1, 2), np.uint16)  # the scales argument of a dense (not int8) product
 
 

@@ -1,0 +1,175 @@
+"""Intel AMX tiles as numba intrinsics, for exact integer products of many rows (`offload.model.cpu_packed16`).
+
+A tile is up to 16 rows of up to 64 bytes in one of eight tile registers; `tile_dpbsud(c, a, b)` adds to each int32
+c[m, n] the products of row m of a (int8, signed) and column n of b (uint8 quads: row k of b holds, for 16 columns,
+the bytes of inputs 4k .. 4k + 3), 1024 multiply-adds an instruction at 16 rows, exact in int32 like AVX-512 VNNI's
+vpdpbusd. An integer sum has no order, so a product run on tiles has the bits of the same product run on vectors:
+the kernels choose tiles by the rows they multiply and every row keeps the bits it has alone.
+
+    tiles_config(cfg)                   load the shapes (`configure` writes the 64-byte record) for this thread
+    tiles_release()                     give the tiles back (the thread's AMX state cleared)
+    tile_zero(t)                        tile t = 0
+    tile_load(t, a, at, stride)         tile t = the rows at byte `at` of array a, `stride` bytes apart
+    tile_store(t, a, at, stride)        the other way
+    tile_dpbsud(c, a, b)                c += a (int8 rows) . b (uint8 quads), exact in int32
+
+Tile numbers are compile-time constants. Linux lends a process the tiles' 8 KiB of state only when asked
+(`granted`: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)); before that the first tile instruction is SIGILL, so the
+callers pass whether it was granted at run time. Where numba's CPU has no AMX the intrinsics compile to nothing
+(`AMX` is False and no caller runs them). Bounds are the caller's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import sys
+
+import llvmlite.ir as ir
+from numba import njit
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from offload.model.simd import _has, _x86
+
+#: Does numba compile for cores with AMX tiles and their int8 products?
+AMX = _x86() and _has("amx-tile") and _has("amx-int8")
+_I8, _I64 = ir.IntType(8), ir.IntType(64)
+_P = ir.PointerType(_I8)
+_VOID = ir.VoidType()
+#: arch_prctl's request for a permission and the tiles' data component (linux/arch/x86/include/uapi/asm/prctl.h).
+_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+_granted: list[bool] = []
+
+
+def granted() -> bool:
+    """May this process run tile instructions? Asks Linux once (x86-64 with AMX only); False elsewhere or if refused."""
+    if not _granted:
+        ok = False
+        if AMX and sys.platform == "linux" and platform.machine().lower() in ("x86_64", "amd64"):
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                ok = libc.syscall(_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+            except (OSError, AttributeError):
+                ok = False
+        _granted.append(ok)
+    return _granted[0]
+
+
+def _call(builder, name, args, types_):
+    if AMX:  # (never run where not: `granted` is False there)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VOID, types_), name)
+        builder.call(fn, args)
+
+
+def _byte_ptr(context, builder, aty, a, at):
+    return builder.gep(builder.bitcast(context.make_array(aty)(context, builder, a).data, _P), [at])
+
+
+def _literal(*ts) -> bool:
+    return all(isinstance(t, types.IntegerLiteral) for t in ts)
+
+
+@intrinsic
+def tiles_config(typingctx, cfg):  # pragma: no cover - compiled
+    """ldtilecfg of the 64-byte record cfg (uint8)."""
+    def codegen(context, builder, sig, args):
+        _call(builder, "llvm.x86.ldtilecfg", [_byte_ptr(context, builder, sig.args[0], args[0], ir.Constant(_I64, 0))],
+              [_P])
+        return context.get_dummy_value()
+    return types.none(cfg), codegen
+
+
+@intrinsic
+def tiles_release(typingctx):  # pragma: no cover - compiled
+    def codegen(context, builder, sig, args):
+        _call(builder, "llvm.x86.tilerelease", [], [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@intrinsic
+def tile_zero(typingctx, t):  # pragma: no cover - compiled
+    if not _literal(t):
+        return None
+
+    def codegen(context, builder, sig, args):
+        _call(builder, "llvm.x86.tilezero", [ir.Constant(_I8, t.literal_value)], [_I8])
+        return context.get_dummy_value()
+    return types.none(t), codegen
+
+
+def _moves(name):
+    def move(typingctx, t, a, at, stride):  # pragma: no cover - compiled
+        if not _literal(t):
+            return None
+
+        def codegen(context, builder, sig, args):
+            at_, stride_ = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[2:], sig.args[2:]))
+            _call(builder, name, [ir.Constant(_I8, t.literal_value),
+                                  _byte_ptr(context, builder, sig.args[1], args[1], at_), stride_], [_I8, _P, _I64])
+            return context.get_dummy_value()
+        return types.none(t, a, at, stride), codegen
+    return intrinsic(move)
+
+
+tile_load = _moves("llvm.x86.tileloadd64")
+tile_store = _moves("llvm.x86.tilestored64")
+
+
+@intrinsic
+def tile_dpbsud(typingctx, c, a, b):  # pragma: no cover - compiled
+    if not _literal(c, a, b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        _call(builder, "llvm.x86.tdpbsud", [ir.Constant(_I8, v.literal_value) for v in (c, a, b)], [_I8] * 3)
+        return context.get_dummy_value()
+    return types.none(c, a, b), codegen
+
+
+@njit(inline="always")
+def configure(cfg, rows, kq):  # pragma: no cover - compiled
+    """cfg [64] uint8 = the shapes `quad_sums` uses: tiles 0-3 the sums (rows x 16 int32), 4 x (rows x kq quads),
+    5-7 the codes (kq rows of 16 quads)."""
+    cfg[:] = 0
+    cfg[0] = 1  # palette 1
+    for t in range(8):
+        colsb = 4 * kq if t == 4 else 64
+        cfg[16 + 2 * t] = colsb & 255
+        cfg[17 + 2 * t] = colsb >> 8
+        cfg[48 + t] = kq if t >= 5 else rows
+
+
+@njit(inline="always")
+def quad_sums(XP, r, p0, half, kq, W, T, at):  # pragma: no cover - compiled
+    """T [at : at + 4 * 16 * 16] int32 = for rows r .. r + 15 of XP (int8 quads, an int32 a quad; the tiles' rows as
+    `configure`d) and 64 outputs, the exact sums over lane units p0 .. p0 + half - 1 of x against the codes W
+    [half * 64] int32 (`cpu_packed16._widen16`'s buffer: unit i's quads for outputs 16v .. 16v + 15 at 64 i + 16 v).
+    kq: units a tile (half, or 16 when half is a multiple of it)."""
+    tile_zero(0)
+    tile_zero(1)
+    tile_zero(2)
+    tile_zero(3)
+    xstride = 4 * XP.shape[1]
+    for i in range(0, half, kq):
+        tile_load(4, XP, r * xstride + 4 * (p0 + i), xstride)
+        tile_load(5, W, 256 * i, 256)
+        tile_load(6, W, 256 * i + 64, 256)
+        tile_load(7, W, 256 * i + 128, 256)
+        tile_dpbsud(0, 4, 5)
+        tile_dpbsud(1, 4, 6)
+        tile_dpbsud(2, 4, 7)
+        tile_load(5, W, 256 * i + 192, 256)  # (tiles are not renamed: the fourth waits for the first's product)
+        tile_dpbsud(3, 4, 5)
+    tile_store(0, T, 4 * at, 64)
+    tile_store(1, T, 4 * at + 1024, 64)
+    tile_store(2, T, 4 * at + 2048, 64)
+    tile_store(3, T, 4 * at + 3072, 64)
+
+
+@njit(inline="always")
+def tile_units(half):  # pragma: no cover - compiled
+    """Lane units a tile takes for a group of `half` (0: tiles do not fit the group: > 16 and not a multiple)."""
+    return half if half <= 16 else (16 if half % 16 == 0 else 0)
+
