@@ -99,12 +99,14 @@ def test_bf16_products_of_bf16_activations_round_as_pairs_and_rows_keep_their_bi
     g = torch.Generator().manual_seed(K)
     x = torch.randn(11, K, generator=g).to(torch.bfloat16)
     w = (torch.randn(37, K, generator=g) * 3).to(torch.bfloat16)
-    assert kernels.dense_kind(torch.bfloat16, torch.bfloat16) == kernels.DENSE_BF16
+    tiles = simd_amx.bf16_tiles()  # (where the process may use AMX tiles every bf16 product runs on them: below)
+    assert kernels.dense_kind(torch.bfloat16, torch.bfloat16) == (kernels.DENSE_BF16_TILES if tiles else
+                                                                  kernels.DENSE_BF16)
     assert kernels.dense_kind(torch.bfloat16, torch.float32) == kernels.DENSE_KIND[torch.bfloat16]
 
-    def product(v: torch.Tensor) -> torch.Tensor:
+    def product(v: torch.Tensor, kind: int = kernels.DENSE_BF16) -> torch.Tensor:
         out = torch.empty(v.shape[0], w.shape[0])
-        kernels._dense(v.float().numpy(), kernels._as_numpy(w), out.numpy(), kernels.DENSE_BF16)
+        kernels._dense(v.float().numpy(), kernels._as_numpy(w), out.numpy(), kind)
         return out
 
     full = product(x)
@@ -122,7 +124,34 @@ def test_bf16_products_of_bf16_activations_round_as_pairs_and_rows_keep_their_bi
                                   min(n + 13, w.shape[0]), wide)
             assert torch.equal(out.view(torch.int32), full[:rows].view(torch.int32)), f"wide {wide}, rows {rows}"
     # the public product rounds the same sums to bf16
-    assert torch.equal(kernels.dense_linear(x, w), full.to(torch.bfloat16))
+    assert torch.equal(kernels.dense_linear(x, w), product(x, kernels.dense_kind(w.dtype, x.dtype)).to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not simd_amx.bf16_tiles(), reason="needs AMX tiles (x86-64 Linux, AMX-BF16)")
+@pytest.mark.parametrize("K", [576, 583, 2048, 17, 64, 40])
+def test_bf16_products_on_amx_tiles_are_exact_sums_rounded_and_rows_keep_their_bits(K):
+    """Where the process may use AMX tiles every bf16-by-bf16 product runs on them (`cpu_bf16_tiles`), one row of x
+    as many: each output within float32's rounding of the exact sum, and a row the same bits in every pass size and
+    offset (1-10 rows, and 33 / 40 across tiles of 16 rows), with output rows no multiple of 16 (a last partial tile)
+    and K no multiple of 32 (a narrower last tile, an odd last column)."""
+    g = torch.Generator().manual_seed(K)
+    x = (torch.randn(40, K, generator=g) * 4).to(torch.bfloat16)
+    w = torch.randn(70, K, generator=g).to(torch.bfloat16)
+    full = kernels.dense_linear(x, w).float()
+    out = torch.empty(40, 70)
+    kernels._dense(x.float().numpy(), kernels._as_numpy(w), out.numpy(), kernels.DENSE_BF16_TILES)
+    assert torch.equal(full, out.to(torch.bfloat16).float())
+    exact = x.double() @ w.double().T
+    bound = (x.double().abs() @ w.double().abs().T) * 2.0 ** -22  # a few float32 roundings of the sum's terms
+    assert bool(((out.double() - exact).abs() <= bound).all()), (out.double() - exact).abs().max()
+    for rows in range(1, 11):
+        for start in range(11 - rows + 1):
+            part = torch.empty(rows, 70)
+            kernels._dense(x[start:start + rows].float().numpy(), kernels._as_numpy(w), part.numpy(),
+                           kernels.DENSE_BF16_TILES)
+            assert torch.equal(part.view(torch.int32), out[start:start + rows].view(torch.int32)), (start, rows)
+    for start, end in ((0, 33), (7, 40)):
+        assert torch.equal(kernels.dense_linear(x[start:end], w).float(), full[start:end])
 
 
 @pytest.mark.parametrize("K,group", [(576, 64), (2048, 128), (40, 20)])
@@ -179,8 +208,8 @@ def test_amx_tiles_are_asked_for_once_and_configured_for_the_sums_codes_and_rows
     """Where the process may use AMX tiles (`simd_amx.granted`: x86-64 Linux with AMX, asked once) packed kinds of
     bf16 activations carry AMX_TILES, nowhere else; the tile record `quad_sums` loads: palette 1, four sum tiles of
     the rows by 16 int32, x's tile of the rows by the group's quads, three code tiles of the quads' rows."""
-    ok = simd_amx.granted()
-    assert ok is simd_amx.granted() and (not ok or simd_amx.AMX)
+    ok = simd_amx.int8_tiles()
+    assert simd_amx.granted() is simd_amx.granted() and (not ok or simd_amx.AMX)
     ints = kernels.packed_kind(torch.bfloat16) - kernels.PACKED_STEPS
     assert bool(ints & cpu_packed_entry.AMX_TILES) == ok and kernels.packed_kind(torch.float32) == kernels.PACKED
     cfg = np.full(64, 7, np.uint8)
@@ -191,7 +220,7 @@ def test_amx_tiles_are_asked_for_once_and_configured_for_the_sums_codes_and_rows
     assert [simd_amx.tile_units(h) for h in (8, 16, 24, 32)] == [8, 16, 0, 16]
 
 
-@pytest.mark.skipif(not simd_amx.granted(), reason="needs AMX tiles (x86-64 Linux, AMX-INT8)")
+@pytest.mark.skipif(not simd_amx.int8_tiles(), reason="needs AMX tiles (x86-64 Linux, AMX-INT8)")
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("K,group", [(512, 64), (512, 32), (1024, 128), (576, 96)])
 def test_amx_tiles_give_each_row_the_bits_of_the_vector_products(bits, K, group):

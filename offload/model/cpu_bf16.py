@@ -8,6 +8,7 @@ and no conversions; two fused multiply-adds where the CPU lacks it, the same bit
 order, so every output is one fixed sequence of roundings whatever the batch, the row's neighbours or the thread
 that computes it. `_rows1` takes one weight row at a time (a one-row product: bound by memory); products of more
 rows take several weight rows side by side, as many as the CPU's registers hold (`rows_bf16`); all round alike.
+Where the process may use AMX tiles every bf16 product runs on them instead (`cpu_bf16_tiles`, another order).
 """
 
 from __future__ import annotations

@@ -24,13 +24,15 @@ Knows nothing about models, tiers or files.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
 
 import numpy as np
 import torch
+
+from offload.model.kernel_stamp import SOURCES as _SOURCES  # noqa: F401 - the files a cached kernel is stamped with
+from offload.model.kernel_stamp import stamp_kernel_sources
 
 try:  # an install dependency; its absence only costs row invariance and the verify pass's speed
     import numba
@@ -46,7 +48,7 @@ log = logging.getLogger(__name__)
 ROW_INVARIANT = numba is not None
 #: Which CPU kernels a calibration measured (raised when their speed changes: a calibration of older ones is
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py; `git log -S VERSION` tells each step, from 2:
-#: three-row tiles, to 29: int8 steps on AMX tiles from 10 rows where the process may use them, `simd_amx`).
+#: three-row tiles, to 29: bf16 products, and int8 steps from 10 rows, on AMX tiles where granted, `simd_amx`).
 VERSION = 29
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
 #: 1.7B shape's four bf16 matrices x 2, one thread: whole rows (64-180 KiB buffers, read from L2) -> 512 columns:
@@ -54,41 +56,10 @@ VERSION = 29
 #: best too: a decode layer 7.9 / 10.0 / 11.5 ms at 512 / 1024 / 2048.
 _KC = 512
 
-#: The files whose compiled code numba's cache keeps for this package (see `_stamp_kernel_sources`).
-_SOURCES = ("kernels.py", "cpu_bf16.py", "cpu_packed.py", "cpu_packed16.py", "cpu_packed_entry.py", "cpu_attention.py",
-            "cpu_elementwise.py", "fused.py", "simd.py", "simd_int.py", "simd_math.py", "simd_amx.py")
-
-
-def _stamp_kernel_sources() -> None:
-    """numba checks a cached function against its own file only, and a function's cache holds the kernels it calls
-    compiled in: after a change to cpu_packed.py alone (a `git pull` touching only it) the fused layer would keep
-    running the old packed kernels from its cache. Every cached function of this package's kernels is stamped with all
-    their files instead. (numba's locator API is private: where it differs, only this guard is lost.)"""
-    from numba.core import caching
-    mixin = getattr(caching, "_SourceFileBackedLocatorMixin", None)
-    if mixin is None or getattr(mixin.get_source_stamp, "offload", False):
-        return
-    here = os.path.dirname(os.path.abspath(__file__))
-    digest = hashlib.sha256()
-    try:
-        for name in _SOURCES:
-            with open(os.path.join(here, name), "rb") as f:
-                digest.update(f.read())
-    except OSError:  # not files on a disk (a zipped install): numba does not cache there either
-        return
-    stamp_all, own = digest.hexdigest(), mixin.get_source_stamp
-
-    def get_source_stamp(self):
-        stamp = own(self)
-        return (stamp, stamp_all) if os.path.dirname(os.path.abspath(self._py_file)) == here else stamp
-    get_source_stamp.offload = True
-    mixin.get_source_stamp = get_source_stamp
-
-
 if numba is not None:
     import llvmlite.binding as llvm_binding
 
-    _stamp_kernel_sources()
+    stamp_kernel_sources()
 
     # A row's bits must not depend on which loop computes it: `_dot8` (one row) and `_dot8x3` (three rows at once)
     # each reduce along k in VF lanes, then sum the lanes, then add the tail in order. LLVM picks the interleave
@@ -109,9 +80,10 @@ if numba is not None:
     from numba.extending import overload
 
     from offload.model.cpu_bf16 import bf16_bits, rows_bf16
+    from offload.model.cpu_bf16_tiles import products_tiles
     from offload.model.cpu_packed_entry import AMX_TILES, FLOAT32_STEPS, INT4_AS_INT8, INT8_AS_INT8, INT16_STEPS, packed
     from offload.model.simd import _avx512, _bits_f32, _f32_bits, parts, prefetch  # noqa: F401 - the fused layer's too
-    from offload.model.simd_amx import granted
+    from offload.model.simd_amx import bf16_tiles, int8_tiles
 
     _WIDE = _avx512()  # registers for `cpu_bf16._rows3`'s tile (frozen into the compiled code: numba's cache keys
     # on the CPU)
@@ -228,6 +200,9 @@ if numba is not None:
         R, K = x.shape
         N = w.shape[0]
         share, shares = parts(N, 8)  # (one contiguous share of rows a thread)
+        if kind == DENSE_BF16_TILES:  # bf16 x and w on AMX tiles (`cpu_bf16_tiles`), every row count alike
+            products_tiles(x, w, out)
+            return
         if kind == DENSE_BF16:  # bf16 x and w: multiplied as bf16 pairs (`cpu_bf16`)
             xb = bf16_bits(x)
             for t in prange(shares):
@@ -272,9 +247,10 @@ if numba is not None:
 
 #: The dense kernel's weight kinds (`_widen`) by a dense matrix's dtype; PACKED: a packed matrix's, x in float32;
 #: PACKED_STEPS + `cpu_packed_entry`'s `ints` bits: x (bf16) in integer steps (`packed_kind`); DENSE_BF16: a bf16
-#: matrix's with bf16 activations, multiplied as bf16 pairs (`cpu_bf16`; x holds bf16 values).
+#: matrix's with bf16 activations, multiplied as bf16 pairs (`cpu_bf16`; x holds bf16 values), DENSE_BF16_TILES: on
+#: AMX tiles where the process may use them (`cpu_bf16_tiles`).
 DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is not None else {}
-PACKED, DENSE_BF16, PACKED_STEPS = 3, 5, 8
+PACKED, DENSE_BF16, DENSE_BF16_TILES, PACKED_STEPS = 3, 5, 6, 8
 #: The steps of bf16 activations against int4 and int8 codes: "int8" or "int16" each (`packed_kind`; config
 #: `weights.int4_activations` / `int8_activations`, set for the process by each executor built).
 ACTIVATIONS = {"int4": "int8", "int8": "int8"}
@@ -288,8 +264,10 @@ def use_activations(int4: str, int8: str) -> None:
 
 def dense_kind(weights: torch.dtype, activations: torch.dtype) -> int:
     """How `_dense` multiplies a dense matrix by activations of this dtype: bf16 by bf16 in pairs (no widening, the
-    products exact), anything else widened to float32 (`_widen`)."""
-    return DENSE_BF16 if weights == activations == torch.bfloat16 else DENSE_KIND[weights]
+    products exact; on AMX tiles where granted), anything else widened to float32 (`_widen`)."""
+    if weights == activations == torch.bfloat16:
+        return DENSE_BF16_TILES if bf16_tiles() else DENSE_BF16
+    return DENSE_KIND[weights]
 
 
 def packed_kind(activations: torch.dtype) -> int:
@@ -299,7 +277,7 @@ def packed_kind(activations: torch.dtype) -> int:
     if activations != torch.bfloat16:
         return PACKED
     return (PACKED_STEPS + INT16_STEPS + (INT4_AS_INT8 if ACTIVATIONS["int4"] == "int8" else 0)
-            + (INT8_AS_INT8 if ACTIVATIONS["int8"] == "int8" else 0) + (AMX_TILES if granted() else 0))
+            + (INT8_AS_INT8 if ACTIVATIONS["int8"] == "int8" else 0) + (AMX_TILES if int8_tiles() else 0))
 NO_SCALES = np.zeros((0, 1, 2), np.uint16)  # the scales argument of a dense (not int8) product
 
 

@@ -1,4 +1,5 @@
-"""Intel AMX tiles as numba intrinsics, for exact integer products of many rows (`offload.model.cpu_packed16`).
+"""Intel AMX tiles as numba intrinsics: int8 products of many rows (`offload.model.cpu_packed16`), bf16 products of
+any number of rows (`offload.model.cpu_bf16_tiles`).
 
 A tile is up to 16 rows of up to 64 bytes in one of eight tile registers; `tile_dpbsud(c, a, b)` adds to each int32
 c[m, n] the products of row m of a (int8, signed) and column n of b (uint8 quads: row k of b holds, for 16 columns,
@@ -12,6 +13,7 @@ the kernels choose tiles by the rows they multiply and every row keeps the bits 
     tile_load(t, a, at, stride)         tile t = the rows at byte `at` of array a, `stride` bytes apart
     tile_store(t, a, at, stride)        the other way
     tile_dpbsud(c, a, b)                c += a (int8 rows) . b (uint8 quads), exact in int32
+    tile_dpbf16ps(c, a, b)              c += a (bf16 pairs) . b (bf16 pairs), float32 (`cpu_bf16_tiles`)
 
 Tile numbers are compile-time constants. Linux lends a process the tiles' 8 KiB of state only when asked
 (`granted`: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)); before that the first tile instruction is SIGILL, so the
@@ -22,6 +24,7 @@ callers pass whether it was granted at run time. Where numba's CPU has no AMX th
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import sys
 
@@ -32,8 +35,9 @@ from numba.extending import intrinsic
 
 from offload.model.simd import _has, _x86
 
-#: Does numba compile for cores with AMX tiles and their int8 products?
-AMX = _x86() and _has("amx-tile") and _has("amx-int8")
+#: Does numba compile for cores with AMX tiles, and with their int8 and bf16 products?
+AMX = _x86() and _has("amx-tile")
+AMX_INT8, AMX_BF16 = AMX and _has("amx-int8"), AMX and _has("amx-bf16")
 _I8, _I64 = ir.IntType(8), ir.IntType(64)
 _P = ir.PointerType(_I8)
 _VOID = ir.VoidType()
@@ -43,10 +47,12 @@ _granted: list[bool] = []
 
 
 def granted() -> bool:
-    """May this process run tile instructions? Asks Linux once (x86-64 with AMX only); False elsewhere or if refused."""
+    """May this process run tile instructions? Asks Linux once (x86-64 with AMX only); False elsewhere, if refused,
+    or with OFFLOAD_AMX=0 in the environment (the vector kernels then: to compare, or to rule the tiles out)."""
     if not _granted:
         ok = False
-        if AMX and sys.platform == "linux" and platform.machine().lower() in ("x86_64", "amd64"):
+        if AMX and os.environ.get("OFFLOAD_AMX", "1") != "0" and sys.platform == "linux" \
+                and platform.machine().lower() in ("x86_64", "amd64"):
             try:
                 libc = ctypes.CDLL(None, use_errno=True)
                 ok = libc.syscall(_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
@@ -56,8 +62,18 @@ def granted() -> bool:
     return _granted[0]
 
 
-def _call(builder, name, args, types_):
-    if AMX:  # (never run where not: `granted` is False there)
+def int8_tiles() -> bool:
+    """May int8 products run on tiles in this process?"""
+    return AMX_INT8 and granted()
+
+
+def bf16_tiles() -> bool:
+    """May bf16 products run on tiles in this process?"""
+    return AMX_BF16 and granted()
+
+
+def _call(builder, name, args, types_, present=True):
+    if AMX and present:  # (never run where not: `granted` is False there, the products' flags are)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VOID, types_), name)
         builder.call(fn, args)
 
@@ -123,7 +139,20 @@ def tile_dpbsud(typingctx, c, a, b):  # pragma: no cover - compiled
         return None
 
     def codegen(context, builder, sig, args):
-        _call(builder, "llvm.x86.tdpbsud", [ir.Constant(_I8, v.literal_value) for v in (c, a, b)], [_I8] * 3)
+        _call(builder, "llvm.x86.tdpbsud", [ir.Constant(_I8, v.literal_value) for v in (c, a, b)], [_I8] * 3,
+              AMX_INT8)
+        return context.get_dummy_value()
+    return types.none(c, a, b), codegen
+
+
+@intrinsic
+def tile_dpbf16ps(typingctx, c, a, b):  # pragma: no cover - compiled
+    if not _literal(c, a, b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        _call(builder, "llvm.x86.tdpbf16ps", [ir.Constant(_I8, v.literal_value) for v in (c, a, b)], [_I8] * 3,
+              AMX_BF16)
         return context.get_dummy_value()
     return types.none(c, a, b), codegen
 

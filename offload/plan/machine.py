@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 #: The CPU features the kernels' paths and speeds follow: AVX2 / AVX-512 vector widths, AVX-512 BF16's vdpbf16ps
-#: (`offload.model.cpu_bf16`), VNNI's vpdpwssds (`offload.model.cpu_packed16`), and AMX (torch's bf16 GEMMs).
+#: (`offload.model.cpu_bf16`), VNNI's vpdpwssds (`offload.model.cpu_packed16`), and AMX (`offload.model.simd_amx`).
 SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
 
 
