@@ -16,9 +16,9 @@ the kernels choose tiles by the rows they multiply and every row keeps the bits 
     tile_dpbf16ps(c, a, b)              c += a (bf16 pairs) . b (bf16 pairs), float32 (`cpu_bf16_tiles`)
 
 Tile numbers are compile-time constants. Linux lends a process the tiles' 8 KiB of state only when asked
-(`granted`: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)); before that the first tile instruction is SIGILL, so the
-callers pass whether it was granted at run time. Where numba's CPU has no AMX the intrinsics compile to nothing
-(`AMX` is False and no caller runs them). Bounds are the caller's.
+(`granted`: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA), asked when this module loads); before that the first tile
+instruction is SIGILL, so the callers pass whether it was granted at run time. Where numba's CPU has no AMX the
+intrinsics compile to nothing (`AMX` is False and no caller runs them). Bounds are the caller's.
 """
 
 from __future__ import annotations
@@ -202,3 +202,6 @@ def tile_units(half):  # pragma: no cover - compiled
     """Lane units a tile takes for a group of `half` (0: tiles do not fit the group: > 16 and not a multiple)."""
     return half if half <= 16 else (16 if half % 16 == 0 else 0)
 
+
+
+granted()  # (asked as the kernels load: any kind a caller holds was chosen in a process that may use the tiles)
