@@ -29,7 +29,7 @@ from offload.plan.calibrate import calibrate  # noqa: E402
 from offload.plan.planner import resolve_capacities  # noqa: E402
 from offload.plan.speculative import MAX_AUTO_TOKENS, PLAN_ALPHA  # noqa: E402
 from offload.runtime.runner import Runner  # noqa: E402
-from offload.runtime.speculative import auto_gain, target_config  # noqa: E402
+from offload.runtime.speculative import auto_gain  # noqa: E402
 from scripts.machine import Result, load  # noqa: E402
 from scripts.trained_model import ensure_trained_model  # noqa: E402
 
@@ -69,7 +69,7 @@ def main() -> None:
         fixed = run(base | {"speculative": {"draft": draft, "tokens": 4}}, args.new)
         auto = run(base | {"speculative": {"draft": draft, "tokens": "auto"}}, args.new)
         config = OffloadConfig.load(base | {"speculative": {"draft": draft, "tokens": "auto"}})
-        gain = auto_gain(target_config(config), cfg, torch.bfloat16, torch.device("cpu"),
+        gain = auto_gain(config, cfg, torch.bfloat16, torch.device("cpu"),
                          resolve_capacities(config.tiers, torch.device("cpu")))
         best = max(range(1, MAX_AUTO_TOKENS + 1), key=lambda k: gain.at(PLAN_ALPHA, k).speedup)  # (even < 1x)
         row = {"draft": draft, "plan_draft_ms": 1000 * gain.t_draft, "plan_step_ms": 1000 * gain.t_alone,

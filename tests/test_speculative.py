@@ -241,6 +241,28 @@ def test_auto_tokens_follow_what_the_run_measures():
     assert spec.tokens() == 1
 
 
+def test_auto_tokens_time_a_draft_token_not_a_prompt_a_catching_up_or_a_first_use(tiny_llama, tmp_path):
+    """The draft's pass time `tokens: auto` weighs is a draft token's: a prompt's prefill (SmolLM2-135M's 64 tokens
+    took 270-560 ms, 30-60 draft passes' worth, and auto stayed plain from it) and a catching up on more than a step's
+    own two tokens are not timed, nor the first pass (its kernels' first use); nor the target's first verify pass."""
+    cfg = run_config(tiny_llama, kv_cache={"gpu_blocks": 32}, calibration=calibration(tmp_path / "fast.json", 20.0),
+                     speculative={"draft": "self-int8", "tokens": "auto"})  # (a draft the plan keeps)
+    with Runner.from_config(cfg) as r:
+        spec = r.speculator
+        passes, forward = [], spec.draft.forward
+
+        def counted(batch):
+            passes.append(max(len(t) for t in batch.tokens))
+            return forward(batch)
+        spec.draft.forward = counted
+        verified = []
+        timed_verify = spec.timed_verify
+        spec.timed_verify = lambda seconds, k: (verified.append(k), timed_verify(seconds, k))
+        r.generate([list(range(1, 40))], max_new_tokens=12, stop_on_eos=False)
+    assert passes[0] >= 30 and spec.draft_passes == sum(n <= 2 for n in passes) - 1 > 0
+    assert spec.verify_passes == len(verified) - 1 > 0
+
+
 def test_auto_tokens_never_probe_a_draft_slower_than_the_target():
     spec = Speculator(draft=None, tokens=None, timeline=Timeline(enabled=False))
     spec.draft_s, spec.draft_passes, spec.verify_s, spec.verify_passes = 12.0, 10, 10.0, 16  # draft 1.2x a pass

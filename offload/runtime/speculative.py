@@ -133,6 +133,7 @@ class Speculator:
         self.verify_s = 0.0  # seconds in target passes that verified drafts (normalised to a plain pass)
         self.verify_passes = 0
         self.choice: SpecPrediction | None = None  # the last automatic choice
+        self.warm: set[str] = set()  # the passes timed once already (`_warm`)
         self.tree_wins = 0  # tree mode: steps whose longest accepted branch was not the draft's first choice
         # output -> (branches of drafts, their draft sequences, q of a sampled chain, context length)
         self._step: dict[int, tuple[list[list[int]], list[int], torch.Tensor | None, int]] = {}
@@ -182,8 +183,9 @@ class Speculator:
 
     def timed_verify(self, seconds: float, k: int) -> None:
         """The target's verify pass took `seconds` with chains of up to `k` drafts."""
-        self.verify_s += seconds / self.verify_cost(k)
-        self.verify_passes += 1
+        if self._warm("verify"):
+            self.verify_s += seconds / self.verify_cost(k)
+            self.verify_passes += 1
 
     # -- proposing ----------------------------------------------------------------------------
     def propose(self, rows: list[tuple[Any, Any]], width: int = 1) -> list[list[list[int]]]:
@@ -219,7 +221,8 @@ class Speculator:
                 feed = {(i, 0): self._unseen(*rows[i]) for i in active}
                 for j in range(max(ks)):
                     live = [(i, b) for i in active if ks[i] > j for b in range(len(lanes[i]))]
-                    logits = self._draft_pass([lanes[i][b] for i, b in live], [feed[i, b] for i, b in live])
+                    logits = self._draft_pass([lanes[i][b] for i, b in live], [feed[i, b] for i, b in live],
+                                              all(len(feed[i, b]) <= 2 for i, b in live))
                     if j == 0 and width > 1:
                         self._widen(rows, live, logits, lanes, branches, qs, feed, width, ks)
                         continue
@@ -267,7 +270,7 @@ class Speculator:
         firsts = [(sid, p) for sid, p in firsts if p]
         if firsts:
             for chunk in self.draft.prefill_chunks([s for s, _ in firsts], [p for _, p in firsts]):
-                self._draft_pass([s for s, _, _ in chunk], [t for _, t, _ in chunk])
+                self._draft_pass([s for s, _, _ in chunk], [t for _, t, _ in chunk], timed=False)
         for req, outs in new.values():
             for o in outs[1:]:
                 o.draft_sid = kv.fork(outs[0].draft_sid, draft_tokens(req))
@@ -277,12 +280,24 @@ class Speculator:
         context = req.prompt + o.token_ids
         return context[self._kv().length(o.draft_sid) :]
 
-    def _draft_pass(self, sids: list[int], tokens: list[list[int]]) -> torch.Tensor:
+    def _draft_pass(self, sids: list[int], tokens: list[list[int]], timed: bool = True) -> torch.Tensor:
+        """The draft's pass; `timed`: counted as a draft token's, but for the first (its kernels' first use). Not
+        timed: a prompt's prefill, and a catching up on more than a step's own two tokens (its last draft's and
+        the target's) after plain steps: SmolLM2-135M, a 64-token prompt's pass took 270-560 ms, 30-60 draft
+        passes' worth, and 16 tokens' 40 ms; `tokens: auto` took drafting for hopeless from them and stayed plain."""
         t0 = time.perf_counter()
         logits = self.draft.forward(ForwardBatch.last(sids, tokens))
-        self.draft_s += time.perf_counter() - t0
-        self.draft_passes += 1
+        if timed and self._warm("draft"):
+            self.draft_s += time.perf_counter() - t0
+            self.draft_passes += 1
         return logits
+
+    def _warm(self, passes: str) -> bool:
+        """Were `passes` ("draft", "verify") timed before? The first of each is left out of their means."""
+        if passes in self.warm:
+            return True
+        self.warm.add(passes)
+        return False
 
     @staticmethod
     def _pick(rows: list[tuple[Any, Any]], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
