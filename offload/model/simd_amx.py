@@ -133,28 +133,20 @@ tile_load = _moves("llvm.x86.tileloadd64")
 tile_store = _moves("llvm.x86.tilestored64")
 
 
-@intrinsic
-def tile_dpbsud(typingctx, c, a, b):  # pragma: no cover - compiled
-    if not _literal(c, a, b):
-        return None
+def _products(name, present):
+    def product(typingctx, c, a, b):  # pragma: no cover - compiled
+        if not _literal(c, a, b):
+            return None
 
-    def codegen(context, builder, sig, args):
-        _call(builder, "llvm.x86.tdpbsud", [ir.Constant(_I8, v.literal_value) for v in (c, a, b)], [_I8] * 3,
-              AMX_INT8)
-        return context.get_dummy_value()
-    return types.none(c, a, b), codegen
+        def codegen(context, builder, sig, args):
+            _call(builder, name, [ir.Constant(_I8, v.literal_value) for v in (c, a, b)], [_I8] * 3, present)
+            return context.get_dummy_value()
+        return types.none(c, a, b), codegen
+    return intrinsic(product)
 
 
-@intrinsic
-def tile_dpbf16ps(typingctx, c, a, b):  # pragma: no cover - compiled
-    if not _literal(c, a, b):
-        return None
-
-    def codegen(context, builder, sig, args):
-        _call(builder, "llvm.x86.tdpbf16ps", [ir.Constant(_I8, v.literal_value) for v in (c, a, b)], [_I8] * 3,
-              AMX_BF16)
-        return context.get_dummy_value()
-    return types.none(c, a, b), codegen
+tile_dpbsud = _products("llvm.x86.tdpbsud", AMX_INT8)
+tile_dpbf16ps = _products("llvm.x86.tdpbf16ps", AMX_BF16)
 
 
 @njit(inline="always")
