@@ -213,7 +213,7 @@ def test_amx_tiles_are_asked_for_once_and_configured_for_the_sums_codes_and_rows
     ints = kernels.packed_kind(torch.bfloat16) - kernels.PACKED_STEPS
     assert bool(ints & cpu_packed_entry.AMX_TILES) == ok and kernels.packed_kind(torch.float32) == kernels.PACKED
     cfg = np.full(64, 7, np.uint8)
-    simd_amx.configure(cfg, 9, 8)
+    simd_amx.configure(cfg, simd_amx.quad_shape(9, 8))
     colsb, rows = cfg[16:32].view(np.uint16), cfg[48:56]
     assert cfg[0] == 1 and not cfg[1:16].any() and not cfg[56:].any()
     assert colsb.tolist() == [64, 64, 64, 64, 32, 64, 64, 64] and rows.tolist() == [9, 9, 9, 9, 9, 8, 8, 8]

@@ -18,19 +18,28 @@ import numpy as np
 from numba import njit, prange
 
 from offload.model.simd import _bits_f32, fma, parts
-from offload.model.simd_amx import tile_dpbf16ps, tile_load, tile_store, tile_zero, tiles_config, tiles_release
-
-#: Bytes ahead in each of the 16 weight rows that a tile asks for into L2 (16 streams at once).
-AHEAD = 4096
+from offload.model.simd_amx import (
+    configure,
+    tile_dpbf16ps,
+    tile_load,
+    tile_store,
+    tile_zero,
+    tiles_config,
+    tiles_release,
+)
 
 
 @njit(nogil=True)
 def tile_pairs(x):  # pragma: no cover - compiled
-    """x [R, K] float32 holding bf16 values -> P uint32 [ceil(R / 16), K // 2, 16]: P[c, k, m] = row 16 c + m's
-    columns 2k (low half) and 2k + 1 (high) as bf16 bits, rows past R zero."""
+    """x [R, K] float32 holding bf16 values -> P uint32 [ceil(R / 16), K // 2, W]: P[c, k, m] = row 16 c + m's
+    columns 2k (low half) and 2k + 1 (high) as bf16 bits; W = R up to 16 rows (one row: its own pairs, contiguous),
+    else 16, the last chunk's columns past R zero."""
     R, K = x.shape
     bits = x.view(np.uint32)
-    P = np.zeros(((R + 15) // 16, K // 2, 16), np.uint32)
+    W = R if R <= 16 else 16
+    P = np.empty(((R + 15) // 16, K // 2, W), np.uint32)
+    if R > 16 and R % 16:
+        P[-1, :, R % 16:] = 0
     for r in range(R):
         c, m = r >> 4, r & 15
         for k in range(K // 2):
@@ -39,16 +48,10 @@ def tile_pairs(x):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def _configure(cfg, nr, mc, kt):  # pragma: no cover - compiled
-    """Tiles for nr output rows and mc rows of x: 0 the sums (nr x mc float32), 1 / 2 the weights / x of 32
+def _shape(nr, mc, kt):  # pragma: no cover - compiled
+    """The tiles for nr output rows and mc rows of x: 0 the sums (nr x mc float32), 1 / 2 the weights / x of 32
     columns, 3 / 4 of the last kt pairs."""
-    cfg[:] = 0
-    cfg[0] = 1
-    shape = ((nr, 4 * mc), (nr, 64), (16, 4 * mc), (nr, 4 * max(kt, 1)), (max(kt, 1), 4 * mc))
-    for t in range(5):
-        cfg[16 + 2 * t] = shape[t][1]
-        cfg[48 + t] = shape[t][0]
-    tiles_config(cfg)
+    return ((nr, 4 * mc), (nr, 64), (16, 4 * mc), (nr, 4 * max(kt, 1)), (max(kt, 1), 4 * mc))
 
 
 @njit(inline="always")
@@ -56,14 +59,15 @@ def _tile(P, c, w, n, ws, full, kt, T):  # pragma: no cover - compiled
     """T [16, 16] = the sums of weight rows n .. (tile 0's rows) by chunk c of x's pairs. (No software prefetch: the
     hardware's follows the 16 rows; 1 / 2 / 4 KiB ahead into L2 cost one row 0-27%.)"""
     tile_zero(0)
-    base, pb = n * ws, c * P.shape[1] * 64
+    xs = 4 * P.shape[2]  # (bytes a row of x's tile)
+    base, pb = n * ws, c * P.shape[1] * xs
     for k in range(full):
         tile_load(1, w, base + 64 * k, ws)
-        tile_load(2, P, pb + 1024 * k, 64)
+        tile_load(2, P, pb + 16 * xs * k, xs)
         tile_dpbf16ps(0, 1, 2)
     if kt:
         tile_load(3, w, base + 64 * full, ws)
-        tile_load(4, P, pb + 1024 * full, 64)
+        tile_load(4, P, pb + 16 * xs * full, xs)
         tile_dpbf16ps(0, 3, 4)
     tile_store(0, T, 0, 64)
 
@@ -71,14 +75,15 @@ def _tile(P, c, w, n, ws, full, kt, T):  # pragma: no cover - compiled
 @njit(inline="always")
 def _rows(x, P, w, out, n0, n1, cfg, T):  # pragma: no cover - compiled
     """out[:, n0:n1] = x @ w[n0:n1].T on tiles (one thread's share): each 16 weight rows by every 16 rows of x (the
-    weights from memory once, then from L2), x's tile 16 columns wide from 17 rows (P's rows past R are zeros)."""
+    weights from memory once, then from L2), x's tile as wide as P's rows."""
     R, K = x.shape
     ws, full, kt = w.strides[0], (K // 2) // 16, (K // 2) % 16
-    mc, shape = min(16, R) if P.shape[0] == 1 else 16, -1
+    mc, shape = P.shape[2], -1
     for n in range(n0, n1, 16):
         nr = min(16, n1 - n)
         if nr != shape:
-            _configure(cfg, nr, mc, kt)
+            configure(cfg, _shape(nr, mc, kt))
+            tiles_config(cfg)
             shape = nr
         for c in range(P.shape[0]):
             _tile(P, c, w, n, ws, full, kt, T)

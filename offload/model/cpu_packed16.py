@@ -38,7 +38,7 @@ from numba import njit, prange
 
 from offload.model.cpu_packed import _AHEAD, _BLOCK, _load4, _scale, _scales, _split, _store4
 from offload.model.simd import LANES, _has, parts, prefetch, prefetch_l2, vfma, vload, vsplat, vstore, vzero
-from offload.model.simd_amx import configure, quad_sums, tile_units, tiles_config, tiles_release
+from offload.model.simd_amx import configure, quad_shape, quad_sums, tile_units, tiles_config, tiles_release
 from offload.model.simd_int import (
     vcodes4,
     vcodes8,
@@ -373,7 +373,7 @@ def _tiles16(x, q, sz, out, kind, quads, amx):  # pragma: no cover - compiled
         W = np.empty(gs // _per(form) * _BLOCK if kq or _widens(R, form) else 0, np.int32)
         T, cfg = np.empty(1024 * ((R + 15) // 16) if kq else 0, np.int32), np.empty(64, np.uint8)
         if kq:  # (a thread's tiles: configured in the thread)
-            configure(cfg, min(16, R), kq)
+            configure(cfg, quad_shape(min(16, R), kq))
             tiles_config(cfg)
         for b in range(t * share, min(nb, t * share + share)):
             _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, T, kq, form)

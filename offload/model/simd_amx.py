@@ -150,16 +150,23 @@ tile_dpbf16ps = _products("llvm.x86.tdpbf16ps", AMX_BF16)
 
 
 @njit(inline="always")
-def configure(cfg, rows, kq):  # pragma: no cover - compiled
-    """cfg [64] uint8 = the shapes `quad_sums` uses: tiles 0-3 the sums (rows x 16 int32), 4 x (rows x kq quads),
-    5-7 the codes (kq rows of 16 quads)."""
+def configure(cfg, shape):  # pragma: no cover - compiled
+    """cfg [64] uint8 = palette 1 and, for tiles 0, 1, ..., the (rows, bytes a row) pairs of `shape`; the others
+    unused. (`tiles_config` loads it.)"""
     cfg[:] = 0
-    cfg[0] = 1  # palette 1
-    for t in range(8):
-        colsb = 4 * kq if t == 4 else 64
+    cfg[0] = 1
+    for t in range(len(shape)):
+        rows, colsb = shape[t]
         cfg[16 + 2 * t] = colsb & 255
         cfg[17 + 2 * t] = colsb >> 8
-        cfg[48 + t] = kq if t >= 5 else rows
+        cfg[48 + t] = rows
+
+
+@njit(inline="always")
+def quad_shape(rows, kq):  # pragma: no cover - compiled
+    """The tiles `quad_sums` uses: 0-3 the sums (rows x 16 int32), 4 x (rows x kq quads), 5-7 the codes (kq rows of
+    16 quads)."""
+    return ((rows, 64), (rows, 64), (rows, 64), (rows, 64), (rows, 4 * kq), (kq, 64), (kq, 64), (kq, 64))
 
 
 @njit(inline="always")
