@@ -72,14 +72,15 @@ needs_numba = pytest.mark.skipif(kernels.numba is None, reason="the CPU kernels 
 
 
 @needs_numba
-@pytest.mark.parametrize("D", [64, 80, 8])
+@pytest.mark.parametrize("D,Tk", [(64, 45), (80, 45), (8, 45), (64, 150), (48, 150)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_attention_kernel_is_the_exact_attention_and_a_querys_bits_do_not_depend_on_its_batch(D, dtype):
-    """The CPU kernel (16-lane sums, vector exponentials, rows read in place; head sizes with and without a part
-    past the last 16 lanes) against float64 softmax attention, and a query's output and lse bit-equal alone and
-    beside other queries, sequences and padding keys."""
-    g = torch.Generator().manual_seed(D)
-    B, Tq, Hq, Hkv, Tk = 3, 6, 6, 2, 45
+def test_cpu_attention_kernel_is_the_exact_attention_and_a_querys_bits_do_not_depend_on_its_batch(D, Tk, dtype):
+    """The CPU kernel (16-lane sums eight keys at a time, vector exponentials, value rows in chunks, rows read in
+    place; head sizes with and without a part past the last 16 lanes, contexts of one chunk and of several) against
+    float64 softmax attention, and a query's output and lse bit-equal alone and beside other queries, sequences and
+    padding keys."""
+    g = torch.Generator().manual_seed(D + Tk)
+    B, Tq, Hq, Hkv = 3, 6, 6, 2
     q = torch.randn(B, Tq, Hq, D, generator=g)
     k, v = (torch.randn(B, Tk, Hkv, D, generator=g).to(dtype) for _ in range(2))
     mask = torch.rand(B, Tq, Tk, generator=g) > 0.3
