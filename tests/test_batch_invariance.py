@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from offload.model import cpu_packed_entry, fused, kernels, simd_amx
+from offload.model import cpu_packed16, cpu_packed_entry, fused, kernels, simd_amx
 from offload.model import functional as M
 from offload.runtime.engine import Engine, Request, Sampling
 from offload.runtime.executor import ForwardBatch
@@ -236,7 +236,7 @@ def test_amx_tiles_give_each_row_the_bits_of_the_vector_products(bits, K, group)
     x[6] *= 1e4
     x = x.to(torch.bfloat16).float().numpy()
     ints = cpu_packed_entry.INT16_STEPS | cpu_packed_entry.INT4_AS_INT8 | cpu_packed_entry.INT8_AS_INT8
-    for R in (10, 16, 17, 37):
+    for R in (cpu_packed16._TILE_ROWS, 9, 16, 17, 37):
         vec, tiles = np.empty((R, 128), np.float32), np.empty((R, 128), np.float32)
         cpu_packed_entry.packed(x[:R], q, sz, vec, ints)
         cpu_packed_entry.packed(x[:R], q, sz, tiles, ints | cpu_packed_entry.AMX_TILES)

@@ -67,9 +67,12 @@ _QUADS8 = 1 if _has("amx-int8") else _QUADS
 #: Rows of x from which int8 steps meet the codes on AMX tiles where the process may use them (`packed`: the
 #: same exact sums). 243 MB of 1.7B-shaped int8 (int4: 122 MB) matrices, a 2-core Xeon VM, 2 threads, interleaved,
 #: vectors / tiles: 8 rows 17.9 / 17.0 ms (int4 10.9 / 10.2), 10 23.3 / 17.9 (14.7 / 11.7), 16 28.8 / 20.5 (18.7 /
-#: 14.1), 64 62.3 / 52.8 (66.0 / 44.4). Below 10 a group's sums leaving the tiles (stored, scaled row by row) cost
-#: what the tiles save.
-_TILE_ROWS = 10
+#: 14.1), 64 62.3 / 52.8 (66.0 / 44.4). Over one row's time, SmolLM2-135M-shaped int8 (106 MB) and int4 (53 MB)
+#: matrices and the 1.7B's, two runs each, vectors / tiles: 5 rows 1.04-1.22 / 1.25-1.52 (the vectors' five rows
+#: gather the codes once), 6 rows 1.21-1.66 / 1.13-1.64, 9 rows 1.25-1.93 / 1.20-1.77; tiles at or below vectors in
+#: 30 of 32 cases of 6-9 rows. Below 6 a group's sums leaving the tiles (stored, scaled row by row) cost more than
+#: the tiles save.
+_TILE_ROWS = 6
 #: Rows of x from which they are split into int16 in parallel.
 _SPLIT_PARALLEL = 16
 #: Rows of x from which a block's codes are converted once per group into a buffer that every four rows read
