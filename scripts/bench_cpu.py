@@ -19,6 +19,7 @@ repeats is reported, and the load average is recorded beside every number):
              and 64 MiB of workspace (`--streamed` formats)
   verify     a verify pass over k+1 tokens (one sequence) over a plain decode step timed beside it (alternating,
              best of 5 each), for each k in `--verify`
+  depth      with `--depth`: decode tokens/s after a prompt of each length, both engines, every repeat
 Writes OUT/cpu-vs-llama.json and OUT/cpu-vs-llama.md (OUT defaults to scripts/results/), the command line included.
 """
 
@@ -88,6 +89,10 @@ def worker_offload(spec: dict) -> dict:
             best = run if best is None or run["decode_ms"] < best["decode_ms"] else best | \
                 {"prefill_s": run["prefill_s"]}
         out |= best | {"compute_dtype": str(r.compute_dtype).removeprefix("torch.")}
+        for depth in spec.get("depths") or []:  # decode after a long prompt: attention over `depth` keys a step
+            long = prompt(depth, r.cfg.vocab_size)
+            steps = [r.generate([long], max_new_tokens=spec["new"], stop_on_eos=False)[0].stats for _ in range(2)]
+            out.setdefault("depth", {})[str(depth)] = 1000 / min(s.decode_only_ms_per_step for s in steps)
         if spec.get("verify"):
             with torch.inference_mode():  # the KV pool was made inside generate's inference mode
                 out["verify"] = verify_costs(r, ids, spec["verify"])
@@ -142,17 +147,25 @@ def worker_llama(spec: dict) -> dict:
     out = {"prefill_tok_s": pp["avg_ts"], "decode_tok_s": tg["avg_ts"], "decode_tok_s_sd": tg["stddev_ts"],
            "build": rows[0].get("build_commit"), "cpu_info": rows[0].get("cpu_info"), "type": rows[0].get("type")}
     if spec.get("batch"):  # llama.cpp's own price of a batch of k+1 tokens, for the verify column
-        bin_dir = subprocess.run(["bash", str(PEERS), "build"], capture_output=True, text=True, check=True,
-                                 timeout=3600).stdout.strip().splitlines()[-1]
-        proc = subprocess.run([f"{bin_dir}/llama-bench", "-m", spec["gguf"], "-t", str(spec["threads"]), "-p",
-                               str(spec["batch"]), "-n", "0", "-r", "3", "-o", "json"], capture_output=True,
-                              text=True, timeout=3600, env=START_ENV | {"LD_LIBRARY_PATH": bin_dir})
-        if proc.returncode != 0:
-            raise RuntimeError(proc.stderr[-3000:])
-        batch = json.loads(proc.stdout[proc.stdout.index("["):])[0]
+        batch = llama_bench(spec, "-p", str(spec["batch"]), "-n", "0")[0]
         out["batch_pass_over_step"] = {"tokens": spec["batch"],
                                        "ratio": spec["batch"] / batch["avg_ts"] * tg["avg_ts"]}
+    if spec.get("depths"):  # decode after a prompt of each depth (its own pass first, not timed)
+        rows = llama_bench(spec, "-p", "0", "-n", str(spec["new"]), "-d", ",".join(map(str, spec["depths"])))
+        out["depth"] = {str(x["n_depth"]): x["avg_ts"] for x in rows}
     return out
+
+
+def llama_bench(spec: dict, *args: str) -> list[dict]:
+    """llama-bench's JSON rows for the GGUF and threads of `spec` with these arguments (3 repetitions)."""
+    bin_dir = subprocess.run(["bash", str(PEERS), "build"], capture_output=True, text=True, check=True,
+                             timeout=3600).stdout.strip().splitlines()[-1]
+    proc = subprocess.run([f"{bin_dir}/llama-bench", "-m", spec["gguf"], "-t", str(spec["threads"]), *args, "-r", "3",
+                           "-o", "json"], capture_output=True, text=True, timeout=3600,
+                          env=START_ENV | {"LD_LIBRARY_PATH": bin_dir})
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout[proc.stdout.index("["):])
 
 
 def worker_plan(spec: dict) -> dict:
@@ -270,7 +283,7 @@ def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) ->
         # no prefix cache: every run repeats the prompt, and a cached prompt is not a prefill
         config = {"model": str(model), "device": "cpu", "dtype": "bfloat16", "calibration": str(calibration),
                   "weights": {"quantization": QUANT[fmt]}, "kv_cache": {"prefix_cache": "off"}}
-        spec = {"config": config, "prompt": args.prompt, "new": args.new}
+        spec = {"config": config, "prompt": args.prompt, "new": args.new, "depths": args.depth}
         runs: dict[str, list[dict]] = {"offload": [], "library": [], "llama": []}
         for rep in range(args.repeat):  # interleaved: each peer sees the same stretch of this machine's load
             runs["offload"].append(run_worker("offload", spec | {"verify": args.verify if rep == 0 else []}))
@@ -278,7 +291,8 @@ def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) ->
                 runs["library"].append(run_worker("offload", spec, {"OFFLOAD_CPU_KERNELS": "library"}))
             if gguf is not None:
                 runs["llama"].append(run_worker("llama", {"gguf": f"{gguf}-{LLAMA[fmt]}.gguf",
-                                                          "threads": args.threads,
+                                                          "threads": args.threads, "new": args.new,
+                                                          "depths": args.depth,
                                                           "batch": max(args.verify) + 1 if args.verify and rep == 0
                                                           else None}))
         for r in runs["offload"] + runs["library"]:
@@ -305,6 +319,9 @@ def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) ->
                 "prefill_tok_s": best(runs["llama"], "prefill_tok_s")["prefill_tok_s"]}
             if "batch_pass_over_step" in runs["llama"][0]:
                 row["llama_batch_pass_over_step"] = runs["llama"][0]["batch_pass_over_step"]
+        if args.depth:  # each engine's best of its repeats at each depth
+            row["depth"] = {str(d): {e: max(r["depth"][str(d)] for r in runs[e]) for e in ("offload", "llama")
+                                     if runs[e] and all("depth" in r for r in runs[e])} for d in args.depth}
         if fmt in args.streamed:
             store = cache / "stores" / f"{model.name}-{QUANT[fmt]}"
             ensure_store(model, store, QUANT[fmt])
@@ -373,6 +390,15 @@ def markdown(result: dict) -> str:
              "| streamed decode tok/s | verify k+1 over plain, by k | llama.cpp's pass of k+1 over its step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [fmt_row(r) for r in result["rows"]]
+    deep = [(r, d, e) for r in result["rows"] for d, e in (r.get("depth") or {}).items()]
+    if deep:
+        lines += ["", f"Decode after a prompt of each depth (batch 1, {result['new']} new tokens, best of the repeats; "
+                      "llama.cpp: llama-bench -d):", "",
+                  "| model | format | depth | Offload decode tok/s | llama.cpp decode tok/s | ratio |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['format']} / {r['llama_format']} | {d} | {e['offload']:.1f} | "
+                  + (f"{e['llama']:.1f} | {e['offload'] / e['llama']:.2f} |" if "llama" in e else "- | - |")
+                  for r, d, e in deep]
     met = [x["memory_before"] for r in result["rows"] for v in r["repeats"].values() for x in v
            if x.get("memory_before")]
     if met:
@@ -390,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--depth", type=int, nargs="*", default=[],
+                    help="also decode after prompts of these lengths, both engines (attention over long contexts)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--quick", action="store_true", help="the tiny model, one format, no llama.cpp")
     ap.add_argument("--no-llama", action="store_true")
