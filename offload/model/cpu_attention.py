@@ -36,7 +36,8 @@ if numba is not None:
 
     @njit(forceinline=True, nogil=True)
     def _dots8(qs, qo, keys, c, D, bf16):  # pragma: no cover - compiled
-        """The eight lane vectors of `_score` for keys c .. c + 7 (K rows at addresses keys[c ..]), side by side."""
+        """The dot products of the query at qs[qo :] with the K rows of keys c .. c + 7 (at addresses keys[c ..]) over
+        the head's whole 16s of dimensions, side by side: 16 lanes of fused multiply-adds each, summed by `vsum8`."""
         k0, k1, k2, k3, k4, k5, k6, k7 = (keys[c], keys[c + 1], keys[c + 2], keys[c + 3], keys[c + 4], keys[c + 5],
                                           keys[c + 6], keys[c + 7])
         a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero()
