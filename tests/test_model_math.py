@@ -97,6 +97,17 @@ def test_cpu_attention_kernel_is_the_exact_attention_and_a_querys_bits_do_not_de
     alone, alone_lse = cpu_attention.attend(q[2:3, 4:5], k[2:3, :visible], v[2:3, :visible], mask[2:3, 4:5, :visible],
                                             D**-0.5)
     assert torch.equal(alone[0, 0], out[2, 4]) and torch.equal(alone_lse[0, 0], lse[2, 4])
+    # a causal mask (a prompt chunk over its prefix): the reference, and each query's bits alone
+    causal = torch.arange(Tk)[None, None, :] <= torch.arange(Tk - Tq, Tk)[None, :, None]
+    causal = causal.expand(B, Tq, Tk).clone()
+    out, lse = cpu_attention.attend(q, k, v, causal, D**-0.5)
+    ref = reference_attention(q.double(), k.double(), v.double(), causal, D**-0.5)
+    assert torch.allclose(out.double(), ref, atol=1e-6)
+    for t in (0, 3, 5):
+        n = Tk - Tq + t + 1
+        alone, alone_lse = cpu_attention.attend(q[1:2, t:t + 1], k[1:2, :n], v[1:2, :n], causal[1:2, t:t + 1, :n],
+                                                D**-0.5)
+        assert torch.equal(alone[0, 0], out[1, t]) and torch.equal(alone_lse[0, 0], lse[1, t])
 
 
 @needs_numba
