@@ -1,0 +1,210 @@
+"""Exact CPU attention, four queries of a sequence at a time (`offload.model.cpu_attention`: which kernel a pass
+takes): the keys all four see are read and widened once for them, every query's own operations the ones
+`cpu_attention_rows` gives it alone, so the same bits."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from offload.model.kernels import numba
+
+#: queries of a sequence in one work item: the keys they all see are read and widened once for them
+_QUERIES = 4
+
+if numba is not None:
+    from numba import njit, prange
+
+    from offload.model.cpu_attention_rows import _AHEAD, _CHUNK, _dot1, _dots8, _tail, _values
+    from offload.model.simd import LANES, _bits_f32, fma, parts, prefetch, vfma, vload, vsplat, vstore, vsum8, vzero
+    from offload.model.simd_math import vexp, vraw
+
+    @njit(forceinline=True, nogil=True)
+    def _values4(acc, ao, astep, probs, po, pstep, vis, keys, c0, c1, s1, D, bf16):  # pragma: no cover - compiled
+        """`_values` for the four queries of a block over keys they all see (the first's lists; query i's sums at
+        ao + i astep, its probabilities at po + i pstep): each V row widened once for the four, 32 dimensions at a
+        time (the same chain a lane)."""
+        D16 = D - D % LANES
+        for d in range(0, D16, 2 * LANES):
+            dd = d + LANES
+            two = dd < D16
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = vzero()
+            if c0:
+                a0, a1 = vload(acc, ao + d), vload(acc, ao + astep + d)
+                a2, a3 = vload(acc, ao + 2 * astep + d), vload(acc, ao + 3 * astep + d)
+                if two:
+                    b0, b1 = vload(acc, ao + dd), vload(acc, ao + astep + dd)
+                    b2, b3 = vload(acc, ao + 2 * astep + dd), vload(acc, ao + 3 * astep + dd)
+            for c in range(c0, c1):
+                j, va = vis[c], keys[c] + s1
+                p0, p1 = vsplat(probs[po + j]), vsplat(probs[po + pstep + j])
+                p2, p3 = vsplat(probs[po + 2 * pstep + j]), vsplat(probs[po + 3 * pstep + j])
+                v = vraw(va, d, bf16)
+                a0, a1, a2, a3 = vfma(p0, v, a0), vfma(p1, v, a1), vfma(p2, v, a2), vfma(p3, v, a3)
+                if two:
+                    w = vraw(va, dd, bf16)
+                    b0, b1, b2, b3 = vfma(p0, w, b0), vfma(p1, w, b1), vfma(p2, w, b2), vfma(p3, w, b3)
+            for i, v in enumerate((a0, a1, a2, a3)):
+                vstore(acc, ao + i * astep + d, v)
+            if two:
+                for i, v in enumerate((b0, b1, b2, b3)):
+                    vstore(acc, ao + i * astep + dd, v)
+
+    @njit(forceinline=True, nogil=True)
+    def _dots4x4(qs, qo, qstep, keys, c, D, bf16):  # pragma: no cover - compiled
+        """`_dots8`'s sums for four queries (at qs[qo + i qstep :]) and keys c .. c + 3: each K row widened once for
+        the four; (query 0's four keys, query 1's), (query 2's, query 3's)."""
+        k0, k1, k2, k3 = keys[c], keys[c + 1], keys[c + 2], keys[c + 3]
+        a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzero()
+        a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = vzero()
+        for d in range(0, D - D % LANES, LANES):
+            w0, w1, w2, w3 = vraw(k0, d, bf16), vraw(k1, d, bf16), vraw(k2, d, bf16), vraw(k3, d, bf16)
+            q0 = vload(qs, qo + d)
+            a00, a01, a02, a03 = vfma(q0, w0, a00), vfma(q0, w1, a01), vfma(q0, w2, a02), vfma(q0, w3, a03)
+            q1 = vload(qs, qo + qstep + d)
+            a10, a11, a12, a13 = vfma(q1, w0, a10), vfma(q1, w1, a11), vfma(q1, w2, a12), vfma(q1, w3, a13)
+            q2 = vload(qs, qo + 2 * qstep + d)
+            a20, a21, a22, a23 = vfma(q2, w0, a20), vfma(q2, w1, a21), vfma(q2, w2, a22), vfma(q2, w3, a23)
+            q3 = vload(qs, qo + 3 * qstep + d)
+            a30, a31, a32, a33 = vfma(q3, w0, a30), vfma(q3, w1, a31), vfma(q3, w2, a32), vfma(q3, w3, a33)
+        return vsum8(a00, a01, a02, a03, a10, a11, a12, a13), vsum8(a20, a21, a22, a23, a30, a31, a32, a33)
+
+    @njit(parallel=True, cache=True, nogil=True)  # no fast-math: the lanes' operations as written (`simd`)
+    def _attend_blocks(q, kv, table, mask, scale, shift, out, lse):  # pragma: no cover - compiled
+        """q [B, Tq, Hq, D] f32; kv [slots, 2, bs, Hkv, D] paged K and V as raw bits (uint32 float32 with shift 0,
+        uint16 bf16 with shift 16), table [B, cols] the slot of each sequence's blocks in token order; mask
+        [B, Tq, cols * bs] -> out [B, Tq, Hq, D], lse [B, Tq, Hq] (f32; a query that sees no key: zeros and -inf).
+        Each (query, head) walks its visible keys in token order, read where they lie in the pool: padding,
+        other queries, other sequences and where the blocks sit change nothing in it. A score is 16 lanes of fused
+        multiply-adds over the head's dimensions, read in place from the pool, summed by `vsum`'s fixed tree (several
+        side by side, `vsum8`: the same adds; the dimensions past the last 16 added after, in order); the softmax's
+        exponentials are `simd_math.vexp`, 16 keys at a time (an unseen key's score is -inf: exactly 0); each output
+        lane is a chain of fused multiply-adds over the value rows in key order, held in registers. The same
+        operations for every query, and rows a few keys ahead asked for (the pool is cold after a layer's weights
+        went through the caches). One work item is a block of `_QUERIES` queries of a sequence and the G query heads
+        of one KV head: the keys all four see (a causal block: the first one's) are scored and added for the four
+        together, each row widened once for them; the rest, and a block of fewer, query by query (eight keys side by
+        side). Rows are read for every head before the next ones (eight keys, a chunk of 32 value rows). SmolLM2-135M's
+        shape (9 heads, 3 KV heads, 64 dimensions), bf16, 2 threads, against one loop per key and head with a tree sum
+        each and the value sums in memory: 9 queries over 73 keys 44 -> ~28 us, 1 query over 1025 / 2049 keys 86 /
+        178 -> 65 / 134 us, 256 queries over 1280 keys ~1.75x. (A work item a head, to balance 3 KV heads over 2
+        threads, cost more than it balanced: 70 / 148 us at one query.)"""
+        B, Tq, Hq, D = q.shape
+        bs, Hkv = kv.shape[2], kv.shape[3]
+        Tk = mask.shape[2]
+        G = Hq // Hkv
+        TkP = Tk + (-Tk) % LANES  # a head's scores padded to whole vectors
+        GD, GT, QB = G * D, G * TkP, _QUERIES
+        base, bf16 = kv.ctypes.data, shift == 16  # rows read in place, by address
+        s0, s1, s2, s3 = kv.strides[0], kv.strides[1], kv.strides[2], kv.strides[3]
+        blocks = (Tq + QB - 1) // QB
+        n = B * blocks * Hkv
+        _, shares = parts(n, 1)
+        for th in prange(shares):  # (a thread's buffers made once; query i of a block at i GD, i GT, i Tk, i G)
+            scores, probs = np.empty(QB * GT, np.float32), np.empty(QB * GT, np.float32)
+            qs, acc = np.empty(QB * GD, np.float32), np.empty(QB * GD, np.float32)
+            keys, vis = np.empty(QB * Tk, np.int64), np.empty(QB * Tk, np.int64)  # visible keys' K rows, indices
+            nvs, m, total = np.empty(QB, np.int64), np.empty(QB * G, np.float32), np.empty(QB * G)
+            for idx in range(th, n, shares):  # (every shares-th item: blocks of fewer queries spread over threads)
+                b, kh = idx // (blocks * Hkv), idx % Hkv
+                t0 = (idx // Hkv) % blocks * QB
+                nq = min(QB, Tq - t0)
+                for i in range(nq):
+                    nv, row, off = 0, base + table[b, 0] * s0 + kh * s3, 0
+                    for j in range(Tk):  # (block and offset counted: no division a key)
+                        if off == bs:
+                            row, off = base + table[b, j // bs] * s0 + kh * s3, 0
+                        if mask[b, t0 + i, j]:
+                            keys[i * Tk + nv], vis[i * Tk + nv] = row + off * s2, j
+                            nv += 1
+                        off += 1
+                    nvs[i] = nv
+                    for g in range(G):
+                        for d in range(D):
+                            qs[i * GD + g * D + d] = q[b, t0 + i, kh * G + g, d]
+                shared = 0  # keys every query of a full block sees, from the first on
+                if nq == QB:
+                    shared = min(nvs[0], nvs[1], nvs[2], nvs[3])
+                    for c in range(shared):
+                        if vis[Tk + c] != vis[c] or vis[2 * Tk + c] != vis[c] or vis[3 * Tk + c] != vis[c]:
+                            shared = c
+                            break
+                scores[: nq * GT] = -np.inf
+                n4 = shared - shared % 4
+                for c in range(0, n4, 4):  # four keys for four queries and every head, then the next four
+                    if c + 4 + _AHEAD <= shared:  # the K rows a few keys on
+                        for u in range(c + _AHEAD, c + 4 + _AHEAD):
+                            for e in range(0, D * kv.itemsize, 64):
+                                prefetch(keys[u], e)
+                    for g in range(G):
+                        first, second = _dots4x4(qs, g * D, GD, keys, c, D, bf16)
+                        for u in range(4):
+                            j = g * TkP + vis[c + u]
+                            scores[j], scores[GT + j] = first[u], first[4 + u]
+                            scores[2 * GT + j], scores[3 * GT + j] = second[u], second[4 + u]
+                for i in range(nq):
+                    kb, nv = i * Tk, nvs[i]
+                    n8 = nv - (nv - n4) % 8
+                    for c in range(kb + n4, kb + n8, 8):  # this query's other keys, eight for every head
+                        if c + 8 + _AHEAD <= kb + nv:
+                            for u in range(c + _AHEAD, c + 8 + _AHEAD):
+                                for e in range(0, D * kv.itemsize, 64):
+                                    prefetch(keys[u], e)
+                        for g in range(G):
+                            dots = _dots8(qs, i * GD + g * D, keys, c, D, bf16)
+                            for u in range(8):
+                                scores[i * GT + g * TkP + vis[c + u]] = dots[u]
+                    for g in range(G):
+                        qo, so = i * GD + g * D, i * GT + g * TkP
+                        for c in range(kb + n8, kb + nv):
+                            scores[so + vis[c]] = _dot1(qs, qo, keys[c], D, bf16)
+                        for c in range(kb, kb + nv):
+                            j = vis[c]
+                            if D % LANES:
+                                scores[so + j] = _tail(scores[so + j], qs, qo, kv, table[b, j // bs], j % bs, kh, 0,
+                                                       D, shift)
+                            scores[so + j] *= scale
+                        mg = np.float32(-np.inf)
+                        for c in range(kb, kb + nv):
+                            mg = max(mg, scores[so + vis[c]])
+                        m[i * G + g] = mg
+                        low, one = vsplat(-mg), vsplat(np.float32(1.0))  # e^(score - max), 16 keys at a time
+                        for j in range(so, so + TkP, LANES):  # (an unseen key's: 0)
+                            vstore(probs, j, vexp(vfma(vload(scores, j), one, low)))
+                        tg = 0.0
+                        for c in range(kb, kb + nv):
+                            tg += probs[so + vis[c]]
+                        total[i * G + g] = tg
+                for c0 in range(0, shared, _CHUNK):  # a chunk of V rows for four queries and every head, then the next
+                    c1 = min(shared, c0 + _CHUNK)
+                    for c in range(c1, min(shared, c1 + _CHUNK)):  # (the next chunk's asked for)
+                        for e in range(0, D * kv.itemsize, 64):
+                            prefetch(keys[c] + s1, e)
+                    for g in range(G):
+                        _values4(acc, g * D, GD, probs, g * TkP, GT, vis, keys, c0, c1, s1, D, bf16)
+                for i in range(nq):
+                    kb, nv = i * Tk, nvs[i]
+                    for c0 in range(shared, nv, _CHUNK):  # this query's other V rows, on from the shared ones' sums
+                        c1 = min(nv, c0 + _CHUNK)
+                        for c in range(kb + c1, kb + min(nv, c1 + _CHUNK)):
+                            for e in range(0, D * kv.itemsize, 64):
+                                prefetch(keys[c] + s1, e)
+                        for g in range(G):
+                            _values(acc, i * GD + g * D, probs, i * GT + g * TkP, vis, keys, kb, c0, c1, s1, D, bf16)
+                    for g in range(G):
+                        h, ao, po = kh * G + g, i * GD + g * D, i * GT + g * TkP
+                        for d in range(D - D % LANES, D):  # (the dimensions past the last 16, in key order)
+                            acc[ao + d] = 0.0
+                        for c in range(kb, kb + nv if D % LANES else kb):
+                            j = vis[c]
+                            p = probs[po + j]
+                            for d in range(D - D % LANES, D):
+                                raw = np.uint32(kv[table[b, j // bs], 1, j % bs, kh, d]) << shift
+                                acc[ao + d] = fma(p, _bits_f32(raw), acc[ao + d])
+                        if nv == 0:
+                            for d in range(D):
+                                out[b, t0 + i, h, d] = 0.0
+                            lse[b, t0 + i, h] = -np.inf
+                            continue
+                        for d in range(D):
+                            out[b, t0 + i, h, d] = acc[ao + d] / total[i * G + g]
+                        lse[b, t0 + i, h] = m[i * G + g] + np.log(total[i * G + g])

@@ -1,0 +1,199 @@
+"""Exact CPU attention, query by query (`offload.model.cpu_attention`: which kernel a pass takes): each (query, head)
+on its own over its visible keys in token order, the same bits whatever else is in the pass. Also the lane steps
+both kernels share (`cpu_attention_blocks` takes several queries at once with the same steps)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from offload.model.kernels import numba
+
+#: keys ahead whose K and V rows the attention kernel asks for while it scores one
+_AHEAD = 8
+#: visible keys whose V rows every head of a work item reads before the next ones (in L1: 4-8 KiB a head)
+_CHUNK = 32
+
+if numba is not None:
+    from numba import njit, prange
+
+    from offload.model.simd import (
+        LANES,
+        _bits_f32,
+        fma,
+        parts,
+        prefetch,
+        vfma,
+        vload,
+        vsplat,
+        vstore,
+        vsum,
+        vsum8,
+        vzero,
+    )
+    from offload.model.simd_math import vexp, vraw
+
+    @njit(forceinline=True, nogil=True)
+    def _dots8(qs, qo, keys, c, D, bf16):  # pragma: no cover - compiled
+        """The dot products of the query at qs[qo :] with the K rows of keys c .. c + 7 (at addresses keys[c ..]) over
+        the head's whole 16s of dimensions, side by side: 16 lanes of fused multiply-adds each, summed by `vsum8`."""
+        k0, k1, k2, k3, k4, k5, k6, k7 = (keys[c], keys[c + 1], keys[c + 2], keys[c + 3], keys[c + 4], keys[c + 5],
+                                          keys[c + 6], keys[c + 7])
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero()
+        for d in range(0, D - D % LANES, LANES):
+            qv = vload(qs, qo + d)
+            a0, a1 = vfma(qv, vraw(k0, d, bf16), a0), vfma(qv, vraw(k1, d, bf16), a1)
+            a2, a3 = vfma(qv, vraw(k2, d, bf16), a2), vfma(qv, vraw(k3, d, bf16), a3)
+            a4, a5 = vfma(qv, vraw(k4, d, bf16), a4), vfma(qv, vraw(k5, d, bf16), a5)
+            a6, a7 = vfma(qv, vraw(k6, d, bf16), a6), vfma(qv, vraw(k7, d, bf16), a7)
+        return vsum8(a0, a1, a2, a3, a4, a5, a6, a7)
+
+    @njit(forceinline=True, nogil=True)
+    def _dot1(qs, qo, k, D, bf16):  # pragma: no cover - compiled
+        """One key's `_dots8`: the same lane steps, summed by `vsum`'s tree (`vsum8`'s)."""
+        a = vzero()
+        for d in range(0, D - D % LANES, LANES):
+            a = vfma(vload(qs, qo + d), vraw(k, d, bf16), a)
+        return vsum(a)
+
+    @njit(forceinline=True, nogil=True)
+    def _tail(dot, qs, qo, kv, slot, off, kh, kind, D, shift):  # pragma: no cover - compiled
+        """dot + the dimensions past the last 16, in order (scalar fused multiply-adds)."""
+        for d in range(D - D % LANES, D):
+            raw = np.uint32(kv[slot, kind, off, kh, d]) << shift
+            dot = fma(qs[qo + d], _bits_f32(raw), dot)
+        return dot
+
+    @njit(forceinline=True, nogil=True)
+    def _values(acc, ao, probs, po, vis, keys, kb, c0, c1, s1, D, bf16):  # pragma: no cover - compiled
+        """acc [ao : ao + D16] += p * V row for one query's visible keys c0 .. c1 - 1 in order (its lists at kb on;
+        from 0 at c0 = 0): 16 lanes, each a chain of fused multiply-adds over the keys (the dimensions past the last
+        16 are the caller's), 64 dimensions at a time in registers."""
+        D16 = D - D % LANES
+        D64 = D16 - D16 % (4 * LANES)
+        for d in range(0, D64, 4 * LANES):
+            a0 = a1 = a2 = a3 = vzero()
+            if c0:
+                a0, a1, a2, a3 = (vload(acc, ao + d), vload(acc, ao + d + LANES), vload(acc, ao + d + 2 * LANES),
+                                  vload(acc, ao + d + 3 * LANES))
+            for c in range(kb + c0, kb + c1):
+                pv, va = vsplat(probs[po + vis[c]]), keys[c] + s1
+                a0, a1 = vfma(pv, vraw(va, d, bf16), a0), vfma(pv, vraw(va, d + LANES, bf16), a1)
+                a2 = vfma(pv, vraw(va, d + 2 * LANES, bf16), a2)
+                a3 = vfma(pv, vraw(va, d + 3 * LANES, bf16), a3)
+            vstore(acc, ao + d, a0)
+            vstore(acc, ao + d + LANES, a1)
+            vstore(acc, ao + d + 2 * LANES, a2)
+            vstore(acc, ao + d + 3 * LANES, a3)
+        for d in range(D64, D16, LANES):
+            a0 = vload(acc, ao + d) if c0 else vzero()
+            for c in range(kb + c0, kb + c1):
+                a0 = vfma(vsplat(probs[po + vis[c]]), vraw(keys[c] + s1, d, bf16), a0)
+            vstore(acc, ao + d, a0)
+
+    @njit(parallel=True, cache=True, nogil=True)  # no fast-math: the lanes' operations as written (`simd`)
+    def _attend_rows(q, kv, table, mask, scale, shift, out, lse):  # pragma: no cover - compiled
+        """q [B, Tq, Hq, D] f32; kv [slots, 2, bs, Hkv, D] paged K and V as raw bits (uint32 float32 with shift 0,
+        uint16 bf16 with shift 16), table [B, cols] the slot of each sequence's blocks in token order; mask
+        [B, Tq, cols * bs] -> out [B, Tq, Hq, D], lse [B, Tq, Hq] (f32; a query that sees no key: zeros and -inf).
+        Each (query, head) walks its visible keys in token order, read where they lie in the pool: padding,
+        other queries, other sequences and where the blocks sit change nothing in it. A score is 16 lanes of fused
+        multiply-adds over the head's dimensions, read in place from the pool, summed by `vsum`'s fixed tree (eight
+        keys' side by side, `vsum8`: the same adds; the dimensions past the last 16 added after, in order); the
+        softmax's exponentials are `simd_math.vexp`, 16 keys at a time (an unseen key's score is -inf: exactly 0);
+        each output lane is a chain of fused multiply-adds over the value rows in key order, 64 dimensions held in
+        registers. The same operations for every query, and rows a few keys ahead asked for (the pool is cold
+        after a layer's weights went through the caches). One work item is a query and the G query heads of one KV
+        head, eight keys' rows scored for every head before the next eight, a chunk of value rows added for every
+        head before the next (each row read from memory once for all of them). SmolLM2-135M's shape (9 heads, 3 KV
+        heads, 64 dimensions), bf16, against one loop per key and head with a tree sum each and the value sums in
+        memory: 9 queries over 73 keys 44 -> 33 us (2 threads), 1 query over 1025 / 2049 keys 86 / 178 -> 65 / 134
+        us; one thread 1.28-1.36x. (A work item a head, three times as many, balanced two threads better but cost
+        more: 70 / 148 us.)"""
+        B, Tq, Hq, D = q.shape
+        bs, Hkv = kv.shape[2], kv.shape[3]
+        Tk = mask.shape[2]
+        G = Hq // Hkv
+        TkP = Tk + (-Tk) % LANES  # a head's scores padded to whole vectors
+        base, bf16 = kv.ctypes.data, shift == 16  # rows read in place, by address
+        s0, s1, s2, s3 = kv.strides[0], kv.strides[1], kv.strides[2], kv.strides[3]
+        n = B * Tq * Hkv
+        share, shares = parts(n, 1)
+        for th in prange(shares):  # (a thread's buffers made once)
+            scores, probs = np.empty(G * TkP, np.float32), np.empty(G * TkP, np.float32)
+            qs, acc = np.empty(G * D, np.float32), np.empty(G * D, np.float32)
+            keys, vis = np.empty(Tk, np.int64), np.empty(Tk, np.int64)  # visible keys' K rows' addresses, indices
+            m, total = np.empty(G, np.float32), np.empty(G)
+            for idx in range(th * share, min(n, th * share + share)):
+                b, t, kh = idx // (Tq * Hkv), (idx // Hkv) % Tq, idx % Hkv
+                nv, row, off = 0, base + table[b, 0] * s0 + kh * s3, 0
+                for j in range(Tk):  # (block and offset counted: no division a key)
+                    if off == bs:
+                        row, off = base + table[b, j // bs] * s0 + kh * s3, 0
+                    if mask[b, t, j]:
+                        keys[nv], vis[nv] = row + off * s2, j
+                        nv += 1
+                    off += 1
+                if nv == 0:
+                    for g in range(G):
+                        for d in range(D):
+                            out[b, t, kh * G + g, d] = 0.0
+                        lse[b, t, kh * G + g] = -np.inf
+                    continue
+                for g in range(G):
+                    for d in range(D):
+                        qs[g * D + d] = q[b, t, kh * G + g, d]
+                scores[:] = -np.inf
+                n8 = nv - nv % 8
+                for c in range(0, n8, 8):  # eight keys for every head, then the next eight (rows in L1)
+                    if c + 8 + _AHEAD <= nv:  # the K rows a few keys on
+                        for u in range(c + _AHEAD, c + 8 + _AHEAD):
+                            for e in range(0, D * kv.itemsize, 64):
+                                prefetch(keys[u], e)
+                    for g in range(G):
+                        dots = _dots8(qs, g * D, keys, c, D, bf16)
+                        for u in range(8):
+                            scores[g * TkP + vis[c + u]] = dots[u]
+                for g in range(G):
+                    qo, so = g * D, g * TkP
+                    for c in range(n8, nv):
+                        scores[so + vis[c]] = _dot1(qs, qo, keys[c], D, bf16)
+                    for c in range(nv):
+                        j = vis[c]
+                        if D % LANES:
+                            scores[so + j] = _tail(scores[so + j], qs, qo, kv, table[b, j // bs], j % bs, kh, 0, D,
+                                                   shift)
+                        scores[so + j] *= scale
+                    mg = np.float32(-np.inf)
+                    for c in range(nv):
+                        mg = max(mg, scores[so + vis[c]])
+                    m[g] = mg
+                one = vsplat(np.float32(1.0))
+                for g in range(G):  # e^(score - max), 16 keys at a time (an unseen key's: 0)
+                    low, po = vsplat(-m[g]), g * TkP
+                    for j in range(po, po + TkP, LANES):
+                        vstore(probs, j, vexp(vfma(vload(scores, j), one, low)))
+                    tg = 0.0
+                    for c in range(nv):
+                        tg += probs[po + vis[c]]
+                    total[g] = tg
+                for c0 in range(0, nv, _CHUNK):  # a chunk of V rows for every head, then the next (rows in L1)
+                    c1 = min(nv, c0 + _CHUNK)
+                    for c in range(c1, min(nv, c1 + _CHUNK)):  # (the next chunk's asked for)
+                        for e in range(0, D * kv.itemsize, 64):
+                            prefetch(keys[c] + s1, e)
+                    for g in range(G):
+                        _values(acc, g * D, probs, g * TkP, vis, keys, 0, c0, c1, s1, D, bf16)
+                for g in range(G):  # (the dimensions past the last 16, in key order)
+                    for d in range(D - D % LANES, D):
+                        acc[g * D + d] = 0.0
+                    for c in range(nv if D % LANES else 0):
+                        j = vis[c]
+                        p = probs[g * TkP + j]
+                        for d in range(D - D % LANES, D):
+                            raw = np.uint32(kv[table[b, j // bs], 1, j % bs, kh, d]) << shift
+                            acc[g * D + d] = fma(p, _bits_f32(raw), acc[g * D + d])
+                for g in range(G):
+                    h = kh * G + g
+                    for d in range(D):
+                        out[b, t, h, d] = acc[g * D + d] / total[g]
+                    lse[b, t, h] = m[g] + np.log(total[g])
