@@ -70,24 +70,13 @@ if numba is not None:
 
     @njit(parallel=True, cache=True, nogil=True)  # no fast-math: the lanes' operations as written (`simd`)
     def _attend_blocks(q, kv, table, mask, scale, shift, out, lse):  # pragma: no cover - compiled
-        """q [B, Tq, Hq, D] f32; kv [slots, 2, bs, Hkv, D] paged K and V as raw bits (uint32 float32 with shift 0,
-        uint16 bf16 with shift 16), table [B, cols] the slot of each sequence's blocks in token order; mask
-        [B, Tq, cols * bs] -> out [B, Tq, Hq, D], lse [B, Tq, Hq] (f32; a query that sees no key: zeros and -inf).
-        Each (query, head) walks its visible keys in token order, read where they lie in the pool: padding,
-        other queries, other sequences and where the blocks sit change nothing in it. A score is 16 lanes of fused
-        multiply-adds over the head's dimensions, read in place from the pool, summed by `vsum`'s fixed tree (several
-        side by side, `vsum8`: the same adds; the dimensions past the last 16 added after, in order); the softmax's
-        exponentials are `simd_math.vexp`, 16 keys at a time (an unseen key's score is -inf: exactly 0); each output
-        lane is a chain of fused multiply-adds over the value rows in key order, held in registers. The same
-        operations for every query, and rows a few keys ahead asked for (the pool is cold after a layer's weights
-        went through the caches). One work item is a block of `_QUERIES` queries of a sequence and the G query heads
-        of one KV head: the keys all four see (a causal block: the first one's) are scored and added for the four
-        together, each row widened once for them; the rest, and a block of fewer, query by query (eight keys side by
-        side). Rows are read for every head before the next ones (eight keys, a chunk of 32 value rows). SmolLM2-135M's
-        shape (9 heads, 3 KV heads, 64 dimensions), bf16, 2 threads, against one loop per key and head with a tree sum
-        each and the value sums in memory: 9 queries over 73 keys 44 -> ~28 us, 1 query over 1025 / 2049 keys 86 /
-        178 -> 65 / 134 us, 256 queries over 1280 keys ~1.75x. (A work item a head, to balance 3 KV heads over 2
-        threads, cost more than it balanced: 70 / 148 us at one query.)"""
+        """`cpu_attention_rows._attend_rows` (its arguments, results and every query's operations), a work item a
+        block of `_QUERIES` queries of a sequence and the G query heads of one KV head: the keys all four see (a
+        causal block: the first one's) are scored four keys for the four queries at a time (`_dots4x4`) and added
+        for the four together (`_values4`), each row widened once for them; the rest, and a block of fewer, query by
+        query (eight keys side by side). Items go to the threads in turn (a block of fewer queries beside full ones).
+        SmolLM2-135M's shape, bf16, 2 threads, against the rows kernel: 256 queries over 1280 keys 12.9 -> 10.4 ms,
+        9 over 1033 keys 391 -> 374 us; one query 0.86-0.89x (left to the rows kernel)."""
         B, Tq, Hq, D = q.shape
         bs, Hkv = kv.shape[2], kv.shape[3]
         Tk = mask.shape[2]
