@@ -14,9 +14,9 @@ _QUERIES = 4
 if numba is not None:
     from numba import njit, prange
 
-    from offload.model.cpu_attention_rows import _AHEAD, _CHUNK, _dot1, _dots8, _tail, _values
-    from offload.model.simd import LANES, _bits_f32, fma, parts, prefetch, vfma, vload, vsplat, vstore, vsum8, vzero
-    from offload.model.simd_math import vexp, vraw
+    from offload.model.cpu_attention_rows import _AHEAD, _CHUNK, _output, _scores8, _softmax, _values, _visible
+    from offload.model.simd import LANES, parts, prefetch, vfma, vload, vsplat, vstore, vsum8, vzero
+    from offload.model.simd_math import vraw
 
     @njit(forceinline=True, nogil=True)
     def _values4(acc, ao, astep, probs, po, pstep, vis, keys, c0, c1, s1, D, bf16):  # pragma: no cover - compiled
@@ -98,15 +98,7 @@ if numba is not None:
                 t0 = (idx // Hkv) % blocks * QB
                 nq = min(QB, Tq - t0)
                 for i in range(nq):
-                    nv, row, off = 0, base + table[b, 0] * s0 + kh * s3, 0
-                    for j in range(Tk):  # (block and offset counted: no division a key)
-                        if off == bs:
-                            row, off = base + table[b, j // bs] * s0 + kh * s3, 0
-                        if mask[b, t0 + i, j]:
-                            keys[i * Tk + nv], vis[i * Tk + nv] = row + off * s2, j
-                            nv += 1
-                        off += 1
-                    nvs[i] = nv
+                    nvs[i] = _visible(mask, b, t0 + i, table, bs, base + kh * s3, s0, s2, keys, vis, i * Tk)
                     for g in range(G):
                         for d in range(D):
                             qs[i * GD + g * D + d] = q[b, t0 + i, kh * G + g, d]
@@ -133,36 +125,12 @@ if numba is not None:
                 for i in range(nq):
                     kb, nv = i * Tk, nvs[i]
                     n8 = nv - (nv - n4) % 8
-                    for c in range(kb + n4, kb + n8, 8):  # this query's other keys, eight for every head
-                        if c + 8 + _AHEAD <= kb + nv:
-                            for u in range(c + _AHEAD, c + 8 + _AHEAD):
-                                for e in range(0, D * kv.itemsize, 64):
-                                    prefetch(keys[u], e)
-                        for g in range(G):
-                            dots = _dots8(qs, i * GD + g * D, keys, c, D, bf16)
-                            for u in range(8):
-                                scores[i * GT + g * TkP + vis[c + u]] = dots[u]
+                    _scores8(scores, i * GT, TkP, qs, i * GD, keys, vis, kb + n4, kb + n8, kb + nv, G, D, kv.itemsize,
+                             bf16)  # this query's other keys
                     for g in range(G):
                         qo, so = i * GD + g * D, i * GT + g * TkP
-                        for c in range(kb + n8, kb + nv):
-                            scores[so + vis[c]] = _dot1(qs, qo, keys[c], D, bf16)
-                        for c in range(kb, kb + nv):
-                            j = vis[c]
-                            if D % LANES:
-                                scores[so + j] = _tail(scores[so + j], qs, qo, kv, table[b, j // bs], j % bs, kh, 0,
-                                                       D, shift)
-                            scores[so + j] *= scale
-                        mg = np.float32(-np.inf)
-                        for c in range(kb, kb + nv):
-                            mg = max(mg, scores[so + vis[c]])
-                        m[i * G + g] = mg
-                        low, one = vsplat(-mg), vsplat(np.float32(1.0))  # e^(score - max), 16 keys at a time
-                        for j in range(so, so + TkP, LANES):  # (an unseen key's: 0)
-                            vstore(probs, j, vexp(vfma(vload(scores, j), one, low)))
-                        tg = 0.0
-                        for c in range(kb, kb + nv):
-                            tg += probs[so + vis[c]]
-                        total[i * G + g] = tg
+                        m[i * G + g], total[i * G + g] = _softmax(scores, probs, so, TkP, qs, qo, keys, vis, kb, n8,
+                                                                  nv, kv, table, b, kh, scale, D, shift, bf16)
                 for c0 in range(0, shared, _CHUNK):  # a chunk of V rows for four queries and every head, then the next
                     c1 = min(shared, c0 + _CHUNK)
                     for c in range(c1, min(shared, c1 + _CHUNK)):  # (the next chunk's asked for)
@@ -180,20 +148,5 @@ if numba is not None:
                         for g in range(G):
                             _values(acc, i * GD + g * D, probs, i * GT + g * TkP, vis, keys, kb, c0, c1, s1, D, bf16)
                     for g in range(G):
-                        h, ao, po = kh * G + g, i * GD + g * D, i * GT + g * TkP
-                        for d in range(D - D % LANES, D):  # (the dimensions past the last 16, in key order)
-                            acc[ao + d] = 0.0
-                        for c in range(kb, kb + nv if D % LANES else kb):
-                            j = vis[c]
-                            p = probs[po + j]
-                            for d in range(D - D % LANES, D):
-                                raw = np.uint32(kv[table[b, j // bs], 1, j % bs, kh, d]) << shift
-                                acc[ao + d] = fma(p, _bits_f32(raw), acc[ao + d])
-                        if nv == 0:
-                            for d in range(D):
-                                out[b, t0 + i, h, d] = 0.0
-                            lse[b, t0 + i, h] = -np.inf
-                            continue
-                        for d in range(D):
-                            out[b, t0 + i, h, d] = acc[ao + d] / total[i * G + g]
-                        lse[b, t0 + i, h] = m[i * G + g] + np.log(total[i * G + g])
+                        _output(acc, i * GD + g * D, probs, i * GT + g * TkP, vis, kb, nv, kv, table, b, kh, D, shift,
+                                m[i * G + g], total[i * G + g], out, lse, t0 + i, kh * G + g)

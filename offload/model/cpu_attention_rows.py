@@ -90,6 +90,85 @@ if numba is not None:
                 a0 = vfma(vsplat(probs[po + vis[c]]), vraw(keys[c] + s1, d, bf16), a0)
             vstore(acc, ao + d, a0)
 
+    @njit(forceinline=True, nogil=True)
+    def _visible(mask, b, t, table, bs, row0, s0, s2, keys, vis, kb):  # pragma: no cover - compiled
+        """Query (b, t)'s visible keys in token order into keys[kb :] (their K rows' addresses: row0 the KV head's
+        row at slot 0, offset 0) and vis[kb :] (their indices) -> how many. (Block and offset counted: no division a
+        key.)"""
+        nv, row, off = 0, row0 + table[b, 0] * s0, 0
+        for j in range(mask.shape[2]):
+            if off == bs:
+                row, off = row0 + table[b, j // bs] * s0, 0
+            if mask[b, t, j]:
+                keys[kb + nv], vis[kb + nv] = row + off * s2, j
+                nv += 1
+            off += 1
+        return nv
+
+    @njit(forceinline=True, nogil=True)
+    def _scores8(scores, so, TkP, qs, qo, keys, vis, c0, c1, end, G, D, isz, bf16):  # pragma: no cover - compiled
+        """One query's scores (head g's at so + g TkP, its query at qo + g D) of keys c0 .. c1 - 1 (eights: `_dots8`),
+        eight keys for every head before the next eight (rows in L1), the K rows a few keys on asked for (up to
+        end)."""
+        for c in range(c0, c1, 8):
+            if c + 8 + _AHEAD <= end:
+                for u in range(c + _AHEAD, c + 8 + _AHEAD):
+                    for e in range(0, D * isz, 64):
+                        prefetch(keys[u], e)
+            for g in range(G):
+                dots = _dots8(qs, qo + g * D, keys, c, D, bf16)
+                for u in range(8):
+                    scores[so + g * TkP + vis[c + u]] = dots[u]
+
+    @njit(forceinline=True, nogil=True)
+    def _softmax(scores, probs, so, TkP, qs, qo, keys, vis, kb, n8, nv, kv, table, b, kh, scale, D, shift,
+                 bf16):  # pragma: no cover - compiled
+        """One (query, head)'s softmax (its scores at so, their keys at kb): the scores of keys n8 .. nv - 1 one by
+        one (`_dot1`; the ones before, the caller's), every score's dimensions past the last 16 and its scale, then
+        e^(score - max) into probs, 16 keys at a time (an unseen key's: 0) -> (max, the probabilities' sum in key
+        order)."""
+        bs = kv.shape[2]
+        for c in range(kb + n8, kb + nv):
+            scores[so + vis[c]] = _dot1(qs, qo, keys[c], D, bf16)
+        for c in range(kb, kb + nv):
+            j = vis[c]
+            if D % LANES:
+                scores[so + j] = _tail(scores[so + j], qs, qo, kv, table[b, j // bs], j % bs, kh, 0, D, shift)
+            scores[so + j] *= scale
+        mg = np.float32(-np.inf)
+        for c in range(kb, kb + nv):
+            mg = max(mg, scores[so + vis[c]])
+        low, one = vsplat(-mg), vsplat(np.float32(1.0))
+        for j in range(so, so + TkP, LANES):
+            vstore(probs, j, vexp(vfma(vload(scores, j), one, low)))
+        total = 0.0
+        for c in range(kb, kb + nv):
+            total += probs[so + vis[c]]
+        return mg, total
+
+    @njit(forceinline=True, nogil=True)
+    def _output(acc, ao, probs, po, vis, kb, nv, kv, table, b, kh, D, shift, mg, total, out, lse, t,
+                h):  # pragma: no cover - compiled
+        """Query (b, t), head h: its value sums' dimensions past the last 16 (in key order; the whole 16s are in acc
+        at ao), then out = acc / total and lse = max + log(total), or zeros and -inf where it sees no key."""
+        bs = kv.shape[2]
+        for d in range(D - D % LANES, D):
+            acc[ao + d] = 0.0
+        for c in range(kb, kb + nv if D % LANES else kb):
+            j = vis[c]
+            p = probs[po + j]
+            for d in range(D - D % LANES, D):
+                raw = np.uint32(kv[table[b, j // bs], 1, j % bs, kh, d]) << shift
+                acc[ao + d] = fma(p, _bits_f32(raw), acc[ao + d])
+        if nv == 0:
+            for d in range(D):
+                out[b, t, h, d] = 0.0
+            lse[b, t, h] = -np.inf
+            return
+        for d in range(D):
+            out[b, t, h, d] = acc[ao + d] / total
+        lse[b, t, h] = mg + np.log(total)
+
     @njit(parallel=True, cache=True, nogil=True)  # no fast-math: the lanes' operations as written (`simd`)
     def _attend_rows(q, kv, table, mask, scale, shift, out, lse):  # pragma: no cover - compiled
         """q [B, Tq, Hq, D] f32; kv [slots, 2, bs, Hkv, D] paged K and V as raw bits (uint32 float32 with shift 0,
@@ -125,57 +204,21 @@ if numba is not None:
             m, total = np.empty(G, np.float32), np.empty(G)
             for idx in range(th * share, min(n, th * share + share)):
                 b, t, kh = idx // (Tq * Hkv), (idx // Hkv) % Tq, idx % Hkv
-                nv, row, off = 0, base + table[b, 0] * s0 + kh * s3, 0
-                for j in range(Tk):  # (block and offset counted: no division a key)
-                    if off == bs:
-                        row, off = base + table[b, j // bs] * s0 + kh * s3, 0
-                    if mask[b, t, j]:
-                        keys[nv], vis[nv] = row + off * s2, j
-                        nv += 1
-                    off += 1
+                nv = _visible(mask, b, t, table, bs, base + kh * s3, s0, s2, keys, vis, 0)
                 if nv == 0:
                     for g in range(G):
-                        for d in range(D):
-                            out[b, t, kh * G + g, d] = 0.0
-                        lse[b, t, kh * G + g] = -np.inf
+                        _output(acc, g * D, probs, g * TkP, vis, 0, 0, kv, table, b, kh, D, shift, m[g], total[g], out,
+                                lse, t, kh * G + g)
                     continue
                 for g in range(G):
                     for d in range(D):
                         qs[g * D + d] = q[b, t, kh * G + g, d]
                 scores[:] = -np.inf
                 n8 = nv - nv % 8
-                for c in range(0, n8, 8):  # eight keys for every head, then the next eight (rows in L1)
-                    if c + 8 + _AHEAD <= nv:  # the K rows a few keys on
-                        for u in range(c + _AHEAD, c + 8 + _AHEAD):
-                            for e in range(0, D * kv.itemsize, 64):
-                                prefetch(keys[u], e)
-                    for g in range(G):
-                        dots = _dots8(qs, g * D, keys, c, D, bf16)
-                        for u in range(8):
-                            scores[g * TkP + vis[c + u]] = dots[u]
+                _scores8(scores, 0, TkP, qs, 0, keys, vis, 0, n8, nv, G, D, kv.itemsize, bf16)
                 for g in range(G):
-                    qo, so = g * D, g * TkP
-                    for c in range(n8, nv):
-                        scores[so + vis[c]] = _dot1(qs, qo, keys[c], D, bf16)
-                    for c in range(nv):
-                        j = vis[c]
-                        if D % LANES:
-                            scores[so + j] = _tail(scores[so + j], qs, qo, kv, table[b, j // bs], j % bs, kh, 0, D,
-                                                   shift)
-                        scores[so + j] *= scale
-                    mg = np.float32(-np.inf)
-                    for c in range(nv):
-                        mg = max(mg, scores[so + vis[c]])
-                    m[g] = mg
-                one = vsplat(np.float32(1.0))
-                for g in range(G):  # e^(score - max), 16 keys at a time (an unseen key's: 0)
-                    low, po = vsplat(-m[g]), g * TkP
-                    for j in range(po, po + TkP, LANES):
-                        vstore(probs, j, vexp(vfma(vload(scores, j), one, low)))
-                    tg = 0.0
-                    for c in range(nv):
-                        tg += probs[po + vis[c]]
-                    total[g] = tg
+                    m[g], total[g] = _softmax(scores, probs, g * TkP, TkP, qs, g * D, keys, vis, 0, n8, nv, kv, table,
+                                              b, kh, scale, D, shift, bf16)
                 for c0 in range(0, nv, _CHUNK):  # a chunk of V rows for every head, then the next (rows in L1)
                     c1 = min(nv, c0 + _CHUNK)
                     for c in range(c1, min(nv, c1 + _CHUNK)):  # (the next chunk's asked for)
@@ -183,17 +226,6 @@ if numba is not None:
                             prefetch(keys[c] + s1, e)
                     for g in range(G):
                         _values(acc, g * D, probs, g * TkP, vis, keys, 0, c0, c1, s1, D, bf16)
-                for g in range(G):  # (the dimensions past the last 16, in key order)
-                    for d in range(D - D % LANES, D):
-                        acc[g * D + d] = 0.0
-                    for c in range(nv if D % LANES else 0):
-                        j = vis[c]
-                        p = probs[g * TkP + j]
-                        for d in range(D - D % LANES, D):
-                            raw = np.uint32(kv[table[b, j // bs], 1, j % bs, kh, d]) << shift
-                            acc[g * D + d] = fma(p, _bits_f32(raw), acc[g * D + d])
                 for g in range(G):
-                    h = kh * G + g
-                    for d in range(D):
-                        out[b, t, h, d] = acc[g * D + d] / total[g]
-                    lse[b, t, h] = m[g] + np.log(total[g])
+                    _output(acc, g * D, probs, g * TkP, vis, 0, nv, kv, table, b, kh, D, shift, m[g], total[g], out,
+                            lse, t, kh * G + g)
