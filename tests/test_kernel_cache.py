@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from offload.model import fused, kernels
+from offload.model import fused, kernel_stamp, kernels
 
 pytestmark = pytest.mark.skipif(kernels.numba is None, reason="needs numba")
 
@@ -20,14 +20,14 @@ def test_a_cached_layer_is_stamped_with_the_packed_kernels_it_compiles_in():
     although the layer lives in fused.py (a `git pull` touching one file must not leave the old kernel running)."""
     here = os.path.dirname(kernels.__file__)
     digest = hashlib.sha256()
-    for name in kernels._SOURCES:
+    for name in kernel_stamp.SOURCES:
         with open(os.path.join(here, name), "rb") as f:
             digest.update(f.read())
     own, everything = _stamp(fused._layer.py_func, fused.__file__)
-    assert everything == digest.hexdigest() and "cpu_packed.py" in kernels._SOURCES
+    assert everything == digest.hexdigest() and "cpu_packed.py" in kernel_stamp.SOURCES
     compiled = {name for name in os.listdir(here) if name.endswith(".py")  # every file of compiled kernels
                 and "from numba" in open(os.path.join(here, name), encoding="utf-8").read()}
-    assert compiled == set(kernels._SOURCES), "kernels._SOURCES must name every file numba compiles code from"
+    assert compiled == set(kernel_stamp.SOURCES), "kernel_stamp.SOURCES must name every file numba compiles code from"
     with open(fused.__file__, "rb") as f:
         assert own == hashlib.sha256(f.read()).digest()  # numba's own stamp of the file, kept beside
 

@@ -31,7 +31,6 @@ import threading
 import numpy as np
 import torch
 
-from offload.model.kernel_stamp import SOURCES as _SOURCES  # noqa: F401 - the files a cached kernel is stamped with
 from offload.model.kernel_stamp import stamp_kernel_sources
 
 try:  # an install dependency; its absence only costs row invariance and the verify pass's speed

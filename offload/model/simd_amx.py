@@ -202,5 +202,4 @@ def tile_units(half):  # pragma: no cover - compiled
     return half if half <= 16 else (16 if half % 16 == 0 else 0)
 
 
-
 granted()  # (asked as the kernels load: any kind a caller holds was chosen in a process that may use the tiles)
