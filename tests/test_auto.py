@@ -218,6 +218,30 @@ def test_two_starts_at_once_measure_the_machine_once(tmp_path, monkeypatch, caps
     assert "calibration: waiting for " in out and "(measured by the process it waited for; no calibration)" in out
 
 
+def test_a_calibration_that_leaves_the_process_holding_memory_starts_the_command_again(tmp_path, monkeypatch):
+    """A first start's calibration compiles the CPU kernels, and numba keeps ~550 MiB of what it compiled for the
+    process's life: the command starts again in its place (`signals.restart`) where a calibration left the process
+    holding RESTART_HELD or more; not where it held less, nor where the calibration was reused."""
+    restarts, kept = [], []
+
+    def calibrate(device, dtype, disk, engine=None, packed=PACKED, hold=0):
+        kept.append(b"\x01" * hold)  # written, so resident: what the compiled kernels are to the process
+        cal = Calibration.defaults()
+        cal.meta |= {"kernels": kernels_id(), "machine": machine.identity(), "activations": dict(kernels.ACTIVATIONS)}
+        return cal
+
+    monkeypatch.setattr(auto.signals, "restart", restarts.append)
+    path = tmp_path / "calibration.json"
+    cases = [(0, False, 0), (auto.RESTART_HELD + (16 << 20), False, 1), (auto.RESTART_HELD * 2, True, 1)]
+    for hold, reuse, want in cases:
+        if not reuse:
+            path.unlink(missing_ok=True)
+        monkeypatch.setattr(auto, "calibrate", lambda *a, hold=hold, **k: calibrate(*a, hold=hold, **k))
+        auto._ensure_calibration(path, (), torch.device("cpu"), torch.float32, tmp_path)
+        assert len(restarts) == want, (hold, reuse)
+    assert len(kept) == 2 and "numba keeps" in restarts[0]
+
+
 def test_auto_weights_other_than_the_kept_yaml_are_refused(setup, monkeypatch, capsys):
     model, disk, calls = setup
     start(model, disk, monkeypatch, capsys)

@@ -308,3 +308,23 @@ def test_settle_heap_freezes_the_commands_own_process_only(monkeypatch):
         assert gc.get_freeze_count() > before
     finally:
         gc.unfreeze()
+
+
+def test_restart_runs_the_command_again_in_its_place_once_with_its_arguments_and_stdin(tmp_path):
+    """`restart` (memory a first start's calibration left the process holding) execs the same command line in the
+    process's place: the same arguments, stdin still unread; the command it starts does not restart again, and a
+    process that is not the command's own (a test's, an embedder's) is never replaced."""
+    script = tmp_path / "again.py"
+    script.write_text("import os, sys\n"
+                      "from offload.cli import signals\n"
+                      "print('run', os.environ.get(signals.RESTARTED), sys.argv[1:], flush=True)\n"
+                      "signals.restart('not the command process')\n"
+                      "signals.own_process()\n"
+                      "signals.restart('starting again')\n"
+                      "print('read', sys.stdin.readline().strip(), flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if k != signals.RESTARTED}
+    got = subprocess.run([sys.executable, str(script), "a", "--b"], input="hello\n", capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.splitlines() == ["run None ['a', '--b']", "run 1 ['a', '--b']", "read hello"]
+    assert got.stderr.count("starting again") == 1 and "not the command process" not in got.stderr

@@ -22,8 +22,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
+from offload.cli import signals
 from offload.cli.plan import show_plan
 from offload.cli.prepare import store_to_fill
 from offload.config import DiskTierConfig, OffloadConfig, cache_dir, format_size
@@ -149,13 +151,25 @@ def _ensure_store(disk: DiskTierConfig, ckpt: Checkpoint, dtype: torch.dtype, fm
           f"{time.perf_counter() - t0:.1f}s")
 
 
+#: what a calibration may leave the process holding before the command starts again (`signals.restart`): a first
+#: start compiles the CPU kernels while it calibrates, and numba keeps the compiled code and its compiler's state for
+#: the process's life (SmolLM2-135M int4: ~550 MiB, which a run in 1 GiB then streamed 26 of its 32 groups for)
+RESTART_HELD = 128 * 2**20
+
+
+def _anon() -> int:
+    """This process's resident memory that is its own (not pages of files, such as the libraries it maps)."""
+    m = psutil.Process().memory_info()
+    return m.rss - getattr(m, "shared", 0)
+
+
 def _ensure_calibration(cal_path: Path, packed: tuple[str, ...], device: torch.device, dtype: torch.dtype,
                         disk: Path) -> None:
     """Measure this machine into cal_path once (again where `why_measure` says so), under a lock beside it: another
     process starting the same setup at once waits and reuses what this one measured (both measuring at once read
     each other's disk probe, and each would time the other's load)."""
     cal_path.parent.mkdir(parents=True, exist_ok=True)
-    lock, waited = FileLock(cal_path.with_name(f".{cal_path.name}.lock")), []
+    lock, waited, held = FileLock(cal_path.with_name(f".{cal_path.name}.lock")), [], 0
     try:
         lock.exclusive(on_wait=lambda holder: (waited.append(holder),
                                                print(f"calibration: waiting for {holder} to finish measuring")))
@@ -167,11 +181,15 @@ def _ensure_calibration(cal_path: Path, packed: tuple[str, ...], device: torch.d
         lock.announce("calibrating")
         why = ", once" if why == "there is none" else f" ({why})"
         print(f"calibration: measuring this machine's disk, copies and layer kernels{why} -> {cal_path}")
-        t0 = time.perf_counter()
+        t0, anon = time.perf_counter(), _anon()
         calibrate(device, dtype, disk, engine=engine_overhead_s, packed=schemes).save(cal_path)
         print(f"calibration: done in {time.perf_counter() - t0:.1f}s")
+        held = _anon() - anon
     finally:
         lock.close()
+    if held >= RESTART_HELD:
+        signals.restart(f"calibration: this process holds {format_size(held)} more than before it (the CPU kernels "
+                        "it compiled, which numba keeps): starting again, once, so that the run has that room")
 
 
 def packed_kernels(config: OffloadConfig) -> tuple[str, ...]:

@@ -24,6 +24,8 @@ from storage import interrupts
 
 INTERRUPTED, TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
 _OWN = {"process": False}  # `program` runs: the process is the command's own (not a test's or an embedder's)
+#: set in the environment of a command that started itself again (`restart`): once at most
+RESTARTED = "OFFLOAD_RESTARTED"
 
 
 class Terminated(KeyboardInterrupt):
@@ -74,6 +76,19 @@ def settle_heap() -> None:
     if _OWN["process"]:
         gc.collect()
         gc.freeze()
+
+
+def restart(why: str) -> None:
+    """Start this command again in this process's place (`os.execv`: the same arguments, environment, stdin and
+    stdout; nothing read from stdin yet), once, and only where the process is the command's own (`own_process`);
+    otherwise nothing. For memory the process holds and cannot give back: `why` goes to stderr first."""
+    if not _OWN["process"] or os.environ.get(RESTARTED):
+        return
+    print(why, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        stream.flush()
+    os.environ[RESTARTED] = "1"
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 def leave(status: int) -> NoReturn:
