@@ -19,7 +19,8 @@ repeats is reported, and the load average is recorded beside every number):
              and 64 MiB of workspace (`--streamed` formats)
   verify     a verify pass over k+1 tokens (one sequence) over a plain decode step timed beside it (alternating,
              best of 5 each), for each k in `--verify`
-  depth      with `--depth`: decode tokens/s after a prompt of each length, both engines, every repeat
+  depth      with `--depth`: the prefill of a prompt of each length and decode tokens/s after it, both engines,
+             every repeat (llama.cpp: llama-bench -p N -n 0, and -d N)
 Writes OUT/cpu-vs-llama.json and OUT/cpu-vs-llama.md (OUT defaults to scripts/results/), the command line included.
 """
 
@@ -93,6 +94,7 @@ def worker_offload(spec: dict) -> dict:
             long = prompt(depth, r.cfg.vocab_size)
             steps = [r.generate([long], max_new_tokens=spec["new"], stop_on_eos=False)[0].stats for _ in range(2)]
             out.setdefault("depth", {})[str(depth)] = 1000 / min(s.decode_only_ms_per_step for s in steps)
+            out.setdefault("depth_prefill", {})[str(depth)] = depth / min(s.prefill_s for s in steps)
         if spec.get("verify"):
             with torch.inference_mode():  # the KV pool was made inside generate's inference mode
                 out["verify"] = verify_costs(r, ids, spec["verify"])
@@ -153,6 +155,8 @@ def worker_llama(spec: dict) -> dict:
     if spec.get("depths"):  # decode after a prompt of each depth (its own pass first, not timed)
         rows = llama_bench(spec, "-p", "0", "-n", str(spec["new"]), "-d", ",".join(map(str, spec["depths"])))
         out["depth"] = {str(x["n_depth"]): x["avg_ts"] for x in rows}
+        rows = llama_bench(spec, "-p", ",".join(map(str, spec["depths"])), "-n", "0")  # those prompts' prefill
+        out["depth_prefill"] = {str(x["n_prompt"]): x["avg_ts"] for x in rows}
     return out
 
 
@@ -319,9 +323,9 @@ def bench_model(name: str, model: Path, args, cache: Path, calibration: Path) ->
                 "prefill_tok_s": best(runs["llama"], "prefill_tok_s")["prefill_tok_s"]}
             if "batch_pass_over_step" in runs["llama"][0]:
                 row["llama_batch_pass_over_step"] = runs["llama"][0]["batch_pass_over_step"]
-        if args.depth:  # each engine's best of its repeats at each depth
-            row["depth"] = {str(d): {e: max(r["depth"][str(d)] for r in runs[e]) for e in ("offload", "llama")
-                                     if runs[e] and all("depth" in r for r in runs[e])} for d in args.depth}
+        for key in ("depth", "depth_prefill") if args.depth else ():  # each engine's best of its repeats, each depth
+            row[key] = {str(d): {e: max(r[key][str(d)] for r in runs[e]) for e in ("offload", "llama")
+                                 if runs[e] and all(key in r for r in runs[e])} for d in args.depth}
         if fmt in args.streamed:
             store = cache / "stores" / f"{model.name}-{QUANT[fmt]}"
             ensure_store(model, store, QUANT[fmt])
@@ -392,19 +396,26 @@ def markdown(result: dict) -> str:
     lines += [fmt_row(r) for r in result["rows"]]
     deep = [(r, d, e) for r in result["rows"] for d, e in (r.get("depth") or {}).items()]
     if deep:
-        lines += ["", f"Decode after a prompt of each depth (batch 1, {result['new']} new tokens, best of the repeats; "
-                      "llama.cpp: llama-bench -d):", "",
-                  "| model | format | depth | Offload decode tok/s | llama.cpp decode tok/s | ratio |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['format']} / {r['llama_format']} | {d} | {e['offload']:.1f} | "
-                  + (f"{e['llama']:.1f} | {e['offload'] / e['llama']:.2f} |" if "llama" in e else "- | - |")
-                  for r, d, e in deep]
+        lines += ["", f"A prompt of each length: its prefill, then decode after it (batch 1, {result['new']} new "
+                      "tokens, best of the repeats; llama.cpp: llama-bench -p N -n 0 and -d N):", "",
+                  "| model | format | depth | Offload prefill tok/s | llama.cpp prefill tok/s | ratio "
+                  "| Offload decode tok/s | llama.cpp decode tok/s | ratio |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [(f"| {r['model']} | {r['format']} / {r['llama_format']} | {d} | "
+                   + _pair((r.get("depth_prefill") or {}).get(d, {})) + _pair(e)).rstrip() for r, d, e in deep]
     met = [x["memory_before"] for r in result["rows"] for v in r["repeats"].values() for x in v
            if x.get("memory_before")]
     if met:
         lines += ["", f"Memory read rate just before each engine's run (a sum of 256 MiB): {min(met) / 1e9:.1f}-"
                       f"{max(met) / 1e9:.1f} GB/s; each repeat's is in the JSON (`repeats`)."]
     return "\n".join(lines) + "\n"
+
+
+def _pair(e: dict) -> str:
+    """Offload's and llama.cpp's figure and their ratio, as table cells."""
+    ours = f"{e['offload']:.1f}" if "offload" in e else "-"
+    return f"{ours} | " + (f"{e['llama']:.1f} | {e['offload'] / e['llama']:.2f} | " if "llama" in e and "offload" in e
+                           else "- | - | ")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -417,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--depth", type=int, nargs="*", default=[],
-                    help="also decode after prompts of these lengths, both engines (attention over long contexts)")
+                    help="also prompts of these lengths: their prefill and decode after them, both engines")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--quick", action="store_true", help="the tiny model, one format, no llama.cpp")
     ap.add_argument("--no-llama", action="store_true")
