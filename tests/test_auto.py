@@ -242,6 +242,30 @@ def test_a_calibration_that_leaves_the_process_holding_memory_starts_the_command
     assert len(kept) == 2 and "numba keeps" in restarts[0]
 
 
+def test_a_first_start_short_of_the_memory_its_compiling_holds_is_told_before_it_compiles(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A fresh install's first start compiles the CPU kernels while it calibrates (~650 MiB held with the packed
+    ones, ~300 without): where the process may fill less than that and 128 MiB, it says so first (a start in 700 MiB
+    was stopped for memory after minutes, saying nothing); not once the kernels are compiled, nor with room."""
+    def calibrate(device, dtype, disk, engine=None, packed=PACKED):
+        cal = Calibration.defaults()
+        cal.meta |= {"kernels": kernels_id(), "machine": machine.identity(), "activations": dict(kernels.ACTIVATIONS)}
+        return cal
+
+    monkeypatch.setattr(auto, "calibrate", calibrate)
+    path, mib = tmp_path / "calibration.json", 2**20
+    for compiled, room, packed, told in [(False, 600 * mib, ("int4",), True), (False, 900 * mib, ("int4",), False),
+                                         (True, 300 * mib, ("int4",), False), (False, 400 * mib, (), True),
+                                         (False, 600 * mib, (), False)]:
+        path.unlink(missing_ok=True)
+        monkeypatch.setattr(auto.fused, "layers_compiled", lambda compiled=compiled: compiled)
+        monkeypatch.setattr(auto, "ram_available", lambda room=room: room)
+        auto._ensure_calibration(path, packed, torch.device("cpu"), torch.float32, tmp_path)
+        out = capsys.readouterr().out
+        assert ("kernels are not compiled yet" in out) == told, (compiled, room, packed)
+        assert not told or "give this one start more" in out
+
+
 def test_auto_weights_other_than_the_kept_yaml_are_refused(setup, monkeypatch, capsys):
     model, disk, calls = setup
     start(model, disk, monkeypatch, capsys)

@@ -30,7 +30,7 @@ from offload.cli.plan import show_plan
 from offload.cli.prepare import store_to_fill
 from offload.config import DiskTierConfig, OffloadConfig, cache_dir, format_size
 from offload.errors import ConfigError, StaleStoreError
-from offload.model import hub, kernels
+from offload.model import fused, hub, kernels
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import PACKED, calibrate, why_measure
@@ -157,6 +157,21 @@ def _ensure_store(disk: DiskTierConfig, ckpt: Checkpoint, dtype: torch.dtype, fm
 RESTART_HELD = 128 * 2**20
 
 
+#: what a first start's compiling holds beyond a later start (SmolLM2-135M's calibration, numba 0.68, a 2-core Xeon):
+#: the dense kernels ~300 MiB, with the packed ones ~650 MiB; RAM the process may fill below that and 128 MiB is told
+COMPILING = {False: 300 * 2**20, True: 650 * 2**20}
+
+
+def _warn_compiling(packed: bool) -> None:
+    """Say, before it starts, that a fresh install's first start compiles the CPU kernels, where the memory this
+    process may fill is short of what that holds (a start in 700 MiB was stopped for memory after minutes)."""
+    need, room = COMPILING[packed], ram_available()
+    if fused.layers_compiled() is False and room < need + 128 * 2**20:
+        print(f"calibration: this install's CPU kernels are not compiled yet: this start compiles them (about a "
+              f"minute) and holds ~{need >> 20} MiB more than later starts for it, where this process may fill "
+              f"{format_size(room)}: if it is stopped for memory, give this one start more (later ones fit in less)")
+
+
 def _anon() -> int:
     """This process's resident memory that is its own (not pages of files, such as the libraries it maps)."""
     m = psutil.Process().memory_info()
@@ -181,6 +196,8 @@ def _ensure_calibration(cal_path: Path, packed: tuple[str, ...], device: torch.d
         lock.announce("calibrating")
         why = ", once" if why == "there is none" else f" ({why})"
         print(f"calibration: measuring this machine's disk, copies and layer kernels{why} -> {cal_path}")
+        if device.type == "cpu":
+            _warn_compiling(bool(schemes))
         t0, anon = time.perf_counter(), _anon()
         calibrate(device, dtype, disk, engine=engine_overhead_s, packed=schemes).save(cal_path)
         print(f"calibration: done in {time.perf_counter() - t0:.1f}s")

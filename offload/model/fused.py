@@ -167,6 +167,16 @@ LAYER_DTYPES = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
     if numba is not None else set()
 
 
+def layers_compiled() -> bool | None:
+    """Does numba's cache hold a compiled decoder layer (`_layers`, any weights) of these kernel files? False on a
+    fresh install, whose first run compiles every kernel (~1 min, and memory: `cli.auto`); None where numba is not
+    there or its cache's (private) layout differs."""
+    try:
+        return bool(_layers._cache._cache_file._load_index())
+    except Exception:  # noqa: BLE001 - numba's internals: where they differ, only this answer is lost
+        return None
+
+
 def _packed(m) -> bool:
     """Is m a packed int8 or int4 matrix the CPU kernels multiply (`quant.PackedLinear`: codes and their scales)?"""
     return getattr(m, "bits", None) in (4, 8) and m.q.device.type == "cpu" and packed_supported(m.sz)
