@@ -153,7 +153,7 @@ def _ensure_store(disk: DiskTierConfig, ckpt: Checkpoint, dtype: torch.dtype, fm
 
 #: what a calibration may leave the process holding before the command starts again (`signals.restart`): a first
 #: start compiles the CPU kernels while it calibrates, and numba keeps the compiled code and its compiler's state for
-#: the process's life (SmolLM2-135M int4: ~550 MiB, which a run in 1 GiB then streamed 26 of its 32 groups for)
+#: the process's life (SmolLM2-135M int4: ~650 MiB, for want of which a run in 1 GiB streamed 26 of its 32 groups)
 RESTART_HELD = 128 * 2**20
 
 
