@@ -6,6 +6,7 @@ import os
 import pytest
 
 from offload.model import fused, kernel_stamp, kernels
+from offload.runtime.runner import Runner
 
 pytestmark = pytest.mark.skipif(kernels.numba is None, reason="needs numba")
 
@@ -41,8 +42,6 @@ def test_functions_of_other_packages_keep_numbas_stamp():
 def test_layers_compiled_reads_numbas_cache_of_the_decoder_layer(tiny_llama):
     """`fused.layers_compiled` (a fresh install's first start is told what compiling holds: `cli.auto`) finds the
     decoder layer a run compiled and cached."""
-    from offload.runtime.runner import Runner
-
     with Runner(model=str(tiny_llama), device="cpu", dtype="float32") as r:
         r.generate([[1, 5, 9]], max_new_tokens=2, stop_on_eos=False)
     assert fused.layers_compiled() is True
