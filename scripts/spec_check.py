@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from offload.config import OffloadConfig  # noqa: E402
 from offload.model.checkpoint import Checkpoint  # noqa: E402
 from offload.plan.calibrate import calibrate  # noqa: E402
-from offload.plan.planner import resolve_capacities  # noqa: E402
+from offload.plan.planner import run_capacities  # noqa: E402
 from offload.plan.speculative import MAX_AUTO_TOKENS, PLAN_ALPHA  # noqa: E402
 from offload.runtime.runner import Runner  # noqa: E402
 from offload.runtime.speculative import auto_gain  # noqa: E402
@@ -70,7 +70,7 @@ def main() -> None:
         auto = run(base | {"speculative": {"draft": draft, "tokens": "auto"}}, args.new)
         config = OffloadConfig.load(base | {"speculative": {"draft": draft, "tokens": "auto"}})
         gain = auto_gain(config, cfg, torch.bfloat16, torch.device("cpu"),
-                         resolve_capacities(config.tiers, torch.device("cpu")))
+                         run_capacities(config, torch.device("cpu")))
         best = max(range(1, MAX_AUTO_TOKENS + 1), key=lambda k: gain.at(PLAN_ALPHA, k).speedup)  # (even < 1x)
         row = {"draft": draft, "plan_draft_ms": 1000 * gain.t_draft, "plan_step_ms": 1000 * gain.t_alone,
                "plan_x_at_plan_alpha": gain.at(PLAN_ALPHA, best).speedup, "plan_tokens_at_plan_alpha": best,

@@ -258,7 +258,7 @@ def test_a_first_start_short_of_the_memory_its_compiling_holds_is_told_before_it
                                          (True, 300 * mib, ("int4",), False), (False, 400 * mib, (), True),
                                          (False, 600 * mib, (), False)]:
         path.unlink(missing_ok=True)
-        monkeypatch.setattr(auto.fused, "layers_compiled", lambda compiled=compiled: compiled)
+        monkeypatch.setattr(auto.fused, "layers_compiled", lambda packed=None, compiled=compiled: compiled)
         monkeypatch.setattr(auto, "ram_available", lambda room=room: room)
         auto._ensure_calibration(path, packed, torch.device("cpu"), torch.float32, tmp_path)
         out = capsys.readouterr().out

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from offload.config import CpuTierConfig, GpuTierConfig, TiersConfig
 from offload.plan import memory
+from tests.conftest import run_config
 
 
 def write(root: Path, files: dict[str, str]) -> None:
@@ -59,3 +60,31 @@ def test_cpu_device_auto_tiers_share_one_ram(monkeypatch):
     assert (one.gpu, one.cpu) == (500 << 20, 300 << 20)
     other = memory.resolve_capacities(TiersConfig(GpuTierConfig(600 << 20), CpuTierConfig(None)), cpu)
     assert (other.gpu, other.cpu) == (600 << 20, 200 << 20)
+
+
+def test_auto_tiers_leave_free_what_a_first_run_compiles(tiny_llama, monkeypatch, caplog):
+    """numba keeps what a fresh install's first run compiles for the process's life (~300 MiB for the dense kernels,
+    ~650 MiB with the packed ones): a CPU run's auto tiers leave that free, and say so, while numba's cache lacks the
+    kernels the run uses; explicit capacities are the user's."""
+    import torch
+
+    from offload.config import OffloadConfig
+
+    monkeypatch.setattr(memory, "ram_available", lambda: 2000 << 20)
+    monkeypatch.setattr(memory.fused, "layers_compiled", lambda packed=None: not packed)  # dense cached, packed not
+    cpu, mib = torch.device("cpu"), 2**20
+
+    def gpu(**keys) -> int:
+        caplog.clear()
+        monkeypatch.setattr(memory, "_told", set())  # told once a process: each call here as a new one
+        tiers = keys.pop("tiers", {"gpu": {"capacity": "auto"}, "cpu": {"capacity": "auto"}})
+        return memory.run_capacities(OffloadConfig.load(run_config(tiny_llama, tiers=tiers, **keys)), cpu).gpu
+
+    assert gpu() == 1600 * mib and not caplog.records  # dense: compiled already
+    for keys in ({"weights": {"quantization": "int4"}}, {"speculative": {"draft": "self-int8"}}):
+        assert gpu(**keys) == int((2000 - 650) * mib * 0.8), keys
+        assert "not compiled yet" in caplog.text and "650.0 MiB" in caplog.text
+    explicit = {"gpu": {"capacity": "1GiB"}, "cpu": {"capacity": "auto"}}
+    assert gpu(tiers=explicit, weights={"quantization": "int8"}) == 1 << 30  # the cpu tier leaves it: 0 here
+    monkeypatch.setattr(memory.fused, "layers_compiled", lambda packed=None: None)  # numba's cache unreadable
+    assert gpu(weights={"quantization": "int4"}) == 1600 * mib and not caplog.records

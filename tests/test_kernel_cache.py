@@ -40,8 +40,12 @@ def test_functions_of_other_packages_keep_numbas_stamp():
 
 
 def test_layers_compiled_reads_numbas_cache_of_the_decoder_layer(tiny_llama):
-    """`fused.layers_compiled` (a fresh install's first start is told what compiling holds: `cli.auto`) finds the
-    decoder layer a run compiled and cached."""
+    """`fused.layers_compiled` (a fresh install's first run holds RAM back for compiling: `plan.memory.run_capacities`)
+    finds the decoder layer a run compiled and cached: for dense matrices, and for packed ones (int8 codes)."""
     with Runner(model=str(tiny_llama), device="cpu", dtype="float32") as r:
         r.generate([[1, 5, 9]], max_new_tokens=2, stop_on_eos=False)
-    assert fused.layers_compiled() is True
+    assert fused.layers_compiled() is True and fused.layers_compiled(False) is True
+    int8 = {"quantization": "int8", "group_size": 8}
+    with Runner(model=str(tiny_llama), device="cpu", dtype="float32", weights=int8) as r:
+        r.generate([[1, 5, 9]], max_new_tokens=2, stop_on_eos=False)
+    assert fused.layers_compiled(True) is True and fused.compile_reserve(True) == fused.compile_reserve(False) == 0

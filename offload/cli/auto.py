@@ -33,8 +33,8 @@ from offload.errors import ConfigError, StaleStoreError
 from offload.model import fused, hub, kernels
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
-from offload.plan.calibrate import PACKED, calibrate, why_measure
-from offload.plan.memory import ram_available
+from offload.plan.calibrate import calibrate, why_measure
+from offload.plan.memory import packed_kernels, ram_available
 from offload.plan.planner import Planner
 from offload.runtime.device import resolve_dtype
 from offload.runtime.overhead import engine_overhead_s
@@ -157,16 +157,11 @@ def _ensure_store(disk: DiskTierConfig, ckpt: Checkpoint, dtype: torch.dtype, fm
 RESTART_HELD = 128 * 2**20
 
 
-#: what a first start's compiling holds beyond a later start (SmolLM2-135M's calibration, numba 0.68, a 2-core Xeon):
-#: the dense kernels ~300 MiB, with the packed ones ~650 MiB; RAM the process may fill below that and 128 MiB is told
-COMPILING = {False: 300 * 2**20, True: 650 * 2**20}
-
-
 def _warn_compiling(packed: bool) -> None:
     """Say, before it starts, that a fresh install's first start compiles the CPU kernels, where the memory this
     process may fill is short of what that holds (a start in 700 MiB was stopped for memory after minutes)."""
-    need, room = COMPILING[packed], ram_available()
-    if fused.layers_compiled() is False and room < need + 128 * 2**20:
+    need, room = fused.compile_reserve(packed), ram_available()
+    if need and room < need + 128 * 2**20:
         print(f"calibration: this install's CPU kernels are not compiled yet: this start compiles them (about a "
               f"minute) and holds ~{need >> 20} MiB more than later starts for it, where this process may fill "
               f"{format_size(room)}: if it is stopped for memory, give this one start more (later ones fit in less)")
@@ -207,13 +202,6 @@ def _ensure_calibration(cal_path: Path, packed: tuple[str, ...], device: torch.d
     if held >= RESTART_HELD:
         signals.restart(f"calibration: this process holds {format_size(held)} more than before it (the CPU kernels "
                         "it compiled, which numba keeps): starting again, once, so that the run has that room")
-
-
-def packed_kernels(config: OffloadConfig) -> tuple[str, ...]:
-    """The packed formats whose CPU kernels the run computes with (`calibrate.PACKED`): the weights', a self-int
-    draft's."""
-    used = {config.weights.quantization, config.speculative.draft.removeprefix("self-")}
-    return tuple(s for s in PACKED if s in used)
 
 
 def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig:

@@ -33,7 +33,7 @@ from offload.model.generic import resolve_impl
 from offload.plan.calibrate import calibrate, default_path, load_calibration
 from offload.plan.costmodel import explain, plan_bytes
 from offload.plan.experts import expert_choice
-from offload.plan.planner import Planner, RunPlan, resolve_capacities
+from offload.plan.planner import Planner, RunPlan, run_capacities
 from offload.plan.predict import Workload, predict_decode, predict_prefill_per_token, suggestions
 from offload.plan.speculative import streaming_note, without_draft
 from offload.plan.stages import plan_stages
@@ -124,7 +124,7 @@ def rank_plans(config: OffloadConfig, cfg: ModelConfig, device: torch.device, dt
     if config.speculative.enabled:
         raise ConfigError("--ranks: speculative decoding runs in one process (a launch over ranks refuses it); "
                           "set speculative.draft: null to plan the ranks")
-    stages = plan_stages(config, cfg, dtype, device, resolve_capacities(config.tiers, device), world)
+    stages = plan_stages(config, cfg, dtype, device, run_capacities(config, device), world)
     agreed = min(s.run.kv_blocks for s in stages)
     steps = [s.step_s for s in stages]
     return {"world": world, "kv_blocks": agreed, "stages": stages,
@@ -298,7 +298,7 @@ def _print_speculative(config, draft, cfg, device, dtype, rp) -> None:
     """The draft's placement and pass time, and the predicted speed-up by acceptance rate against plain decoding
     without a draft (the target then has the device to itself)."""
     drp, _ = draft
-    g = auto_gain(config, cfg, dtype, device, resolve_capacities(config.tiers, device))
+    g = auto_gain(config, cfg, dtype, device, run_capacities(config, device))
     print(f"speculative decoding (draft {config.speculative.draft}, resident, "
           f"{format_size(drp.plan.used('gpu'))} on the device): {1000 * g.t_draft:.0f} ms per draft pass, "
           f"a verify pass of 9 tokens x{g.verify(8):.2f} of a plain one")

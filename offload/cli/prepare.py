@@ -30,7 +30,7 @@ from offload.model.chat import ChatTemplate
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.model.generic import generic_config, resolve_impl
-from offload.plan.planner import Planner, resolve_capacities
+from offload.plan.planner import Planner, run_capacities
 from offload.plan.speculative import reserve_draft
 from offload.runtime.device import resolve_device, resolve_dtype
 from offload.runtime.ranks import launched
@@ -120,7 +120,7 @@ def plan_for(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device
     `speculative.tokens: auto` runs plain or None), as `Runner` decides.
 
     `planner.run_plan()` refuses what cannot fit as a Runner would, reading no weights."""
-    caps, draft, note = resolve_capacities(config.tiers, device), None, None
+    caps, draft, note = run_capacities(config, device), None, None
     if config.speculative.enabled and config.speculative.tokens is None:
         note = auto_gain(config, cfg, dtype, device, caps).plain_note()
         if note:

@@ -167,14 +167,27 @@ LAYER_DTYPES = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
     if numba is not None else set()
 
 
-def layers_compiled() -> bool | None:
-    """Does numba's cache hold a compiled decoder layer (`_layers`, any weights) of these kernel files? False on a
-    fresh install, whose first run compiles every kernel (~1 min, and memory: `cli.auto`); None where numba is not
-    there or its cache's (private) layout differs."""
+def layers_compiled(packed: bool | None = None) -> bool | None:
+    """Does numba's cache hold a compiled decoder layer (`_layers`) of these kernel files: for packed matrices (int8,
+    int4: `packed` True), dense ones (False) or any? False on a fresh install, whose first run compiles every kernel
+    it uses (~1 min, and memory: `COMPILING`); None where numba is not there or its cache's (private) layout differs."""
     try:
-        return bool(_layers._cache._cache_file._load_index())
+        signatures = [str(key[0]) for key in _layers._cache._cache_file._load_index()]
     except Exception:  # noqa: BLE001 - numba's internals: where they differ, only this answer is lost
         return None
+    return any(packed is None or ("uint8" in s) == packed for s in signatures)  # packed codes are the uint8 arrays
+
+
+#: what a first run's compiling holds beyond a later run's, for the process's life (numba keeps the code and its
+#: compiler's state; SmolLM2-135M's calibration, numba 0.68, a 2-core Xeon): dense kernels ~300 MiB, with the
+#: packed ones ~650 MiB (a run of the int4 store alone: 546 MiB)
+COMPILING = {False: 300 * 2**20, True: 650 * 2**20}
+
+
+def compile_reserve(packed: bool) -> int:
+    """RAM a CPU run computing with dense or packed (int8, int4) matrices still needs for compiling its kernels in
+    this install: `COMPILING` where numba's cache does not hold them yet, else 0 (also where it cannot tell)."""
+    return COMPILING[packed] if layers_compiled(packed) is False else 0
 
 
 def _packed(m) -> bool:

@@ -37,7 +37,7 @@ from offload.model import kernels
 from offload.model.config import ModelConfig
 from offload.plan import machine
 from offload.plan.links import DEFAULT_LINKS, measure_links
-from offload.plan.memory import ram_available
+from offload.plan.memory import PACKED, ram_available
 from offload.plan.probe import (  # noqa: F401 (re-exported)
     PROBE_SHARE,
     REFERENCE,
@@ -344,10 +344,6 @@ def compute_sizes(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat, cal: 
 def kernels_id() -> str:
     """The CPU kernels a run uses: their version and which ones (row-invariant or the library's)."""
     return f"{kernels.VERSION}-{'invariant' if kernels.ROW_INVARIANT else 'library'}"
-
-
-#: The packed weight formats a calibration times the CPU kernels of, unless told fewer.
-PACKED = ("int8", "int4")
 
 
 def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,

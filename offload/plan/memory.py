@@ -5,6 +5,7 @@ torch.cuda), never a model's weights.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import psutil
@@ -13,17 +14,48 @@ import torch
 from offload.config import OffloadConfig, TiersConfig
 from offload.errors import ConfigError
 from offload.kv.blocks import KVSettings
+from offload.model import fused
 from offload.model.config import ModelConfig
 from schedulers.plan import Capacities, Plan
 from storage.errors import CapacityError
 from storage.units import fmt_bytes
 
+log = logging.getLogger(__name__)
 
-def resolve_capacities(tiers: TiersConfig | None, device: torch.device) -> Capacities:
+#: the packed weight formats the CPU kernels compute with (a calibration times each, unless told fewer)
+PACKED = ("int8", "int4")
+
+
+def packed_kernels(config: OffloadConfig) -> tuple[str, ...]:
+    """The packed formats whose CPU kernels the run computes with: the weights', a self-int draft's."""
+    used = {config.weights.quantization, config.speculative.draft.removeprefix("self-")}
+    return tuple(s for s in PACKED if s in used)
+
+
+_told: set[int] = set()  # the compile reserves `run_capacities` has told of
+
+
+def run_capacities(config: OffloadConfig, device: torch.device) -> Capacities:
+    """The run's tier capacities (`resolve_capacities`): on a CPU device, `auto` tiers leave free what this install's
+    first run still compiles (`fused.compile_reserve`; numba keeps it for the process's life: without it a cold
+    first run of a 1.7B int4 with a 1563-token prompt in a 1.5 GiB cgroup was still at the limit after 10 minutes;
+    with it, done in 2)."""
+    tiers, held = config.tiers, 0
+    if device.type == "cpu" and tiers is not None and (tiers.gpu.capacity is None or tiers.cpu.capacity is None):
+        held = fused.compile_reserve(bool(packed_kernels(config)))
+        if held and held not in _told:  # once a process (a command may plan more than once)
+            _told.add(held)
+            log.warning("this install's CPU kernels are not compiled yet: this run compiles them (about a minute) "
+                        "and keeps %s of RAM for it, which the auto tiers leave free (later runs home weights there)",
+                        fmt_bytes(held))
+    return resolve_capacities(tiers, device, held)
+
+
+def resolve_capacities(tiers: TiersConfig | None, device: torch.device, held: int = 0) -> Capacities:
     """Bytes per tier; `auto` becomes what this machine has free: 0.9 of the GPU's free memory, 0.8 of the RAM
-    this process may fill (its memory cgroup's room if that is less). On a CPU device the gpu and cpu tiers are
-    one RAM: an `auto` tier gets what the other leaves of it, and with both `auto` the device tier takes it all
-    (layers homed there are computed in place)."""
+    this process may fill (its memory cgroup's room if that is less) beyond `held` bytes. On a CPU device the gpu
+    and cpu tiers are one RAM: an `auto` tier gets what the other leaves of it, and with both `auto` the device
+    tier takes it all (layers homed there are computed in place)."""
     if tiers is None:
         return Capacities(gpu=None, cpu=None, disk=None, has_disk=False)
     gpu, cpu = tiers.gpu.capacity, tiers.cpu.capacity
@@ -31,7 +63,7 @@ def resolve_capacities(tiers: TiersConfig | None, device: torch.device) -> Capac
         free, _ = torch.cuda.mem_get_info(device)
         gpu = int(free * 0.9)
     if device.type == "cpu" and (gpu is None or cpu is None):
-        room = int(ram_available() * 0.8)
+        room = int(max(ram_available() - held, 0) * 0.8)
         if gpu is None:
             gpu = max(room - (cpu or 0), 0)
         if cpu is None:

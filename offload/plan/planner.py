@@ -30,6 +30,7 @@ from offload.plan.calibrate import Calibration, compute_dtype, compute_sizes, lo
 from offload.plan.experts import plan_experts
 from offload.plan.memory import resolve_capacities as resolve_capacities
 from offload.plan.memory import resolve_kv
+from offload.plan.memory import run_capacities as run_capacities
 from offload.plan.passes import ATTENTION_KEYS_PER_CHUNK, batch_rows, pass_blocks, workspace_bytes
 from offload.plan.placement import GroupSpec, make_plan, min_device_bytes
 from offload.plan.predict import Workload, predict_decode
@@ -106,7 +107,7 @@ class Planner:
         # (the same tokens as the all-in-memory run); only a float32 plan that cannot fit falls back (run_plan)
         self.upcast = compute_dtype(config.compute_dtype, dtype, device, self.fmt.quantization != "none")
         self._set_compute(self.upcast)
-        self.caps = caps or resolve_capacities(config.tiers, device)
+        self.caps = caps or run_capacities(config, device)
         self.fmt.check(cfg)
         # a first stage without the head reads a tied head (the embeddings) by rows only
         rows = {"embed"} | ({"head"} if self.layers.stop < cfg.num_layers else set())

@@ -45,7 +45,7 @@ from offload.model import kernels
 from offload.model.checkpoint import Checkpoint
 from offload.model.layout import column_groups, kept_rows
 from offload.plan.passes import pass_tokens
-from offload.plan.planner import Planner, resolve_capacities
+from offload.plan.planner import Planner, run_capacities
 from offload.runtime.device import DTYPES, resolve_device, resolve_dtype  # noqa: F401 (re-exported)
 from offload.runtime.passes import ForwardBatch, LayerPass, PromptChunk  # noqa: F401 (re-exported)
 from offload.runtime.resident import ResidentLayers
@@ -130,7 +130,7 @@ class Executor:
         self.layers = range(self.cfg.num_layers) if layers is None else layers  # the slice a pass runs
         self.layer_groups = tuple(f"layer.{i}" for i in range(self.cfg.num_layers))
         self.resident = ResidentLayers(self)  # a CPU pass's resident layers in one compiled call
-        caps = capacities if capacities is not None else resolve_capacities(config.tiers, self.device)
+        caps = capacities if capacities is not None else run_capacities(config, self.device)
         run_plan = Planner(config, self.cfg, self.dtype, self.device, caps, self.layers, concurrency).run_plan()
         self.batch = run_plan.batch  # sequences the device KV pool keeps decoding together (None: sized per request)
         self.kv_settings = run_plan.kv

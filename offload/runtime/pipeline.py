@@ -40,7 +40,7 @@ from offload.errors import ConfigError
 from offload.kv.cache import PagedKVCache
 from offload.model.checkpoint import Checkpoint
 from offload.plan.calibrate import load_calibration
-from offload.plan.planner import resolve_capacities
+from offload.plan.planner import run_capacities
 from offload.plan.stages import RankSpeed, plan_stage_of, split_layers
 from offload.runtime.device import resolve_device, resolve_dtype
 from offload.runtime.executor import Executor, ForwardBatch
@@ -63,7 +63,7 @@ def plan_stage(config: OffloadConfig, ranks: Ranks, caps: Capacities | None) -> 
     dtype = resolve_dtype(config.dtype, cfg.torch_dtype)
     values, error, mine = [0, 0, 0, 0, 0], None, [1.0] * 5
     try:
-        caps = caps or resolve_capacities(config.tiers, device)
+        caps = caps or run_capacities(config, device)
         cal = load_calibration(config.calibration)
         mine = RankSpeed.of(caps, cal, device.type).to_list()
     except Exception as e:  # every rank must reach the exchanges below, or the others wait for it

@@ -33,7 +33,7 @@ from offload.model.chat import GenerationDefaults
 from offload.model.checkpoint import Checkpoint
 from offload.model.tokenizer import TextTokenizer
 from offload.plan.calibrate import load_calibration
-from offload.plan.planner import resolve_capacities
+from offload.plan.planner import run_capacities
 from offload.plan.speculative import reserve_draft, streaming_note, verify_cost, without_draft
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Engine
@@ -98,7 +98,7 @@ class Runner:
         self.speculator: Speculator | None = None
         executors: list[Executor] = []
         self._finalizer = weakref.finalize(self, _close, executors)
-        caps = resolve_capacities(config.tiers, resolve_device(config.device))
+        caps = run_capacities(config, resolve_device(config.device))
         #: why `speculative.tokens: auto` runs plain decoding (the plan predicts the draft would not pay), or None
         self.speculation_note: str | None = None
         if config.speculative.enabled and config.speculative.tokens is None:
