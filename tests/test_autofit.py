@@ -15,7 +15,6 @@ import torch
 
 from offload.config import OffloadConfig
 from offload.errors import CapacityError, ConfigError
-from offload.model import cpu_attention
 from offload.model.checkpoint import Checkpoint
 from offload.plan.passes import ATTENTION_KEYS_PER_CHUNK, pass_tokens, workspace_bytes
 from offload.plan.placement import min_device_bytes
@@ -55,11 +54,6 @@ def resident(model, prompts, new=NEW):
     return _RESIDENT[key]
 
 
-def cpu_workspace(cfg, chunk: int, keys: int) -> int:
-    """A float32 CPU plan's workspace: the CPU kernel attends each query row on its own (no scores) where numba is."""
-    return workspace_bytes(cfg, chunk, torch.float32, keys, scores=cpu_attention.numba is None)
-
-
 def sizes(model):
     layouts = model_layouts(Checkpoint(model).config, torch.float32)
     return layouts["layer.0"].nbytes, layouts["head"].nbytes
@@ -68,7 +62,7 @@ def sizes(model):
 def defaults_fit(raw, depth) -> bool:
     """Would the fixed defaults (a 2048-token device pool, a 512-token workspace) fit beside this depth's ring?"""
     p = plan_for(raw)
-    fixed = blocks_for(AUTO_KV_TOKENS, 16) * p.block_bytes + cpu_workspace(p.cfg, 512, 512)
+    fixed = blocks_for(AUTO_KV_TOKENS, 16) * p.block_bytes + workspace_bytes(p.cfg, 512, torch.float32, 512)
     return min_device_bytes(p.groups, depth, fixed) <= p.caps.gpu
 
 
@@ -119,7 +113,7 @@ def test_the_default_kv_and_workspace_shrink_beside_a_ring_of_the_tied_head(tied
     assert head > 2 * layer
     # the device holds the head plus a ring of three layers and a little more: not the 2048-token pool, not a
     # 512-token workspace, but a few tokens' KV and a small chunk
-    gpu = head + 3 * layer + cpu_workspace(Checkpoint(tied).config, 32, 128) + 64 * 1024
+    gpu = head + 3 * layer + workspace_bytes(Checkpoint(tied).config, 32, torch.float32, 128) + 64 * 1024
     raw = run_config(tied, tiers={"gpu": {"capacity": gpu}, "cpu": {"capacity": head // 2},
                                   "disk": {"path": str(tmp_path / "store")}})
     assert not defaults_fit(raw, 0)
@@ -146,17 +140,16 @@ def test_prefill_chunk_max_caps_an_automatic_chunk_which_still_shrinks_to_fit(ti
     assert chunk(roomy) == AUTO_CHUNKS[0] and chunk(roomy, prefill_chunk_max=256) == 256
     assert chunk(roomy, prefill_chunk_max=300) == 300  # the cap is the first chunk tried
     assert chunk(roomy, prefill_chunk=512, prefill_chunk_max=256) == 512  # explicit: as given
-    short = head + 2 * layer + cpu_workspace(cfg, 64, 256) + 64 * 1024
+    short = head + 2 * layer + workspace_bytes(cfg, 64, torch.float32, 256) + 64 * 1024
     assert chunk(short, prefill_chunk_max=256) < 256
     with pytest.raises(CapacityError, match=r"activations\.prefill_chunk: \d+ \(or auto\)"):
         chunk(short, prefill_chunk=256)
 
 
 def test_medium_shaped_budget_runs_with_depth_two(tiny8, tmp_path):
-    """gpu = 3 ring slots + a quarter of the model and the head, cpu = a quarter: the rest on disk (the medium
-    example's ratios)."""
+    """gpu = 3 ring slots + a quarter of the model, cpu = a quarter: the rest on disk (the medium example's ratios)."""
     layer, head = sizes(tiny8)
-    raw = run_config(tiny8, tiers={"gpu": {"capacity": 5 * layer + head}, "cpu": {"capacity": 2 * layer},
+    raw = run_config(tiny8, tiers={"gpu": {"capacity": 3 * layer + 2 * layer}, "cpu": {"capacity": 2 * layer},
                                    "disk": {"path": str(tmp_path / "store")}}, prefetch={"depth": 2})
     assert not defaults_fit(raw, 2)
     with Runner.from_config(raw) as r:
@@ -208,23 +201,6 @@ def test_the_workspace_covers_the_attention_of_its_chunk(tiny_llama):
     one = workspace_bytes(cfg, 64, torch.float32, 64)
     four = workspace_bytes(cfg, 64, torch.float32, 256)
     assert four - one >= cfg.num_heads * 64 * (256 - 64) * 4 * 3  # float32 scores, masked, probabilities
-
-
-@pytest.mark.skipif(cpu_attention.numba is None, reason="needs numba")
-def test_a_cpu_plan_reserves_no_attention_scores_where_the_kernel_attends_row_by_row(tiny_llama):
-    """On a CPU the attention kernel takes each query row on its own (`cpu_attention`): a plan's workspace holds no
-    [heads, chunk, keys] scores (they were 512 of the 611 MiB a 1.7B's 512-token pass reserved, which then streamed
-    7 more layers and kept 1500 tokens of KV on disk in a 1.5 GiB cgroup); attention-mass eviction, which reads
-    the probabilities, and a float16 compute (torch's attention) keep them."""
-    def workspace(**keys):
-        raw = run_config(tiny_llama, tiers={"gpu": {"capacity": "1GiB"}, "cpu": {"capacity": 0}}, **keys)
-        return plan_for(raw).workspace(512)
-
-    cfg = Checkpoint(tiny_llama).config
-    scores = workspace_bytes(cfg, 512, torch.float32, 4 * 512)
-    assert workspace() == workspace_bytes(cfg, 512, torch.float32, 4 * 512, scores=False) < scores / 2
-    assert workspace(kv_cache={"eviction": "attention"}) == scores
-    assert workspace(dtype="float16", compute_dtype="float16") == workspace_bytes(cfg, 512, torch.float16, 4 * 512)
 
 
 def test_a_budget_that_cannot_fit_names_every_knob_with_a_value_that_fits(tiny8, tmp_path):

@@ -15,23 +15,22 @@ from storage.units import blocks_for
 ATTENTION_KEYS_PER_CHUNK = 4
 
 
-def workspace_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, keys: int = 0, scores: bool = True) -> int:
+def workspace_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, keys: int = 0) -> int:
     """Activation memory of one prefill pass of `chunk` tokens attending over `keys` keys (an estimate, reserved).
 
     Flat activations (residual, norm output, fused qkv, gate/up, attention output) at the compute dtype;
     the attention as `offload.model.functional.attend_group` materialises it: float32 scores, their masked copy and
     the probabilities plus the probabilities in the compute dtype (each [heads, chunk, keys]), the boolean
     mask expanded over the query groups, and the keys' K/V gathered into token order (gathered, padded and
-    split: three copies); and float32 logits for a batch of up to 64 last tokens. `scores=False`: the attention
-    takes each query row on its own (the CPU kernel, `cpu_attention`), holding no scores or mask (a 2048-token
-    prompt of the 1.7B shape in passes of 512 grew the process by its KV and ~35 MiB, where the scores are 512 MiB).
+    split: three copies); and float32 logits for a batch of up to 64 last tokens.
     """
     keys = max(keys, chunk)
     per_token = 3 * cfg.hidden_size + (cfg.q_size + 2 * cfg.kv_size) + 3 * cfg.intermediate_size + cfg.q_size
-    scores_mask = (cfg.num_heads * (3 * 4 + 2 * dtype.itemsize) + cfg.num_heads // cfg.num_kv_heads) * chunk * keys
+    scores = cfg.num_heads * chunk * keys * (3 * 4 + 2 * dtype.itemsize)
+    mask = cfg.num_heads // cfg.num_kv_heads * chunk * keys
     gathered = 3 * keys * 2 * cfg.kv_size * dtype.itemsize
     logits = min(chunk, 64) * cfg.vocab_size * 4
-    return chunk * per_token * dtype.itemsize + (scores_mask if scores else 0) + gathered + logits
+    return chunk * per_token * dtype.itemsize + scores + mask + gathered + logits
 
 
 def pass_blocks(chunk: int, block_size: int) -> int:

@@ -23,7 +23,6 @@ from offload.kv.blocks import KVSettings
 from offload.kv.cache import PagedKVCache
 from offload.kv.fetch import host_bytes, stage_blocks
 from offload.kv.formats import ColdFormat
-from offload.model import cpu_attention
 from offload.model.config import ModelConfig
 from offload.plan import memory
 from offload.plan.calibrate import Calibration, compute_dtype, compute_sizes, load_calibration
@@ -176,20 +175,17 @@ class Planner:
         return pass_blocks(chunk, self.bs) + self.concurrency * blocks_for(self.cfg.max_position_embeddings, self.bs)
 
     def _make(self, caps: Capacities, depth: int, chunk: int, kv_blocks: int) -> Plan:
-        ws = self.workspace(chunk)
+        ws = self._workspace(chunk)
         plan = make_plan(self.groups, caps, depth, kv_bytes=kv_blocks * self.block_bytes, workspace_bytes=ws,
                          copy_to_device=self.device.type == "cuda", host_reserve=self.kv_cpu_bytes,
                          disk_reserve=self.kv_disk_bytes, cache_slots=self.config.experts.cache)
         return plan_experts(plan, self.cfg, self.cal, self.config.experts.compute, self.compute_sizes)
 
-    def workspace(self, chunk: int, dtype: torch.dtype | None = None) -> int:
-        """A pass's activations at the compute dtype (or `dtype`), and with weights upcast after the transfer, the
-        largest group's upcast copy (one layer at a time)."""
-        compute = dtype or self.compute
-        rows = self.device.type == "cpu" and cpu_attention.numba is not None and self.kv.eviction != "attention" \
-            and compute in (torch.float32, torch.bfloat16)  # attention row by row (`cpu_attention`): no scores
-        ws = workspace_bytes(self.cfg, chunk, compute, ATTENTION_KEYS_PER_CHUNK * chunk, scores=not rows)
-        if dtype is None and self.compute != self.dtype:
+    def _workspace(self, chunk: int) -> int:
+        """A pass's activations at the compute dtype, and with weights upcast after the transfer, the largest
+        group's upcast copy (one layer at a time)."""
+        ws = workspace_bytes(self.cfg, chunk, self.compute, ATTENTION_KEYS_PER_CHUNK * chunk)
+        if self.compute != self.dtype:
             ws += max(self.compute_sizes.values()) * self.compute.itemsize // self.dtype.itemsize
         return ws
 
@@ -207,7 +203,7 @@ class Planner:
     def fit(self, caps: Capacities, depth: int) -> Fit:
         """The largest prefill chunk and device KV pool (among the allowed ones) a plan at this depth fits beside."""
         for chunk, kv_blocks in self._choices():
-            fixed = kv_blocks * self.block_bytes + self.workspace(chunk)
+            fixed = kv_blocks * self.block_bytes + self._workspace(chunk)
             if caps.gpu is None or self._min_device(self.groups, caps, depth, fixed) <= caps.gpu:
                 return Fit(self._make(caps, depth, chunk, kv_blocks), chunk, kv_blocks)  # host errors raise here
         raise self.refusal(caps, depth)
@@ -223,7 +219,8 @@ class Planner:
             groups = [dataclasses.replace(g, nbytes=g.nbytes * dtype.itemsize // self.dtype.itemsize)
                       for g in self.groups]
             fixed = kv * self.block_bytes * dtype.itemsize // self.dtype.itemsize + (
-                self.workspace(chunk) if dtype == self.dtype else self.workspace(chunk, dtype))
+                self._workspace(chunk) if dtype == self.dtype
+                else workspace_bytes(self.cfg, chunk, dtype, ATTENTION_KEYS_PER_CHUNK * chunk))
             return self._min_device(groups, caps, depth, fixed)
 
         helps = [f"tiers.gpu.capacity: {config_size(need())}"]
