@@ -168,11 +168,13 @@ LAYER_DTYPES = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
 
 
 def layers_compiled(packed: bool | None = None) -> bool | None:
-    """Does numba's cache hold a compiled decoder layer (`_layers`) of these kernel files: for packed matrices (int8,
-    int4: `packed` True), dense ones (False) or any? False on a fresh install, whose first run compiles every kernel
-    it uses (~1 min, and memory: `COMPILING`); None where numba is not there or its cache's (private) layout differs."""
+    """Does numba's cache hold a compiled decoder layer (`_layer`, which every fused pass calls: a streamed layer on
+    its own, resident ones through `_layers`, whose compiling around a cached `_layer` held 57 MiB) of these kernel
+    files: for packed matrices (int8, int4: `packed` True), dense ones (False) or any? False on a fresh install, whose
+    first run compiles every kernel it uses (~1 min, and memory: `COMPILING`); None where numba is not there or its
+    cache's (private) layout differs."""
     try:
-        signatures = [str(key[0]) for key in _layers._cache._cache_file._load_index()]
+        signatures = [str(key[0]) for key in _layer._cache._cache_file._load_index()]
     except Exception:  # noqa: BLE001 - numba's internals: where they differ, only this answer is lost
         return None
     return any(packed is None or ("uint8" in s) == packed for s in signatures)  # packed codes are the uint8 arrays
