@@ -28,6 +28,7 @@ class Capacities:
     disk: int | None  # None with has_disk: unlimited
     has_disk: bool = False
     kv_blocks: int | None = None  # the most KV blocks in all tiers (a speculative draft mirrors each one); None: any
+    held: int = 0  # RAM the auto tiers left free for something else (a first run's compiling): tier bytes they gave up
 
 
 @dataclass(frozen=True)

@@ -88,3 +88,34 @@ def test_auto_tiers_leave_free_what_a_first_run_compiles(tiny_llama, monkeypatch
     assert gpu(tiers=explicit, weights={"quantization": "int8"}) == 1 << 30  # the cpu tier leaves it: 0 here
     monkeypatch.setattr(memory.fused, "layers_compiled", lambda packed=None: None)  # numba's cache unreadable
     assert gpu(weights={"quantization": "int4"}) == 1600 * mib and not caplog.records
+
+
+def test_a_plan_that_cannot_fit_beside_the_compile_reserve_takes_it_back(tiny_llama, tmp_path, monkeypatch, caplog):
+    """A first run in little RAM (a 1 GiB cgroup, the 1.7B int4) was refused with the reserve held, where a later run
+    fits: the plan takes what its smallest plan needs of the reserve (saying the compiling may not fit), streaming
+    from its disk tier, before computing in a narrower dtype; without a disk tier RAM must hold every weight: all of
+    the reserve goes back."""
+    import torch
+
+    from offload.config import OffloadConfig
+    from offload.model.checkpoint import Checkpoint
+    from offload.plan.planner import Planner
+
+    kib = 2**10
+    ram = memory.fused.COMPILING[False] + 512 * kib  # 0.8 x 512 KiB beside the dense kernels' reserve: too little
+    monkeypatch.setattr(memory, "ram_available", lambda: ram)
+    monkeypatch.setattr(memory.fused, "layers_compiled", lambda packed=None: False)
+    for disk in (True, False):
+        monkeypatch.setattr(memory, "_told", set())
+        caplog.clear()
+        tiers = {"gpu": {"capacity": "auto"}, "cpu": {"capacity": 0}} | ({"disk": {"path": str(tmp_path)}} if disk
+                                                                         else {})
+        config = OffloadConfig.load(run_config(tiny_llama, tiers=tiers))
+        caps = memory.run_capacities(config, torch.device("cpu"))
+        assert caps.held == int(ram * 0.8) - int(512 * kib * 0.8) and caps.gpu == int(512 * kib * 0.8)
+        planner = Planner(config, Checkpoint(tiny_llama).config, torch.float32, torch.device("cpu"), caps)
+        rp = planner.run_plan()
+        assert rp.plan.used("gpu") > caps.gpu and rp.compute_dtype == torch.float32  # the reserve's room, float32
+        assert planner.caps.gpu + planner.caps.held == int(ram * 0.8)
+        assert (0 < planner.caps.held < caps.held) if disk else planner.caps.held == 0  # the rest still kept
+        assert "takes what its smallest plan needs" in caplog.text and "not compiled yet" in caplog.text

@@ -5,6 +5,7 @@ torch.cuda), never a model's weights.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -62,8 +63,11 @@ def resolve_capacities(tiers: TiersConfig | None, device: torch.device, held: in
     if gpu is None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         gpu = int(free * 0.9)
+    given_up = 0
     if device.type == "cpu" and (gpu is None or cpu is None):
-        room = int(max(ram_available() - held, 0) * 0.8)
+        free = ram_available()
+        room = int(max(free - held, 0) * 0.8)
+        given_up = int(free * 0.8) - room
         if gpu is None:
             gpu = max(room - (cpu or 0), 0)
         if cpu is None:
@@ -71,7 +75,17 @@ def resolve_capacities(tiers: TiersConfig | None, device: torch.device, held: in
     if cpu is None:
         cpu = int(ram_available() * 0.8)
     disk = tiers.disk
-    return Capacities(gpu=gpu, cpu=cpu, disk=None if disk is None else disk.capacity, has_disk=disk is not None)
+    return Capacities(gpu=gpu, cpu=cpu, disk=None if disk is None else disk.capacity, has_disk=disk is not None,
+                      held=given_up)
+
+
+def release_held(caps: Capacities, tiers: TiersConfig, nbytes: int | None = None) -> Capacities:
+    """caps with what `resolve_capacities` held back (or `nbytes` of it) given to the auto tier it came from (the
+    gpu tier where both are auto), for a plan that cannot fit without it."""
+    give = caps.held if nbytes is None else min(nbytes, caps.held)
+    if tiers.gpu.capacity is None:
+        return dataclasses.replace(caps, gpu=caps.gpu + give, held=caps.held - give)
+    return dataclasses.replace(caps, cpu=caps.cpu + give, held=caps.held - give)
 
 
 def ram_available() -> int:

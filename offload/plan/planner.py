@@ -9,6 +9,7 @@ so `offload plan` can plan for machines we do not have. The runtime executes the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -208,6 +209,19 @@ class Planner:
                 return Fit(self._make(caps, depth, chunk, kv_blocks), chunk, kv_blocks)  # host errors raise here
         raise self.refusal(caps, depth)
 
+    def smallest(self, caps: Capacities, depth: int, chunk: int | None = None, kv: int | None = None,
+                 dtype: torch.dtype | None = None) -> int:
+        """Device bytes of the smallest plan at this depth: the smallest chunk and KV pool unless given, weights
+        moving as `dtype`."""
+        chunk = self.chunks[-1] if chunk is None else chunk
+        dtype = dtype or self.dtype
+        kv = self._kv_choices(chunk)[-1] if kv is None else kv
+        groups = [dataclasses.replace(g, nbytes=g.nbytes * dtype.itemsize // self.dtype.itemsize) for g in self.groups]
+        fixed = kv * self.block_bytes * dtype.itemsize // self.dtype.itemsize + (
+            self._workspace(chunk) if dtype == self.dtype
+            else workspace_bytes(self.cfg, chunk, dtype, ATTENTION_KEYS_PER_CHUNK * chunk))
+        return self._min_device(groups, caps, depth, fixed)
+
     def refusal(self, caps: Capacities, depth: int) -> CapacityError:
         """Why the device tier cannot hold even the smallest plan at this depth, naming every knob that would help."""
         assert caps.gpu is not None
@@ -215,13 +229,7 @@ class Planner:
         explicit_kv = self.config.kv_cache.gpu_blocks
 
         def need(depth: int = depth, chunk: int = chunk, kv: int | None = None, dtype: torch.dtype = self.dtype) -> int:
-            kv = self._kv_choices(chunk)[-1] if kv is None else kv
-            groups = [dataclasses.replace(g, nbytes=g.nbytes * dtype.itemsize // self.dtype.itemsize)
-                      for g in self.groups]
-            fixed = kv * self.block_bytes * dtype.itemsize // self.dtype.itemsize + (
-                self._workspace(chunk) if dtype == self.dtype
-                else workspace_bytes(self.cfg, chunk, dtype, ATTENTION_KEYS_PER_CHUNK * chunk))
-            return self._min_device(groups, caps, depth, fixed)
+            return self.smallest(caps, depth, chunk, kv, dtype)
 
         helps = [f"tiers.gpu.capacity: {config_size(need())}"]
         tiers = self.config.tiers
@@ -275,7 +283,27 @@ class Planner:
         return best[1], f"depth auto -> {best[1]} (predicted decode step by depth: {', '.join(tried)})"
 
     def run_plan(self) -> RunPlan:
-        """The plan for the config's own capacities and depth (an automatic depth chosen by the cost model)."""
+        """The plan for the config's own capacities and depth (an automatic depth chosen by the cost model). Where
+        the RAM `run_capacities` kept for a first run's compiling leaves no room for the smallest plan, the plan
+        takes it back (before computing in a narrower dtype: that would change the tokens)."""
+        if not self.caps.held:
+            return self._run_plan(fallback=True)
+        try:
+            return self._run_plan(fallback=False)
+        except CapacityError:
+            log.warning("the RAM kept for compiling the CPU kernels leaves no room for the plan: this first run takes "
+                        "what its smallest plan needs of it, and may be stopped for memory while it compiles (later "
+                        "runs fit)")
+        caps, tiers = self.caps, self.config.tiers
+        short = max(self.smallest(caps, self.config.prefetch.depth or 0) - caps.gpu, 0)
+        least = memory.release_held(caps, tiers, short if tiers.gpu.capacity is None else None)
+        for self.caps in (least, memory.release_held(caps, tiers)):  # then all of it (a deeper ring, say)
+            with contextlib.suppress(CapacityError):
+                return self._run_plan(fallback=False)
+        return self._run_plan(fallback=True)  # in float32's place: the model's dtype, or the refusal
+
+    def _run_plan(self, fallback: bool) -> RunPlan:
+        """`run_plan` with the capacities as they are; `fallback`: a float32 plan that cannot fit computes in dtype."""
         depth, note = self.config.prefetch.depth, ""
         if depth is None:
             cal = load_calibration(self.config.calibration)
@@ -283,7 +311,7 @@ class Planner:
         try:
             fit = self.fit(self.caps, depth)
         except CapacityError:
-            if self.compute == self.dtype or self.config.compute_dtype != "auto":
+            if not fallback or self.compute == self.dtype or self.config.compute_dtype != "auto":
                 raise
             self._set_compute(self.dtype)  # auto: fit what there is, in dtype
             fit = self.fit(self.caps, depth)
@@ -294,7 +322,7 @@ class Planner:
         if self.config.kv_cache.gpu_blocks is None and self.config.tiers is not None and self.caps.gpu is not None:
             free = max(plan.capacity("gpu") - plan.used("gpu"), 0)  # what is left free, up to what the workload uses
             if self.device.type == "cpu":  # the device tier is this machine's RAM: never more than it has
-                free = min(free, max(memory.ram_available() - plan.used("gpu") - plan.used("cpu"), 0))
+                free = min(free, max(memory.ram_available() - self.caps.held - plan.used("gpu") - plan.used("cpu"), 0))
             most = self.kv_bound(fit.prefill_chunk)
             if self.caps.kv_blocks is not None:  # a speculative draft keeps one block for every block of the target
                 most = min(most, self.caps.kv_blocks)
