@@ -35,7 +35,7 @@ from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import calibrate, why_measure
 from offload.plan.memory import packed_kernels, ram_available
-from offload.plan.planner import Planner
+from offload.plan.planner import Planner, resolve_capacities
 from offload.runtime.device import resolve_dtype
 from offload.runtime.overhead import engine_overhead_s
 from offload.weights.convert import convert, open_tier_store
@@ -235,7 +235,9 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
     dtype = resolve_dtype(config.dtype, ckpt.config.torch_dtype)
     device = torch.device("cuda" if config.device.startswith("cuda") else "cpu")
     if config.tiers is not None:  # a machine too small for the smallest plan is told before the conversion
-        planner = Planner(config.replace(calibration=None), ckpt.config, dtype, device)  # (fit needs no timings)
+        # (fit needs no timings; the whole RAM: a calibration that compiles the kernels starts the command again)
+        planner = Planner(config.replace(calibration=None), ckpt.config, dtype, device,
+                          resolve_capacities(config.tiers, device))
         planner.fit(planner.caps, 0)
     if config.tiers is not None and config.tiers.disk is not None:
         _ensure_store(config.tiers.disk, ckpt, dtype, WeightFormat.from_config(config.weights, ckpt.config), root)
