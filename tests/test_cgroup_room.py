@@ -3,8 +3,12 @@ not only the machine's free memory, or a run planned for 20 GiB would be killed 
 
 from pathlib import Path
 
-from offload.config import CpuTierConfig, GpuTierConfig, TiersConfig
+import torch
+
+from offload.config import CpuTierConfig, GpuTierConfig, OffloadConfig, TiersConfig
+from offload.model.checkpoint import Checkpoint
 from offload.plan import memory
+from offload.plan.planner import Planner
 from tests.conftest import run_config
 
 
@@ -50,8 +54,6 @@ def test_ram_available_is_capped_by_the_cgroup(monkeypatch):
 def test_cpu_device_auto_tiers_share_one_ram(monkeypatch):
     """On a CPU device the gpu and cpu tiers are one RAM: `auto` gets what the other tier leaves, never the whole
     of it twice (a plan from that would be refused, or killed by a container's limit)."""
-    import torch
-
     monkeypatch.setattr(memory, "ram_available", lambda: 1000 << 20)
     cpu = torch.device("cpu")
     both = memory.resolve_capacities(TiersConfig(GpuTierConfig(None), CpuTierConfig(None)), cpu)
@@ -66,10 +68,6 @@ def test_auto_tiers_leave_free_what_a_first_run_compiles(tiny_llama, monkeypatch
     """numba keeps what a fresh install's first run compiles for the process's life (~300 MiB for the dense kernels,
     ~650 MiB with the packed ones): a CPU run's auto tiers leave that free, and say so, while numba's cache lacks the
     kernels the run uses; explicit capacities are the user's."""
-    import torch
-
-    from offload.config import OffloadConfig
-
     monkeypatch.setattr(memory, "ram_available", lambda: 2000 << 20)
     monkeypatch.setattr(memory.fused, "layers_compiled", lambda packed=None: not packed)  # dense cached, packed not
     cpu, mib = torch.device("cpu"), 2**20
@@ -95,12 +93,6 @@ def test_a_plan_that_cannot_fit_beside_the_compile_reserve_takes_it_back(tiny_ll
     fits: the plan takes what its smallest plan needs of the reserve (saying the compiling may not fit), streaming
     from its disk tier, before computing in a narrower dtype; without a disk tier RAM must hold every weight: all of
     the reserve goes back."""
-    import torch
-
-    from offload.config import OffloadConfig
-    from offload.model.checkpoint import Checkpoint
-    from offload.plan.planner import Planner
-
     kib = 2**10
     ram = memory.fused.COMPILING[False] + 512 * kib  # 0.8 x 512 KiB beside the dense kernels' reserve: too little
     monkeypatch.setattr(memory, "ram_available", lambda: ram)

@@ -297,7 +297,7 @@ class Planner:
         caps, tiers = self.caps, self.config.tiers
         short = max(self.smallest(caps, self.config.prefetch.depth or 0) - caps.gpu, 0)
         least = memory.release_held(caps, tiers, short if tiers.gpu.capacity is None else None)
-        for self.caps in (least, memory.release_held(caps, tiers)):  # then all of it (a deeper ring, say)
+        for self.caps in dict.fromkeys((least, memory.release_held(caps, tiers))):  # then all (a deeper ring, say)
             with contextlib.suppress(CapacityError):
                 return self._run_plan(fallback=False)
         return self._run_plan(fallback=True)  # in float32's place: the model's dtype, or the refusal
