@@ -160,10 +160,15 @@ def worker_llama(spec: dict) -> dict:
     return out
 
 
+def llama_bin() -> str:
+    """llama.cpp's build directory (`shared/peers/llama_cpp.sh build`: built once, then found)."""
+    return subprocess.run(["bash", str(PEERS), "build"], capture_output=True, text=True, check=True,
+                          timeout=3600).stdout.strip().splitlines()[-1]
+
+
 def llama_bench(spec: dict, *args: str) -> list[dict]:
     """llama-bench's JSON rows for the GGUF and threads of `spec` with these arguments (3 repetitions)."""
-    bin_dir = subprocess.run(["bash", str(PEERS), "build"], capture_output=True, text=True, check=True,
-                             timeout=3600).stdout.strip().splitlines()[-1]
+    bin_dir = llama_bin()
     proc = subprocess.run([f"{bin_dir}/llama-bench", "-m", spec["gguf"], "-t", str(spec["threads"]), *args, "-r", "3",
                            "-o", "json"], capture_output=True, text=True, timeout=3600,
                           env=START_ENV | {"LD_LIBRARY_PATH": bin_dir})
