@@ -17,6 +17,7 @@ from offload.kv.fetch import receive
 from offload.kv.formats import cold_kv
 from offload.model import functional as M
 from offload.model.layout import BatchLayout
+from storage.heap import TRIM_ROWS, trim_heap
 
 
 class LayerKV:
@@ -89,6 +90,11 @@ class LayerKV:
         if cold is None and any(g.tier != "gpu" for g in step.groups):
             cold = cache.fetch_cold(self.layer, step)[0]
         split = cache.settings.cpu_attention and any(g.tier != "gpu" for g in step.groups)
+        if not split and not track_mass and M.reads_pool(q, self._pool()):
+            done = self._attend_packed(q, cold, restore, scale, window)
+            if q.shape[0] * q.shape[1] >= TRIM_ROWS:  # a prompt's pass: the context's copy leaves the heap
+                trim_heap()
+            return [done]
         if not split:
             kvs = [(g, self._kv(g, cold, restore).to(cache.device)) for g in step.groups]
             padded = torch.zeros(q.shape[0], step.cols, *kvs[0][1].shape[1:], dtype=kvs[0][1].dtype,
@@ -123,6 +129,29 @@ class LayerKV:
         if masses:
             self._account_mass(parts, masses)
         return parts
+
+    def _attend_packed(self, q: torch.Tensor, cold: dict | None, restore, scale: float, window: int | None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a kernel reads a pool through a table (`attend_pool`): the step's blocks copied once, device blocks
+        then cold ones, into one pool without padding, read in token order through a table (the same bits as the
+        blocks in place; no zeroed token-order copy of the context, no scatter into it)."""
+        step, plane = self.step, self._pool()
+        pool = torch.empty(sum(len(g.slots) for g in step.groups), *plane.shape[1:], dtype=plane.dtype,
+                           device=plane.device)
+        table = torch.zeros(step.block_ids.shape, dtype=torch.long)  # padding columns: slot 0, masked
+        start = 0
+        for g in step.groups:
+            part = pool[start : start + len(g.slots)]
+            if g.tier == "gpu":
+                index = g.slot_index if g.slot_index is not None else torch.tensor(g.slots, device=plane.device)
+                torch.index_select(plane, 0, index, out=part)
+            else:
+                part.copy_(self._kv(g, cold, restore))
+            table[g.seq.cpu(), g.block.cpu()] = torch.arange(start, start + len(g.slots))
+            start += len(g.slots)
+        done = M.attend_pool(q, pool, table.to(plane.device), self._step_mask(window), scale)
+        assert done is not None
+        return done
 
     def _kv(self, g: TierBlocks, cold: dict | None, restore) -> torch.Tensor:
         """K/V [n, 2, block_size, Hkv, D] of a group's blocks, from wherever they live, in the compute dtype."""

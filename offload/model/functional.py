@@ -163,9 +163,14 @@ def attend_pool(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, mask: to
     """`attend_group` (and `attend_columns`: each query row on its own) over K/V read where they lie in a paged
     pool, kv [slots, 2, block_size, Hkv, D], table [B, cols] the slot of each sequence's blocks in token order;
     None where no kernel reads a pool in place (the caller gathers the blocks in token order)."""
-    if cpu_attention.attention_supported(q, kv):
+    if reads_pool(q, kv):
         return cpu_attention.attend_paged(q, kv, table, mask, scale)
     return None
+
+
+def reads_pool(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Does `attend_pool` read a pool like kv for queries like q (else it returns None)?"""
+    return cpu_attention.attention_supported(q, kv)
 
 
 def attend_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

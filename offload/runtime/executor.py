@@ -56,6 +56,7 @@ from schedulers.plan import Capacities
 from schedulers.timeline import Timeline
 from schedulers.traffic import Traffic
 from schedulers.transfer import TransferEngine
+from storage.heap import TRIM_ROWS, trim_heap
 from storage.units import blocks_for
 
 log = logging.getLogger(__name__)
@@ -268,6 +269,8 @@ class Executor:
         with self.timeline.range(f"offload/compute/{group}"):
             x = M.decoder_layer(x, w, view, p.layout, p.cos_sin, self.cfg, self.cfg.sliding_windows[i], p.rope_table,
                                 experts)
+        if self.device.type == "cpu" and x.shape[0] >= TRIM_ROWS:  # a prompt's pass: its temporaries leave the heap
+            trim_heap()
         if experts is None:
             self.weights.release(group)
         else:
