@@ -36,7 +36,7 @@ def five_line_config(model: Path, store: Path) -> dict:
     """bf16, prefetch depth 2: the ring (3 slots) on the "gpu" tier, one layer in RAM, the other three layers,
     the embeddings and the head streamed from the store (the loader is busy every pass)."""
     return {"model": str(model), "device": "cpu", "dtype": "bfloat16",
-            "tiers": {"gpu": {"capacity": "1300KiB"}, "cpu": {"capacity": "384KiB"}, "disk": {"path": str(store)}},
+            "tiers": {"gpu": {"capacity": "1450KiB"}, "cpu": {"capacity": "384KiB"}, "disk": {"path": str(store)}},
             "prefetch": {"depth": 2}, "kv_cache": {"gpu_blocks": 8}, "activations": {"prefill_chunk": 8}}
 
 

@@ -147,10 +147,12 @@ def test_prefill_chunk_max_caps_an_automatic_chunk_which_still_shrinks_to_fit(ti
 
 
 def test_medium_shaped_budget_runs_with_depth_two(tiny8, tmp_path):
-    """gpu = 3 ring slots + a quarter of the model, cpu = a quarter: the rest on disk (the medium example's ratios)."""
+    """gpu = 3 ring slots + a quarter of the model, cpu = a quarter: the rest on disk (the medium example's ratios;
+    passes of 16 tokens: an automatic chunk takes the room of resident layers first)."""
     layer, head = sizes(tiny8)
     raw = run_config(tiny8, tiers={"gpu": {"capacity": 3 * layer + 2 * layer}, "cpu": {"capacity": 2 * layer},
-                                   "disk": {"path": str(tmp_path / "store")}}, prefetch={"depth": 2})
+                                   "disk": {"path": str(tmp_path / "store")}}, prefetch={"depth": 2},
+                     activations={"prefill_chunk": 16})
     assert not defaults_fit(raw, 2)
     with Runner.from_config(raw) as r:
         assert set(r.plan.homes.values()) == {"gpu", "cpu", "disk"}

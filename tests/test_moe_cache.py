@@ -66,7 +66,7 @@ def qwen3(model_factory):
 def test_cached_experts_give_the_tokens_of_the_resident_run_and_move_routed_experts_only(qwen3, tmp_path, prefetch,
                                                                                         policy):
     path, ref = qwen3
-    got, r = _generate(_tiers(path, tmp_path / "store", "3MiB", cache=12, prefetch=prefetch, policy=policy))
+    got, r = _generate(_tiers(path, tmp_path / "store", "3.2MiB", cache=12, prefetch=prefetch, policy=policy))
     with r:
         plan, stats = r.plan, r.last_stats.experts
         experts = [g for g in plan.order if ".expert." in g]
@@ -91,14 +91,14 @@ def test_cached_experts_give_the_tokens_of_the_resident_run_and_move_routed_expe
 
 def test_a_cache_of_one_slot_still_gives_the_same_tokens(qwen3, tmp_path):
     path, ref = qwen3
-    got, r = _generate(_tiers(path, tmp_path / "store", "3MiB", cache=1))
+    got, r = _generate(_tiers(path, tmp_path / "store", "3.2MiB", cache=1))
     r.close()
     assert got == ref
 
 
 def test_the_timeline_summary_reports_the_hit_rate_per_layer(qwen3, tmp_path):
     path, _ = qwen3
-    _, r = _generate(_tiers(path, tmp_path / "store", "3MiB", cache=12))
+    _, r = _generate(_tiers(path, tmp_path / "store", "3.2MiB", cache=12))
     with r:
         s = summarize(r.timeline.spans_resolved())
         stats = r.last_stats.experts

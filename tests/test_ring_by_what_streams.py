@@ -51,7 +51,7 @@ def test_a_tied_head_larger_than_the_gpu_tier_runs_from_the_cpu_tier_with_the_re
     cfg = Checkpoint(tied).config
     layouts = model_layouts(cfg, torch.float32)
     head, layer = layouts["head"].nbytes, layouts["layer.0"].nbytes
-    raw = run_config(tied, tiers={"gpu": {"capacity": head // 2 + 2**20 * 4}, "cpu": {"capacity": 4 * head},
+    raw = run_config(tied, tiers={"gpu": {"capacity": head // 2 + 2**20 * 2}, "cpu": {"capacity": 4 * head},
                                   "disk": {"path": str(tmp_path / "store")}})
     rp = Planner(OffloadConfig.load(raw), cfg, torch.float32, torch.device("cpu")).run_plan()
     assert rp.plan.homes["head"] == "cpu" and rp.plan.ring_slot_bytes <= layer

@@ -31,14 +31,14 @@ from tests.conftest import run_config
 PROMPTS = [[1, 17, 99, 23, 5, 61, 7, 300, 41, 42, 43], [1, 8, 2], [1, 400, 33, 12, 19, 250]]
 NEW = 16
 
-# tiny llama (float32): layers 0.72 MB, head 0.26 MB, embed 0.26 MB; kv 8 blocks 0.25 MB, workspace ~0.15 MB
-# (an 8-token chunk attending over 32 keys). The gpu tier gets the ring (depth + 1 layers) plus 0.7 MiB: room for
-# the KV, the workspace and the head only.
+# tiny llama (float32): layers 0.72 MB, head 0.26 MB, embed 0.26 MB; kv 8 blocks 0.25 MB, workspace ~0.27 MB
+# (an 8-token chunk attending over 32 keys, op by op on a CPU). The gpu tier gets the ring (depth + 1 layers) plus
+# 0.85 MiB: room for the KV, the workspace and the head only.
 PLACEMENTS = ["all-gpu", "gpu-only-tier", "all-cpu", "all-disk", "mixed"]
 
 
 def tiers_for(placement: str, layer: int, depth: int, store: Path) -> dict | None:
-    ring = (depth + 1) * layer + int(0.7 * 2**20)
+    ring = (depth + 1) * layer + int(0.85 * 2**20)
     return {
         "all-gpu": None,  # no tiers: the all-resident run
         "gpu-only-tier": {"gpu": {"capacity": "64MiB"}, "cpu": {"capacity": 0}},

@@ -14,7 +14,7 @@ import torch
 from offload.config import OffloadConfig
 from offload.errors import CapacityError
 from offload.model.checkpoint import Checkpoint
-from offload.plan.passes import pass_blocks, workspace_bytes
+from offload.plan.passes import pass_blocks
 from offload.plan.planner import AUTO_CHUNKS, Planner
 from storage.units import blocks_for
 from tests.conftest import run_config
@@ -39,7 +39,7 @@ def tight_gpu(model: Path, store: Path) -> dict:
                                                             "disk": {"path": str(store)}})
     p = planner(raw)
     chunk = AUTO_CHUNKS[0]
-    fixed = (pass_blocks(chunk, p.bs) + 1) * p.block_bytes + workspace_bytes(p.cfg, chunk, torch.float32, 4 * chunk)
+    fixed = (pass_blocks(chunk, p.bs) + 1) * p.block_bytes + p.workspace(chunk)
     raw["tiers"]["gpu"]["capacity"] = sum(g.nbytes for g in p.groups) + fixed  # every weight on the device
     return raw
 

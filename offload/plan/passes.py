@@ -13,24 +13,36 @@ from storage.units import blocks_for
 
 #: keys per query the workspace holds attention for, as a multiple of the chunk; longer contexts get smaller passes.
 ATTENTION_KEYS_PER_CHUNK = 4
+#: an op-by-op layer's temporaries on a CPU (products' float32 outputs, RoPE, SiLU, what glibc's heap keeps between
+#: them until `storage.heap.trim_heap`), as a multiple of a pass's flat activations; measured on the 1.7B
+#: Llama shape over 1563 tokens of cold KV blocks, growth of the process at its peak: 77 / 113 / 185 MiB at chunks of
+#: 128 / 256 / 512 tokens, against 58 / 104 / 196 reserved (the keys a pass of 128 / 256 tokens is sized for are
+#: fewer than that context's: 512 / 1024)
+CPU_LAYER_TEMPORARIES = 3.5
 
 
-def workspace_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, keys: int = 0) -> int:
+def workspace_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, keys: int = 0, scores: bool = True) -> int:
     """Activation memory of one prefill pass of `chunk` tokens attending over `keys` keys (an estimate, reserved).
 
-    Flat activations (residual, norm output, fused qkv, gate/up, attention output) at the compute dtype;
-    the attention as `offload.model.functional.attend_group` materialises it: float32 scores, their masked copy and
-    the probabilities plus the probabilities in the compute dtype (each [heads, chunk, keys]), the boolean
-    mask expanded over the query groups, and the keys' K/V gathered into token order (gathered, padded and
-    split: three copies); and float32 logits for a batch of up to 64 last tokens.
+    Flat activations (residual, norm output, fused qkv, gate/up, attention output) at the compute dtype; the keys'
+    K/V gathered into token order (gathered, padded and split: three copies); float32 logits for a batch of up to
+    64 last tokens; and the attention as `offload.model.functional.attend_group` materialises it: float32 scores,
+    their masked copy and the probabilities plus the probabilities in the compute dtype (each [heads, chunk, keys])
+    and the boolean mask expanded over the query groups.
+
+    `scores=False`: attention by a kernel that makes no scores (`offload.model.cpu_attention`, each query row on its
+    own): the op-by-op layer's temporaries take their place, `CPU_LAYER_TEMPORARIES` times the flat activations.
     """
     keys = max(keys, chunk)
     per_token = 3 * cfg.hidden_size + (cfg.q_size + 2 * cfg.kv_size) + 3 * cfg.intermediate_size + cfg.q_size
-    scores = cfg.num_heads * chunk * keys * (3 * 4 + 2 * dtype.itemsize)
-    mask = cfg.num_heads // cfg.num_kv_heads * chunk * keys
+    flat = chunk * per_token * dtype.itemsize
     gathered = 3 * keys * 2 * cfg.kv_size * dtype.itemsize
     logits = min(chunk, 64) * cfg.vocab_size * 4
-    return chunk * per_token * dtype.itemsize + scores + mask + gathered + logits
+    if not scores:
+        return int(CPU_LAYER_TEMPORARIES * flat) + gathered + logits
+    scores_bytes = cfg.num_heads * chunk * keys * (3 * 4 + 2 * dtype.itemsize)
+    mask = cfg.num_heads // cfg.num_kv_heads * chunk * keys
+    return flat + scores_bytes + mask + gathered + logits
 
 
 def pass_blocks(chunk: int, block_size: int) -> int:

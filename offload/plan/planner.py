@@ -24,6 +24,7 @@ from offload.kv.blocks import KVSettings
 from offload.kv.cache import PagedKVCache
 from offload.kv.fetch import host_bytes, stage_blocks
 from offload.kv.formats import ColdFormat
+from offload.model import kernels
 from offload.model.config import ModelConfig
 from offload.plan import memory
 from offload.plan.calibrate import Calibration, compute_dtype, compute_sizes, load_calibration
@@ -176,17 +177,21 @@ class Planner:
         return pass_blocks(chunk, self.bs) + self.concurrency * blocks_for(self.cfg.max_position_embeddings, self.bs)
 
     def _make(self, caps: Capacities, depth: int, chunk: int, kv_blocks: int) -> Plan:
-        ws = self._workspace(chunk)
+        ws = self.workspace(chunk)
         plan = make_plan(self.groups, caps, depth, kv_bytes=kv_blocks * self.block_bytes, workspace_bytes=ws,
                          copy_to_device=self.device.type == "cuda", host_reserve=self.kv_cpu_bytes,
                          disk_reserve=self.kv_disk_bytes, cache_slots=self.config.experts.cache)
         return plan_experts(plan, self.cfg, self.cal, self.config.experts.compute, self.compute_sizes)
 
-    def _workspace(self, chunk: int) -> int:
-        """A pass's activations at the compute dtype, and with weights upcast after the transfer, the largest
-        group's upcast copy (one layer at a time)."""
-        ws = workspace_bytes(self.cfg, chunk, self.compute, ATTENTION_KEYS_PER_CHUNK * chunk)
-        if self.compute != self.dtype:
+    def workspace(self, chunk: int, dtype: torch.dtype | None = None) -> int:
+        """A pass's activations at the compute dtype (or `dtype`, weights and math alike), and with weights upcast
+        after the transfer, the largest group's upcast copy (one layer at a time). On a CPU whose attention kernel
+        takes the dtype no scores are made (`workspace_bytes`)."""
+        compute = dtype or self.compute
+        scores = not (self.device.type == "cpu" and kernels.numba is not None and self.kv.eviction != "attention"
+                      and compute in (torch.float32, torch.bfloat16))  # `cpu_attention.attention_supported`
+        ws = workspace_bytes(self.cfg, chunk, compute, ATTENTION_KEYS_PER_CHUNK * chunk, scores)
+        if dtype is None and self.compute != self.dtype:
             ws += max(self.compute_sizes.values()) * self.compute.itemsize // self.dtype.itemsize
         return ws
 
@@ -204,7 +209,7 @@ class Planner:
     def fit(self, caps: Capacities, depth: int) -> Fit:
         """The largest prefill chunk and device KV pool (among the allowed ones) a plan at this depth fits beside."""
         for chunk, kv_blocks in self._choices():
-            fixed = kv_blocks * self.block_bytes + self._workspace(chunk)
+            fixed = kv_blocks * self.block_bytes + self.workspace(chunk)
             if caps.gpu is None or self._min_device(self.groups, caps, depth, fixed) <= caps.gpu:
                 return Fit(self._make(caps, depth, chunk, kv_blocks), chunk, kv_blocks)  # host errors raise here
         raise self.refusal(caps, depth)
@@ -217,9 +222,8 @@ class Planner:
         dtype = dtype or self.dtype
         kv = self._kv_choices(chunk)[-1] if kv is None else kv
         groups = [dataclasses.replace(g, nbytes=g.nbytes * dtype.itemsize // self.dtype.itemsize) for g in self.groups]
-        fixed = kv * self.block_bytes * dtype.itemsize // self.dtype.itemsize + (
-            self._workspace(chunk) if dtype == self.dtype
-            else workspace_bytes(self.cfg, chunk, dtype, ATTENTION_KEYS_PER_CHUNK * chunk))
+        fixed = kv * self.block_bytes * dtype.itemsize // self.dtype.itemsize + self.workspace(
+            chunk, None if dtype == self.dtype else dtype)
         return self._min_device(groups, caps, depth, fixed)
 
     def refusal(self, caps: Capacities, depth: int) -> CapacityError:
