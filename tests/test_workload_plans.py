@@ -16,6 +16,7 @@ from offload.errors import CapacityError
 from offload.model.checkpoint import Checkpoint
 from offload.plan.passes import pass_blocks
 from offload.plan.planner import AUTO_CHUNKS, Planner
+from offload.runtime.runner import Runner
 from storage.units import blocks_for
 from tests.conftest import run_config
 from tests.test_cli_flows import offload, write_yaml
@@ -103,3 +104,24 @@ def test_a_cpu_plan_needing_more_ram_than_the_machine_has_is_refused(tiny_llama,
     monkeypatch.setattr("offload.plan.memory.ram_available", lambda: 4 << 30)
     with pytest.raises(CapacityError, match=r"needs [\d.]+ GiB of RAM .*both this machine's RAM.* 4.00 GiB is free"):
         planner(raw).run_plan()
+
+
+def test_run_sizes_the_pool_for_its_own_prompts_and_homes_weights_in_the_rest(tiny_llama, tmp_path):
+    """`offload run` knows its prompts and --max-new-tokens: an automatic pool holds that context (and a block), not
+    2048 tokens, passes need be no longer than its prompts, and the room they leave homes layers; the tokens are the
+    all-in-memory run's."""
+    raw = run_config(tiny_llama, tiers={"gpu": {"capacity": "4MiB"}, "cpu": {"capacity": 0},
+                                        "disk": {"path": str(tmp_path / "store")}}, prefetch={"depth": 1})
+    default = planner(raw).run_plan()  # the model's context: the chunk and the pool take the room
+    proc = offload("run", "--config", str(write_yaml(tmp_path / "c.yaml", raw)), "--prompt-ids", "1,17,99,23,5",
+                   "--max-new-tokens", "8", "--temperature", "0", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    plan = got["plan"]
+    on_device = [g for g, tier in plan["homes"].items() if tier == "gpu" and g.startswith("layer.")]
+    assert plan["reserved_gpu"]["workspace"] < default.plan.reserved_gpu["workspace"] / 2
+    assert plan["reserved_gpu"]["kv"] <= default.plan.reserved_gpu["kv"]
+    assert len(on_device) > sum(1 for g, t in default.plan.homes.items() if t == "gpu" and g.startswith("layer."))
+    with Runner.from_config(run_config(tiny_llama)) as r:
+        want = r.generate([[1, 17, 99, 23, 5]], max_new_tokens=8, stop_on_eos=False)[0].token_ids
+    assert got["results"][0]["token_ids"] == want

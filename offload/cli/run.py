@@ -274,7 +274,8 @@ def run_prompts(config: OffloadConfig, prompts: list[Prompt], args: argparse.Nam
     # a trace covers the whole run: keep every span; otherwise the configured window (bounded memory)
     timeline = Timeline(enabled=not getattr(args, "no_spans", False),
                         keep_steps=None if trace else config.timeline.keep_steps)
-    with Runner(config, timeline=timeline) as runner:
+    context = max(len(x) for x in inputs.ids) + inputs.sampling.max_new_tokens  # the pool need hold no more
+    with Runner(config, timeline=timeline, context=context) as runner:
         settle_heap()
         generate_and_print(runner, inputs, args)
         if trace:

@@ -78,10 +78,11 @@ class HFExecutor(Executor):
     kv_class = HFSequences
 
     def __init__(self, config: OffloadConfig, timeline: Timeline | None = None,
-                 capacities: Capacities | None = None, layers: range | None = None, concurrency: int = 1) -> None:
+                 capacities: Capacities | None = None, layers: range | None = None, concurrency: int = 1,
+                 context: int | None = None) -> None:
         refuse_unsupported(config, layers)
         kv = dataclasses.replace(config.kv_cache, cpu_blocks=0, disk_blocks=0)  # no cold KV tiers on this path
-        super().__init__(config.replace(kv_cache=kv), timeline, capacities, None, concurrency)
+        super().__init__(config.replace(kv_cache=kv), timeline, capacities, None, concurrency, context)
         try:
             self.model = TieredModel(self.checkpoint.path, self.cfg, self.weights, self.device, self.compute_dtype)
         except BaseException:

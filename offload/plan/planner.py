@@ -91,11 +91,14 @@ class Planner:
     `concurrency`: the sequences the command decodes together (1: `run` with prompts, the Python API; `serve
     --max-batch`, `run --input --batch`). Above one, an automatic device pool first keeps that many running (each
     pins its newest block, the rest of its KV in the host/disk tiers; halved down to two), shrinking the chunk for
-    them. What the device has left joins the pool, up to what the workload can use: `concurrency` contexts."""
+    them. What the device has left joins the pool, up to what the workload can use: `concurrency` contexts of
+    `context` tokens where the command knows it (`offload run`: prompt and new tokens), else the model's."""
 
     def __init__(self, config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 caps: Capacities | None = None, layers: range | None = None, concurrency: int = 1) -> None:
+                 caps: Capacities | None = None, layers: range | None = None, concurrency: int = 1,
+                 context: int | None = None) -> None:
         self.config, self.cfg, self.dtype, self.device = config, cfg, dtype, device
+        self.context = context  # None: the model's context
         self.layers = range(cfg.num_layers) if layers is None else layers  # a pipeline stage plans its slice
         self.planes = len(self.layers)  # layers a KV block holds on this stage
         self.concurrency = max(1, concurrency)
@@ -143,19 +146,22 @@ class Planner:
             return (chunk,)
         top = self.config.activations.prefill_chunk_max
         auto = (top, *(c for c in AUTO_CHUNKS if c < top))
+        if self.context is not None:  # no larger than the one pass the workload's longest prompt needs
+            auto = tuple(c for c in auto if c <= min((c for c in auto if c >= self.context), default=top))
         if limit is None:
             return auto
         return tuple(sorted({min(c, max(limit - 1, 1)) for c in auto}, reverse=True))
 
     def _kv_choices(self, chunk: int) -> list[int]:
-        """Device KV blocks to try: the explicit count, 0 (sized per request), or 2048 tokens then the least."""
+        """Device KV blocks to try: the explicit count, 0 (per request), or 2048 tokens (or `context`) then least."""
         blocks = self.config.kv_cache.gpu_blocks
         if blocks is not None:
             return [blocks]
         if self.config.tiers is None:
             return [0]
         least = pass_blocks(chunk, self.bs)  # a chunk's blocks plus the newest block of the sequence
-        return sorted({max(blocks_for(AUTO_KV_TOKENS, self.bs), least), least}, reverse=True)
+        tokens = AUTO_KV_TOKENS if self.context is None else min(AUTO_KV_TOKENS, self.context + self.bs)
+        return sorted({max(blocks_for(tokens, self.bs), least), least}, reverse=True)
 
     def _choices(self) -> Iterator[tuple[int, int]]:
         """(prefill chunk, device KV blocks) to try, best first: with a concurrent workload and an automatic
@@ -171,10 +177,10 @@ class Planner:
             for kv_blocks in self._kv_choices(chunk):
                 yield chunk, kv_blocks
 
-    def kv_bound(self, chunk: int) -> int:
-        """The most device KV blocks the workload can use: `concurrency` sequences of the model's whole context,
-        beside a prefill pass."""
-        return pass_blocks(chunk, self.bs) + self.concurrency * blocks_for(self.cfg.max_position_embeddings, self.bs)
+    def kv_bound(self, chunk: int, context: int | None = None) -> int:
+        """The most device KV blocks the workload can use: a pass's and `concurrency` sequences' of `context` tokens."""
+        return pass_blocks(chunk, self.bs) + self.concurrency * blocks_for(context or self.cfg.max_position_embeddings,
+                                                                           self.bs)
 
     def _make(self, caps: Capacities, depth: int, chunk: int, kv_blocks: int) -> Plan:
         ws = self.workspace(chunk)
@@ -184,9 +190,8 @@ class Planner:
         return plan_experts(plan, self.cfg, self.cal, self.config.experts.compute, self.compute_sizes)
 
     def workspace(self, chunk: int, dtype: torch.dtype | None = None) -> int:
-        """A pass's activations at the compute dtype (or `dtype`, weights and math alike), and with weights upcast
-        after the transfer, the largest group's upcast copy (one layer at a time). On a CPU whose attention kernel
-        takes the dtype no scores are made (`workspace_bytes`)."""
+        """A pass's activations at the compute dtype (or `dtype`, weights and math alike; no scores where a CPU
+        kernel attends), and with weights upcast after the transfer, the largest group's upcast copy."""
         compute = dtype or self.compute
         scores = not (self.device.type == "cpu" and kernels.numba is not None and self.kv.eviction != "attention"
                       and compute in (torch.float32, torch.bfloat16))  # `cpu_attention.attention_supported`
@@ -327,7 +332,7 @@ class Planner:
             free = max(plan.capacity("gpu") - plan.used("gpu"), 0)  # what is left free, up to what the workload uses
             if self.device.type == "cpu":  # the device tier is this machine's RAM: never more than it has
                 free = min(free, max(memory.ram_available() - self.caps.held - plan.used("gpu") - plan.used("cpu"), 0))
-            most = self.kv_bound(fit.prefill_chunk)
+            most = self.kv_bound(fit.prefill_chunk, self.context)
             if self.caps.kv_blocks is not None:  # a speculative draft keeps one block for every block of the target
                 most = min(most, self.caps.kv_blocks)
             kv_blocks = max(kv_blocks, min(kv_blocks + free // self.block_bytes, most))

@@ -109,13 +109,15 @@ class Executor:
 
     `capacities` (bytes per tier) default to what the config's tiers resolve to on this machine; the runner
     passes less when a speculative draft already took its share of the device. `concurrency`: the sequences
-    the caller means to decode together (the planner sizes an automatic KV pool for them). The config's `model` must
+    the caller means to decode together, `context`: the most tokens one holds where the caller knows it (the planner
+    sizes an automatic KV pool for them). The config's `model` must
     be a local directory (`OffloadConfig.fetched()` brings a Hub checkpoint first)."""
 
     kv_class: type[PagedKVCache] = PagedKVCache  # the KV pool a subclass keeps (offload.hf: DynamicCaches beside it)
 
     def __init__(self, config: OffloadConfig, timeline: Timeline | None = None,
-                 capacities: Capacities | None = None, layers: range | None = None, concurrency: int = 1) -> None:
+                 capacities: Capacities | None = None, layers: range | None = None, concurrency: int = 1,
+                 context: int | None = None) -> None:
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
         self.config = config
@@ -132,7 +134,8 @@ class Executor:
         self.layer_groups = tuple(f"layer.{i}" for i in range(self.cfg.num_layers))
         self.resident = ResidentLayers(self)  # a CPU pass's resident layers in one compiled call
         caps = capacities if capacities is not None else run_capacities(config, self.device)
-        run_plan = Planner(config, self.cfg, self.dtype, self.device, caps, self.layers, concurrency).run_plan()
+        run_plan = Planner(config, self.cfg, self.dtype, self.device, caps, self.layers, concurrency,
+                           context).run_plan()
         self.batch = run_plan.batch  # sequences the device KV pool keeps decoding together (None: sized per request)
         self.kv_settings = run_plan.kv
         self.compute_dtype = run_plan.compute_dtype  # the math and the KV cache

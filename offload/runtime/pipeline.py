@@ -254,11 +254,13 @@ class PipelineExecutor(Executor):
 
 
 def make_target(config: OffloadConfig, timeline: Timeline | None = None,
-                capacities: Capacities | None = None, concurrency: int = 1) -> Executor:
+                capacities: Capacities | None = None, concurrency: int = 1, context: int | None = None) -> Executor:
     """The runner's target: an `Executor`, or under torchrun rank 0's `PipelineExecutor` (joining the launch).
-    `concurrency`: the sequences the caller means to decode together (an automatic KV pool is planned for them)."""
+    `concurrency`: the sequences the caller means to decode together, `context`: the most tokens one holds where the
+    caller knows it (an automatic KV pool is planned for them; the stages of a launch plan for the model's context)."""
     if not launched():
-        return executor_class(config)(config, timeline, capacities, concurrency=concurrency)  # native | transformers
+        return executor_class(config)(config, timeline, capacities, concurrency=concurrency,  # native | transformers
+                                      context=context)
     if env_rank() != 0:
         raise ConfigError("under torchrun only rank 0 makes a Runner; the other ranks run "
                           "offload.runtime.pipeline.run_stage(config) (the CLI does this for run, chat and serve)")

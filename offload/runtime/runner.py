@@ -85,10 +85,13 @@ class Runner:
     `timeline`: a `Timeline` records the run's spans (the runner makes one otherwise); a mapping is the
     YAML's `timeline:` section (keep_steps). `concurrency`: the sequences you mean to decode together (a server's
     batch); an automatic KV pool (`kv_cache.gpu_blocks: auto` with tiers) keeps that many running on the device,
-    trading prefill chunk for KV blocks (`offload.plan.planner.Planner`); `batch` says what it holds."""
+    trading prefill chunk for KV blocks (`offload.plan.planner.Planner`); `batch` says what it holds. `context`: the
+    most tokens a sequence will hold (prompt and new tokens), where you know it: an automatic pool holds that many,
+    not 2048, and what it leaves homes weights (`offload run` passes its prompts')."""
 
     def __init__(self, config: OffloadConfig | str | Path | Mapping[str, Any] | None = None, *,
-                 timeline: Timeline | Mapping[str, Any] | None = None, concurrency: int = 1, **keys: Any) -> None:
+                 timeline: Timeline | Mapping[str, Any] | None = None, concurrency: int = 1, context: int | None = None,
+                 **keys: Any) -> None:
         if timeline is not None and not isinstance(timeline, Timeline):
             keys["timeline"], timeline = timeline, None
         config = load_config(config, keys).fetched()  # a Hub checkpoint comes now (resumed if interrupted)
@@ -110,7 +113,7 @@ class Runner:
                 check_draft(config.model, Checkpoint(config.model).config, self.tokenizer, self.draft)
                 caps = reserve_draft(config, caps, self.draft.plan.used("gpu"), self.draft.kv_block_bytes)
             # model_impl's executor; under torchrun rank 0's stage
-            self.target = make_target(config, timeline, caps, concurrency)
+            self.target = make_target(config, timeline, caps, concurrency, context)
             executors.append(self.target)
         except BaseException:
             self.close()
