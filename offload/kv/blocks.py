@@ -95,6 +95,17 @@ class StepKV:
     table: torch.Tensor | None = None  # [B, cols] device slot of each block (0: padding) when the device holds all
     masks: dict = field(default_factory=dict, compare=False)  # window -> the attention mask every layer shares
 
+    @functools.cached_property
+    def packed_table(self) -> torch.Tensor:
+        """[B, cols] (CPU) the row of each block among the step's blocks packed group by group in `groups` order
+        (0: padding), the table every layer reads its packed blocks through (`offload.kv.view.LayerKV`)."""
+        table = torch.zeros(self.block_ids.shape, dtype=torch.long)
+        start = 0
+        for g in self.groups:
+            table[g.seq.cpu(), g.block.cpu()] = torch.arange(start, start + len(g.slots))
+            start += len(g.slots)
+        return table
+
 
 @dataclass(frozen=True)
 class KVSettings:

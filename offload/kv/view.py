@@ -138,27 +138,27 @@ class LayerKV:
         step, plane = self.step, self._pool()
         pool = torch.empty(sum(len(g.slots) for g in step.groups), *plane.shape[1:], dtype=plane.dtype,
                            device=plane.device)
-        table = torch.zeros(step.block_ids.shape, dtype=torch.long)  # padding columns: slot 0, masked
         start = 0
-        for g in step.groups:
+        for g in step.groups:  # in the order of `step.packed_table`
             part = pool[start : start + len(g.slots)]
             if g.tier == "gpu":
-                index = g.slot_index if g.slot_index is not None else torch.tensor(g.slots, device=plane.device)
-                torch.index_select(plane, 0, index, out=part)
+                torch.index_select(plane, 0, self._slot_index(g), out=part)
             else:
                 part.copy_(self._kv(g, cold, restore))
-            table[g.seq.cpu(), g.block.cpu()] = torch.arange(start, start + len(g.slots))
             start += len(g.slots)
-        done = M.attend_pool(q, pool, table.to(plane.device), self._step_mask(window), scale)
+        done = M.attend_pool(q, pool, step.packed_table.to(plane.device), self._step_mask(window), scale)
         assert done is not None
         return done
+
+    def _slot_index(self, g: TierBlocks) -> torch.Tensor:
+        """The device slots of a device-tier group's blocks, on the device (built once a step where it can be)."""
+        return g.slot_index if g.slot_index is not None else torch.tensor(g.slots, device=self.cache.device)
 
     def _kv(self, g: TierBlocks, cold: dict | None, restore) -> torch.Tensor:
         """K/V [n, 2, block_size, Hkv, D] of a group's blocks, from wherever they live, in the compute dtype."""
         cache = self.cache
         if g.tier == "gpu":
-            index = g.slot_index if g.slot_index is not None else torch.tensor(g.slots, device=cache.device)
-            return cache.stores["gpu"].arrays["kv"].data[self.plane].index_select(0, index)  # no copy per layer
+            return self._pool().index_select(0, self._slot_index(g))
         parts = receive(cache.engine, cold[g.tier])  # on CUDA: on the device (the compute stream waits, the host not)
         if cache.cold_fmt.name != "hidden":
             return cold_kv(cache.cold_fmt, parts, cache.dtype)  # int8 is dequantized where the parts are
