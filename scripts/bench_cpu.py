@@ -37,14 +37,13 @@ import sys
 import time
 from pathlib import Path
 
-#: The environment this command was started with, before `import offload` may set OMP_WAIT_POLICY=PASSIVE here:
-#: every worker (and llama-bench, an OpenMP program too) starts from it and decides for itself (a PASSIVE leaked from
-#: this process slowed llama.cpp's decode 2.6-5x in session 3's table)
+#: The environment this command was started with, before anything it imports changes it: every worker (and
+#: llama-bench, an OpenMP program too) starts from it (an OMP_WAIT_POLICY=PASSIVE leaked from this process slowed
+#: llama.cpp's decode 2.6-5x in session 3's table)
 START_ENV = dict(os.environ)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from offload.plan.machine import cpus  # noqa: E402
 from scripts.machine import cpu_flags, load  # noqa: E402
 
 #: Device-tier room beside a streamed run's quarter of the weights and its ring's three layers: a prefill chunk's
@@ -75,7 +74,7 @@ def worker_offload(spec: dict) -> dict:
     from offload.runtime.runner import Runner
 
     out = {"kernels": os.environ.get("OFFLOAD_CPU_KERNELS", "invariant"), "threads": torch.get_num_threads(),
-           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "OpenMP's default")}  # (as offload's import left it)
+           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "OpenMP's default")}
     with Runner.from_config(spec["config"]) as r:
         ids = prompt(spec["prompt"], r.cfg.vocab_size)
         r.generate([ids], max_new_tokens=2, stop_on_eos=False)  # warm-up: first-use compilation, page faults
@@ -89,7 +88,9 @@ def worker_offload(spec: dict) -> dict:
                 run["prefill_s"] = min(run["prefill_s"], best["prefill_s"])
             best = run if best is None or run["decode_ms"] < best["decode_ms"] else best | \
                 {"prefill_s": run["prefill_s"]}
-        out |= best | {"compute_dtype": str(r.compute_dtype).removeprefix("torch.")}
+        # the threads the last pass ran on: fewer than `threads` where other work took cores (`offload.runtime.cores`)
+        out |= best | {"compute_dtype": str(r.compute_dtype).removeprefix("torch."),
+                       "threads_at_end": torch.get_num_threads()}
         for depth in spec.get("depths") or []:  # decode after a long prompt: attention over `depth` keys a step
             long = prompt(depth, r.cfg.vocab_size)
             steps = [r.generate([long], max_new_tokens=spec["new"], stop_on_eos=False)[0].stats for _ in range(2)]
@@ -190,25 +191,10 @@ def worker_plan(spec: dict) -> dict:
 WORKERS = {"offload": worker_offload, "llama": worker_llama, "plan": worker_plan}
 
 
-#: Seconds a worker waits at most for the machine to settle after the previous one (`settle`).
-SETTLE_S = 90
-
-
-def settle() -> None:
-    """Wait (at most SETTLE_S) until the 1-minute load average is below the cores: a process importing offload on a
-    machine that looks busy picks OpenMP's passive wait (`offload._omp_wait_policy`), and the load the previous
-    engine's run left (llama-bench on every core for a minute) would make it pick that here (SmolLM2-135M bf16
-    decode, one run: 20.6 ms a step spinning, 29-31 ms passive)."""
-    end = time.monotonic() + SETTLE_S
-    while os.getloadavg()[0] >= cpus() - 0.5 and time.monotonic() < end:
-        time.sleep(2)
-
-
 def run_worker(kind: str, spec: dict, env: dict | None = None, timeout: int = 5400) -> dict:
-    """One worker in its own process, after `settle`; its JSON with the load before and after and this machine's
+    """One worker in its own process; its JSON with the load before and after and this machine's
     memory read rate just before (`memory_before`, a sum of 256 MiB: this host's swings 25-43 GB/s within an hour,
     so a row's engines are compared at the rates their repeats met)."""
-    settle()
     before, memory = load(), memory_bandwidth(2**28)["sum"]
     proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)],
                           capture_output=True, text=True, timeout=timeout, cwd=str(ROOT),
@@ -465,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                "cpu_flags": cpu_flags(), "load_before": load(), "torch": torch.__version__,
                "numba": _numba_version(), "python": sys.version.split()[0], "memory": memory_bandwidth(),
-               "omp_wait_policy": START_ENV.get("OMP_WAIT_POLICY", "unset (each process decides at import)")}
+               "omp_wait_policy": START_ENV.get("OMP_WAIT_POLICY", "unset")}
     rows = []
     for name, path in models.items():
         rows += bench_model(name, path, args, cache, calibration)

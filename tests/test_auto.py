@@ -308,28 +308,3 @@ def test_a_machine_too_small_for_the_smallest_plan_is_told_before_anything_is_co
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n"))
     assert main(["chat", "--auto", str(model), "--disk", str(disk), "--max-new-tokens", "2"]) == 0
     assert calls["convert"] == 1 and "passes of 16 tokens" in capsys.readouterr().err
-
-
-def test_a_machine_is_busy_by_its_load_average_only_while_other_tasks_still_run(tmp_path, monkeypatch):
-    """The OpenMP wait policy's question (`machine.busy`): a load average at the cores whose load is gone (an idle
-    machine just after a conversion) is not busy; one with other tasks runnable in every sample is; a task seen in
-    one sample only is not; no load average: busy."""
-    loadavg = tmp_path / "loadavg"
-    monkeypatch.setattr(machine, "LOADAVG", loadavg)
-    monkeypatch.setattr(machine, "cpus", lambda: 2)
-    monkeypatch.setattr(machine.os, "getloadavg", lambda: (3.2, 2.6, 1.8))
-    samples = []
-    monkeypatch.setattr(machine.time, "sleep", lambda s: loadavg.write_text(f"3.2 2.6 1.8 {samples.pop(0)}/83 4223"))
-
-    def busy(first: str, then: list[str]) -> bool:
-        loadavg.write_text(f"3.2 2.6 1.8 {first}/83 4223")
-        samples[:] = then
-        return machine.busy()
-
-    assert not busy("1", [])  # only this process runs
-    assert busy("3", ["3", "3", "4", "3"])  # two others in every sample
-    assert not busy("3", ["3", "1", "3", "3"])  # gone in one sample: a blip
-    monkeypatch.setattr(machine.os, "getloadavg", lambda: (0.5, 0.5, 0.5))
-    assert not busy("3", ["3", "3", "3", "3"])  # the average says the load has only just begun
-    monkeypatch.setattr(machine.os, "getloadavg", lambda: (_ for _ in ()).throw(OSError("no load average")))
-    assert busy("1", [])

@@ -32,6 +32,7 @@ from offload.errors import ConfigError
 from offload.hf.model import TieredModel
 from offload.kv.cache import PagedKVCache
 from offload.model.config import ModelConfig
+from offload.runtime.cores import share_cores
 from offload.runtime.executor import Executor, ForwardBatch
 from schedulers.plan import Capacities
 from schedulers.timeline import Timeline
@@ -97,6 +98,7 @@ class HFExecutor(Executor):
         kv = self.kv
         assert isinstance(kv, HFSequences), "call ensure_kv first"
         kv.prepare(list(batch.sids), batch.q_lens)  # the blocks and lengths the engine admits by
+        share_cores(self.timeline)
         out = []
         try:
             for sid, tokens in zip(batch.sids, batch.tokens):

@@ -2,8 +2,9 @@
 CPU kernels choose their paths by, and the CPUs this process may use. `calibrate` records it; a file that records
 another machine is measured again by `offload chat --auto` and scripts/bench_cpu.py, and named in a warning where a
 run or a plan reads it (its times are that machine's: a Zen 3 file read on a Zen 4 put `offload plan` 18-38% off).
-Reads /proc/cpuinfo (Linux); elsewhere the platform's processor name and no features. Also whether the machine is
-busy with other work now (`busy`: the OpenMP wait policy `offload` picks at import). Knows nothing else.
+Reads /proc/cpuinfo (Linux); elsewhere the platform's processor name and no features. Also the CPU time this
+process and everything else on its CPUs have run (`cpu_seconds`: how many threads `offload.runtime.cores` gives the
+kernels). Knows nothing else.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import functools
 import os
 import platform
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,39 +44,31 @@ def cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-#: the kernel's load figures: 1-, 5-, 15-minute averages, then "runnable/all" tasks now
-LOADAVG = Path("/proc/loadavg")
+#: the kernel's CPU time counters: "cpu" (all), then a line a CPU: "cpuN user nice system idle iowait irq softirq ..."
+PROC_STAT = Path("/proc/stat")
+TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
-def runnable_others(samples: int = 5, gap_s: float = 0.004) -> int | None:
-    """The fewest tasks besides this one the kernel had runnable over a few samples a few ms apart (LOADAVG's
-    count, which counts the reader), None where it cannot say: a load that lasts shows in every sample, a task that
-    just ran in one."""
-    fewest = None
-    for i in range(samples):
-        try:
-            running = int(LOADAVG.read_text().split()[3].split("/")[0])
-        except (OSError, ValueError, IndexError):
-            return None
-        fewest = running - 1 if fewest is None else min(fewest, running - 1)
-        if fewest <= 0 or i == samples - 1:
-            return fewest
-        time.sleep(gap_s)
-    return fewest
-
-
-def busy() -> bool:
-    """Is other work taking this machine's cores now: a 1-minute load average at or above its cores, and other tasks
-    still runnable on at least half of them (`runnable_others`)? The average trails by a minute, so a run started
-    on an idle machine just after a build, a conversion or another run would look busy by it alone. Where no load
-    average is known: busy (the safe choice for a wait policy)."""
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds every task has run on the CPUs this process may use, CPU seconds this process has run), both
+    since boot, or None where the kernel does not say (not Linux). Two readings' differences over the wall time
+    between them: how many cores other work took meanwhile (waiting for a disk is not work; a hypervisor's steal is
+    not counted either)."""
     try:
-        if os.getloadavg()[0] < cpus():
-            return False
+        lines = PROC_STAT.read_text().splitlines()
     except OSError:
-        return True
-    others = runnable_others()
-    return others is None or others >= max(1, cpus() // 2)
+        return None
+    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    ticks = 0
+    for line in lines[1:]:
+        name, *fields = line.split()
+        if not name.startswith("cpu"):
+            break
+        if mine is None or int(name[3:]) in mine:
+            user, nice, system, _idle, _iowait, irq, softirq = map(int, fields[:7])
+            ticks += user + nice + system + irq + softirq
+    t = os.times()
+    return ticks * TICK_S, t.user + t.system
 
 
 def identity() -> dict[str, Any]:

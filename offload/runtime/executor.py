@@ -46,6 +46,7 @@ from offload.model.checkpoint import Checkpoint
 from offload.model.layout import column_groups, kept_rows
 from offload.plan.passes import pass_tokens
 from offload.plan.planner import Planner, run_capacities
+from offload.runtime.cores import share_cores
 from offload.runtime.device import DTYPES, resolve_device, resolve_dtype  # noqa: F401 (re-exported)
 from offload.runtime.passes import ForwardBatch, LayerPass, PromptChunk  # noqa: F401 (re-exported)
 from offload.runtime.resident import ResidentLayers
@@ -118,6 +119,7 @@ class Executor:
     def __init__(self, config: OffloadConfig, timeline: Timeline | None = None,
                  capacities: Capacities | None = None, layers: range | None = None, concurrency: int = 1,
                  context: int | None = None) -> None:
+        share_cores()  # this thread's first look: its first window spans the load (two runs started together)
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
         self.config = config
@@ -229,6 +231,7 @@ class Executor:
         """One pass over `self.layers`: logits [rows, V] float32 (see `ForwardBatch`), or, without the head
         (a pipeline stage), hidden states [N, H]. `hidden` [N, H]: the previous stage's, instead of embedding
         the tokens. The new tokens' K/V are written into the KV pool."""
+        share_cores(self.timeline)
         p = self.begin_pass(batch)
         try:
             self._start_cold_fetch(p)
