@@ -45,6 +45,15 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
     return out
 
 
+def heap_aligned(nbytes: int) -> torch.Tensor:
+    """A page-aligned uint8 CPU tensor of `nbytes` from the C heap (a page more, the view starting at the first
+    page boundary): memory a later call takes again once this is freed, where `aligned_empty` maps (and faults in)
+    fresh pages each time. For the destinations of O_DIRECT reads made again and again (the KV slot file's)."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    return raw[start : start + nbytes]
+
+
 def huge_pages(buf: mmap.mmap, address: int, nbytes: int) -> None:
     """Ask for transparent huge pages (MADV_HUGEPAGE) on the whole 2 MiB spans of a fresh mapping at `address`, so
     that the weights streamed from it walk one TLB entry per 2 MiB, not per 4 KiB (Linux's default THP setting,

@@ -110,17 +110,16 @@ class DiskReader:
 
     def read_all(self, path: Path, ranges: list[tuple[torch.Tensor, int]]) -> None:
         """Read every (dest, offset) of one file, all of them in flight on the pool at once."""
-        jobs = []
+        jobs, fds = [], []
         for dest, offset in ranges:
             flat = flat_bytes(dest)
-            fd = self._descriptor(path, flat, offset)
+            fds.append(fd := self._descriptor(path, flat, offset))
             for s in range(0, flat.numel(), READ_PIECE):
                 jobs.append((fd, flat[s : s + READ_PIECE], offset + s))
         for _ in self._run_jobs(jobs, path):
             pass
-        if not self.page_cache:
-            for dest, offset in ranges:
-                self._drop(path, None, offset, dest.numel() * dest.element_size())
+        for (dest, offset), fd in zip(ranges, fds):  # (an O_DIRECT read brought no pages to drop)
+            self._drop(path, fd, offset, dest.numel() * dest.element_size())
 
     def _descriptor(self, path: Path, flat: torch.Tensor, offset: int) -> int:
         direct = self._direct_fd(path) if self.direct_io and direct_ok(flat, offset) else None

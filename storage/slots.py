@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from storage import io
+from storage.arena import heap_aligned
 from storage.errors import StoreError
 from storage.reader import DiskReader
 
@@ -175,29 +176,45 @@ class DiskSlots(SlotArray):
 
     def read(self, slot: int) -> torch.Tensor:
         self._check([slot])
-        out = torch.empty((self.planes, *self.slot_shape), dtype=self.dtype)
+        out = self._destination(self.planes)
         self.reader.read_all(self.path, [(out[p], self._offset(p, slot)) for p in range(self.planes)])
         for plane in range(self.planes):
             self._verify(plane, slot, out[plane])
         return out
 
     def read_plane(self, plane: int, slots: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """Slots adjacent in the file and in the order asked are read in one request, straight into `out`;
-        the requests are in flight together, then each slot is checked against its crc32c."""
+        """The slots' plane-`plane` bytes, in the order asked: read in the file's order, slots adjacent in the file
+        in one request (all requests in flight together), each slot checked against its crc32c, then put in the
+        order asked (one copy, where it is not the file's: blocks demoted newest first sit in descending slots; read
+        slot by slot, the 1.7B's 62 cold blocks of a layer were 62 requests of 128 KiB, at 0.33 GB/s)."""
         self._check(slots)
         if out is None:
-            out = torch.empty((len(slots), *self.slot_shape), dtype=self.dtype)
+            out = self._destination(len(slots))
         assert out.shape == (len(slots), *self.slot_shape) and out.dtype == self.dtype and out.is_contiguous()
-        runs: list[tuple[int, int]] = []  # (first position in `out`, count)
-        for i, s in enumerate(slots):
-            if runs and s == slots[runs[-1][0]] + runs[-1][1]:
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        in_order = all(i == k for k, i in enumerate(order))
+        dest = out if in_order else self._destination(len(slots))
+        ordered = [slots[i] for i in order]
+        runs: list[tuple[int, int]] = []  # (first position in `dest`, count)
+        for i, s in enumerate(ordered):
+            if runs and s == ordered[runs[-1][0]] + runs[-1][1]:
                 runs[-1] = (runs[-1][0], runs[-1][1] + 1)
             else:
                 runs.append((i, 1))
-        self.reader.read_all(self.path, [(out[i : i + n], self._offset(plane, slots[i])) for i, n in runs])
-        for i, s in enumerate(slots):
-            self._verify(plane, s, out[i])
+        self.reader.read_all(self.path, [(dest[i : i + n], self._offset(plane, ordered[i])) for i, n in runs])
+        for i, s in enumerate(ordered):
+            self._verify(plane, s, dest[i])
+        if not in_order:
+            out.index_copy_(0, torch.tensor(order), dest)
         return out
+
+    def _destination(self, n: int) -> torch.Tensor:
+        """[n, *slot_shape] to read n slots into: page-aligned where the reader uses O_DIRECT (a slot of whole pages
+        is then read with no page-cache copy, no reclaim for it in a full memory cgroup and no pages to drop after:
+        the 1.7B int4's cold blocks, 1 GiB, a 1563-token context: 198 MiB a step, fetched at 0.3 GB/s buffered)."""
+        if not self.reader.direct_io:
+            return torch.empty((n, *self.slot_shape), dtype=self.dtype)
+        return heap_aligned(n * self.slot_nbytes).view(self.dtype).view(n, *self.slot_shape)
 
     def _verify(self, plane: int, slot: int, values: torch.Tensor) -> None:
         stored, actual = int(self._crc[plane, slot]), io.crc32c(values)

@@ -216,6 +216,39 @@ def test_a_corrupted_kv_block_on_disk_is_detected_by_its_checksum(tmp_path, dire
         slots.close()
 
 
+def test_slots_read_in_the_files_order_in_one_request_a_run_and_come_back_in_the_order_asked(tmp_path, monkeypatch):
+    """Blocks demoted newest first sit in descending slots: a layer of them is read as the file holds them, one
+    request a run of adjacent slots (not one a slot), checked, and returned in the order asked; with O_DIRECT into
+    page-aligned memory of its own, and no page cache to drop after."""
+    shape = (2, PAGE // 8)  # a page per slot
+    slots = DiskSlots(tmp_path, "kv", planes=2, slots=12, slot_shape=shape, dtype=torch.float32, direct_io=True)
+    g = torch.Generator().manual_seed(1)
+    blocks = {s: torch.randn(2, *shape, generator=g) for s in range(12)}
+    for s, b in blocks.items():
+        slots.write(s, b)
+    requests, drops = [], []
+    run_jobs = slots.reader._run_jobs
+
+    def counted(jobs, path):
+        requests.append(len(jobs))
+        return run_jobs(jobs, path)
+
+    monkeypatch.setattr(slots.reader, "_run_jobs", counted)
+    monkeypatch.setattr("storage.io.drop_page_cache", lambda *a: drops.append(a))
+    asked = [9, 8, 7, 6, 5, 2, 1, 0, 11]
+    try:
+        got = slots.read_plane(1, asked)
+        assert torch.equal(got, torch.stack([blocks[s][1] for s in asked]))
+        assert requests == [3]  # 0-2, 5-9, 11
+        assert slots.read_plane(0, [3, 4]).data_ptr() % PAGE == 0
+        if slots.reader.direct(slots.path):
+            assert drops == []  # O_DIRECT brought no pages in
+        else:
+            assert drops  # (a file system that refuses O_DIRECT: buffered, and its pages dropped)
+    finally:
+        slots.close()
+
+
 # ----------------------------------------------------------------------------- one byte counter
 def test_the_byte_counters_agree_on_every_kv_and_weight_byte(tiny, tmp_path):
     """`runner.traffic` is the counter; the trace's spans carry the same bytes (`bytes_on` derives from them)."""
