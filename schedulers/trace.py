@@ -195,7 +195,9 @@ def summarize(spans: list[Span], steps: range | None = None,
         gaps = _gaps(covered, a, b)
         for lo, hi in gaps:  # 2. queued behind a link busy with other loads (upstream first)
             rest = [(lo, hi)]
-            for track in ("disk-read", "h2d", "d2h", "kv-fetch", "kv-spill", "disk-write"):
+            first = st.args.get("waits")  # a wait on a side job (cold KV): its own link first
+            for track in [first] * (first in LINKS) + [t for t in ("disk-read", "h2d", "d2h", "kv-fetch", "kv-spill",
+                                                                  "disk-write") if t != first]:
                 nxt = []
                 for x, y in rest:
                     t = _clip(busy_links[track], x, y)

@@ -21,7 +21,7 @@ from offload.plan.costmodel import simulate
 from offload.plan.links import measure_disk, measure_memcpy
 from offload.plan.placement import GroupSpec, make_plan
 from offload.plan.planner import Planner
-from offload.plan.predict import Workload, predict_decode
+from offload.plan.predict import KVTiers, Workload, predict_decode
 from offload.runtime.overhead import engine_overhead_s
 from offload.runtime.runner import Runner
 from schedulers.plan import Capacities
@@ -114,6 +114,27 @@ def test_stall_is_attributed_to_the_slow_disk_not_compute(tiny_llama, store, mon
     assert summary.stall_by_cause["disk read"] > 0.8 * summary.stall_s  # and the disk is to blame
     assert per_step["exposed transfer"] > per_step["compute"]
     assert max(summary.stall_by_group, key=lambda g: sum(summary.stall_by_group[g].values())) in r.plan.streamed
+
+
+def test_a_wait_for_cold_kv_is_a_stall_charged_to_the_kv_fetch_not_compute(tiny_llama, tmp_path, monkeypatch):
+    """Every layer resident, the context's cold blocks on a slow disk: the steps wait for the side thread's fetch,
+    and the summary says so (it was counted as compute: the wait fell between a layer's acquire and release)."""
+    from storage.slots import DiskSlots
+
+    cfg = run_config(tiny_llama, tiers={"gpu": {"capacity": "64MiB"}, "cpu": {"capacity": "16MiB"},
+                                        "disk": {"path": str(tmp_path / "store")}},
+                     kv_cache={"gpu_blocks": 3, "cpu_blocks": 0, "disk_blocks": 16}, activations={"prefill_chunk": 16})
+    read = DiskSlots.read_plane
+    with Runner.from_config(cfg) as r:
+        monkeypatch.setattr(DiskSlots, "read_plane", lambda *a, **k: time.sleep(0.03) or read(*a, **k))
+        r.generate([list(range(3, 83))], max_new_tokens=4, stop_on_eos=False)
+        steps = range(r.timeline.step - r.last_stats.decode_steps, r.timeline.step)
+        summary = summarize(r.timeline.spans_resolved(), steps)
+        layers = r.cfg.num_layers
+    n = len(steps)
+    assert summary.stall_by_cause.get("kv fetch", 0.0) > 0.8 * summary.stall_s > 0
+    assert summary.stall_s / n > 0.5 * layers * 0.03  # the fetches are mostly waited for
+    assert summary.compute_s / n < 0.5 * layers * 0.03  # and not inside the layers' compute
 
 
 def test_framework_hooks_show_our_ranges_in_torch_profiler(tiny_llama, store):
@@ -437,6 +458,26 @@ def test_simulation_depth_zero_adds_compute_to_the_disk_time():
     assert none == pytest.approx(sum(comp.values()) + 0.85, rel=0.02)  # nothing overlaps
 
 
+def test_cold_kv_blocks_are_fetched_beside_the_weights_and_share_their_disk():
+    """A context beyond the device pool: its cold blocks, host tier first, are read every step (side jobs, on the
+    disk the weights stream from too): all resident, they alone bound the step; streamed, the disk does both."""
+    kv = KVTiers(block_size=16, device=4, cpu=2, disk=100, cold_bytes=8 * 5 * MiB)  # 5 MiB a block a layer
+    assert kv.cold(Workload(context=64)) == (0, 0)  # 4 blocks: the pool
+    assert kv.cold(Workload(context=16 * 10)) == (2, 4)  # 10 blocks: 6 cold, the host tier's 2 first
+    bw = {"disk read": 100 * MiB, "host->device": 1e10, "memcpy": 1e12}
+    resident = small_plan(1, gpu=1000)
+    comp = {g: 0.01 for g in resident.order}
+    side = kv.side(resident, Workload(context=16 * 10))
+    assert side == {f"layer.{i}": (2 * 5 * MiB, 4 * 5 * MiB) for i in range(8)}
+    alone = simulate(resident, comp, bw).step_s
+    with_kv = simulate(resident, comp, bw, side=side)
+    assert alone == pytest.approx(0.09)
+    assert with_kv.step_s == pytest.approx(8 * 0.2 + 0.01, rel=0.05) and with_kv.bottleneck == "disk read"
+    streamed = small_plan(2)  # 0.1 s a layer's weights, 0.2 s its cold blocks: 8 x 0.3 s of disk a step
+    both = simulate(streamed, {g: 0.001 for g in streamed.order}, bw, side=kv.side(streamed, Workload(context=160)))
+    assert both.step_s == pytest.approx(0.85 + 8 * 0.2, rel=0.05)
+
+
 def test_simulation_predicts_a_run_with_a_known_slow_disk(tiny_llama, store, monkeypatch):
     """A disk made slow by a fixed delay per read: the prediction and the measured step agree within 25%."""
     delay = 0.04
@@ -495,3 +536,16 @@ def test_plan_on_paper_for_llama3_70b(capsys):
                  str(root / "calibrations" / "rtx4090-pcie4-nvme.json"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["prediction"]["step_s"] > 1 and data["device"] == "cuda"
+    assert data["prediction"]["cold_kv"] == {"host_blocks": 0, "disk_blocks": 0, "bytes_per_step": 0,
+                                             "blocks_not_held": 0}  # 128 tokens: the device pool
+    # the model's whole context: blocks beyond the pool are fetched every step, on the disk the weights stream from
+    assert main(["plan", "--model-config", str(root / "examples" / "llama3-70b" / "config.json"), "--gpu", "24GiB",
+                 "--cpu", "64GiB", "--disk-path", "/tmp/x", "--calibration",
+                 str(root / "calibrations" / "rtx4090-pcie4-nvme.json"), "--json", "--context", "8192"]) == 0
+    long = json.loads(capsys.readouterr().out)["prediction"]
+    cold = long["cold_kv"]
+    assert cold["disk_blocks"] > 0 and cold["blocks_not_held"] == 0
+    assert cold["bytes_per_step"] == (cold["host_blocks"] + cold["disk_blocks"]) * 80 * 16 * 2 * 8 * 128 * 2
+    assert long["link_s"]["disk read"] > data["prediction"]["link_s"]["disk read"] + 0.5 * cold["disk_blocks"] * (
+        cold["bytes_per_step"] / (cold["host_blocks"] + cold["disk_blocks"])) / 6.5e9
+    assert long["step_s"] > data["prediction"]["step_s"]

@@ -34,7 +34,7 @@ from offload.plan.calibrate import calibrate, default_path, load_calibration
 from offload.plan.costmodel import explain, plan_bytes
 from offload.plan.experts import expert_choice
 from offload.plan.planner import Planner, RunPlan, run_capacities
-from offload.plan.predict import Workload, predict_decode, predict_prefill_per_token, suggestions
+from offload.plan.predict import KVTiers, Workload, predict_decode, predict_prefill_per_token, suggestions
 from offload.plan.speculative import streaming_note, without_draft
 from offload.plan.stages import plan_stages
 from offload.runtime.device import resolve_dtype
@@ -169,9 +169,11 @@ def prefix_line(rp: RunPlan, block_size: int) -> str:
     return line
 
 
-def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: int = 128,
+def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: int | None = None,
               as_json: bool = False, world: int = 1) -> None:
-    """Print where each group lives, the KV cache, the predicted speed and what would help most."""
+    """Print where each group lives, the KV cache, the predicted speed and what would help most. `context`: plan
+    for it (as `offload run` plans for its prompts) and predict at it; None: plan for the model's context (as
+    `chat` and `serve` do) and predict at 128 tokens."""
     device = torch.device(config.device if config.device != "auto" else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and config.tiers is not None and config.tiers.gpu.capacity is None \
@@ -179,16 +181,17 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
         raise ConfigError("tiers.gpu.capacity: auto needs the GPU itself; give a size (e.g. --gpu 24GiB) to plan "
                           "on paper")
     dtype = resolve_dtype(config.dtype, cfg.torch_dtype)
-    config, planner, draft, plain_note = plan_for(config, cfg, dtype, device, batch)  # as serve --max-batch N
+    config, planner, draft, plain_note = plan_for(config, cfg, dtype, device, batch,  # as serve --max-batch N
+                                                  context)
     rp = planner.run_plan()
     cal = load_calibration(config.calibration)
-    work = Workload(batch=batch, context=context, prefill_chunk=rp.prefill_chunk)
-    sizes = planner.compute_sizes
-    pred = predict_decode(rp.plan, cfg, cal, device.type, work, dtype.itemsize, sizes)
+    work = Workload(batch=batch, context=context or Workload.context, prefill_chunk=rp.prefill_chunk)
+    sizes, held = planner.compute_sizes, kv_tiers(planner, rp)
+    pred = predict_decode(rp.plan, cfg, cal, device.type, work, dtype.itemsize, sizes, held)
     per_token = predict_prefill_per_token(rp.plan, cfg, cal, device.type, work, dtype.itemsize, sizes)
     helps = suggestions(planner.placement, planner.caps, rp.plan.depth, cfg, cal, device.type, work, dtype.itemsize,
-                        pred, sizes)
-    schemes = compare_schemes(config, cfg, dtype, device, cal, work)
+                        pred, sizes, held)
+    schemes = compare_schemes(config, cfg, dtype, device, cal, work, context)
     experts = expert_lines(rp.plan, cfg, cal, sizes, batch, device.type)
     ranks = rank_plans(config, cfg, device, dtype, world) if world > 1 else None
     if as_json:
@@ -196,7 +199,8 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
                           "prefix_cache": prefix_capacity(rp),
                           "calibration": cal.source,
                           "compute_dtype": str(rp.compute_dtype).removeprefix("torch."),
-                          "prediction": pred.to_dict() | {"prefill_s_per_token": per_token},
+                          "prediction": pred.to_dict() | {"prefill_s_per_token": per_token,
+                                                          "cold_kv": cold_kv(held, work)},
                           "suggestions": [s.__dict__ for s in helps], "weights": schemes,
                           "speculation_note": plain_note,
                           **({"expert_compute": experts} if experts else {}),
@@ -238,6 +242,18 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
           f"({work.batch / pred.step_s:.2f} tokens/s, {pred.step_s / work.batch:.3g} s/token)")
     for line in explain(rp.plan, pred, cal.links):
         print(f"  {line}")
+    cold = cold_kv(held, work)
+    if cold["host_blocks"] or cold["disk_blocks"]:
+        print(f"  context {work.context}: {cold['host_blocks']} KV blocks in RAM and {cold['disk_blocks']} on disk "
+              f"beyond the device pool, {fmt_bytes(cold['bytes_per_step'], 'MiB', digits=1)} fetched every step "
+              "(counted above)")
+    if work.context > cfg.max_position_embeddings:
+        print(f"  context {work.context} is beyond the model's ({cfg.max_position_embeddings} tokens): a run "
+              "refuses it")
+    elif cold["blocks_not_held"]:
+        print(f"  context {work.context} x batch {work.batch} needs {cold['blocks_not_held']} KV blocks more than the "
+              "device pool and the host/disk KV tiers hold: give kv_cache.disk_blocks (or cpu_blocks) a number, or "
+              "a larger tiers.gpu.capacity")
     print(f"  prefill: {1000 * per_token:.2f} ms per prompt token (passes of {work.prefill_chunk} tokens)")
     for line in (experts or {}).get("lines", []):
         print(f"  {line}")
@@ -314,20 +330,37 @@ def _print_speculative(config, draft, cfg, device, dtype, rp) -> None:
               f"{p.tokens_per_pass / p.step_s:.2f} tokens/s (x{p.speedup:.2f} of plain decoding without a draft)")
 
 
+def kv_tiers(planner: Planner, rp) -> KVTiers | None:
+    """Where the plan keeps KV blocks, for predictions at a context beyond its device pool (None: a pool sized per
+    request, which holds any context)."""
+    if rp.kv_blocks == 0:
+        return None
+    return KVTiers(rp.kv.block_size, rp.kv_blocks, rp.kv.cpu_blocks, rp.kv.disk_blocks, planner.cold_block_bytes)
+
+
+def cold_kv(kv: KVTiers | None, work: Workload) -> dict:
+    """The blocks of the workload's context outside the device pool, and the bytes a step fetches of them."""
+    host, disk = kv.cold(work) if kv is not None else (0, 0)
+    return {"host_blocks": host, "disk_blocks": disk, "bytes_per_step": (host + disk) * (kv.cold_bytes if kv else 0),
+            "blocks_not_held": kv.over(work) - host - disk if kv is not None else 0}
+
+
 def compare_schemes(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, cal,
-                    work: Workload) -> list[dict]:
+                    work: Workload, context: int | None = None) -> list[dict]:
     """The same tiers planned for dense, int8 and int4 weights: bytes per group, per link and step, what binds."""
     rows = []
     for scheme in ("none", "int8", "int4"):
         w = config.weights
         other = config.replace(weights=WeightsConfig(scheme, w.group_size, w.keep))
         try:
-            planner = Planner(other, cfg, dtype, device)
-            plan = planner.run_plan().plan
+            planner = Planner(other, cfg, dtype, device, context=context)
+            rp = planner.run_plan()
         except (CapacityError, ConfigError) as e:
             rows.append({"quantization": scheme, "refused": str(e)})
             continue
-        pred = predict_decode(plan, cfg, cal, device.type, work, dtype.itemsize, planner.compute_sizes)
+        plan = rp.plan
+        pred = predict_decode(plan, cfg, cal, device.type, work, dtype.itemsize, planner.compute_sizes,
+                              kv_tiers(planner, rp))
         moved = {link: plan_bytes(plan, link) / work.batch for link in ("disk read", "host->device")}
         rows.append({"quantization": scheme, "layer_bytes": plan.sizes["layer.0"],
                      "model_bytes": sum(plan.sizes.values()), "bytes_per_token": {k: v for k, v in moved.items() if v},
@@ -361,7 +394,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--batch", type=int, default=1,
                       help="sequences decoded together: the KV pool is planned for them (as serve --max-batch N and "
                            "run --input --batch N do) and the prediction assumes them")
-    plan.add_argument("--context", type=int, default=128, help="tokens of context, for the prediction")
+    plan.add_argument("--context", type=int, default=None,
+                      help="tokens of context: planned for (as `run` plans for its prompts) and predicted at; default: "
+                           "planned for the model's context (as chat and serve are), predicted at 128")
     plan.add_argument("--ranks", type=int, default=1, metavar="N",
                       help="also plan each rank of a torchrun launch of N processes, each with these tiers (the "
                            "layers each holds, where its groups live, its KV pool, its predicted stage time)")

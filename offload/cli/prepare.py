@@ -114,12 +114,14 @@ def parse_ids(text: str) -> list[int]:
 
 
 def plan_for(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-             concurrency: int = 1) -> tuple[OffloadConfig, Planner, tuple[Any, ModelConfig] | None, str | None]:
+             concurrency: int = 1, context: int | None = None
+             ) -> tuple[OffloadConfig, Planner, tuple[Any, ModelConfig] | None, str | None]:
     """The planner a run of `config` uses (around a speculative draft's resident weights, when there is
     one): (the target's config, its planner, (the draft's RunPlan, its ModelConfig) or None, why
     `speculative.tokens: auto` runs plain or None), as `Runner` decides.
 
-    `planner.run_plan()` refuses what cannot fit as a Runner would, reading no weights."""
+    `planner.run_plan()` refuses what cannot fit as a Runner would, reading no weights. `context`: the tokens the
+    run needs at most (`Runner(..., context=N)`, as `offload run` passes), else the model's."""
     caps, draft, note = run_capacities(config, device), None, None
     if config.speculative.enabled and config.speculative.tokens is None:
         note = auto_gain(config, cfg, dtype, device, caps).plain_note()
@@ -130,7 +132,7 @@ def plan_for(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device
         dcfg = draft_model_config(config, cfg)
         draft = Planner(dconf, dcfg, dtype, device).run_plan(), dcfg
         caps = reserve_draft(config, caps, draft[0].plan.used("gpu"), draft[0].kv_block_bytes)
-    return config, Planner(config, cfg, dtype, device, caps, concurrency=concurrency), draft, note
+    return config, Planner(config, cfg, dtype, device, caps, concurrency=concurrency, context=context), draft, note
 
 
 def store_to_fill(path: Path) -> StoreState:

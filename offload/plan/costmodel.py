@@ -42,11 +42,14 @@ class Prediction:
 
 
 def simulate(plan: Plan, compute_s: dict[str, float], bandwidth: dict[str, float], passes: int = 8,
-             share: float | None = None) -> Prediction:
+             share: float | None = None, side: dict[str, tuple[int, int]] | None = None) -> Prediction:
     """Replay `passes` forward passes of the plan's pipeline; report the mean of the second half (steady state).
 
     Experts loaded on demand (`plan.on_demand`) are not prefetched in this model: compute waits for the expected
-    bytes of each one (`share` of them routed, default `plan.routed_share`, times the cache's miss rate)."""
+    bytes of each one (`share` of them routed, default `plan.routed_share`, times the cache's miss rate).
+    `side`: a group's cold KV bytes a pass, (from the host tier, from disk), fetched by the one side thread
+    (`schedulers.side`: in pass order, at most `depth + 1` groups ahead of compute; host bytes at memcpy's rate, disk
+    bytes on the disk the weights' loads read too); the group's compute waits for them."""
     miss = (plan.routed_share if share is None else share) * (1.0 - plan.hit_rate)
     order = list(plan.order)
     streamed = plan.streamed
@@ -59,6 +62,13 @@ def simulate(plan: Plan, compute_s: dict[str, float], bandwidth: dict[str, float
     ready: dict[int, float] = {}  # load index -> its bytes are on the device
     link_busy: dict[str, list[tuple[float, float]]] = {DISK: [], H2D: []}
     released: dict[int, float] = {}
+    disk = [0.0]  # when the disk is next free: the loader's and the side thread's reads take turns
+
+    def read_disk(t0: float, size: float) -> float:
+        t0 = max(t0, disk[0])
+        disk[0] = t1 = t0 + size / bandwidth[DISK]
+        link_busy[DISK].append((t0, t1))
+        return t1
 
     def start_load(k: int) -> None:
         nonlocal loader, copy_stream
@@ -70,19 +80,15 @@ def simulate(plan: Plan, compute_s: dict[str, float], bandwidth: dict[str, float
         if route[0] == "disk" and route[1] == "cpu":  # disk -> stage (the stager runs ahead) -> device
             s = staged[0] % len(stage_free)
             staged[0] += 1
-            t0 = max(stager[0], stage_free[s], free_at if plan.depth == 0 else 0.0)  # depth 0: no read-ahead
-            t1 = t0 + size / bandwidth[DISK]
-            link_busy[DISK].append((t0, t1))
-            stager[0] = t1
+            t1 = read_disk(max(stager[0], stage_free[s], free_at if plan.depth == 0 else 0.0), size)  # depth 0:
+            stager[0] = t1  # no read-ahead
             loader = max(loader, t1, free_at)  # the loader lands loads in order, each in its ring slot
             c0 = max(copy_stream, loader)
             c1 = c0 + size / bandwidth[H2D]
             link_busy[H2D].append((c0, c1))
             copy_stream, stage_free[s], ready[k] = c1, c1, c1
         elif route[0] == "disk":  # CPU device: disk -> ring slot
-            t0 = max(loader, free_at)
-            t1 = t0 + size / bandwidth[DISK]
-            link_busy[DISK].append((t0, t1))
+            t1 = read_disk(max(loader, free_at), size)
             loader, ready[k] = t1, t1
         else:  # host -> device
             t0 = max(loader, free_at)
@@ -97,11 +103,23 @@ def simulate(plan: Plan, compute_s: dict[str, float], bandwidth: dict[str, float
     exposed: dict[str, float] = {}
     exposed_total = [0.0] * passes
     compute_total = [0.0] * passes
+    side, side_clock, lead = side or {}, 0.0, plan.depth + 1
     for p in range(passes):
         pass_start[p] = clock
+        finished: list[float] = []  # when compute was done with each group of this pass, in order
         for g in order:
             if g in plan.rows_only:
                 continue
+            if g in side:  # its cold KV: once compute is at most `lead` groups behind it, after the job before
+                host, cold = side[g]
+                at = len(finished) - lead
+                t0 = max(side_clock, pass_start[p] if at <= 0 else finished[at - 1]) + host / bandwidth["memcpy"]
+                side_clock = read_disk(t0, cold) if cold else t0
+                wait = max(side_clock - clock, 0.0)
+                if p >= passes // 2:
+                    exposed[g] = exposed.get(g, 0.0) + wait
+                exposed_total[p] += wait
+                clock += wait
             if g in plan.on_demand:
                 size, route = plan.sizes[g] * miss, plan.route(g)
                 t = 0.0
@@ -116,6 +134,7 @@ def simulate(plan: Plan, compute_s: dict[str, float], bandwidth: dict[str, float
                 exposed_total[p] += t
                 clock += t + compute_s.get(g, 0.0)
                 compute_total[p] += compute_s.get(g, 0.0)
+                finished.append(clock)
                 continue
             if not plan.is_resident(g):
                 # the loader can issue every load whose ring slot is (or will be) released by now
@@ -133,6 +152,7 @@ def simulate(plan: Plan, compute_s: dict[str, float], bandwidth: dict[str, float
             else:
                 clock += compute_s.get(g, 0.0)
             compute_total[p] += compute_s.get(g, 0.0)
+            finished.append(clock)
     warm = passes // 2
     lo, hi, n = pass_start[warm], clock, passes - warm
     busy = {link: sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans) / n

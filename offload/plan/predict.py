@@ -28,6 +28,37 @@ class Workload:
     prefill_chunk: int = 512  # tokens per prefill pass
 
 
+@dataclass(frozen=True)
+class KVTiers:
+    """Where a run keeps its KV blocks: `device` blocks in the pool the layers read in place, then up to `cpu` and
+    `disk` blocks in the cold tiers (`cold_bytes` each, every layer), which every pass fetches again, layer by layer
+    (`offload.kv.fetch`, on the weights' side thread)."""
+
+    block_size: int
+    device: int
+    cpu: int = 0
+    disk: int = 0
+    cold_bytes: int = 0
+
+    def over(self, work: Workload) -> int:
+        """Blocks of the workload's sequences the device pool cannot hold."""
+        return max(0, work.batch * ceil_div(work.context, self.block_size) - self.device)
+
+    def cold(self, work: Workload) -> tuple[int, int]:
+        """Of those, the blocks in the host tier and on disk (the host tier's first; what neither holds: neither)."""
+        host = min(self.over(work), self.cpu)
+        return host, min(self.over(work) - host, self.disk)
+
+    def side(self, plan: Plan, work: Workload) -> dict[str, tuple[int, int]]:
+        """Each layer group's cold KV bytes a pass, (host, disk), as `costmodel.simulate` takes them."""
+        host, disk = self.cold(work)
+        layers = [g for g in plan.order if g.startswith("layer.") and ".expert." not in g]
+        if not (host or disk) or not layers:
+            return {}
+        per = self.cold_bytes // len(layers)  # a block's bytes of one layer
+        return {g: (host * per, disk * per) for g in layers}
+
+
 def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, tokens: int, context: int,
                     batch: int, dtype_bytes: int, sizes: dict[str, int] | None = None) -> dict[str, float]:
     """Per group, seconds of compute for one pass of `tokens` rows (`batch` sequences of `context` tokens).
@@ -58,9 +89,12 @@ def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type:
 
 
 def predict_decode(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, work: Workload,
-                   dtype_bytes: int, sizes: dict[str, int] | None = None) -> Prediction:
+                   dtype_bytes: int, sizes: dict[str, int] | None = None, kv: KVTiers | None = None) -> Prediction:
+    """One decode step; with `kv`, the cold KV blocks the workload's context leaves outside the device pool are
+    fetched every step too."""
     comp = compute_seconds(plan, cfg, cal, device_type, work.batch, work.context, work.batch, dtype_bytes, sizes)
-    return simulate(plan, comp, cal.links, share=routed_share(cfg, work.batch))
+    return simulate(plan, comp, cal.links, share=routed_share(cfg, work.batch),
+                    side=kv.side(plan, work) if kv is not None else None)
 
 
 def predict_prefill_per_token(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, work: Workload,
@@ -80,7 +114,7 @@ class Suggestion:
 
 def suggestions(make_plan_for, base_caps, depth: int, cfg: ModelConfig, cal: Calibration, device_type: str,
                 work: Workload, dtype_bytes: int, current: Prediction,
-                sizes: dict[str, int] | None = None) -> list[Suggestion]:
+                sizes: dict[str, int] | None = None, kv: KVTiers | None = None) -> list[Suggestion]:
     """What-ifs through the same cost model: more cpu capacity, another depth, a larger batch.
 
     `make_plan_for(caps, depth) -> Plan` re-plans with other capacities or depth.
@@ -92,7 +126,7 @@ def suggestions(make_plan_for, base_caps, depth: int, cfg: ModelConfig, cal: Cal
         if plan is None:
             return
         w = dataclasses.replace(work, batch=batch)
-        pred = predict_decode(plan, cfg, cal, device_type, w, dtype_bytes, sizes)
+        pred = predict_decode(plan, cfg, cal, device_type, w, dtype_bytes, sizes, kv)
         out.append(Suggestion(change, pred.step_s, batch / pred.step_s, note))
 
     streamed_from_disk = plan_bytes(make_plan_for(base_caps, depth), "disk read")
