@@ -189,17 +189,7 @@ class Prefetcher:
         self.side.submit(jobs, {g: i for i, g in enumerate(computed)})
 
     def side_result(self, group: str) -> Any:
-        """The group's side job's result, once it is done: a wait for it is a stall charged to the job's link first
-        (`waits`), and the group's compute starts after it (not at its acquire)."""
-        start = self.timeline.now()
-        out = self.side.result(group)
-        waited = self.timeline.now()
-        if waited - start > 1e-4:
-            self.timeline.add("stall", group, start, waited, waits="kv-fetch")
-            if group in self._current:
-                load, _, marker = self._current[group]
-                self._current[group] = (load, waited, marker)
-        return out
+        return self.side.result(group)
 
     def _count_resident(self) -> None:
         self.timeline.count("bytes resident", gpu=self._homed["gpu"] + self._in_ring, cpu=self._homed["cpu"])

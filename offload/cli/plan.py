@@ -34,7 +34,7 @@ from offload.plan.calibrate import calibrate, default_path, load_calibration
 from offload.plan.costmodel import explain, plan_bytes
 from offload.plan.experts import expert_choice
 from offload.plan.planner import Planner, RunPlan, run_capacities
-from offload.plan.predict import KVTiers, Workload, predict_decode, predict_prefill_per_token, suggestions
+from offload.plan.predict import KVTiers, Workload, cold_kv, predict_decode, predict_prefill_per_token, suggestions
 from offload.plan.speculative import streaming_note, without_draft
 from offload.plan.stages import plan_stages
 from offload.runtime.device import resolve_dtype
@@ -186,7 +186,7 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     rp = planner.run_plan()
     cal = load_calibration(config.calibration)
     work = Workload(batch=batch, context=context or Workload.context, prefill_chunk=rp.prefill_chunk)
-    sizes, held = planner.compute_sizes, kv_tiers(planner, rp)
+    sizes, held = planner.compute_sizes, KVTiers.of(rp, planner.cold_block_bytes)
     pred = predict_decode(rp.plan, cfg, cal, device.type, work, dtype.itemsize, sizes, held)
     per_token = predict_prefill_per_token(rp.plan, cfg, cal, device.type, work, dtype.itemsize, sizes)
     helps = suggestions(planner.placement, planner.caps, rp.plan.depth, cfg, cal, device.type, work, dtype.itemsize,
@@ -330,21 +330,6 @@ def _print_speculative(config, draft, cfg, device, dtype, rp) -> None:
               f"{p.tokens_per_pass / p.step_s:.2f} tokens/s (x{p.speedup:.2f} of plain decoding without a draft)")
 
 
-def kv_tiers(planner: Planner, rp) -> KVTiers | None:
-    """Where the plan keeps KV blocks, for predictions at a context beyond its device pool (None: a pool sized per
-    request, which holds any context)."""
-    if rp.kv_blocks == 0:
-        return None
-    return KVTiers(rp.kv.block_size, rp.kv_blocks, rp.kv.cpu_blocks, rp.kv.disk_blocks, planner.cold_block_bytes)
-
-
-def cold_kv(kv: KVTiers | None, work: Workload) -> dict:
-    """The blocks of the workload's context outside the device pool, and the bytes a step fetches of them."""
-    host, disk = kv.cold(work) if kv is not None else (0, 0)
-    return {"host_blocks": host, "disk_blocks": disk, "bytes_per_step": (host + disk) * (kv.cold_bytes if kv else 0),
-            "blocks_not_held": kv.over(work) - host - disk if kv is not None else 0}
-
-
 def compare_schemes(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, cal,
                     work: Workload, context: int | None = None) -> list[dict]:
     """The same tiers planned for dense, int8 and int4 weights: bytes per group, per link and step, what binds."""
@@ -360,7 +345,7 @@ def compare_schemes(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype,
             continue
         plan = rp.plan
         pred = predict_decode(plan, cfg, cal, device.type, work, dtype.itemsize, planner.compute_sizes,
-                              kv_tiers(planner, rp))
+                              KVTiers.of(rp, planner.cold_block_bytes))
         moved = {link: plan_bytes(plan, link) / work.batch for link in ("disk read", "host->device")}
         rows.append({"quantization": scheme, "layer_bytes": plan.sizes["layer.0"],
                      "model_bytes": sum(plan.sizes.values()), "bytes_per_token": {k: v for k, v in moved.items() if v},

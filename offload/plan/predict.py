@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import Calibration
@@ -40,6 +41,15 @@ class KVTiers:
     disk: int = 0
     cold_bytes: int = 0
 
+    @classmethod
+    def of(cls, run_plan: Any, cold_bytes: int) -> KVTiers | None:
+        """Where a `planner.RunPlan` keeps KV blocks (`cold_bytes`: its planner's cold block's); None: a pool sized
+        per request, which holds any context."""
+        if run_plan.kv_blocks == 0:
+            return None
+        kv = run_plan.kv
+        return cls(kv.block_size, run_plan.kv_blocks, kv.cpu_blocks, kv.disk_blocks, cold_bytes)
+
     def over(self, work: Workload) -> int:
         """Blocks of the workload's sequences the device pool cannot hold."""
         return max(0, work.batch * ceil_div(work.context, self.block_size) - self.device)
@@ -57,6 +67,14 @@ class KVTiers:
             return {}
         per = self.cold_bytes // len(layers)  # a block's bytes of one layer
         return {g: (host * per, disk * per) for g in layers}
+
+
+def cold_kv(kv: KVTiers | None, work: Workload) -> dict[str, int]:
+    """The workload's KV blocks outside the device pool (in the host tier, on disk, held by neither) and the bytes a
+    step fetches of them."""
+    host, disk = kv.cold(work) if kv is not None else (0, 0)
+    return {"host_blocks": host, "disk_blocks": disk, "bytes_per_step": (host + disk) * (kv.cold_bytes if kv else 0),
+            "blocks_not_held": kv.over(work) - host - disk if kv is not None else 0}
 
 
 def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, tokens: int, context: int,

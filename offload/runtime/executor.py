@@ -269,9 +269,9 @@ class Executor:
     def layer(self, i: int, x: torch.Tensor, p: LayerPass) -> torch.Tensor:
         """Decoder layer i on x [N, H] -> [N, H], its group acquired for the computation and released after."""
         group = self.layer_groups[i]
+        view = self.kv_view(i, p)  # (its cold blocks first: a wait for them is a stall, not the layer's compute)
         w = M.LayerWeights.from_views(self.weights.acquire(group))
         experts = self.weights.experts(i) if w.moe is not None else None  # it releases the layer's group
-        view = self.kv_view(i, p)
         with self.timeline.range(f"offload/compute/{group}"):
             x = M.decoder_layer(x, w, view, p.layout, p.cos_sin, self.cfg, self.cfg.sliding_windows[i], p.rope_table,
                                 experts)

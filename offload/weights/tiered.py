@@ -247,7 +247,13 @@ class TieredWeights:
         self.prefetcher.submit_side(jobs)
 
     def side_result(self, group: str):
-        return self.prefetcher.side_result(group)
+        """The group's side job's result (its cold KV), once done: a wait for it is a stall charged to the kv fetch
+        first (`schedulers.trace`); the executor asks before it acquires the group, so the wait is not compute."""
+        start = self.timeline.now()
+        out = self.prefetcher.side_result(group)
+        if (waited := self.timeline.now()) - start > 1e-4:
+            self.timeline.add("stall", group, start, waited, waits="kv-fetch")
+        return out
 
     def close(self) -> None:
         self._views.clear()
