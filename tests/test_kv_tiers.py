@@ -291,6 +291,23 @@ def test_admission_answers_ok_later_never(small):
         assert cache.admit(100) is Admission.OK
 
 
+def test_a_steps_blocks_are_copied_into_its_pool_bit_for_bit_whatever_their_dtype():
+    """`_copy_rows` (the packed pool's copies, on the calling thread): the rows torch's index_select / copy_ give."""
+    from offload.kv.view import _copy_rows
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        plane = torch.randn(9, 2, 4, 2, 8, generator=g).to(dtype)
+        index = torch.tensor([7, 2, 2, 5])
+        out = torch.empty(4, 2, 4, 2, 8, dtype=dtype)
+        _copy_rows(out, plane, index)
+        assert torch.equal(out, plane.index_select(0, index))
+        _copy_rows(out[1:3], plane[4:6])
+        assert torch.equal(out[1:3], plane[4:6])
+    cast = torch.empty(2, 2, 4, 2, 8, dtype=torch.bfloat16)
+    _copy_rows(cast, plane[:2])  # float32 rows into bf16: torch's cast
+    assert torch.equal(cast, plane[:2].to(torch.bfloat16))
+
+
 # ----------------------------------------------------------------------------- the disk slot file
 def test_disk_slots_round_trip_and_read_planes_in_runs(tmp_path, monkeypatch):
     import zarr
