@@ -34,6 +34,8 @@ TRACK_TIDS = {"compute": 1, "stall": 2, "disk-read": 3, "h2d": 4, "d2h": 5, "dis
 LINKS = {"disk-read": "disk read", "h2d": "host->device", "d2h": "device->host", "disk-write": "disk write",
          "kv-spill": "kv spill", "kv-fetch": "kv fetch"}
 PID = 1
+#: the links a stall may have queued behind, upstream first
+QUEUED = ("disk-read", "h2d", "d2h", "kv-fetch", "kv-spill", "disk-write")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +183,8 @@ def summarize(spans: list[Span], steps: range | None = None,
     by_group: dict[str, dict[str, float]] = {}
     for st in by_track.get("stall", []):
         a, b = st.start, st.end
+        # queued links, upstream first; a wait on a side job (cold KV, `waits`) is charged to its own link first
+        queued = sorted(QUEUED, key=lambda track: track != st.args.get("waits"))
         left = b - a
         charged: dict[str, float] = {}
         k = st.args.get("k")
@@ -195,9 +199,7 @@ def summarize(spans: list[Span], steps: range | None = None,
         gaps = _gaps(covered, a, b)
         for lo, hi in gaps:  # 2. queued behind a link busy with other loads (upstream first)
             rest = [(lo, hi)]
-            first = st.args.get("waits")  # a wait on a side job (cold KV): its own link first
-            for track in [first] * (first in LINKS) + [t for t in ("disk-read", "h2d", "d2h", "kv-fetch", "kv-spill",
-                                                                  "disk-write") if t != first]:
+            for track in queued:
                 nxt = []
                 for x, y in rest:
                     t = _clip(busy_links[track], x, y)

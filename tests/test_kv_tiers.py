@@ -9,6 +9,7 @@ from offload.errors import ConfigError
 from offload.kv.blocks import KVSettings
 from offload.kv.cache import PagedKVCache
 from offload.kv.formats import dequantize_int8, quantize_int8
+from offload.kv.view import _copy_rows
 from offload.model import functional as M
 from offload.model.config import ModelConfig
 from offload.model.functional import attend_group
@@ -293,7 +294,6 @@ def test_admission_answers_ok_later_never(small):
 
 def test_a_steps_blocks_are_copied_into_its_pool_bit_for_bit_whatever_their_dtype():
     """`_copy_rows` (the packed pool's copies, on the calling thread): the rows torch's index_select / copy_ give."""
-    from offload.kv.view import _copy_rows
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.bfloat16, torch.float32):
         plane = torch.randn(9, 2, 4, 2, 8, generator=g).to(dtype)

@@ -29,6 +29,7 @@ from schedulers.timeline import Timeline
 from schedulers.trace import check_chrome, load_chrome, summarize
 from storage.disk import DiskTier
 from storage.errors import CapacityError
+from storage.slots import DiskSlots
 from tests.conftest import run_config
 
 
@@ -119,8 +120,6 @@ def test_stall_is_attributed_to_the_slow_disk_not_compute(tiny_llama, store, mon
 def test_a_wait_for_cold_kv_is_a_stall_charged_to_the_kv_fetch_not_compute(tiny_llama, tmp_path, monkeypatch):
     """Every layer resident, the context's cold blocks on a slow disk: the steps wait for the side thread's fetch,
     and the summary says so (it was counted as compute: the wait fell between a layer's acquire and release)."""
-    from storage.slots import DiskSlots
-
     cfg = run_config(tiny_llama, tiers={"gpu": {"capacity": "64MiB"}, "cpu": {"capacity": "16MiB"},
                                         "disk": {"path": str(tmp_path / "store")}},
                      kv_cache={"gpu_blocks": 3, "cpu_blocks": 0, "disk_blocks": 16}, activations={"prefill_chunk": 16})

@@ -56,7 +56,7 @@ def share_cores(timeline: Timeline | None = None) -> int | None:
     now, s = time.monotonic(), _state
     if not hasattr(s, "full"):
         _start_pools()
-        s.full, s.ours, s.mark = _most_threads(), None, None
+        s.full, s.mark = _most_threads(), None
         if s.full < torch.get_num_threads():
             torch.set_num_threads(s.full)
         s.ours = torch.get_num_threads()
