@@ -113,6 +113,12 @@ class MemorySlots(SlotArray):
         self._check([slot])
         return self.data[:, slot]
 
+    def plane(self, plane: int, slots: list[int]) -> torch.Tensor:
+        """One plane [slots, *slot_shape] where it lies, for a caller that reads `slots` of it in place (checked
+        written; the caller reads them before any is written again)."""
+        self._check(slots)
+        return self.data[plane]
+
     def read_plane(self, plane: int, slots: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         self._check(slots)
         index = torch.tensor(slots, device=self.device, dtype=torch.long)

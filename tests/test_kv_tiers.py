@@ -9,7 +9,6 @@ from offload.errors import ConfigError
 from offload.kv.blocks import KVSettings
 from offload.kv.cache import PagedKVCache
 from offload.kv.formats import dequantize_int8, quantize_int8
-from offload.kv.view import _copy_rows
 from offload.model import functional as M
 from offload.model.config import ModelConfig
 from offload.model.functional import attend_group
@@ -292,23 +291,6 @@ def test_admission_answers_ok_later_never(small):
         assert cache.admit(100) is Admission.OK
 
 
-def test_a_steps_blocks_are_copied_into_its_pool_bit_for_bit_whatever_their_dtype():
-    """`_copy_rows` (the packed pool's copies, on the calling thread): the rows torch's index_select / copy_ give."""
-    g = torch.Generator().manual_seed(3)
-    for dtype in (torch.bfloat16, torch.float32):
-        plane = torch.randn(9, 2, 4, 2, 8, generator=g).to(dtype)
-        index = torch.tensor([7, 2, 2, 5])
-        out = torch.empty(4, 2, 4, 2, 8, dtype=dtype)
-        _copy_rows(out, plane, index)
-        assert torch.equal(out, plane.index_select(0, index))
-        _copy_rows(out[1:3], plane[4:6])
-        assert torch.equal(out[1:3], plane[4:6])
-    cast = torch.empty(2, 2, 4, 2, 8, dtype=torch.bfloat16)
-    _copy_rows(cast, plane[:2])  # float32 rows into bf16: torch's cast
-    assert torch.equal(cast, plane[:2].to(torch.bfloat16))
-
-
-# ----------------------------------------------------------------------------- the disk slot file
 def test_disk_slots_round_trip_and_read_planes_in_runs(tmp_path, monkeypatch):
     import zarr
     disk = DiskSlots(tmp_path, "kv", planes=3, slots=10, slot_shape=(2, 4), dtype=torch.float32)
@@ -331,17 +313,33 @@ def test_disk_slots_round_trip_and_read_planes_in_runs(tmp_path, monkeypatch):
     assert not disk.path.exists()  # scratch: removed with the cache
 
 
-def test_cold_blocks_in_bf16_give_the_device_tokens_bit_for_bit(model_factory, tmp_path):
-    """Cold blocks are put back in token order and attended as one group: the arithmetic of a cache that never
-    left the device, so even bf16 (where any reordering of a sum shows) gives the very same tokens."""
+@pytest.mark.parametrize("how", ["fused-layer", "op-by-op", "layer-run"])
+def test_cold_blocks_in_bf16_give_the_device_tokens_bit_for_bit(model_factory, tmp_path, monkeypatch, how):
+    """Cold blocks are read beside the device pool through one table (the fused layer's attention and the op-by-op
+    layer's), each key where it lies in token order: the arithmetic of a cache that never left the device, so even
+    bf16 (where any reordering of a sum shows) gives the very same tokens. Host blocks are read in place (never
+    copied); with no block to fetch, resident layers still run in one call (`fused.LayerRun`)."""
     model = model_factory("llama", "small", dtype="bfloat16")
     prompts = [list(range(1, 121)), list(range(300, 400))]
     base = run_config(model, dtype="bfloat16", activations={"prefill_chunk": 32})
     with Runner.from_config(base) as r:
         ref = [x.token_ids for x in r.generate(prompts, max_new_tokens=24, stop_on_eos=False)]
+    cold_layers, runs = [], []  # fused layers that read cold blocks: (blocks read in place, blocks read); runs'
+    real, real_run = M.fused.decoder_layer, M.fused.LayerRun.__call__
+    monkeypatch.setattr(M.fused, "decoder_layer", lambda *a: (cold_layers.append(
+        (sum(len(i) for _, i in a[7] if i is not None), sum(len(t) for t, i in a[7] if i is None))) if a[7] else None,
+        real(*a))[1])
+    monkeypatch.setattr(M.fused.LayerRun, "__call__", lambda *a: (runs.append(a[6] is not None), real_run(*a))[1])
+    if how == "op-by-op":
+        monkeypatch.setattr(M.fused, "layer_supported", lambda *a: False)
+    kv = {"gpu_blocks": 5, "cpu_blocks": 40, "disk_blocks": 0} if how == "layer-run" else \
+        {"gpu_blocks": 5, "cpu_blocks": 2, "disk_blocks": 32}
     cfg = base | {"tiers": {"gpu": {"capacity": "1GiB"}, "cpu": {"capacity": "256MiB"},
-                            "disk": {"path": str(tmp_path / "store")}},
-                  "kv_cache": {"gpu_blocks": 5, "cpu_blocks": 2, "disk_blocks": 32}}
+                            "disk": {"path": str(tmp_path / "store")}}, "kv_cache": kv}
     with Runner.from_config(cfg) as r:
         assert [x.token_ids for x in r.generate(prompts, max_new_tokens=24, stop_on_eos=False)] == ref
-        assert r.traffic.routes("kv").get("cpu->disk", 0) > 0
+        assert r.traffic.routes("kv").get("cpu->disk" if kv["disk_blocks"] else "gpu->cpu", 0) > 0
+    # the host tier's blocks where they lie, the disk's read: both in one layer
+    assert any(host and disk for host, disk in cold_layers) == (how == "fused-layer")
+    if how == "layer-run":  # no block to fetch: every layer in one call over the host tier's blocks
+        assert any(runs) and not cold_layers

@@ -111,6 +111,35 @@ def test_cpu_attention_kernel_is_the_exact_attention_and_a_querys_bits_do_not_de
 
 
 @needs_numba
+@pytest.mark.parametrize("D,Tq", [(64, 1), (80, 6), (8, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attention_reads_cold_blocks_where_they_lie_with_the_pools_bits(D, Tq, dtype):
+    """Blocks of a paged pool moved out (some read in place from another plane by index, some from a buffer of
+    their own: a host tier and a disk read) and named in the table as -1 - i: the same bits as every block in the
+    pool, for the query-by-query kernel and the four-query one, with and without a part past the last 16 lanes.
+    Blocks of another layout are refused."""
+    g = torch.Generator().manual_seed(D * Tq)
+    B, Hq, Hkv, bs, cols = 2, 4, 2, 4, 5
+    q = torch.randn(B, Tq, Hq, D, generator=g)
+    pool = torch.randn(B * cols + 1, 2, bs, Hkv, D, generator=g).to(dtype)  # slot 0 unused (padding)
+    table = torch.arange(1, B * cols + 1).view(B, cols)
+    mask = torch.rand(B, Tq, cols * bs, generator=g) > 0.2
+    want = cpu_attention.attend_paged(q, pool, table, mask, D**-0.5)
+    host = torch.randn(9, 2, bs, Hkv, D, generator=g).to(dtype)  # a host plane: blocks at slots 7, 2, 5
+    host[[7, 2, 5]] = pool[table[0, [1, 3]].tolist() + [int(table[1, 0])]]
+    disk = pool[table[1, [2, 4]]].clone()  # a read's buffer
+    split = table.clone()
+    split[0, 1], split[0, 3], split[1, 0] = -1, -2, -3  # host[7], host[2], host[5]
+    split[1, 2], split[1, 4] = -4, -5  # disk[0], disk[1]
+    pool[table[0, [1, 3]]] = float("nan")  # the pool's copies are not read
+    pool[table[1, [0, 2, 4]]] = float("nan")
+    got = cpu_attention.attend_paged(q, pool, split, mask, D**-0.5, cold=[(host, [7, 2, 5]), (disk, None)])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="not the pool's blocks"):
+        cpu_attention.attend_paged(q, pool, split, mask, D**-0.5, cold=[(disk.transpose(2, 3).contiguous(), None)])
+
+
+@needs_numba
 def test_vector_exp_is_within_an_ulp_and_keeps_its_edges():
     import numpy as np
     from numba import njit

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ from offload.plan.costmodel import simulate
 from offload.plan.links import measure_disk, measure_memcpy
 from offload.plan.placement import GroupSpec, make_plan
 from offload.plan.planner import Planner
-from offload.plan.predict import KVTiers, Workload, predict_decode
+from offload.plan.predict import KVTiers, Workload, cold_kv, predict_decode
 from offload.runtime.overhead import engine_overhead_s
 from offload.runtime.runner import Runner
 from schedulers.plan import Capacities
@@ -475,6 +476,9 @@ def test_cold_kv_blocks_are_fetched_beside_the_weights_and_share_their_disk():
     streamed = small_plan(2)  # 0.1 s a layer's weights, 0.2 s its cold blocks: 8 x 0.3 s of disk a step
     both = simulate(streamed, {g: 0.001 for g in streamed.order}, bw, side=kv.side(streamed, Workload(context=160)))
     assert both.step_s == pytest.approx(0.85 + 8 * 0.2, rel=0.05)
+    cpu = dataclasses.replace(kv, host_in_place=True)  # a CPU run reads its host tier's blocks where they lie
+    assert cpu.side(resident, Workload(context=160)) == {f"layer.{i}": (0, 4 * 5 * MiB) for i in range(8)}
+    assert cold_kv(cpu, Workload(context=160))["bytes_per_step"] == 4 * 8 * 5 * MiB
 
 
 def test_simulation_predicts_a_run_with_a_known_slow_disk(tiny_llama, store, monkeypatch):
@@ -536,7 +540,7 @@ def test_plan_on_paper_for_llama3_70b(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["prediction"]["step_s"] > 1 and data["device"] == "cuda"
     assert data["prediction"]["cold_kv"] == {"host_blocks": 0, "disk_blocks": 0, "bytes_per_step": 0,
-                                             "blocks_not_held": 0}  # 128 tokens: the device pool
+                                             "host_in_place": False, "blocks_not_held": 0}  # 128 tokens: the pool
     # the model's whole context: blocks beyond the pool are fetched every step, on the disk the weights stream from
     assert main(["plan", "--model-config", str(root / "examples" / "llama3-70b" / "config.json"), "--gpu", "24GiB",
                  "--cpu", "64GiB", "--disk-path", "/tmp/x", "--calibration",

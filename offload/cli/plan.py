@@ -186,7 +186,7 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     rp = planner.run_plan()
     cal = load_calibration(config.calibration)
     work = Workload(batch=batch, context=context or Workload.context, prefill_chunk=rp.prefill_chunk)
-    sizes, held = planner.compute_sizes, KVTiers.of(rp, planner.cold_block_bytes)
+    sizes, held = planner.compute_sizes, KVTiers.of(rp, planner)
     pred = predict_decode(rp.plan, cfg, cal, device.type, work, dtype.itemsize, sizes, held)
     per_token = predict_prefill_per_token(rp.plan, cfg, cal, device.type, work, dtype.itemsize, sizes)
     helps = suggestions(planner.placement, planner.caps, rp.plan.depth, cfg, cal, device.type, work, dtype.itemsize,
@@ -244,8 +244,9 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
         print(f"  {line}")
     cold = cold_kv(held, work)
     if cold["host_blocks"] or cold["disk_blocks"]:
-        print(f"  context {work.context}: {cold['host_blocks']} KV blocks in RAM and {cold['disk_blocks']} on disk "
-              f"beyond the device pool, {fmt_bytes(cold['bytes_per_step'], 'MiB', digits=1)} fetched every step "
+        print(f"  context {work.context}: {cold['host_blocks']} KV blocks in RAM"
+              f"{' (read where they lie)' if cold['host_in_place'] else ''} and {cold['disk_blocks']} on disk beyond "
+              f"the device pool, {fmt_bytes(cold['bytes_per_step'], 'MiB', digits=1)} fetched every step "
               "(counted above)")
     if work.context > cfg.max_position_embeddings:
         print(f"  context {work.context} is beyond the model's ({cfg.max_position_embeddings} tokens): a run "
@@ -345,7 +346,7 @@ def compare_schemes(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype,
             continue
         plan = rp.plan
         pred = predict_decode(plan, cfg, cal, device.type, work, dtype.itemsize, planner.compute_sizes,
-                              KVTiers.of(rp, planner.cold_block_bytes))
+                              KVTiers.of(rp, planner))
         moved = {link: plan_bytes(plan, link) / work.batch for link in ("disk read", "host->device")}
         rows.append({"quantization": scheme, "layer_bytes": plan.sizes["layer.0"],
                      "model_bytes": sum(plan.sizes.values()), "bytes_per_token": {k: v for k, v in moved.items() if v},

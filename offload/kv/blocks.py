@@ -96,14 +96,19 @@ class StepKV:
     masks: dict = field(default_factory=dict, compare=False)  # window -> the attention mask every layer shares
 
     @functools.cached_property
-    def packed_table(self) -> torch.Tensor:
-        """[B, cols] (CPU) the row of each block among the step's blocks packed group by group in `groups` order
-        (0: padding), the table every layer reads its packed blocks through (`offload.kv.view.LayerKV`)."""
+    def split_table(self) -> torch.Tensor:
+        """[B, cols] (CPU) each block's device slot, or -1 - i for the i-th of the step's cold blocks counted group
+        by group in `groups` order (0: padding): the table every layer reads the device pool and its cold blocks
+        through (`offload.kv.view.LayerKV`)."""
         table = torch.zeros(self.block_ids.shape, dtype=torch.long)
         start = 0
         for g in self.groups:
-            table[g.seq.cpu(), g.block.cpu()] = torch.arange(start, start + len(g.slots))
-            start += len(g.slots)
+            if g.tier == "gpu":
+                rows = torch.tensor(g.slots, dtype=torch.long)
+            else:
+                rows = -1 - torch.arange(start, start + len(g.slots))
+                start += len(g.slots)
+            table[g.seq.cpu(), g.block.cpu()] = rows
         return table
 
 

@@ -17,13 +17,11 @@ A policy with a timeout (`idle`) also demotes the blocks untouched for `idle_sec
 needed or not, at every step and whenever `expire_idle` is called between steps; they stay
 cold until a step attends over them again.
 
-Attention reads every block where it lives: for each layer, the blocks of each tier are
-gathered and put back in token order on the device, so the arithmetic is that of a cache
-that never left it (the tokens are identical bit for bit). With `cpu_attention`, cold
-groups are attended on the CPU without moving them, and the groups are merged exactly
-with log-sum-exp (`offload.model.functional.merge_attention`). The per-block share of attention (from
-the per-block log-sum-exp) feeds the `attention` eviction policy. Cold blocks travel to the
-device through `offload.kv.fetch`, on the run's one transfer engine.
+Attention reads every block in token order (the arithmetic of a cache that never left the device: the
+same tokens bit for bit): a CPU each key where it lies through one table (`StepKV.split_table`), else
+cold blocks put back in order on the device (`offload.kv.fetch`, the run's one transfer engine). With
+`cpu_attention`, cold groups are attended on the CPU and merged exactly by log-sum-exp; the per-block
+share of attention feeds the `attention` eviction policy.
 
 Prompts admitted with a worst-case reservation of logical blocks (OK / LATER / NEVER) never run out
 half way; full blocks found by their tokens (`offload.kv.prefix`) hold an id until a reservation or the
@@ -128,8 +126,7 @@ class PagedKVCache(PrefixBlocks):
     def plane(self, layer: int) -> int:  # where model layer `layer` sits in the stores (a stage's first is 0)
         return layer - self.layers.start
     @property
-    def pool(self) -> BlockPool:
-        """The device pool (where new tokens are written)."""
+    def pool(self) -> BlockPool:  # the device pool (where new tokens are written)
         return self.pools["gpu"]
 
     def blocks_for(self, tokens: int) -> int:
@@ -392,8 +389,11 @@ class PagedKVCache(PrefixBlocks):
         protected.add(bid)
         self._release(self.logical.free([old]))
 
+    def fetches(self, step: StepKV) -> bool:  # blocks to fetch from a cold tier (not read where they lie)?
+        return any(g.tier != "gpu" and not self.fetcher.reads_in_place(self.stores[g.tier]) for g in step.groups)
+
     def fetch_cold(self, layer: int, step: StepKV) -> tuple[dict[str, Fetched], int]:
-        """One layer of the step's cold groups ({tier: parts or Upload}, bytes), run ahead by the side thread."""
+        """One layer of the step's cold groups ({tier: parts, Uploads, InPlace}, bytes), run ahead (side thread)."""
         return self.fetcher.fetch(self.stores, [g for g in step.groups if g.tier != "gpu"], self.plane(layer))
 
     def view(self, layer: int, layout: BatchLayout, step: StepKV, cold: dict | None = None) -> LayerKV:

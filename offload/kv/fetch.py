@@ -14,7 +14,9 @@ layer of every cold block if that is less, shrunk to what the cpu tier can hold)
 group crosses in pieces, alternating buffers, and the pieces are joined on the device. A
 buffer is refilled once the copies out of it have passed their markers: the side thread
 waits for that, never the compute thread. On a CPU device, or with
-`cpu_attention`, the parts pass through where they are. Each fetch is one "kv-fetch" span and
+`cpu_attention`, the parts pass through where they are: a CPU run's host blocks in the compute
+format are not copied at all (`InPlace`: attention reads them in the host tier's plane, through
+the step's table), disk blocks are read into fresh memory. Each fetch is one "kv-fetch" span and
 the same bytes in the run's `Traffic` (kind "kv", tier -> compute), counted in one place.
 `host_bytes` is the host memory the cold tiers take (blocks + staging): the planner's and the
 cache's one formula.
@@ -23,6 +25,7 @@ cache's one formula.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -32,13 +35,29 @@ from schedulers.timeline import Timeline
 from schedulers.traffic import COMPUTE, Traffic
 from schedulers.transfer import Marker, TransferEngine, Upload
 from storage.arena import PAGE, HostArena, round_up
+from storage.slots import MemorySlots
 
 #: Pinned staging buffers: the side thread fills one while the copies out of the other run.
 STAGE_BUFFERS = 2
 #: The most block bytes one staging buffer holds (64 MiB pieces already run PCIe at full speed).
 STAGE_PIECE = 64 * 2**20
 
-Fetched = dict[str, torch.Tensor] | list[Upload]  # a tier's parts where they are, or the uploads of its pieces
+@dataclass(frozen=True)
+class InPlace:
+    """A host tier's blocks of one layer where they lie: its arrays' planes [slots, *slot_shape] and the blocks'
+    slots in them (a CPU run reads them in place: `offload.kv.view.LayerKV`)."""
+
+    planes: dict[str, torch.Tensor]
+    slots: list[int]
+
+    def gather(self) -> dict[str, torch.Tensor]:
+        """The blocks copied out, [len(slots), *slot_shape] per array (for a reader that cannot read them in place)."""
+        index = torch.tensor(self.slots, dtype=torch.long)
+        return {name: plane.index_select(0, index.to(plane.device)) for name, plane in self.planes.items()}
+
+
+#: a tier's parts where they are, the uploads of its pieces, or its blocks read in place
+Fetched = dict[str, torch.Tensor] | list[Upload] | InPlace
 
 
 def stage_blocks(fmt: ColdFormat, blocks: int) -> int:
@@ -62,11 +81,19 @@ def host_bytes(fmt: ColdFormat, planes: int, cpu_blocks: int, piece: int) -> tup
     return round_up(blocks, PAGE) + stage, stage
 
 
+def host_in_place(device_type: str, fmt: str) -> bool:
+    """Does a run on this device read its host tier's blocks of this cold format where they lie (`InPlace`): a CPU
+    computing on the compute-dtype K/V ("kv")?"""
+    return device_type == "cpu" and fmt == "kv"
+
+
 def receive(engine: TransferEngine, fetched: Fetched) -> dict[str, torch.Tensor]:
     """A tier's fetched parts, usable by compute: uploads are received (the compute stream waits on their markers)
     and a group's pieces joined on the device."""
     if isinstance(fetched, dict):
         return fetched
+    if isinstance(fetched, InPlace):
+        return fetched.gather()
     pieces = [engine.receive(u) for u in fetched]
     return pieces[0] if len(pieces) == 1 else {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
 
@@ -81,6 +108,8 @@ class ColdFetcher:
         self.timeline = timeline or Timeline(enabled=False)
         self.traffic = traffic or Traffic()
         self.staged = engine.copies_to_device and not cpu_attention and cpu_blocks + disk_blocks > 0
+        # a CPU run's host blocks in the compute format are read where they lie
+        self.in_place = host_in_place(engine.device.type, fmt.name)
         self._arena: HostArena | None = None
         self._buffers: list[dict[str, torch.Tensor]] = []  # per buffer: part name -> uint8 region
         self._markers: list[list[Marker]] = [[] for _ in range(STAGE_BUFFERS)]
@@ -110,13 +139,22 @@ class ColdFetcher:
         start = self.timeline.now()
         out: dict[str, Fetched] = {}
         for g in groups:
-            out[g.tier] = (self._staged(stores[g.tier], g.slots, layer) if self.staged
-                           else stores[g.tier].read_plane(layer, g.slots))
+            store = stores[g.tier]
+            if self.staged:
+                out[g.tier] = self._staged(store, g.slots, layer)
+            elif self.reads_in_place(store):
+                out[g.tier] = InPlace({name: a.plane(layer, g.slots) for name, a in store.arrays.items()}, g.slots)
+            else:
+                out[g.tier] = store.read_plane(layer, g.slots)
         nbytes = {g.tier: len(g.slots) * stores[g.tier].slot_nbytes for g in groups}
         for tier, n in nbytes.items():
             self.traffic.add("kv", tier, COMPUTE, n)
         self.timeline.add("kv-fetch", f"layer.{layer}", start, self.timeline.now(), nbytes=sum(nbytes.values()))
         return out, sum(nbytes.values())
+
+    def reads_in_place(self, store: TierStore) -> bool:
+        """Are this tier's blocks read where they lie (`InPlace`, no copy: a CPU run's host tier)?"""
+        return self.in_place and all(isinstance(a, MemorySlots) for a in store.arrays.values())
 
     def _staged(self, store: TierStore, slots: list[int], layer: int) -> list[Upload]:
         """The slots' layer, piece by piece through the staging buffers, each piece uploaded as soon as it is read."""

@@ -10,11 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from offload.kv.blocks import StepKV, TierBlocks
-from offload.kv.fetch import receive
+from offload.kv.fetch import InPlace, receive
 from offload.kv.formats import cold_kv
 from offload.model import functional as M
 from offload.model.layout import BatchLayout
@@ -39,19 +38,31 @@ class LayerKV:
             assert h is not None
             arrays["hidden"].data[self.plane][self.step.slot_blocks, self.step.slot_offsets] = h
 
-    def paged(self, window: int | None) -> tuple[torch.Tensor, ...] | None:
-        """What a fused layer reads and writes in place: (pool [slots, 2, block_size, Hkv, D], slot_blocks,
-        slot_offsets, table, mask); None when a block lies off the device, inputs are kept or attention mass is
-        tracked (the op-by-op layer handles those)."""
+    def paged(self, window: int | None) -> tuple[torch.Tensor | None, ...] | None:
+        """What a fused layer reads and writes in place: (pool [slots, 2, block_size, Hkv, D], the step's blocks
+        in the cold tiers (`_cold_blocks`) or None, slot_blocks, slot_offsets, table, mask); None when
+        inputs are kept, attention mass is tracked or a block lies off another device than a CPU (the op-by-op
+        layer handles those)."""
         step = self.step
-        if step.table is None or self.needs_inputs or self.cache.settings.eviction == "attention":
+        if self.needs_inputs or self.cache.settings.eviction == "attention":
             return None
-        return self._pool(), step.slot_blocks, step.slot_offsets, step.table, self._step_mask(window)
+        if step.table is not None:
+            return self._pool(), None, step.slot_blocks, step.slot_offsets, step.table, self._step_mask(window)
+        if self.cache.device.type != "cpu":
+            return None
+        return (self._pool(), self._cold_blocks(None), step.slot_blocks, step.slot_offsets, step.split_table,
+                self._step_mask(window))
 
     def planes(self, n: int) -> torch.Tensor:
         """The device pool's planes of n layers from this one, [n, slots, 2, block_size, Hkv, D] (layers that run
         in one call: `offload.model.fused.LayerRun`)."""
         return self.cache.stores["gpu"].arrays["kv"].data[self.plane : self.plane + n]
+
+    def cold_planes(self, n: int) -> list[list[tuple[torch.Tensor, list[int] | None]]]:
+        """The step's cold blocks of n layers from this one (`_cold_blocks`: layers that run in one call read them
+        where they lie, `offload.model.fused.LayerRun`)."""
+        views = [self, *(self.cache.view(self.layer + j, self.layout, self.step) for j in range(1, n))]
+        return [v._cold_blocks(None) for v in views]
 
     def _pool(self) -> torch.Tensor:
         """This layer's plane of the device pool, [slots, 2, block_size, Hkv, D]."""
@@ -87,15 +98,15 @@ class LayerKV:
         if step.table is not None and not track_mass:  # every block on the device: read in place where a kernel can
             if (done := M.attend_pool(q, self._pool(), step.table, self._step_mask(window), scale)) is not None:
                 return [done]
-        cold = self._cold
-        if cold is None and any(g.tier != "gpu" for g in step.groups):
-            cold = cache.fetch_cold(self.layer, step)[0]
         split = cache.settings.cpu_attention and any(g.tier != "gpu" for g in step.groups)
         if not split and not track_mass and M.reads_pool(q, self._pool()):
-            done = self._attend_packed(q, cold, restore, scale, window)
+            done = self._attend_split(q, restore, scale, window)
             if q.shape[0] * q.shape[1] >= TRIM_ROWS:  # a prompt's pass: the context's copy leaves the heap
                 trim_heap()
             return [done]
+        cold = self._cold
+        if cold is None and any(g.tier != "gpu" for g in step.groups):
+            cold = self._cold = cache.fetch_cold(self.layer, step)[0]
         if not split:
             kvs = [(g, self._kv(g, cold, restore).to(cache.device)) for g in step.groups]
             padded = torch.zeros(q.shape[0], step.cols, *kvs[0][1].shape[1:], dtype=kvs[0][1].dtype,
@@ -131,25 +142,33 @@ class LayerKV:
             self._account_mass(parts, masses)
         return parts
 
-    def _attend_packed(self, q: torch.Tensor, cold: dict | None, restore, scale: float, window: int | None,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where a kernel reads a pool through a table (`attend_pool`): the step's blocks copied once, device blocks
-        then cold ones, into one pool without padding, read in token order through a table (the same bits as the
-        blocks in place; no zeroed token-order copy of the context, no scatter into it)."""
-        step, plane = self.step, self._pool()
-        pool = torch.empty(sum(len(g.slots) for g in step.groups), *plane.shape[1:], dtype=plane.dtype,
-                           device=plane.device)
-        start = 0
-        for g in step.groups:  # in the order of `step.packed_table`
-            part = pool[start : start + len(g.slots)]
-            if g.tier == "gpu":
-                _copy_rows(part, plane, self._slot_index(g))
-            else:
-                _copy_rows(part, self._kv(g, cold, restore))
-            start += len(g.slots)
-        done = M.attend_pool(q, pool, step.packed_table.to(plane.device), self._step_mask(window), scale)
+    def _attend_split(self, q: torch.Tensor, restore, scale: float, window: int | None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a kernel reads a pool through a table (`attend_pool`): the device blocks and the step's cold blocks
+        where they lie, through the step's split table (the same bits as the blocks in place; no token-order copy
+        of the context)."""
+        done = M.attend_pool(q, self._pool(), self.step.split_table, self._step_mask(window), scale,
+                             cold=self._cold_blocks(restore))
         assert done is not None
         return done
+
+    def _cold_blocks(self, restore) -> list[tuple[torch.Tensor, list[int] | None]]:
+        """The step's blocks in the cold tiers as attention reads them in `groups` order (`cpu_attention.ColdBlocks`;
+        cold block i is -1 - i in `StepKV.split_table`): the host tier's where they lie (`InPlace`), the others as
+        they arrived, in the compute dtype (fetched now where the prefetcher did not)."""
+        cache, step = self.cache, self.step
+        if (cold := self._cold) is None:
+            cold = self._cold = cache.fetch_cold(self.layer, step)[0]
+        out: list[tuple[torch.Tensor, list[int] | None]] = []
+        for g in step.groups:
+            if g.tier == "gpu":
+                continue
+            got = cold[g.tier]
+            if isinstance(got, InPlace) and cache.cold_fmt.name == "kv":
+                out.append((got.planes["kv"], got.slots))
+            else:
+                out.append((self._kv(g, cold, restore).contiguous(), None))
+        return out
 
     def _slot_index(self, g: TierBlocks) -> torch.Tensor:
         """The device slots of a device-tier group's blocks, on the device (built once a step where it can be)."""
@@ -181,23 +200,3 @@ class LayerKV:
                 blk = self.cache.blocks.get(bid) if bid >= 0 else None
                 if blk is not None:
                     blk.mass += m
-
-
-def _copy_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor | None = None) -> None:
-    """dst[:] = src[index] (all of src without one), by the calling thread alone on a CPU (numpy's take / copyto of
-    the raw rows): a layer's few MiB of KV blocks, where torch's copy on two threads waits for a second thread that
-    the side thread's fetch keeps off its core (the 1.7B int4 at a 1563-token context, 33 device blocks a layer:
-    2.1 ms on two threads, 0.6 ms on one). Elsewhere (another device, a cast): torch's own."""
-    if dst.device.type != "cpu" or src.device.type != "cpu" or src.dtype != dst.dtype or not dst.is_contiguous():
-        dst.copy_(src if index is None else src.index_select(0, index.to(src.device)))
-        return
-    out, rows = _raw_rows(dst), _raw_rows(src.contiguous())
-    if index is None:
-        np.copyto(out, rows)
-    else:
-        np.take(rows, index.cpu().numpy(), axis=0, out=out)
-
-
-def _raw_rows(t: torch.Tensor) -> np.ndarray:
-    """A contiguous CPU tensor's bytes as [rows, bytes a row] (numpy, the same memory)."""
-    return t.reshape(t.shape[0], -1).view(torch.uint8).numpy()

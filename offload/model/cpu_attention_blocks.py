@@ -69,7 +69,7 @@ if numba is not None:
         return vsum8(a00, a01, a02, a03, a10, a11, a12, a13), vsum8(a20, a21, a22, a23, a30, a31, a32, a33)
 
     @njit(parallel=True, cache=True, nogil=True)  # no fast-math: the lanes' operations as written (`simd`)
-    def _attend_blocks(q, kv, table, mask, scale, shift, out, lse):  # pragma: no cover - compiled
+    def _attend_blocks(q, kv, rows, table, mask, scale, shift, out, lse):  # pragma: no cover - compiled
         """`cpu_attention_rows._attend_rows` (its arguments, results and every query's operations), a work item a
         block of `_QUERIES` queries of a sequence and the G query heads of one KV head: the keys all four see (a
         causal block: the first one's) are scored four keys for the four queries at a time (`_dots4x4`) and added
@@ -98,7 +98,8 @@ if numba is not None:
                 t0 = (idx // Hkv) % blocks * QB
                 nq = min(QB, Tq - t0)
                 for i in range(nq):
-                    nvs[i] = _visible(mask, b, t0 + i, table, bs, base + kh * s3, s0, s2, keys, vis, i * Tk)
+                    nvs[i] = _visible(mask, b, t0 + i, table, bs, base + kh * s3, rows, kh * s3, s0, s2, keys, vis,
+                                      i * Tk)
                     for g in range(G):
                         for d in range(D):
                             qs[i * GD + g * D + d] = q[b, t0 + i, kh * G + g, d]
@@ -130,7 +131,7 @@ if numba is not None:
                     for g in range(G):
                         qo, so = i * GD + g * D, i * GT + g * TkP
                         m[i * G + g], total[i * G + g] = _softmax(scores, probs, so, TkP, qs, qo, keys, vis, kb, n8,
-                                                                  nv, kv, table, b, kh, scale, D, shift, bf16)
+                                                                  nv, kv, rows, table, b, kh, scale, D, shift, bf16)
                 for c0 in range(0, shared, _CHUNK):  # a chunk of V rows for four queries and every head, then the next
                     c1 = min(shared, c0 + _CHUNK)
                     for c in range(c1, min(shared, c1 + _CHUNK)):  # (the next chunk's asked for)
@@ -148,5 +149,5 @@ if numba is not None:
                         for g in range(G):
                             _values(acc, i * GD + g * D, probs, i * GT + g * TkP, vis, keys, kb, c0, c1, s1, D, bf16)
                     for g in range(G):
-                        _output(acc, i * GD + g * D, probs, i * GT + g * TkP, vis, kb, nv, kv, table, b, kh, D, shift,
-                                m[i * G + g], total[i * G + g], out, lse, t0 + i, kh * G + g)
+                        _output(acc, i * GD + g * D, probs, i * GT + g * TkP, vis, kb, nv, kv, rows, table, b, kh, D,
+                                shift, m[i * G + g], total[i * G + g], out, lse, t0 + i, kh * G + g)

@@ -19,6 +19,7 @@ if numba is not None:
     from offload.model.simd import (
         LANES,
         _bits_f32,
+        bits_at,
         fma,
         parts,
         prefetch,
@@ -56,11 +57,19 @@ if numba is not None:
         return vsum(a)
 
     @njit(forceinline=True, nogil=True)
-    def _tail(dot, qs, qo, kv, slot, off, kh, kind, D, shift):  # pragma: no cover - compiled
+    def _raw_at(kv, rows, slot, kind, off, kh, d, shift):  # pragma: no cover - compiled
+        """One K (kind 0) or V (1) value's bits widened to float32's: from the pool kv (slot >= 0), or from cold
+        block -1 - slot, whose K row of head 0 is at address rows[-1 - slot] (the pool's block layout)."""
+        if slot >= 0:
+            return np.uint32(kv[slot, kind, off, kh, d]) << shift
+        at = rows[-1 - slot] + kind * kv.strides[1] + off * kv.strides[2] + kh * kv.strides[3] + d * kv.itemsize
+        return bits_at(at, shift == 0)
+
+    @njit(forceinline=True, nogil=True)
+    def _tail(dot, qs, qo, kv, rows, slot, off, kh, kind, D, shift):  # pragma: no cover - compiled
         """dot + the dimensions past the last 16, in order (scalar fused multiply-adds)."""
         for d in range(D - D % LANES, D):
-            raw = np.uint32(kv[slot, kind, off, kh, d]) << shift
-            dot = fma(qs[qo + d], _bits_f32(raw), dot)
+            dot = fma(qs[qo + d], _bits_f32(_raw_at(kv, rows, slot, kind, off, kh, d, shift)), dot)
         return dot
 
     @njit(forceinline=True, nogil=True)
@@ -91,14 +100,20 @@ if numba is not None:
             vstore(acc, ao + d, a0)
 
     @njit(forceinline=True, nogil=True)
-    def _visible(mask, b, t, table, bs, row0, s0, s2, keys, vis, kb):  # pragma: no cover - compiled
-        """Query (b, t)'s visible keys in token order into keys[kb :] (their K rows' addresses: row0 the KV head's
-        row at slot 0, offset 0) and vis[kb :] (their indices) -> how many. (Block and offset counted: no division a
-        key.)"""
-        nv, row, off = 0, row0 + table[b, 0] * s0, 0
+    def _row(slot, row0, rows, koff, s0):  # pragma: no cover - compiled
+        """A block's K row address at offset 0 for one KV head: slot >= 0 in the pool (row0: its slot 0's), -1 - i
+        cold block i (its head 0's at rows[i]; koff the head's offset in a block)."""
+        return row0 + slot * s0 if slot >= 0 else rows[-1 - slot] + koff
+
+    @njit(forceinline=True, nogil=True)
+    def _visible(mask, b, t, table, bs, row0, rows, koff, s0, s2, keys, vis, kb):  # pragma: no cover - compiled
+        """Query (b, t)'s visible keys in token order into keys[kb :] (their K rows' addresses: `_row`'s, row0 the
+        KV head's row at slot 0, offset 0) and vis[kb :] (their indices) -> how many. (Block and offset counted: no
+        division a key.)"""
+        nv, row, off = 0, _row(table[b, 0], row0, rows, koff, s0), 0
         for j in range(mask.shape[2]):
             if off == bs:
-                row, off = row0 + table[b, j // bs] * s0, 0
+                row, off = _row(table[b, j // bs], row0, rows, koff, s0), 0
             if mask[b, t, j]:
                 keys[kb + nv], vis[kb + nv] = row + off * s2, j
                 nv += 1
@@ -121,7 +136,7 @@ if numba is not None:
                     scores[so + g * TkP + vis[c + u]] = dots[u]
 
     @njit(forceinline=True, nogil=True)
-    def _softmax(scores, probs, so, TkP, qs, qo, keys, vis, kb, n8, nv, kv, table, b, kh, scale, D, shift,
+    def _softmax(scores, probs, so, TkP, qs, qo, keys, vis, kb, n8, nv, kv, rows, table, b, kh, scale, D, shift,
                  bf16):  # pragma: no cover - compiled
         """One (query, head)'s softmax (its scores at so, their keys at kb): the scores of keys n8 .. nv - 1 one by
         one (`_dot1`; the ones before, the caller's), every score's dimensions past the last 16 and its scale, then
@@ -133,7 +148,7 @@ if numba is not None:
         for c in range(kb, kb + nv):
             j = vis[c]
             if D % LANES:
-                scores[so + j] = _tail(scores[so + j], qs, qo, kv, table[b, j // bs], j % bs, kh, 0, D, shift)
+                scores[so + j] = _tail(scores[so + j], qs, qo, kv, rows, table[b, j // bs], j % bs, kh, 0, D, shift)
             scores[so + j] *= scale
         mg = np.float32(-np.inf)
         for c in range(kb, kb + nv):
@@ -147,7 +162,7 @@ if numba is not None:
         return mg, total
 
     @njit(forceinline=True, nogil=True)
-    def _output(acc, ao, probs, po, vis, kb, nv, kv, table, b, kh, D, shift, mg, total, out, lse, t,
+    def _output(acc, ao, probs, po, vis, kb, nv, kv, rows, table, b, kh, D, shift, mg, total, out, lse, t,
                 h):  # pragma: no cover - compiled
         """Query (b, t), head h: its value sums' dimensions past the last 16 (in key order; the whole 16s are in acc
         at ao), then out = acc / total and lse = max + log(total), or zeros and -inf where it sees no key."""
@@ -158,7 +173,7 @@ if numba is not None:
             j = vis[c]
             p = probs[po + j]
             for d in range(D - D % LANES, D):
-                raw = np.uint32(kv[table[b, j // bs], 1, j % bs, kh, d]) << shift
+                raw = _raw_at(kv, rows, table[b, j // bs], 1, j % bs, kh, d, shift)
                 acc[ao + d] = fma(p, _bits_f32(raw), acc[ao + d])
         if nv == 0:
             for d in range(D):
@@ -170,9 +185,11 @@ if numba is not None:
         lse[b, t, h] = mg + np.log(total)
 
     @njit(parallel=True, cache=True, nogil=True)  # no fast-math: the lanes' operations as written (`simd`)
-    def _attend_rows(q, kv, table, mask, scale, shift, out, lse):  # pragma: no cover - compiled
+    def _attend_rows(q, kv, rows, table, mask, scale, shift, out, lse):  # pragma: no cover - compiled
         """q [B, Tq, Hq, D] f32; kv [slots, 2, bs, Hkv, D] paged K and V as raw bits (uint32 float32 with shift 0,
-        uint16 bf16 with shift 16), table [B, cols] the slot of each sequence's blocks in token order; mask
+        uint16 bf16 with shift 16), table [B, cols] the slot of each sequence's blocks in token order, or -1 - i for
+        the i-th of more blocks of the pool's layout elsewhere (a step's blocks in the cold tiers), rows [n] int64
+        the addresses of their first K rows (kept alive by the caller); mask
         [B, Tq, cols * bs] -> out [B, Tq, Hq, D], lse [B, Tq, Hq] (f32; a query that sees no key: zeros and -inf).
         Each (query, head) walks its visible keys in token order, read where they lie in the pool: padding,
         other queries, other sequences and where the blocks sit change nothing in it. A score is 16 lanes of fused
@@ -204,11 +221,11 @@ if numba is not None:
             m, total = np.empty(G, np.float32), np.empty(G)
             for idx in range(th * share, min(n, th * share + share)):
                 b, t, kh = idx // (Tq * Hkv), (idx // Hkv) % Tq, idx % Hkv
-                nv = _visible(mask, b, t, table, bs, base + kh * s3, s0, s2, keys, vis, 0)
+                nv = _visible(mask, b, t, table, bs, base + kh * s3, rows, kh * s3, s0, s2, keys, vis, 0)
                 if nv == 0:
                     for g in range(G):
-                        _output(acc, g * D, probs, g * TkP, vis, 0, 0, kv, table, b, kh, D, shift, m[g], total[g], out,
-                                lse, t, kh * G + g)
+                        _output(acc, g * D, probs, g * TkP, vis, 0, 0, kv, rows, table, b, kh, D, shift, m[g], total[g],
+                                out, lse, t, kh * G + g)
                     continue
                 for g in range(G):
                     for d in range(D):
@@ -217,8 +234,8 @@ if numba is not None:
                 n8 = nv - nv % 8
                 _scores8(scores, 0, TkP, qs, 0, keys, vis, 0, n8, nv, G, D, kv.itemsize, bf16)
                 for g in range(G):
-                    m[g], total[g] = _softmax(scores, probs, g * TkP, TkP, qs, g * D, keys, vis, 0, n8, nv, kv, table,
-                                              b, kh, scale, D, shift, bf16)
+                    m[g], total[g] = _softmax(scores, probs, g * TkP, TkP, qs, g * D, keys, vis, 0, n8, nv, kv, rows,
+                                              table, b, kh, scale, D, shift, bf16)
                 for c0 in range(0, nv, _CHUNK):  # a chunk of V rows for every head, then the next (rows in L1)
                     c1 = min(nv, c0 + _CHUNK)
                     for c in range(c1, min(nv, c1 + _CHUNK)):  # (the next chunk's asked for)
@@ -227,5 +244,5 @@ if numba is not None:
                     for g in range(G):
                         _values(acc, g * D, probs, g * TkP, vis, keys, 0, c0, c1, s1, D, bf16)
                 for g in range(G):
-                    _output(acc, g * D, probs, g * TkP, vis, 0, nv, kv, table, b, kh, D, shift, m[g], total[g], out,
-                            lse, t, kh * G + g)
+                    _output(acc, g * D, probs, g * TkP, vis, 0, nv, kv, rows, table, b, kh, D, shift, m[g], total[g],
+                            out, lse, t, kh * G + g)

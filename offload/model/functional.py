@@ -104,12 +104,16 @@ class KVView(Protocol):
                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Padded queries q [B, Tq, Hq, D] -> [(out [B, Tq, Hq, D], lse [B, Tq, Hq])], one per group of blocks."""
 
-    def paged(self, window: int | None) -> tuple[torch.Tensor, ...] | None:
-        """(pool [slots, 2, block_size, Hkv, D], slot_blocks, slot_offsets, table [B, cols], mask) for a layer that
-        writes and reads the blocks where they lie (`fused.decoder_layer`); None where it cannot."""
+    def paged(self, window: int | None) -> tuple[torch.Tensor | None, ...] | None:
+        """(pool [slots, 2, block_size, Hkv, D], the step's cold blocks [n, 2, block_size, Hkv, D] or None,
+        slot_blocks, slot_offsets, table [B, cols], mask) for a layer that writes and reads the blocks where they
+        lie (`fused.decoder_layer`; -1 - i in the table: cold block i); None where it cannot."""
 
     def planes(self, n: int) -> torch.Tensor:
         """The pool's planes of n layers from this one, [n, slots, 2, block_size, Hkv, D] (`run_layers`)."""
+
+    def cold_planes(self, n: int) -> list[Any]:
+        """The step's cold blocks of n layers from this one, each as `paged` gives them (`run_layers`)."""
 
 
 # ----------------------------------------------------------------------------- math
@@ -158,13 +162,14 @@ def attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     return out, lse, block_lse
 
 
-def attend_pool(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, mask: torch.Tensor, scale: float
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def attend_pool(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, mask: torch.Tensor, scale: float,
+                cold: cpu_attention.ColdBlocks = ()) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`attend_group` (and `attend_columns`: each query row on its own) over K/V read where they lie in a paged
-    pool, kv [slots, 2, block_size, Hkv, D], table [B, cols] the slot of each sequence's blocks in token order;
-    None where no kernel reads a pool in place (the caller gathers the blocks in token order)."""
+    pool, kv [slots, 2, block_size, Hkv, D], table [B, cols] the slot of each sequence's blocks in token order (-1 - i:
+    the i-th of the `cold` blocks, `cpu_attention.ColdBlocks`); None where no kernel reads a pool in place (the caller
+    gathers the blocks in token order)."""
     if reads_pool(q, kv):
-        return cpu_attention.attend_paged(q, kv, table, mask, scale)
+        return cpu_attention.attend_paged(q, kv, table, mask, scale, cold)
     return None
 
 
@@ -249,8 +254,8 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     mats = (w.qkv, w.qkv_bias, w.o, w.o_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias)
     if w.moe is None and w.q_norm is None and cfg.clip_qkv is None and fused.layer_supported(x, mats) \
             and (paged := paged_pool(kv, window, x)) is not None:
-        pool, slot_blocks, slot_offsets, table, mask = paged  # one compiled call: ~40 fewer ops a layer
-        return fused.decoder_layer(x, mats, (w.input_norm, w.post_norm), cfg.rms_norm_eps, *rope, pool,
+        pool, cold, slot_blocks, slot_offsets, table, mask = paged  # one compiled call: ~40 fewer ops a layer
+        return fused.decoder_layer(x, mats, (w.input_norm, w.post_norm), cfg.rms_norm_eps, *rope, pool, cold,
                                      (slot_blocks, slot_offsets, table, mask, layout.pad_index, layout.unpad_index),
                                      Hq, D**-0.5)
     h = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
@@ -308,9 +313,10 @@ def run_layers(run: fused.LayerRun, x: torch.Tensor, kv: KVView, paged: tuple[to
                layout: BatchLayout, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig,
                ) -> tuple[torch.Tensor, Any]:
     """x through the layers of a `layer_run` (kv: the first one's view, paged its `paged_pool`; the others' are the
-    pool's next planes): (out, the cycle counter at the start and after each layer)."""
-    _, slot_blocks, slot_offsets, table, mask = paged
-    return run(x, cfg.rms_norm_eps, *rope, kv.planes(run.size),
+    pool's next planes, and their cold blocks: read where they lie): (out, the cycle counter at the start and after
+    each layer)."""
+    _, cold, slot_blocks, slot_offsets, table, mask = paged
+    return run(x, cfg.rms_norm_eps, *rope, kv.planes(run.size), None if cold is None else kv.cold_planes(run.size),
                (slot_blocks, slot_offsets, table, mask, layout.pad_index, layout.unpad_index), cfg.num_heads,
                cfg.head_dim**-0.5)
 

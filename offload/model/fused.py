@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from offload.model.cpu_attention import ColdBlocks, cold_rows
 from offload.model.cpu_elementwise import _raw, elementwise_supported
 from offload.model.kernels import (
     NO_SCALES,
@@ -52,11 +53,12 @@ if numba is not None:
 
     @njit(nogil=True, cache=True)
     def _layer(x, in_norm, qkv, qkv_b, o, o_b, post_norm, gate_up, gu_b, down, down_b, scales, inter, eps,
-               cos, sin, kv, slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq, scale, kind, bf16,
+               cos, sin, kv, rows, slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq, scale, kind, bf16,
                out):  # pragma: no cover - compiled
         """One decoder layer of a Llama-family model on flat rows x [N, H] (raw bits), every op as
         `functional.decoder_layer` does it on a CPU (the same kernels and roundings: the same bits), in one
-        call: norms, products (parallel), RoPE, the K/V write into the paged pool kv, attention over it, the
+        call: norms, products (parallel), RoPE, the K/V write into the paged pool kv, attention over it (and the
+        step's cold blocks at the addresses rows: `cpu_attention_rows._attend_rows`), the
         SwiGLU MLP, the residuals -> out [N, H] raw bits. Matrices: raw bits, or int8 or int4 tiles
         (`kernels._product`; kind: `kernels._dense`'s, or `kernels.packed_kind`'s for tiles; scales: packed
         matrices' (scale, min / zero) pairs as `kernels.scale_bits` gives them, each padded to whole tiles of rows:
@@ -109,7 +111,7 @@ if numba is not None:
                         qp[b, t, hh, d] = qk[row, hh * D + d]
         att = np.empty((B, Tq, hq, D), np.float32)
         lse = np.empty((B, Tq, hq), np.float32)
-        _attend(qp, kv, table, mask, scale, shift, att, lse)
+        _attend(qp, kv, rows, table, mask, scale, shift, att, lse)
         a2 = np.empty((N, qs), np.float32)
         for n in range(N):
             b, t = unpad[n] // Tq, unpad[n] % Tq
@@ -134,18 +136,19 @@ if numba is not None:
                 _store(out, n, j, _rnd(x32[n, j] + _biased(y[n, j], down_b, j, bf16), bf16), bf16)
 
     @njit(nogil=True, cache=True)
-    def _layers(x, layers, kv, eps, cos, sin, slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq, scale,
-                kind, bf16, tmp, out, stamps):  # pragma: no cover - compiled
+    def _layers(x, layers, kv, rows, eps, cos, sin, slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq,
+                scale, kind, bf16, tmp, out, stamps):  # pragma: no cover - compiled
         """Decoder layers back to back, each `_layer` with its weight arguments layers[i] (`_weights`) and plane i
-        of the pool kv [layers, slots, 2, block_size, Hkv, D]: x -> out, through tmp. stamps[0] = the cycle
-        counter at the start, stamps[i + 1] when layer i is done (`simd.cycles`)."""
+        of the pool kv [layers, slots, 2, block_size, Hkv, D] and the addresses of its cold blocks rows[i] (rows
+        [layers, n], n 0 for none): x -> out, through tmp.
+        stamps[0] = the cycle counter at the start, stamps[i + 1] when layer i is done (`simd.cycles`)."""
         n = len(layers)
         stamps[0] = cycles()
         src = x
         for i in range(n):
             dst = out if (n - 1 - i) % 2 == 0 else tmp  # the last layer writes out
-            _layer(src, *layers[i], eps, cos, sin, kv[i], slot_blocks, slot_offsets, table, mask, pad_index, unpad,
-                   hq, scale, kind, bf16, dst)
+            _layer(src, *layers[i], eps, cos, sin, kv[i], rows[i], slot_blocks, slot_offsets, table, mask, pad_index,
+                   unpad, hq, scale, kind, bf16, dst)
             src = dst
             stamps[i + 1] = cycles()
 
@@ -291,11 +294,12 @@ def _index(t: torch.Tensor, raw: bool = False) -> np.ndarray:
 
 
 def decoder_layer(x: torch.Tensor, mats: tuple, norms: tuple[torch.Tensor, torch.Tensor], eps: float,
-                  cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, index: tuple[torch.Tensor, ...],
-                  heads: int, scale: float) -> torch.Tensor:
+                  cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, cold: ColdBlocks | None,
+                  index: tuple[torch.Tensor, ...], heads: int, scale: float) -> torch.Tensor:
     """A Llama-family decoder layer on flat rows x [N, H] in one compiled call (`_layer`): mats (qkv, qkv bias,
     o, o bias, gate_up, its bias, down, its bias: `layer_supported`), norms (input, post), the rows' cos / sin
-    [N, D], the paged pool kv [slots, 2, block_size, Hkv, D] (this step's K/V are written into it), index
+    [N, D], the paged pool kv [slots, 2, block_size, Hkv, D] (this step's K/V are written into it), the step's
+    blocks in the cold tiers (`cpu_attention.ColdBlocks`, read where they lie; -1 - i in the table: block i), index
     (slot_blocks, slot_offsets, table, mask, pad_index, unpad_index: `offload.kv` and `BatchLayout`). The same bits
     as the op-by-op layer."""
     qkv = mats[0]
@@ -305,7 +309,7 @@ def decoder_layer(x: torch.Tensor, mats: tuple, norms: tuple[torch.Tensor, torch
     dt = x.dtype
     kind = packed_kind(dt) if _packed(qkv) else dense_kind(qkv.dtype, dt)
     _layer(_raw(x), *_weights(mats, norms, dt), float(eps), _index(cos, raw=True), _index(sin, raw=True),
-           _raw(kv, keep=True),
+           _raw(kv, keep=True), cold_rows(kv, cold or ()),
            *(_index(t) for t in index), heads, float(scale), kind, dt == torch.bfloat16, _raw(out))
     return out
 
@@ -332,14 +336,18 @@ class LayerRun:
         return bool(layers) and len(kinds) == 1 and all(layer_supported(x, m) for m, _ in layers)
 
     def __call__(self, x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-                 index: tuple[torch.Tensor, ...], heads: int, scale: float) -> tuple[torch.Tensor, np.ndarray]:
+                 cold: list[ColdBlocks] | None, index: tuple[torch.Tensor, ...], heads: int, scale: float,
+                 ) -> tuple[torch.Tensor, np.ndarray]:
         """x [N, H] through the layers (kv: the pool's planes of these layers, [layers, slots, 2, block_size, Hkv,
-        D]; the rest as `decoder_layer`'s) -> (out [N, H], the cycle counter at the start and after each layer)."""
+        D]; cold: each layer's cold blocks, the same blocks of the table in each, or None; the rest as
+        `decoder_layer`'s) -> (out [N, H], the cycle counter at the start and after each layer)."""
         _threads(x.numel() * self.width)
         x = x.contiguous()
         out, tmp = torch.empty_like(x), torch.empty_like(x)
         stamps = np.zeros(self.size + 1, np.int64)
-        _layers(_raw(x), self.args, _raw(kv, keep=True), float(eps), _index(cos, raw=True), _index(sin, raw=True),
-                *(_index(t) for t in index), heads, float(scale), self.kind, self.dt == torch.bfloat16, _raw(tmp),
-                _raw(out), stamps)
+        rows = np.zeros((self.size, 0), np.int64) if cold is None else \
+            np.stack([cold_rows(kv[i], c) for i, c in enumerate(cold)])
+        _layers(_raw(x), self.args, _raw(kv, keep=True), rows, float(eps), _index(cos, raw=True),
+                _index(sin, raw=True), *(_index(t) for t in index), heads, float(scale), self.kind,
+                self.dt == torch.bfloat16, _raw(tmp), _raw(out), stamps)
         return out, stamps

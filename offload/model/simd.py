@@ -199,6 +199,31 @@ def _f32_bits(typingctx, f):  # pragma: no cover - compiled
 
 
 @intrinsic
+def bits_at(typingctx, a, wide):  # pragma: no cover - compiled
+    """The value at the integer address a (kept alive by the caller) as float32's bits, uint32: a bf16's 16 bits
+    shifted up (wide False) or a float32's 32 (True)."""
+    if not isinstance(a, types.Integer) or not isinstance(wide, types.Boolean):
+        return None
+
+    def codegen(context, builder, sig, args):
+        addr, flag = args
+        i16, i32 = ir.IntType(16), ir.IntType(32)
+        with builder.if_else(flag) as (f32, bf16):
+            with f32:
+                full = builder.load(builder.inttoptr(addr, i32.as_pointer()), align=1)
+                at_f32 = builder.block
+            with bf16:
+                half = builder.shl(builder.zext(builder.load(builder.inttoptr(addr, i16.as_pointer()), align=1), i32),
+                                   ir.Constant(i32, 16))
+                at_bf16 = builder.block
+        out = builder.phi(i32)
+        out.add_incoming(full, at_f32)
+        out.add_incoming(half, at_bf16)
+        return out
+    return types.uint32(a, wide), codegen
+
+
+@intrinsic
 def _bits_f32(typingctx, bits):  # pragma: no cover - compiled
     """Integer bits (the low 32) as the float32 they encode (a register move)."""
     if not isinstance(bits, types.Integer):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from offload.kv.fetch import host_in_place
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import Calibration
 from offload.plan.costmodel import Prediction, plan_bytes, simulate
@@ -33,22 +34,25 @@ class Workload:
 class KVTiers:
     """Where a run keeps its KV blocks: `device` blocks in the pool the layers read in place, then up to `cpu` and
     `disk` blocks in the cold tiers (`cold_bytes` each, every layer), which every pass fetches again, layer by layer
-    (`offload.kv.fetch`, on the weights' side thread)."""
+    (`offload.kv.fetch`, on the weights' side thread), but for host blocks a CPU run reads where they lie
+    (`host_in_place`: attention reads them as it reads the pool)."""
 
     block_size: int
     device: int
     cpu: int = 0
     disk: int = 0
     cold_bytes: int = 0
+    host_in_place: bool = False
 
     @classmethod
-    def of(cls, run_plan: Any, cold_bytes: int) -> KVTiers | None:
-        """Where a `planner.RunPlan` keeps KV blocks (`cold_bytes`: its planner's cold block's); None: a pool sized
-        per request, which holds any context."""
+    def of(cls, run_plan: Any, planner: Any) -> KVTiers | None:
+        """Where a `planner.RunPlan` keeps KV blocks (its `Planner`'s cold format); None: a pool sized per request,
+        which holds any context."""
         if run_plan.kv_blocks == 0:
             return None
         kv = run_plan.kv
-        return cls(kv.block_size, run_plan.kv_blocks, kv.cpu_blocks, kv.disk_blocks, cold_bytes)
+        return cls(kv.block_size, run_plan.kv_blocks, kv.cpu_blocks, kv.disk_blocks, planner.cold_block_bytes,
+                   host_in_place(planner.device.type, planner.cold_fmt.name))
 
     def over(self, work: Workload) -> int:
         """Blocks of the workload's sequences the device pool cannot hold."""
@@ -60,8 +64,10 @@ class KVTiers:
         return host, min(self.over(work) - host, self.disk)
 
     def side(self, plan: Plan, work: Workload) -> dict[str, tuple[int, int]]:
-        """Each layer group's cold KV bytes a pass, (host, disk), as `costmodel.simulate` takes them."""
+        """Each layer group's cold KV bytes a pass, (host, disk), as `costmodel.simulate` takes them (host blocks
+        read in place: none)."""
         host, disk = self.cold(work)
+        host = 0 if self.host_in_place else host
         layers = [g for g in plan.order if g.startswith("layer.") and ".expert." not in g]
         if not (host or disk) or not layers:
             return {}
@@ -71,9 +77,11 @@ class KVTiers:
 
 def cold_kv(kv: KVTiers | None, work: Workload) -> dict[str, int]:
     """The workload's KV blocks outside the device pool (in the host tier, on disk, held by neither) and the bytes a
-    step fetches of them."""
+    step fetches of them (host blocks read in place: not fetched)."""
     host, disk = kv.cold(work) if kv is not None else (0, 0)
-    return {"host_blocks": host, "disk_blocks": disk, "bytes_per_step": (host + disk) * (kv.cold_bytes if kv else 0),
+    fetched = disk + (0 if kv is None or kv.host_in_place else host)
+    return {"host_blocks": host, "disk_blocks": disk, "bytes_per_step": fetched * (kv.cold_bytes if kv else 0),
+            "host_in_place": bool(kv and kv.host_in_place),
             "blocks_not_held": kv.over(work) - host - disk if kv is not None else 0}
 
 

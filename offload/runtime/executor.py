@@ -262,7 +262,7 @@ class Executor:
                                          row_groups=column_groups(layout.q_lens, layout.positions.device, lanes))
         ids = torch.tensor([t for seq in batch.tokens for t in seq], dtype=torch.long)
         rope_table = self.rope if self.kv_settings.restore == "recompute" else None
-        cold = any(g.tier != "gpu" for g in step.groups)
+        cold = kv.fetches(step)
         return LayerPass(batch, ids, layout, step, self.rope(layout.positions, max(layout.kv_lens, default=0)),
                          rope_table, cold)
 

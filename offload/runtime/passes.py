@@ -76,7 +76,8 @@ class LayerPass:
     step: StepKV  # this pass's block tables per tier (from `PagedKVCache.prepare`)
     cos_sin: tuple[torch.Tensor, torch.Tensor]  # RoPE at every new token's position, [N, D] each
     rope_table: M.Rope | None  # only when the KV cache rebuilds cold blocks from their layer inputs
-    cold: bool  # some blocks live in cold tiers: each layer's fetch rides with its weights
+    cold: bool  # some blocks are fetched from cold tiers: each layer's fetch rides with its weights (blocks read
+    # where they lie, a CPU run's host tier, are not: `PagedKVCache.fetches`)
 
 
 class PromptChunk(NamedTuple):

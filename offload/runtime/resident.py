@@ -49,8 +49,8 @@ class ResidentLayers:
                 and len({ex.cfg.sliding_windows[i] for i in ex.layers}) == 1)
 
     def __call__(self, x: torch.Tensor, p: LayerPass) -> torch.Tensor | None:
-        """All the pass's layers, where they are resident and take the fused layer and no KV block lies off the
-        device; None otherwise. The same bits either way."""
+        """All the pass's layers, where they are resident and take the fused layer and no KV block has to be fetched
+        (the device's and the host tier's read where they lie); None otherwise. The same bits either way."""
         ex = self.ex
         if not self.possible or p.cold:
             return None
