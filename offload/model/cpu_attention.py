@@ -31,10 +31,15 @@ if numba is not None:
             _attend_rows(q, kv, rows, table, mask, scale, shift, out, lse)
 
 
+def attends(device_type: str, dtype: torch.dtype) -> bool:
+    """Do the kernels attend on this device in this dtype (numba, a CPU, float32 or bf16)? (The planner asks: then a
+    pass materialises no scores.)"""
+    return numba is not None and device_type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+
+
 def attention_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Do `attend` / `attend_paged` take these (numba, CPU, float32 or bf16 K/V of q's dtype)?"""
-    return (numba is not None and q.device.type == "cpu" and k.device.type == "cpu" and k.dtype == q.dtype
-            and k.dtype in (torch.float32, torch.bfloat16))
+    """Do `attend` / `attend_paged` take these (`attends`, K/V of q's dtype on q's device)?"""
+    return attends(q.device.type, q.dtype) and k.device.type == q.device.type and k.dtype == q.dtype
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float

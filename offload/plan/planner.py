@@ -24,7 +24,7 @@ from offload.kv.blocks import KVSettings
 from offload.kv.cache import PagedKVCache
 from offload.kv.fetch import host_bytes, stage_blocks
 from offload.kv.formats import ColdFormat
-from offload.model import kernels
+from offload.model import cpu_attention
 from offload.model.config import ModelConfig
 from offload.plan import memory
 from offload.plan.calibrate import Calibration, compute_dtype, compute_sizes, load_calibration
@@ -193,8 +193,7 @@ class Planner:
         """A pass's activations at the compute dtype (or `dtype`, weights and math alike; no scores where a CPU
         kernel attends), and with weights upcast after the transfer, the largest group's upcast copy."""
         compute = dtype or self.compute
-        scores = not (self.device.type == "cpu" and kernels.numba is not None and self.kv.eviction != "attention"
-                      and compute in (torch.float32, torch.bfloat16))  # `cpu_attention.attention_supported`
+        scores = not (self.kv.eviction != "attention" and cpu_attention.attends(self.device.type, compute))
         ws = workspace_bytes(self.cfg, chunk, compute, ATTENTION_KEYS_PER_CHUNK * chunk, scores)
         if dtype is None and self.compute != self.dtype:
             ws += max(self.compute_sizes.values()) * self.compute.itemsize // self.dtype.itemsize
