@@ -127,6 +127,13 @@ class MemorySlots(SlotArray):
         return torch.index_select(self.data[plane], 0, index, out=out)
 
 
+def _rows(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's bytes as [rows, bytes a row] (numpy, the same memory): copies by the calling thread
+    alone, where torch's would start a second thread (a side thread's beside compute's busy cores waits for one:
+    `offload.kv.fetch`)."""
+    return t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
+
+
 class DiskSlots(SlotArray):
     """A scratch file of planes x slots x slot_bytes, described by zarr metadata, read and written positionally.
 
@@ -210,8 +217,8 @@ class DiskSlots(SlotArray):
         self.reader.read_all(self.path, [(dest[i : i + n], self._offset(plane, ordered[i])) for i, n in runs])
         for i, s in enumerate(ordered):
             self._verify(plane, s, dest[i])
-        if not in_order:
-            out.index_copy_(0, torch.tensor(order), dest)
+        if not in_order:  # out[order[k]] = dest[k], by this thread alone (`_rows`)
+            np.take(_rows(dest), np.argsort(order), axis=0, out=_rows(out))
         return out
 
     def _destination(self, n: int) -> torch.Tensor:
