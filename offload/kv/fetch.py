@@ -44,16 +44,20 @@ STAGE_PIECE = 64 * 2**20
 
 @dataclass(frozen=True)
 class InPlace:
-    """A host tier's blocks of one layer where they lie: its arrays' planes [slots, *slot_shape] and the blocks'
-    slots in them (a CPU run reads them in place: `offload.kv.view.LayerKV`)."""
+    """A host tier's blocks of one layer where they lie: the tier's store, the layer's plane in it and the blocks'
+    slots (a CPU run reads them in place: `offload.kv.view.LayerKV`)."""
 
-    planes: dict[str, torch.Tensor]
+    store: TierStore
+    layer: int
     slots: list[int]
+
+    def plane(self, name: str) -> torch.Tensor:
+        """Array `name`'s plane [slots, *slot_shape], where it lies (the slots checked written)."""
+        return self.store.arrays[name].plane(self.layer, self.slots)
 
     def gather(self) -> dict[str, torch.Tensor]:
         """The blocks copied out, [len(slots), *slot_shape] per array (for a reader that cannot read them in place)."""
-        index = torch.tensor(self.slots, dtype=torch.long)
-        return {name: plane.index_select(0, index.to(plane.device)) for name, plane in self.planes.items()}
+        return self.store.read_plane(self.layer, self.slots)
 
 
 #: a tier's parts where they are, the uploads of its pieces, or its blocks read in place
@@ -143,7 +147,7 @@ class ColdFetcher:
             if self.staged:
                 out[g.tier] = self._staged(store, g.slots, layer)
             elif self.reads_in_place(store):
-                out[g.tier] = InPlace({name: a.plane(layer, g.slots) for name, a in store.arrays.items()}, g.slots)
+                out[g.tier] = InPlace(store, layer, g.slots)
             else:
                 out[g.tier] = store.read_plane(layer, g.slots)
         nbytes = {g.tier: len(g.slots) * stores[g.tier].slot_nbytes for g in groups}

@@ -104,9 +104,7 @@ class LayerKV:
             if q.shape[0] * q.shape[1] >= TRIM_ROWS:  # a prompt's pass: the context's copy leaves the heap
                 trim_heap()
             return [done]
-        cold = self._cold
-        if cold is None and any(g.tier != "gpu" for g in step.groups):
-            cold = self._cold = cache.fetch_cold(self.layer, step)[0]
+        cold = self._fetched() if any(g.tier != "gpu" for g in step.groups) else None
         if not split:
             kvs = [(g, self._kv(g, cold, restore).to(cache.device)) for g in step.groups]
             padded = torch.zeros(q.shape[0], step.cols, *kvs[0][1].shape[1:], dtype=kvs[0][1].dtype,
@@ -156,19 +154,20 @@ class LayerKV:
         """The step's blocks in the cold tiers as attention reads them in `groups` order (`cpu_attention.ColdBlocks`;
         cold block i is -1 - i in `StepKV.split_table`): the host tier's where they lie (`InPlace`), the others as
         they arrived, in the compute dtype (fetched now where the prefetcher did not)."""
-        cache, step = self.cache, self.step
-        if (cold := self._cold) is None:
-            cold = self._cold = cache.fetch_cold(self.layer, step)[0]
-        out: list[tuple[torch.Tensor, list[int] | None]] = []
-        for g in step.groups:
+        cold, out = self._fetched(), []
+        for g in self.step.groups:
             if g.tier == "gpu":
                 continue
-            got = cold[g.tier]
-            if isinstance(got, InPlace) and cache.cold_fmt.name == "kv":
-                out.append((got.planes["kv"], got.slots))
-            else:
-                out.append((self._kv(g, cold, restore).contiguous(), None))
+            got = cold[g.tier]  # (in place: the compute format, "kv")
+            out.append((got.plane("kv"), got.slots) if isinstance(got, InPlace) else
+                       (self._kv(g, cold, restore).contiguous(), None))
         return out
+
+    def _fetched(self) -> dict[str, Any]:
+        """This layer's cold groups as the prefetcher fetched them ({tier: `fetch.Fetched`}), or fetched now."""
+        if self._cold is None:
+            self._cold = self.cache.fetch_cold(self.layer, self.step)[0]
+        return self._cold
 
     def _slot_index(self, g: TierBlocks) -> torch.Tensor:
         """The device slots of a device-tier group's blocks, on the device (built once a step where it can be)."""

@@ -105,14 +105,14 @@ class KVView(Protocol):
         """Padded queries q [B, Tq, Hq, D] -> [(out [B, Tq, Hq, D], lse [B, Tq, Hq])], one per group of blocks."""
 
     def paged(self, window: int | None) -> tuple[torch.Tensor | None, ...] | None:
-        """(pool [slots, 2, block_size, Hkv, D], the step's cold blocks [n, 2, block_size, Hkv, D] or None,
+        """(pool [slots, 2, block_size, Hkv, D], the step's cold blocks (`cpu_attention.ColdBlocks`) or None,
         slot_blocks, slot_offsets, table [B, cols], mask) for a layer that writes and reads the blocks where they
         lie (`fused.decoder_layer`; -1 - i in the table: cold block i); None where it cannot."""
 
     def planes(self, n: int) -> torch.Tensor:
         """The pool's planes of n layers from this one, [n, slots, 2, block_size, Hkv, D] (`run_layers`)."""
 
-    def cold_planes(self, n: int) -> list[Any]:
+    def cold_planes(self, n: int) -> list[cpu_attention.ColdBlocks]:
         """The step's cold blocks of n layers from this one, each as `paged` gives them (`run_layers`)."""
 
 
