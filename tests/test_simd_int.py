@@ -71,3 +71,32 @@ def test_integer_dots_and_code_quads_give_exact_lanes_in_every_form(monkeypatch,
     assert np.array_equal(lanes[32:], codes.T[32:] * 16)
     assert np.array_equal(out8.view(np.uint8).reshape(64, 4), codes8.T)  # lane r: row r's four codes
     assert np.array_equal(shifted, v >> 4)
+
+
+@pytest.mark.parametrize("dtype, top", [(np.int8, 127), (np.int16, 32767)])
+def test_a_rows_integer_steps_are_numpys_rounding_of_it_whatever_the_group_size(dtype, top):
+    """`cpu_packed._split` (16 columns at a time by `vsteps`, the rest one by one) against numpy: per group the step
+    is the largest |x| over qmax, each x / step rounded to even and kept within qmax, and a group with a NaN or an
+    infinity all zeros with a NaN step."""
+    from offload.model.cpu_packed import _split
+
+    split = numba.njit(cache=False)(lambda x, gs, cmax, xq, step, xs: _split(x, gs, cmax, top, xq, step, xs))
+    rng = np.random.default_rng(3)
+    for gs, cmax in ((64, 240), (40, 15), (18, 255), (8, 255)):
+        G = 3
+        x = (rng.standard_normal(gs * G) * 1e3).astype(np.float32)
+        x[gs] = np.nan  # group 1
+        qmax = min(top, 2147483647 // (gs * cmax))
+        x[2 * gs: 3 * gs] = np.arange(gs, dtype=np.float32) - gs // 2 + 0.5  # group 2: halves, at a step of 1
+        x[2 * gs] = qmax
+        xq, step, xs = np.full(gs * G, 7, dtype), np.empty(G, np.float32), np.empty(G, np.float32)
+        split(x, gs, cmax, xq, step, xs)
+        for g in (0, 2):
+            xg = x[g * gs:(g + 1) * gs]
+            amax = np.abs(xg).max()
+            inv = np.float32(qmax) / amax
+            want = np.clip(np.rint(xg * inv), -qmax, qmax).astype(np.int64)
+            assert np.array_equal(xq[g * gs:(g + 1) * gs].astype(np.int64), want), (gs, g)
+            assert step[g] == amax / np.float32(qmax)
+            assert xs[g] == np.float32(want.sum()) * step[g]
+        assert not xq[gs:2 * gs].any() and np.isnan(step[1]) and np.isnan(xs[1])

@@ -8,6 +8,8 @@
     vdot8(acc, w, x)     acc + the sum of w[4j + i] x[4j + i], i < 4, in lane j: w's bytes unsigned, x's signed
                          (AVX-512 VNNI's vpdpbusd)
     vsra(v, n)           each lane shifted right by n, the sign kept (an exact division of a multiple of 2^n)
+    vsteps(x, f, m, a, i) float32 lanes x * f rounded to even, within -m .. m, stored in an int8 / int16 array and
+                         returned as int32 lanes (x split into integer steps)
     vitof(v)             the lanes as float32
     vcodes8(a, i)        int8 tiles: columns k, k + 1 of a 64-row block as four vectors of (code, code) int16 pairs
     vcodes4(a, i)        the same from int4 tiles (torch's packing)
@@ -356,3 +358,26 @@ def vdpbf(typingctx, acc, w, x):  # pragma: no cover - compiled
         first = [builder.bitcast(builder.shl(v, sixteen), _VT) for v in (wv, xv)]
         return builder.call(fma, [*first, builder.call(fma, [*second, a])])
     return f32x16(acc, w, x), codegen
+
+
+@intrinsic
+def vsteps(typingctx, x, inv, lim, a, i):  # pragma: no cover - compiled
+    """a[i : i + 16] = the lanes x * inv rounded to the nearest integer (ties to even: np.rint) and kept within
+    -lim .. lim, into a C-contiguous int8 or int16 array -> those integers as int32 lanes (an integer split of x)."""
+    if x != f32x16 or inv != types.float32 or not isinstance(lim, types.Integer) \
+            or not _contiguous(a, (types.int8, types.int16)) or not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v, f, top = args[0], args[1], context.cast(builder, args[2], sig.args[2], types.int32)
+        rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VT, [_VT]), "llvm.rint.v16f32")
+        splat = [builder.shuffle_vector(builder.insert_element(ir.Constant(t, ir.Undefined), s, ir.Constant(_I32, 0)),
+                                        ir.Constant(t, ir.Undefined), ir.Constant(_IT, [0] * LANES))
+                 for t, s in ((_VT, f), (_IT, top), (_IT, builder.neg(top)))]
+        q = builder.fptosi(builder.call(rint, [builder.fmul(v, splat[0])]), _IT)
+        q = builder.select(builder.icmp_signed("<", q, splat[2]), splat[2], q)
+        q = builder.select(builder.icmp_signed(">", q, splat[1]), splat[1], q)
+        narrow = ir.VectorType(context.get_data_type(sig.args[3].dtype), LANES)
+        builder.store(builder.trunc(q, narrow), _ptr(context, builder, sig.args[3], args[3], args[4]), align=1)
+        return q
+    return i32x16(x, inv, lim, a, i), codegen
