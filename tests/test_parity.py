@@ -53,6 +53,7 @@ CASES = [
     pytest.param("llama", {"rope_scaling": "linear"}, id="linear-rope"),
     pytest.param("mistral", {}, id="mistral-sliding-window"),
     pytest.param("qwen2", {}, id="qwen2-bias-tied"),
+    pytest.param("llama", {"overrides": {"attention_bias": True}}, id="llama-attention-bias"),  # o_proj's bias too
     pytest.param("llama", {"rope_scaling": "llama3", "tie": True}, id="llama3.2-rope-tied"),
     pytest.param("mistral", {"head_dim": 48}, id="mistral-window-head-dim"),  # Mistral Nemo: 128 != 5120 / 32
     pytest.param("qwen2", {"tie": False}, id="qwen2.5-bias-untied"),

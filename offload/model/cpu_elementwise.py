@@ -94,6 +94,31 @@ if numba is not None:
                 b = vround(vmul(rot, vraw(sin, d, bf16)), bf16)
                 vstore(out, base + d, vround(vadd(a, b), bf16))
 
+    @njit(inline="always")
+    def _add_row(x, y, b, bf16):  # pragma: no cover - compiled
+        """x[:] = x + `_biased`(y) for float32 rows x, y of the dtype's values (b: bias bits [1, n], [1, 0] none), each
+        op rounded to the dtype: a residual after a product. 16 columns at a time, the rest one by one."""
+        H = x.shape[0]
+        H16 = H - H % LANES
+        at = b.ctypes.data
+        for j in range(0, H16, LANES):
+            v = vload(y, j)
+            if b.shape[1]:
+                v = vadd(v, vraw(at, j, bf16))
+            vstore(x, j, vround(vadd(vload(x, j), vround(v, bf16)), bf16))
+        for j in range(H16, H):
+            x[j] = _rnd(x[j] + _biased(y[j], b, j, bf16), bf16)
+
+    @njit(inline="always")
+    def _round_into(src, out, bf16):  # pragma: no cover - compiled
+        """out[:] = src rounded to the dtype (both float32 rows of one length), 16 columns at a time."""
+        n = out.shape[0]
+        n16 = n - n % LANES
+        for j in range(0, n16, LANES):
+            vstore(out, j, vround(vload(src, j), bf16))
+        for j in range(n16, n):
+            out[j] = _rnd(src[j], bf16)
+
     @njit(nogil=True, cache=True)
     def _rows_f32(x, bf16):  # pragma: no cover - compiled
         out = np.empty(x.shape, np.float32)

@@ -32,12 +32,14 @@ if numba is not None:
 
     from offload.model.cpu_attention import _attend
     from offload.model.cpu_elementwise import (
+        _add_row,
         _bf16_bits,
         _biased,
         _load,
         _norm_row,
         _rnd,
         _rope_row,
+        _round_into,
         _round_rows,
         _rows_f32,
         _silu_mul_act,
@@ -113,16 +115,13 @@ if numba is not None:
         lse = np.empty((B, Tq, hq), np.float32)
         _attend(qp, kv, rows, table, mask, scale, shift, att, lse)
         a2 = np.empty((N, qs), np.float32)
+        flat = att.reshape(B * Tq, qs)
         for n in range(N):
-            b, t = unpad[n] // Tq, unpad[n] % Tq
-            for hh in range(hq):
-                for d in range(D):
-                    a2[n, hh * D + d] = _rnd(att[b, t, hh, d], bf16)
+            _round_into(flat[unpad[n]], a2[n], bf16)
         y = np.empty((N, H), np.float32)
         _product(a2, o, scales[1], y, kind)
         for n in range(N):
-            for j in range(H):
-                x32[n, j] = _rnd(x32[n, j] + _biased(y[n, j], o_b, j, bf16), bf16)
+            _add_row(x32[n], y[n], o_b, bf16)
         for n in range(N):
             _norm_row(x32, n, post_norm, eps, bf16, h, n)
         g = np.empty((N, _width(gate_up)), np.float32)
@@ -132,8 +131,9 @@ if numba is not None:
         y = np.empty((N, H), np.float32)
         _product(act, down, scales[3], y, kind)
         for n in range(N):
+            _add_row(x32[n], y[n], down_b, bf16)
             for j in range(H):
-                _store(out, n, j, _rnd(x32[n, j] + _biased(y[n, j], down_b, j, bf16), bf16), bf16)
+                _store(out, n, j, x32[n, j], bf16)
 
     @njit(nogil=True, cache=True)
     def _layers(x, layers, kv, rows, eps, cos, sin, slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq,
