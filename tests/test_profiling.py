@@ -252,6 +252,10 @@ def test_a_calibration_keeps_the_faster_of_two_timings_of_its_dense_layers():
     no_cold = {k: v for k, v in a.items() if not k.startswith("cold_")}
     assert "cold_weight_bytes_per_s" not in probe.faster_of(no_cold, {k: v for k, v in b.items()
                                                                      if not k.startswith("cold_")})
+    # the cache curve too: at each size the faster read (the share of a pass the cache holds moves with its edge)
+    c1, c2 = {"bytes": [16, 24, 32], "bytes_per_s": [5e10, 3.3e10, 3e10]}, {"bytes": [16, 24, 32], "bytes_per_s":
+                                                                           [4.9e10, 4.3e10, 2.9e10]}
+    assert probe.faster_curve(c1, c2) == {"bytes": [16, 24, 32], "bytes_per_s": [5e10, 4.3e10, 3e10]}
 
 
 def test_calibration_defaults_and_bad_files(tmp_path, monkeypatch):

@@ -44,6 +44,7 @@ from offload.plan.probe import (  # noqa: F401 (re-exported)
     SMALL,
     SPLIT_TOKENS,
     cache_curve,
+    faster_curve,
     faster_of,
     hot_share,
     llc_bytes,
@@ -376,6 +377,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
         # host): `offload plan` against 12 runs, 2-core Zen 4, within 20% 10 -> 12 times, the worst +36 -> +20%
         again = {"cpu": measure_compute(device, dtype, compute=run_dtype, shape=shape, cold_bytes=cold)} | tables()
         compute |= {key: faster_of(compute[key], table) for key, table in again.items()}
+        curve = curve and faster_curve(curve, cache_curve(min(2 * llc, budget)))  # (its reading a round later too)
     meta = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
             "kernels": kernels_id(), "activations": dict(kernels.ACTIVATIONS),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
