@@ -309,12 +309,14 @@ def predict_rows(rows: list[dict], model: Path, common: dict, tiers: dict, prof:
     from offload.plan.predict import Workload, predict_decode
 
     cal = calibrate(torch.device("cpu"), torch.bfloat16, out)
+    path = out / "calibration.json"  # the planner's too: its packed layers' compute bytes scale by this machine's
+    cal.save(path)  # int8 / int4 rates (without it, the planner's own file or defaults: the medium int4 row +111%)
     cfg = Checkpoint(model).config
     for r in rows:
         kv = common["kv_cache"] | {"gpu_blocks": r["batch"] * blocks_for(prof["prompt"] + prof["new"], 16)}
         tiers_q = tiers | {"disk": {"path": r["store"]}}
         config = OffloadConfig.load(common | {"tiers": tiers_q, "kv_cache": kv, "prefetch": {"depth": r["depth"]},
-                                              "weights": {"quantization": r["weights"]}})
+                                              "weights": {"quantization": r["weights"]}, "calibration": str(path)})
         planner = Planner(config, cfg, torch.bfloat16, torch.device("cpu"))
         plan = planner.run_plan().plan
         work = Workload(batch=r["batch"], context=prof["prompt"] + prof["new"] // 2)
