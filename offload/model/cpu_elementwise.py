@@ -109,16 +109,6 @@ if numba is not None:
         for j in range(H16, H):
             x[j] = _rnd(x[j] + _biased(y[j], b, j, bf16), bf16)
 
-    @njit(inline="always")
-    def _round_into(src, out, bf16):  # pragma: no cover - compiled
-        """out[:] = src rounded to the dtype (both float32 rows of one length), 16 columns at a time."""
-        n = out.shape[0]
-        n16 = n - n % LANES
-        for j in range(0, n16, LANES):
-            vstore(out, j, vround(vload(src, j), bf16))
-        for j in range(n16, n):
-            out[j] = _rnd(src[j], bf16)
-
     @njit(nogil=True, cache=True)
     def _rows_f32(x, bf16):  # pragma: no cover - compiled
         out = np.empty(x.shape, np.float32)

@@ -39,11 +39,10 @@ if numba is not None:
         _norm_row,
         _rnd,
         _rope_row,
-        _round_into,
         _round_rows,
         _rows_f32,
         _silu_mul_act,
-        _store,
+        _store_rows,
     )
     from offload.model.kernels import _f32_bits, _product
     from offload.model.simd import LANES, cycles
@@ -117,7 +116,9 @@ if numba is not None:
         a2 = np.empty((N, qs), np.float32)
         flat = att.reshape(B * Tq, qs)
         for n in range(N):
-            _round_into(flat[unpad[n]], a2[n], bf16)
+            a2[n] = flat[unpad[n]]
+        if bf16:
+            _round_rows(a2)
         y = np.empty((N, H), np.float32)
         _product(a2, o, scales[1], y, kind)
         for n in range(N):
@@ -132,8 +133,7 @@ if numba is not None:
         _product(act, down, scales[3], y, kind)
         for n in range(N):
             _add_row(x32[n], y[n], down_b, bf16)
-            for j in range(H):
-                _store(out, n, j, x32[n, j], bf16)
+        _store_rows(x32, bf16, out)
 
     @njit(nogil=True, cache=True)
     def _layers(x, layers, kv, rows, eps, cos, sin, slot_blocks, slot_offsets, table, mask, pad_index, unpad, hq,

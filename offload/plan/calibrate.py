@@ -363,7 +363,8 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
     llc = llc_bytes()  # distinct test layers beyond the cache, beside the probe layer, where the budget has room
     cold = min(2 * llc, budget - layer_probe_bytes(shape, dtype, run_dtype)) if device.type == "cpu" and shape else 0
     cold = cold if cold >= llc else 0
-    curve = cache_curve(min(2 * llc, budget)) if cold else None  # how much of that cache this process gets
+    reach = min(2 * llc, budget)  # the cache curve's largest read
+    curve = cache_curve(reach) if cold else None  # how much of that cache this process gets
     compute = {} if shape is None else {device.type: measure_compute(device, dtype, compute=run_dtype, shape=shape,
                                                                      cold_bytes=cold)}
     if shape is None:
@@ -377,7 +378,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
         # host): `offload plan` against 12 runs, 2-core Zen 4, within 20% 10 -> 12 times, the worst +36 -> +20%
         again = {"cpu": measure_compute(device, dtype, compute=run_dtype, shape=shape, cold_bytes=cold)} | tables()
         compute |= {key: faster_of(compute[key], table) for key, table in again.items()}
-        curve = curve and faster_curve(curve, cache_curve(min(2 * llc, budget)))  # (its reading a round later too)
+        curve = curve and faster_curve(curve, cache_curve(reach))  # (its reading a round later too)
     meta = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": str(device),
             "kernels": kernels_id(), "activations": dict(kernels.ACTIVATIONS),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
