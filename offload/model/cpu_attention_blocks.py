@@ -14,40 +14,19 @@ _QUERIES = 4
 if numba is not None:
     from numba import njit, prange
 
-    from offload.model.cpu_attention_rows import _AHEAD, _CHUNK, _output, _scores8, _softmax, _values, _visible
-    from offload.model.simd import LANES, parts, prefetch, vfma, vload, vsplat, vstore, vsum8, vzero
+    from offload.model.cpu_attention_rows import (
+        _AHEAD,
+        _CHUNK,
+        _head_values,
+        _output,
+        _scores8,
+        _softmax,
+        _totals,
+        _values4,
+        _visible,
+    )
+    from offload.model.simd import LANES, parts, prefetch, vfma, vload, vsum8, vzero
     from offload.model.simd_math import vraw
-
-    @njit(forceinline=True, nogil=True)
-    def _values4(acc, ao, astep, probs, po, pstep, vis, keys, c0, c1, s1, D, bf16):  # pragma: no cover - compiled
-        """`_values` for the four queries of a block over keys they all see (the first's lists; query i's sums at
-        ao + i astep, its probabilities at po + i pstep): each V row widened once for the four, 32 dimensions at a
-        time (the same chain a lane)."""
-        D16 = D - D % LANES
-        for d in range(0, D16, 2 * LANES):
-            dd = d + LANES
-            two = dd < D16
-            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = vzero()
-            if c0:
-                a0, a1 = vload(acc, ao + d), vload(acc, ao + astep + d)
-                a2, a3 = vload(acc, ao + 2 * astep + d), vload(acc, ao + 3 * astep + d)
-                if two:
-                    b0, b1 = vload(acc, ao + dd), vload(acc, ao + astep + dd)
-                    b2, b3 = vload(acc, ao + 2 * astep + dd), vload(acc, ao + 3 * astep + dd)
-            for c in range(c0, c1):
-                j, va = vis[c], keys[c] + s1
-                p0, p1 = vsplat(probs[po + j]), vsplat(probs[po + pstep + j])
-                p2, p3 = vsplat(probs[po + 2 * pstep + j]), vsplat(probs[po + 3 * pstep + j])
-                v = vraw(va, d, bf16)
-                a0, a1, a2, a3 = vfma(p0, v, a0), vfma(p1, v, a1), vfma(p2, v, a2), vfma(p3, v, a3)
-                if two:
-                    w = vraw(va, dd, bf16)
-                    b0, b1, b2, b3 = vfma(p0, w, b0), vfma(p1, w, b1), vfma(p2, w, b2), vfma(p3, w, b3)
-            for i, v in enumerate((a0, a1, a2, a3)):
-                vstore(acc, ao + i * astep + d, v)
-            if two:
-                for i, v in enumerate((b0, b1, b2, b3)):
-                    vstore(acc, ao + i * astep + dd, v)
 
     @njit(forceinline=True, nogil=True)
     def _dots4x4(qs, qo, qstep, keys, c, D, bf16):  # pragma: no cover - compiled
@@ -130,15 +109,16 @@ if numba is not None:
                              bf16)  # this query's other keys
                     for g in range(G):
                         qo, so = i * GD + g * D, i * GT + g * TkP
-                        m[i * G + g], total[i * G + g] = _softmax(scores, probs, so, TkP, qs, qo, keys, vis, kb, n8,
-                                                                  nv, kv, rows, table, b, kh, scale, D, shift, bf16)
+                        m[i * G + g] = _softmax(scores, probs, so, TkP, qs, qo, keys, vis, kb, n8, nv, kv, rows, table,
+                                                b, kh, scale, D, shift, bf16)
+                    _totals(probs, i * GT, TkP, vis, kb, nv, G, total, i * G)
                 for c0 in range(0, shared, _CHUNK):  # a chunk of V rows for four queries and every head, then the next
                     c1 = min(shared, c0 + _CHUNK)
                     for c in range(c1, min(shared, c1 + _CHUNK)):  # (the next chunk's asked for)
                         for e in range(0, D * kv.itemsize, 64):
                             prefetch(keys[c] + s1, e)
                     for g in range(G):
-                        _values4(acc, g * D, GD, probs, g * TkP, GT, vis, keys, c0, c1, s1, D, bf16)
+                        _values4(acc, g * D, GD, probs, g * TkP, GT, 4, vis, keys, 0, c0, c1, s1, D, bf16)
                 for i in range(nq):
                     kb, nv = i * Tk, nvs[i]
                     for c0 in range(shared, nv, _CHUNK):  # this query's other V rows, on from the shared ones' sums
@@ -146,8 +126,7 @@ if numba is not None:
                         for c in range(kb + c1, kb + min(nv, c1 + _CHUNK)):
                             for e in range(0, D * kv.itemsize, 64):
                                 prefetch(keys[c] + s1, e)
-                        for g in range(G):
-                            _values(acc, i * GD + g * D, probs, i * GT + g * TkP, vis, keys, kb, c0, c1, s1, D, bf16)
+                        _head_values(acc, i * GD, probs, i * GT, TkP, G, vis, keys, kb, c0, c1, s1, D, bf16)
                     for g in range(G):
                         _output(acc, i * GD + g * D, probs, i * GT + g * TkP, vis, kb, nv, kv, rows, table, b, kh, D,
                                 shift, m[i * G + g], total[i * G + g], out, lse, t0 + i, kh * G + g)

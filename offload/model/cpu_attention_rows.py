@@ -31,7 +31,7 @@ if numba is not None:
         vsum8,
         vzero,
     )
-    from offload.model.simd_math import vexp, vraw
+    from offload.model.simd_math import vdiv64, vexp, vhmax, vmax, vmul64, vraw
 
     @njit(forceinline=True, nogil=True)
     def _dots8(qs, qo, keys, c, D, bf16):  # pragma: no cover - compiled
@@ -100,6 +100,51 @@ if numba is not None:
             vstore(acc, ao + d, a0)
 
     @njit(forceinline=True, nogil=True)
+    def _values4(acc, ao, astep, probs, po, pstep, n, vis, keys, kb, c0, c1, s1, D,
+                 bf16):  # pragma: no cover - compiled
+        """`_values` for four sums over the same keys (their lists at kb on): sum i's at ao + i astep, its
+        probabilities at po + i pstep (the heads of a query, or a head of four queries; n < 4 of them: the last
+        again, its same values stored twice): each V row widened once for the four, 32 dimensions at a time (the
+        same chain a lane; eight chains in flight, where one sum's four wait on each add)."""
+        D16 = D - D % LANES
+        a1o, a2o, a3o = ao + min(1, n - 1) * astep, ao + min(2, n - 1) * astep, ao + min(3, n - 1) * astep
+        p1o, p2o, p3o = po + min(1, n - 1) * pstep, po + min(2, n - 1) * pstep, po + min(3, n - 1) * pstep
+        for d in range(0, D16, 2 * LANES):
+            dd = d + LANES
+            two = dd < D16
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = vzero()
+            if c0:
+                a0, a1, a2, a3 = vload(acc, ao + d), vload(acc, a1o + d), vload(acc, a2o + d), vload(acc, a3o + d)
+                if two:
+                    b0, b1 = vload(acc, ao + dd), vload(acc, a1o + dd)
+                    b2, b3 = vload(acc, a2o + dd), vload(acc, a3o + dd)
+            for c in range(kb + c0, kb + c1):
+                j, va = vis[c], keys[c] + s1
+                p0, p1 = vsplat(probs[po + j]), vsplat(probs[p1o + j])
+                p2, p3 = vsplat(probs[p2o + j]), vsplat(probs[p3o + j])
+                v = vraw(va, d, bf16)
+                a0, a1, a2, a3 = vfma(p0, v, a0), vfma(p1, v, a1), vfma(p2, v, a2), vfma(p3, v, a3)
+                if two:
+                    w = vraw(va, dd, bf16)
+                    b0, b1, b2, b3 = vfma(p0, w, b0), vfma(p1, w, b1), vfma(p2, w, b2), vfma(p3, w, b3)
+            for o, v in ((a3o, a3), (a2o, a2), (a1o, a1), (ao, a0)):
+                vstore(acc, o + d, v)
+            if two:
+                for o, v in ((a3o, b3), (a2o, b2), (a1o, b1), (ao, b0)):
+                    vstore(acc, o + dd, v)
+
+    @njit(forceinline=True, nogil=True)
+    def _head_values(acc, ao, probs, po, TkP, G, vis, keys, kb, c0, c1, s1, D, bf16):  # pragma: no cover - compiled
+        """`_values` of keys c0 .. c1 - 1 for a query's G heads (head g's sums at ao + g D, its probabilities at po +
+        g TkP): four heads at a time (`_values4`, three with one again), one or two left one by one."""
+        g = 0
+        while G - g >= 3:
+            _values4(acc, ao + g * D, D, probs, po + g * TkP, TkP, min(4, G - g), vis, keys, kb, c0, c1, s1, D, bf16)
+            g += 4
+        for h in range(g, G):
+            _values(acc, ao + h * D, probs, po + h * TkP, vis, keys, kb, c0, c1, s1, D, bf16)
+
+    @njit(forceinline=True, nogil=True)
     def _row(slot, row0, rows, koff, s0):  # pragma: no cover - compiled
         """A block's K row address at offset 0 for one KV head: slot >= 0 in the pool (row0: its slot 0's), -1 - i
         cold block i (its head 0's at rows[i]; koff the head's offset in a block)."""
@@ -140,26 +185,50 @@ if numba is not None:
                  bf16):  # pragma: no cover - compiled
         """One (query, head)'s softmax (its scores at so, their keys at kb): the scores of keys n8 .. nv - 1 one by
         one (`_dot1`; the ones before, the caller's), every score's dimensions past the last 16 and its scale, then
-        e^(score - max) into probs, 16 keys at a time (an unseen key's: 0) -> (max, the probabilities' sum in key
-        order)."""
+        e^(score - max) into probs, 16 keys at a time (an unseen key's: 0) -> the max (their sum: `_totals`)."""
         bs = kv.shape[2]
         for c in range(kb + n8, kb + nv):
             scores[so + vis[c]] = _dot1(qs, qo, keys[c], D, bf16)
-        for c in range(kb, kb + nv):
-            j = vis[c]
-            if D % LANES:
+        if D % LANES:
+            for c in range(kb, kb + nv):
+                j = vis[c]
                 scores[so + j] = _tail(scores[so + j], qs, qo, kv, rows, table[b, j // bs], j % bs, kh, 0, D, shift)
-            scores[so + j] *= scale
-        mg = np.float32(-np.inf)
-        for c in range(kb, kb + nv):
-            mg = max(mg, scores[so + vis[c]])
+        if scale > 0:  # (16 at a time: an unseen key's -inf stays -inf)
+            for j in range(so, so + TkP, LANES):
+                vstore(scores, j, vmul64(vload(scores, j), scale))
+        else:
+            for c in range(kb, kb + nv):
+                scores[so + vis[c]] *= scale
+        top = vsplat(np.float32(-np.inf))  # (an unseen key's score is -inf: the visible keys' largest)
+        for j in range(so, so + TkP, LANES):
+            top = vmax(top, vload(scores, j))
+        mg = vhmax(top)
         low, one = vsplat(-mg), vsplat(np.float32(1.0))
         for j in range(so, so + TkP, LANES):
             vstore(probs, j, vexp(vfma(vload(scores, j), one, low)))
-        total = 0.0
-        for c in range(kb, kb + nv):
-            total += probs[so + vis[c]]
-        return mg, total
+        return mg
+
+    @njit(forceinline=True, nogil=True)
+    def _totals(probs, so, TkP, vis, kb, nv, G, total, to):  # pragma: no cover - compiled
+        """total[to + g] = the sum of head g's probabilities (at so + g TkP) over one query's visible keys (at kb) in
+        key order, in float64: four heads' sums side by side (each a chain of adds: one at a time waits on each)."""
+        for g in range(0, G, 4):
+            o0, o1 = so + g * TkP, so + min(g + 1, G - 1) * TkP
+            o2, o3 = so + min(g + 2, G - 1) * TkP, so + min(g + 3, G - 1) * TkP
+            t0 = t1 = t2 = t3 = 0.0
+            for c in range(kb, kb + nv):
+                j = vis[c]
+                t0 += probs[o0 + j]
+                t1 += probs[o1 + j]
+                t2 += probs[o2 + j]
+                t3 += probs[o3 + j]
+            total[to + g] = t0
+            if g + 1 < G:
+                total[to + g + 1] = t1
+            if g + 2 < G:
+                total[to + g + 2] = t2
+            if g + 3 < G:
+                total[to + g + 3] = t3
 
     @njit(forceinline=True, nogil=True)
     def _output(acc, ao, probs, po, vis, kb, nv, kv, rows, table, b, kh, D, shift, mg, total, out, lse, t,
@@ -180,8 +249,11 @@ if numba is not None:
                 out[b, t, h, d] = 0.0
             lse[b, t, h] = -np.inf
             return
-        for d in range(D):
-            out[b, t, h, d] = acc[ao + d] / total
+        o = out[b, t, h]
+        for d in range(0, D - D % LANES, LANES):
+            vstore(o, d, vdiv64(vload(acc, ao + d), total))
+        for d in range(D - D % LANES, D):
+            o[d] = acc[ao + d] / total
         lse[b, t, h] = mg + np.log(total)
 
     @njit(parallel=True, cache=True, nogil=True)  # no fast-math: the lanes' operations as written (`simd`)
@@ -204,7 +276,11 @@ if numba is not None:
         heads, 64 dimensions), bf16, against one loop per key and head with a tree sum each and the value sums in
         memory: 9 queries over 73 keys 44 -> 33 us (2 threads), 1 query over 1025 / 2049 keys 86 / 178 -> 65 / 134
         us; one thread 1.28-1.36x. (A work item a head, three times as many, balanced two threads better but cost
-        more: 70 / 148 us.)"""
+        more: 70 / 148 us.) Then the softmax's scale and max 16 keys at a time (float64 products in lanes: the
+        scalar's bits), four heads' float64 sums of probabilities and value sums side by side (`_totals`,
+        `_values4`: each a chain in key order, one head's alone waits on every add), the outputs divided 16 at a
+        time: the same bits; a 2-core Xeon, interleaved: 9 queries over 73 keys 33-34 -> 28-29 us, one over 1025
+        63-65 -> 51-53, 9 over 1033 381-385 -> 281."""
         B, Tq, Hq, D = q.shape
         bs, Hkv = kv.shape[2], kv.shape[3]
         Tk = mask.shape[2]
@@ -234,15 +310,15 @@ if numba is not None:
                 n8 = nv - nv % 8
                 _scores8(scores, 0, TkP, qs, 0, keys, vis, 0, n8, nv, G, D, kv.itemsize, bf16)
                 for g in range(G):
-                    m[g], total[g] = _softmax(scores, probs, g * TkP, TkP, qs, g * D, keys, vis, 0, n8, nv, kv, rows,
-                                              table, b, kh, scale, D, shift, bf16)
+                    m[g] = _softmax(scores, probs, g * TkP, TkP, qs, g * D, keys, vis, 0, n8, nv, kv, rows, table, b,
+                                    kh, scale, D, shift, bf16)
+                _totals(probs, 0, TkP, vis, 0, nv, G, total, 0)
                 for c0 in range(0, nv, _CHUNK):  # a chunk of V rows for every head, then the next (rows in L1)
                     c1 = min(nv, c0 + _CHUNK)
                     for c in range(c1, min(nv, c1 + _CHUNK)):  # (the next chunk's asked for)
                         for e in range(0, D * kv.itemsize, 64):
                             prefetch(keys[c] + s1, e)
-                    for g in range(G):
-                        _values(acc, g * D, probs, g * TkP, vis, keys, 0, c0, c1, s1, D, bf16)
+                    _head_values(acc, 0, probs, 0, TkP, G, vis, keys, 0, c0, c1, s1, D, bf16)
                 for g in range(G):
                     _output(acc, g * D, probs, g * TkP, vis, 0, nv, kv, rows, table, b, kh, D, shift, m[g], total[g],
                             out, lse, t, kh * G + g)

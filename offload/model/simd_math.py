@@ -2,6 +2,9 @@
 
     vexp(v)              e^x lane by lane (Cephes' expf in fused multiply-adds: within ~1 ulp of e^x)
     vmul(a, b)           a * b, vdiv(a, b) a / b, vadd(a, b) a + b: IEEE operations, one rounding each
+    vdiv64(v, t)         each lane widened to float64, divided by the float64 t, rounded to float32 (a scalar
+                         float32 / float64 division's bits, lane by lane); vmul64(v, t) the same multiplied
+    vmax(a, b)           the larger of a and b lane by lane (a NaN loses to a number); vhmax(v): the largest lane
     vround(v, bf16)      with bf16: each lane rounded to bf16 (to nearest even, as torch rounds; NaN stays a quiet
                          NaN), as float32; without: v
     vbf16(a, i)          a[i : i + 16] of bf16 bits (an array, or an address) as float32 lanes (exact)
@@ -86,6 +89,49 @@ def _binary(op: str):
 vmul = intrinsic(_binary("fmul"))
 vdiv = intrinsic(_binary("fdiv"))
 vadd = intrinsic(_binary("fadd"))
+
+
+def _by64(op: str):
+    def typer(typingctx, v, t):
+        if v != f32x16 or t not in (types.float64, types.float32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            wide = sig.args[1] == types.float64  # (a float32 t: float32's operation, as the scalar's)
+            vt = ir.VectorType(ir.DoubleType(), LANES) if wide else _VT
+            one = builder.insert_element(ir.Constant(vt, ir.Undefined), args[1], ir.Constant(_I32, 0))
+            tv = builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(_IT, [0] * LANES))
+            r = getattr(builder, op)(builder.fpext(args[0], vt) if wide else args[0], tv)
+            return builder.fptrunc(r, _VT) if wide else r
+        return f32x16(v, t), codegen
+    return typer
+
+
+vdiv64 = intrinsic(_by64("fdiv"))
+vmul64 = intrinsic(_by64("fmul"))
+
+
+@intrinsic
+def vmax(typingctx, a, b):  # pragma: no cover - compiled
+    if not (a == b == f32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.call(_fn(builder, "llvm.maxnum.v16f32", 2), list(args))
+    return f32x16(a, b), codegen
+
+
+@intrinsic
+def vhmax(typingctx, v):  # pragma: no cover - compiled
+    """The largest of v's lanes (a maximum has no order: any tree gives it)."""
+    if v != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [_VT]),
+                                            "llvm.vector.reduce.fmax.v16f32")
+        return builder.call(fn, [args[0]])
+    return types.float32(v), codegen
 
 
 @intrinsic
