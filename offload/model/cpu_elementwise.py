@@ -21,7 +21,7 @@ if numba is not None:
 
     from offload.model.kernels import _bits_f32, _f32_bits
     from offload.model.simd import LANES, fma, vfma, vload, vsplat, vstore, vsum, vzero
-    from offload.model.simd_math import vadd, vdiv, vexp, vmul, vraw, vround
+    from offload.model.simd_math import vadd, vdiv, vexp, vmul, vput, vraw, vround
 
     @njit(inline="always")
     def _bf16_bits(f):  # pragma: no cover - compiled
@@ -111,10 +111,16 @@ if numba is not None:
 
     @njit(nogil=True, cache=True)
     def _rows_f32(x, bf16):  # pragma: no cover - compiled
+        """Rows of raw bits x [N, M] (bf16 / float32) as float32, 16 columns at a time."""
         out = np.empty(x.shape, np.float32)
+        M = x.shape[1]
+        M16 = M - M % LANES
         for i in range(x.shape[0]):
-            for j in range(x.shape[1]):
-                out[i, j] = _load(x, i, j, bf16)
+            at, row = x.ctypes.data + i * x.strides[0], out[i]
+            for j in range(0, M16, LANES):
+                vstore(row, j, vraw(at, j, bf16))
+            for j in range(M16, M):
+                row[j] = _load(x, i, j, bf16)
         return out
 
     @njit(nogil=True, cache=True)
@@ -130,9 +136,50 @@ if numba is not None:
 
     @njit(nogil=True, cache=True)
     def _store_rows(v, bf16, out):  # pragma: no cover - compiled
+        """out [N, M] raw bits = float32 rows v rounded to the dtype (`_store`), 16 columns at a time."""
+        M = v.shape[1]
+        M16 = M - M % LANES
         for i in range(v.shape[0]):
-            for j in range(v.shape[1]):
+            at, row = out.ctypes.data + i * out.strides[0], v[i]
+            for j in range(0, M16, LANES):
+                vput(at, j, vload(row, j), bf16)
+            for j in range(M16, M):
                 _store(out, i, j, v[i, j], bf16)
+
+    @njit(inline="always")
+    def _bias_row(y, n, b, bf16):  # pragma: no cover - compiled
+        """y[:n] = `_biased`(y[:n]) of a float32 row (b: bias bits [1, >= n], [1, 0] none), 16 columns at a time."""
+        if bf16 or b.shape[1]:  # (else nothing changes)
+            at, n16 = b.ctypes.data, n - n % LANES
+            for j in range(0, n16, LANES):
+                v = vload(y, j)
+                if b.shape[1]:
+                    v = vadd(v, vraw(at, j, bf16))
+                vstore(y, j, vround(v, bf16))
+            for j in range(n16, n):
+                y[j] = _biased(y[j], b, j, bf16)
+
+    @njit(inline="always")
+    def _copy_row(src, s0, dst, d0, n, bf16):  # pragma: no cover - compiled
+        """dst[d0 : d0 + n] = src[s0 : s0 + n] (float32 rows; with bf16 rounded to its values, `_rnd`), 16 at a
+        time."""
+        n16 = n - n % LANES
+        for j in range(0, n16, LANES):
+            vstore(dst, d0 + j, vround(vload(src, s0 + j), bf16))
+        for j in range(n16, n):
+            dst[d0 + j] = _rnd(src[s0 + j], bf16)
+
+    @njit(inline="always")
+    def _put_kv(src, s0, kv, blk, kind, off, kh, bf16):  # pragma: no cover - compiled
+        """kv[blk, kind, off, kh] (a paged pool's raw bits [slots, 2, bs, Hkv, D]) = the float32 row src's D values
+        from s0 rounded to the dtype (`_store`'s), 16 at a time."""
+        D = kv.shape[4]
+        D16 = D - D % LANES
+        at = kv.ctypes.data + blk * kv.strides[0] + kind * kv.strides[1] + off * kv.strides[2] + kh * kv.strides[3]
+        for d in range(0, D16, LANES):
+            vput(at, d, vload(src, s0 + d), bf16)
+        for d in range(D16, D):
+            kv[blk, kind, off, kh, d] = _bf16_bits(src[s0 + d]) if bf16 else _f32_bits(src[s0 + d])
 
     @njit(nogil=True, cache=True)
     def _rms_norm(x, w, eps, bf16, out):  # pragma: no cover - compiled

@@ -33,10 +33,11 @@ if numba is not None:
     from offload.model.cpu_attention import _attend
     from offload.model.cpu_elementwise import (
         _add_row,
-        _bf16_bits,
-        _biased,
+        _bias_row,
+        _copy_row,
         _load,
         _norm_row,
+        _put_kv,
         _rnd,
         _rope_row,
         _round_rows,
@@ -44,7 +45,7 @@ if numba is not None:
         _silu_mul_act,
         _store_rows,
     )
-    from offload.model.kernels import _f32_bits, _product
+    from offload.model.kernels import _product
     from offload.model.simd import LANES, cycles
 
     @njit(inline="always")
@@ -76,8 +77,7 @@ if numba is not None:
         y = np.empty((N, _width(qkv)), np.float32)
         _product(h, qkv, scales[0], y, kind)
         for n in range(N):
-            for j in range(qs + 2 * ks):
-                y[n, j] = _biased(y[n, j], qkv_b, j, bf16)
+            _bias_row(y[n], qs + 2 * ks, qkv_b, bf16)
         # RoPE on q and k, from y into qk (no fused multiply-add: torch's x * cos + rotate_half(x) * sin)
         qk = np.empty((N, qs + ks), np.float32)
         half = D // 2
@@ -96,29 +96,20 @@ if numba is not None:
         for n in range(N):  # this step's K and V into their slots
             blk, off = slot_blocks[n], slot_offsets[n]
             for kh in range(hkv):
-                for d in range(D):
-                    if bf16:
-                        kv[blk, 0, off, kh, d] = _bf16_bits(qk[n, qs + kh * D + d])
-                        kv[blk, 1, off, kh, d] = _bf16_bits(y[n, qs + ks + kh * D + d])
-                    else:
-                        kv[blk, 0, off, kh, d] = _f32_bits(qk[n, qs + kh * D + d])
-                        kv[blk, 1, off, kh, d] = _f32_bits(y[n, qs + ks + kh * D + d])
+                _put_kv(qk[n], qs + kh * D, kv, blk, 0, off, kh, bf16)
+                _put_kv(y[n], qs + ks + kh * D, kv, blk, 1, off, kh, bf16)
         qp = np.empty((B, Tq, hq, D), np.float32)
+        qf = qp.reshape(B * Tq, qs)
         for b in range(B):
             for t in range(Tq):
-                row = pad_index[b, t]
-                for hh in range(hq):
-                    for d in range(D):
-                        qp[b, t, hh, d] = qk[row, hh * D + d]
+                _copy_row(qk[pad_index[b, t]], 0, qf[b * Tq + t], 0, qs, False)
         att = np.empty((B, Tq, hq, D), np.float32)
         lse = np.empty((B, Tq, hq), np.float32)
         _attend(qp, kv, rows, table, mask, scale, shift, att, lse)
         a2 = np.empty((N, qs), np.float32)
         flat = att.reshape(B * Tq, qs)
         for n in range(N):
-            a2[n] = flat[unpad[n]]
-        if bf16:
-            _round_rows(a2)
+            _copy_row(flat[unpad[n]], 0, a2[n], 0, qs, bf16)
         y = np.empty((N, H), np.float32)
         _product(a2, o, scales[1], y, kind)
         for n in range(N):

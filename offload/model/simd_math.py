@@ -10,6 +10,8 @@
     vbf16(a, i)          a[i : i + 16] of bf16 bits (an array, or an address) as float32 lanes (exact)
     vf32(a, i)           a[i : i + 16] of float32 at an address
     vraw(a, i, bf16)     a[i : i + 16] of the raw bits at an address, bf16 (`vbf16`) or float32 (`vf32`)
+    vput(a, i, v, bf16)  a[i : i + 16] = v as raw bits (an array of them, or an address): bf16 rounded to nearest
+                         even (`vround`'s; a NaN a quiet NaN), or float32's
 
 Every lane goes through the same operations, so a value's result never depends on its neighbours or on how many
 there are. No fast-math flags (a kernel using these is compiled without them).
@@ -183,3 +185,35 @@ def vf32(typingctx, a, i):  # pragma: no cover - compiled
 def vraw(a, i, bf16):  # pragma: no cover - compiled
     """a[i : i + 16] of the raw bits at address a (a tensor of the activations' dtype: bf16, or float32) as float32."""
     return vbf16(a, i) if bf16 else vf32(a, i)
+
+
+def _put(bits: int):
+    def typer(typingctx, a, i, v):
+        dt = types.uint16 if bits == 16 else types.uint32
+        if not (isinstance(a, types.Integer) or _contiguous(a, (dt,))) or not isinstance(i, types.Integer) \
+                or v != f32x16:
+            return None
+
+        def codegen(context, builder, sig, args):
+            it = ir.IntType(bits)
+            ptr = builder.bitcast(_at(context, builder, sig.args[0], args[0], args[1], it),
+                                  ir.VectorType(it, LANES).as_pointer())
+            b = builder.bitcast(args[2], _IT)
+            if bits == 16:  # (v rounded to bf16's values: its high halves)
+                b = builder.trunc(builder.lshr(b, _ci(16)), ir.VectorType(it, LANES))
+            builder.store(b, ptr, align=1)
+            return context.get_dummy_value()
+        return types.none(a, i, v), codegen
+    return typer
+
+
+_put16 = intrinsic(_put(16))
+_put32 = intrinsic(_put(32))
+
+
+@njit(inline="always")
+def vput(a, i, v, bf16):  # pragma: no cover - compiled
+    if bf16:
+        _put16(a, i, vround(v, True))
+    else:
+        _put32(a, i, v)
