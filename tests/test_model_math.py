@@ -212,3 +212,49 @@ def test_logits_rounded_in_place_take_the_values_of_a_bf16_copy():
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
     half = cpu_elementwise.round_values(y.clone(), torch.float16)
     assert torch.equal(half.nan_to_num(), y.half().float().nan_to_num())
+
+
+@needs_numba
+def test_lane_stores_and_float64_lanes_give_the_scalar_bits():
+    """`vput` stores bf16 bits rounded as the scalar `_bf16_bits` (ties to even, NaN kept quiet) and float32 bits as
+    they are; `vmul64` / `vdiv64` are a float32 times / over a float64, rounded once to float32, as the scalar code
+    does; `vhmax` is the largest lane."""
+    import numpy as np
+    from numba import njit
+
+    from offload.model.cpu_elementwise import _bf16_bits
+    from offload.model.simd_math import vdiv64, vhmax, vmax, vmul64, vput
+
+    @njit
+    def lanes(x, t, o16, o32, mul, div):
+        top = vload(x, 0)
+        for i in range(0, x.shape[0], 16):
+            v = vload(x, i)
+            vput(o16, i, v, True)
+            vput(o32.ctypes.data, i, v, False)
+            vstore(mul, i, vmul64(v, t))
+            vstore(div, i, vdiv64(v, t))
+            top = vmax(top, v)
+        return vhmax(top)
+
+    @njit
+    def scalars(x, t, o16, mul, div):
+        for i in range(x.shape[0]):
+            o16[i] = _bf16_bits(x[i])
+            mul[i] = x[i] * t
+            div[i] = x[i] / t
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(4096).astype(np.float32)
+    x.view(np.uint32)[:1024] = rng.integers(0, 2**32, 1024, dtype=np.uint64).astype(np.uint32)  # any bits
+    x[1024:1040] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 3.4e38, -3.4e38, 1.00390625, 1.01171875,
+                    -1.00390625, 2.0**-126, 5.0, 6.0, 7.0]  # (ties of bf16's rounding among them)
+    t = 1.0 / 3.0
+    got = [np.empty(x.size, d) for d in (np.uint16, np.uint32, np.float32, np.float32)]
+    want = [np.empty(x.size, d) for d in (np.uint16, np.float32, np.float32)]
+    top = lanes(x, t, *got)
+    scalars(x, t, *want)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], x.view(np.uint32))
+    assert np.array_equal(got[2].view(np.uint32), want[1].view(np.uint32))
+    assert np.array_equal(got[3].view(np.uint32), want[2].view(np.uint32))
+    assert top == np.nanmax(x)
