@@ -77,13 +77,13 @@ def vexp(typingctx, v):  # pragma: no cover - compiled
     return f32x16(v), codegen
 
 
-def _binary(op: str):
+def _binary(op):
     def typer(typingctx, a, b):
         if not (a == b == f32x16):
             return None
 
         def codegen(context, builder, sig, args):
-            return getattr(builder, op)(*args)
+            return op(builder, *args) if callable(op) else getattr(builder, op)(*args)
         return f32x16(a, b), codegen
     return typer
 
@@ -91,6 +91,7 @@ def _binary(op: str):
 vmul = intrinsic(_binary("fmul"))
 vdiv = intrinsic(_binary("fdiv"))
 vadd = intrinsic(_binary("fadd"))
+vmax = intrinsic(_binary(lambda builder, a, b: builder.call(_fn(builder, "llvm.maxnum.v16f32", 2), [a, b])))
 
 
 def _by64(op: str):
@@ -111,16 +112,6 @@ def _by64(op: str):
 
 vdiv64 = intrinsic(_by64("fdiv"))
 vmul64 = intrinsic(_by64("fmul"))
-
-
-@intrinsic
-def vmax(typingctx, a, b):  # pragma: no cover - compiled
-    if not (a == b == f32x16):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.call(_fn(builder, "llvm.maxnum.v16f32", 2), list(args))
-    return f32x16(a, b), codegen
 
 
 @intrinsic
