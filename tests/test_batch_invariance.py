@@ -51,7 +51,7 @@ def test_a_products_row_has_the_same_bits_at_any_place_in_any_pass(K, kind):
         sz = torch.rand(K // gs, 128, 2, generator=g).to(torch.float32 if K % 2 == 0 else torch.bfloat16)
         pairs = sz.transpose(0, 1).float()  # [rows, groups, 2]
         w = (codes.view(128, K // gs, gs) * pairs[..., :1] + pairs[..., 1:]).view(128, K)
-        q = codes.view(2, 64, K).transpose(1, 2).contiguous()  # [tiles, K, 64]
+        q = quant.int8_tiles(codes)  # [tiles, K, 64]
         product, ref = (lambda v: kernels.packed_linear(v, q, sz)), x @ w.T
     else:
         w = torch.randn(37, K, generator=g).to(getattr(torch, kind))

@@ -61,8 +61,9 @@ def test_tile_order_round_trips_and_torch_kernel_reads_it_only_where_torch_packs
 
 
 def test_int8_is_one_byte_a_weight_in_64_row_tiles():
-    """int8 is not two int4 planes (two products): one byte a weight, a column's 64 bytes the 64 rows of a tile (the
-    kernel reads a tile as one stream), the scales group-major as int4's."""
+    """int8 is not two int4 planes (two products): one byte a weight in tiles of 64 rows, each unit of four columns a
+    row's four codes side by side (the quads VNNI and AMX multiply as they lie; the kernel reads a tile as one
+    stream), the last K % 4 columns 64 bytes each; the scales group-major as int4's."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(100, 128, generator=g)
     packed = quant.quantize(w, 8, 64, torch.bfloat16)
@@ -71,8 +72,15 @@ def test_int8_is_one_byte_a_weight_in_64_row_tiles():
     lo = w.view(100, 2, 64).amin(-1)
     scale = (w.view(100, 2, 64).amax(-1) - lo) / 255
     codes = ((w.view(100, 2, 64) - lo[..., None]) / scale[..., None]).round().view(100, 128)
-    rows = packed["q"].transpose(1, 2).reshape(128, 128)  # tile b, column k, byte j: row 64 b + j
-    assert torch.equal(rows[:100].float(), codes)
+    quads = packed["q"].reshape(2, 32, 64, 4)  # tile b, unit p, row j, byte c: row 64 b + j, column 4 p + c
+    assert torch.equal(quads.permute(0, 2, 1, 3).reshape(128, 128)[:100].float(), codes)
+    for k in (6, 53, 130):  # a tail of K % 4 columns: column k at 64 k + j of its tile
+        c = torch.randint(0, 256, (128, k), generator=g, dtype=torch.uint8)
+        tiles = quant.int8_tiles(c)
+        k4 = k - k % 4
+        assert tiles.shape == (2, k, 64) and torch.equal(quant.int8_codes(tiles, torch.empty(128, k)), c.float())
+        assert torch.equal(tiles.reshape(2, -1)[:, 64 * k4:].view(2, k - k4, 64).transpose(1, 2).reshape(128, -1),
+                           c[:, k4:])
     assert torch.equal(packed["sz"][:, :100].float(), torch.stack([scale.T, lo.T], -1).bfloat16().float())
 
 
@@ -178,7 +186,7 @@ def test_manifest_records_the_scheme_and_another_scheme_is_refused(model, tmp_pa
     store = convert(ckpt, tmp_path / "s", torch.float32, progress=False, fmt=WeightFormat("int8", 64, ("lm_head",)))
     store.close()
     meta = json.loads((tmp_path / "s" / "manifest.json").read_text())["meta"]["weights"]
-    assert meta["quantization"] == "int8" and meta["tensors"]["qkv"] == "int8-g64-asym-rtn"
+    assert meta["quantization"] == "int8" and meta["tensors"]["qkv"] == "int8-g64-asym-rtn-quads"
     assert meta["tensors"]["lm_head"] == "dense" and meta["tensors"]["input_norm"] == "dense"
     cfg = run_config(model, tiers={"disk": {"path": str(tmp_path / "s")}}, weights={"quantization": "int4"})
     with pytest.raises(StoreError, match=r"holds weights stored as .*int8.* --weights int4 --group-size \d+ "

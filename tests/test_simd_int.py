@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 numba = pytest.importorskip("numba")
 
 from offload.model import simd_int  # noqa: E402  (after the skip: the module needs numba)
 from offload.model.simd import _x86  # noqa: E402
+from offload.weights import quant  # noqa: E402
 
 FORMS = {"vnni": {"avx512vnni", "avx512bw"}, "avx512bw": {"avx512bw"}, "plain": set()}
 
@@ -35,11 +37,9 @@ def _compiled(monkeypatch, features: set[str]):
         simd_int.vistore(out, 16, c1)
         simd_int.vistore(out, 32, c2)
         simd_int.vistore(out, 48, c3)
-        c0, c1, c2, c3 = simd_int.vquads8(codes8, 0)
-        simd_int.vistore(out8, 0, c0)
-        simd_int.vistore(out8, 16, c1)
-        simd_int.vistore(out8, 32, c2)
-        simd_int.vistore(out8, 48, c3)
+        for i, c in enumerate(simd_int.vquads8(codes8, 0) + simd_int.vpairs8q0(codes8, 0)
+                              + simd_int.vpairs8q1(codes8, 0)):
+            simd_int.vistore(out8, 16 * i, c)
         simd_int.vistore(shifted, 0, simd_int.vsra(simd_int.viload(v, 0), 4))
 
     return dots, quads
@@ -63,13 +63,16 @@ def test_integer_dots_and_code_quads_give_exact_lanes_in_every_form(monkeypatch,
     codes = rng.integers(0, 16, (4, 64)).astype(np.uint8)  # [column, row]
     packed = (codes[:, :32] | (codes[:, 32:] << 4)).astype(np.uint8).reshape(-1)
     v = rng.integers(-2**31, 2**31, 16, dtype=np.int64).astype(np.int32)
-    codes8 = rng.integers(0, 256, (4, 64)).astype(np.uint8)  # int8 tiles: 4 columns of a 64-row block, 64 bytes each
-    out, out8, shifted = np.empty(64, np.int32), np.empty(64, np.int32), np.empty(16, np.int32)
-    quads(packed, codes8.reshape(-1), v, out, out8, shifted)
+    codes8 = rng.integers(0, 256, (4, 64)).astype(np.uint8)  # int8: 4 columns of a 64-row block, as tiles hold them
+    tiles8 = quant.int8_tiles(torch.from_numpy(codes8.T.copy())).numpy().reshape(-1)
+    out, out8, shifted = np.empty(64, np.int32), np.empty(192, np.int32), np.empty(16, np.int32)
+    quads(packed, tiles8, v, out, out8, shifted)
     lanes = out.view(np.uint8).reshape(64, 4)  # lane r: row r's codes at the four columns, rows 32-63 times 16
     assert np.array_equal(lanes[:32], codes.T[:32])
     assert np.array_equal(lanes[32:], codes.T[32:] * 16)
-    assert np.array_equal(out8.view(np.uint8).reshape(64, 4), codes8.T)  # lane r: row r's four codes
+    assert np.array_equal(out8[:64].view(np.uint8).reshape(64, 4), codes8.T)  # lane r: row r's four codes
+    pairs = out8[64:].view(np.uint16).reshape(2, 64, 2)  # lane r: (row r's code at 2h, at 2h + 1) as int16
+    assert np.array_equal(pairs[0], codes8[:2].T) and np.array_equal(pairs[1], codes8[2:].T)
     assert np.array_equal(shifted, v >> 4)
 
 

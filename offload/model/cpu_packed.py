@@ -3,9 +3,10 @@ row's bits independent of the batch.
 
 Both layouts put output rows in blocks of 64 and, in a block, for each input column k, the codes of the 64 rows
 side by side: int4 is torch's CPU int4 packing (32 bytes a column, byte j holding row j in its low nibble and row
-j + 32 in its high one; w = (nibble - 8) * scale + zero), int8 one byte a row (64 bytes a column, byte j row j;
-w = code * scale + min). One (scale, zero / min) pair per group of gs columns and row. The codes of a column are
-the 64 rows' weights, so the kernel runs across rows: 16 rows a lane vector, four vectors a block, each output in
+j + 32 in its high one; w = (nibble - 8) * scale + zero), int8 one byte a row in units of four columns (256 bytes,
+row j's four codes at 4 j: `quant.int8_tiles`; the last K % 4 columns 64 bytes each; w = code * scale + min). One
+(scale, zero / min) pair per group of gs columns and row. The codes of a column are the 64 rows' weights, so the
+kernel runs across rows: 16 rows a lane vector, four vectors a block, each output in
 its own lane, and a block is one stream of bytes read in order. For each group g of columns:
 
     t[n] = sum over k in g, in order, of x[k] * code[n, k]                    (the code converted exactly)
@@ -49,6 +50,7 @@ from offload.model.simd import (
     vzero,
 )
 from offload.model.simd_int import viadd, vistore, vizero, vsteps
+from offload.model.simd_math import vbyte4
 
 #: Output rows of a tile (both layouts) and of a parallel work item.
 _BLOCK = 64
@@ -135,8 +137,12 @@ def _close(A, t0, t1, t2, t3, Sg, Zg, xs):  # pragma: no cover - compiled
 @njit(inline="always")
 def _column(qb, k, wide):  # pragma: no cover - compiled
     """Column k of a block's codes qb as four vectors of 16 rows (0-15, 16-31, 32-47, 48-63), converted exactly:
-    int8 (`wide`) 64 bytes; int4 32 bytes, rows 0-31 in the low nibbles and 32-63 in the high ones."""
+    int8 (`wide`) one byte of each row's quad (the last K % 4 columns: 64 bytes); int4 32 bytes, rows 0-31 in the
+    low nibbles and 32-63 in the high ones."""
     if wide:
+        if k < qb.shape[0] // 64 - qb.shape[0] // 64 % 4:  # in a unit of four columns (`quant.int8_tiles`)
+            at, c = 256 * (k >> 2), k & 3
+            return vbyte4(qb, at, c), vbyte4(qb, at + 64, c), vbyte4(qb, at + 128, c), vbyte4(qb, at + 192, c)
         return vload(qb, 64 * k), vload(qb, 64 * k + LANES), vload(qb, 64 * k + 2 * LANES), vload(qb, 64 * k + 48)
     lo0, hi0 = vnibbles(qb, 32 * k)
     lo1, hi1 = vnibbles(qb, 32 * k + LANES)

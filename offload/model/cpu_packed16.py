@@ -24,11 +24,12 @@ instruction) on the codes gathered four columns a row (`vquads4`: two byte permu
 and 33.29 -> 33.52 at g64, the worst layer's relative error 1.4% -> 3.1% and 25.5% -> 25.8%. One row: int16 pairs.
 
 Against int8 codes (unsigned bytes, as vpdpbusd takes them) x goes in int8 steps by default too, like llama.cpp's
-Q8_0, the codes gathered four columns a row by `vquads8`. 403 MB of 1.7B-shaped int8 matrices from DRAM, 2 Zen 4
-threads, int16 -> int8 steps interleaved: 9 rows 37.9 -> 30.9 ms, 16 rows 60 -> 45, 64 rows 167 -> 108 (one row
-16.1 -> 16.0). Trained SmolLM2-135M, bf16, int8 g64: perplexity 24.59 -> 24.38 (bf16 weights 24.54), top-1
-agreement with bf16 weights 95.6% -> 91.2%, the worst layer's error 2.4% -> 4.2% (`weights.int8_activations:
-int16` keeps int16 steps). Knows nothing about models, tiers or files.
+Q8_0, the codes stored four columns a row (`quant.int8_tiles`: `vquads8` loads them as they lie; they were gathered
+so by 8 byte permutations per 256 codes at every product before). 403 MB of 1.7B-shaped int8 matrices from DRAM, 2
+Zen 4 threads, int16 -> int8 steps interleaved: 9 rows 37.9 -> 30.9 ms, 16 rows 60 -> 45, 64 rows 167 -> 108 (one
+row 16.1 -> 16.0). Trained SmolLM2-135M, bf16, int8 g64: perplexity 24.59 -> 24.38 (bf16 weights 24.54), top-1
+agreement with bf16 weights 95.6% -> 91.2%, the worst layer's error 2.4% -> 4.2% (`weights.int8_activations: int16`
+keeps int16 steps). Knows nothing about models, tiers or files.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from offload.model.simd_int import (
     vistore,
     vitof,
     vizero,
+    vpairs8q0,
+    vpairs8q1,
     vquads4,
     vquads8,
     vsra,
@@ -134,7 +137,9 @@ def _wide(kind):  # pragma: no cover - compiled
 def _pair_codes(qb, p, kind):  # pragma: no cover - compiled
     """Lane unit p's columns (2p, 2p + 1; int8 quads: 4p .. 4p + 3) of a block's codes qb as four vectors of 16 rows
     (0-15, 16-31, 32-47, 48-63): int8 128 bytes of int16 pairs, int4 64; in quads int8 256, int4 128."""
-    if kind == _INT8:
+    if kind == _INT8:  # (a unit of four columns holds two pairs: `quant.int8_tiles`; the last K % 4 columns as read)
+        if 2 * p < qb.shape[0] // 64 - qb.shape[0] // 64 % 4:
+            return vpairs8q1(qb, 256 * (p >> 1)) if p & 1 else vpairs8q0(qb, 256 * (p >> 1))
         return vcodes8(qb, 128 * p)
     if kind == _INT8_8:
         return vquads8(qb, 256 * p)
@@ -314,9 +319,15 @@ def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, T, kq, kind):  # pragma: no
     if kq:  # AMX tiles, 16 rows a tile (XP padded to them)
         half = gs // 4
         for g in range(G):
-            _widen16(qb, g, half, W, kind)
-            for c in range((R + 15) // 16):
-                quad_sums(XP, 16 * c, g * half, half, kq, W, T, 1024 * c)
+            if kind == _INT8_8:  # int8 codes are quads as they lie (`quant.int8_tiles`): the tiles load them in place
+                for i in range(half):  # (the next group's asked for)
+                    _pair_prefetch(qb, g * half + i, 256 * half, kind)
+                for c in range((R + 15) // 16):
+                    quad_sums(XP, 16 * c, g * half, half, kq, qb, T, 1024 * c, 256 * g * half)
+            else:
+                _widen16(qb, g, half, W, kind)
+                for c in range((R + 15) // 16):
+                    quad_sums(XP, 16 * c, g * half, half, kq, W, T, 1024 * c, 0)
             _close_tiles(A1, T, R, S[g], Z[g], step, xs, g, kind)
     elif R == 1:  # (decode: its own call, the loop's code stays out of it)
         _direct16(XP[0], step[0], xs[0], qb, S, Z, gs, A[0], kind)
@@ -373,7 +384,7 @@ def _tiles16(x, q, sz, out, kind, quads, amx):  # pragma: no cover - compiled
     for t in prange(shares):  # (one share of blocks a thread, its buffers made once)
         S, Z = np.empty((G, _BLOCK), np.float32), np.empty((G, _BLOCK), np.float32)
         A = np.empty((R, _BLOCK), np.float32)
-        W = np.empty(gs // _per(form) * _BLOCK if kq or _widens(R, form) else 0, np.int32)
+        W = np.empty(gs // _per(form) * _BLOCK if (kq and form != _INT8_8) or _widens(R, form) else 0, np.int32)
         T, cfg = np.empty(1024 * ((R + 15) // 16) if kq else 0, np.int32), np.empty(64, np.uint8)
         if kq:  # (a thread's tiles: configured in the thread)
             configure(cfg, quad_shape(min(16, R), kq))

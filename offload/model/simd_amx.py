@@ -170,11 +170,12 @@ def quad_shape(rows, kq):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def quad_sums(XP, r, p0, half, kq, W, T, at):  # pragma: no cover - compiled
+def quad_sums(XP, r, p0, half, kq, W, T, at, w0):  # pragma: no cover - compiled
     """T [at : at + 4 * 16 * 16] int32 = for rows r .. r + 15 of XP (int8 quads, an int32 a quad; the tiles' rows as
-    `configure`d) and 64 outputs, the exact sums over lane units p0 .. p0 + half - 1 of x against the codes W
-    [half * 64] int32 (`cpu_packed16._widen16`'s buffer: unit i's quads for outputs 16v .. 16v + 15 at 64 i + 16 v).
-    kq: units a tile (half, or 16 when half is a multiple of it)."""
+    `configure`d) and 64 outputs, the exact sums over lane units p0 .. p0 + half - 1 of x against the codes in W
+    from byte w0 on, unit i's quads for outputs 16v .. 16v + 15 at byte w0 + 256 i + 64 v (`cpu_packed16._widen16`'s
+    buffer, or int8 codes as they lie: `quant.int8_tiles`). kq: units a tile (half, or 16 when half is a multiple
+    of it)."""
     tile_zero(0)
     tile_zero(1)
     tile_zero(2)
@@ -182,13 +183,13 @@ def quad_sums(XP, r, p0, half, kq, W, T, at):  # pragma: no cover - compiled
     xstride = 4 * XP.shape[1]
     for i in range(0, half, kq):
         tile_load(4, XP, r * xstride + 4 * (p0 + i), xstride)
-        tile_load(5, W, 256 * i, 256)
-        tile_load(6, W, 256 * i + 64, 256)
-        tile_load(7, W, 256 * i + 128, 256)
+        tile_load(5, W, w0 + 256 * i, 256)
+        tile_load(6, W, w0 + 256 * i + 64, 256)
+        tile_load(7, W, w0 + 256 * i + 128, 256)
         tile_dpbsud(0, 4, 5)
         tile_dpbsud(1, 4, 6)
         tile_dpbsud(2, 4, 7)
-        tile_load(5, W, 256 * i + 192, 256)  # (tiles are not renamed: the fourth waits for the first's product)
+        tile_load(5, W, w0 + 256 * i + 192, 256)  # (tiles are not renamed: the fourth waits for the first's product)
         tile_dpbsud(3, 4, 5)
     tile_store(0, T, 4 * at, 64)
     tile_store(1, T, 4 * at + 1024, 64)

@@ -11,10 +11,12 @@
     vsteps(x, f, m, a, i) float32 lanes x * f rounded to even, within -m .. m, stored in an int8 / int16 array and
                          returned as int32 lanes (x split into integer steps)
     vitof(v)             the lanes as float32
-    vcodes8(a, i)        int8 tiles: columns k, k + 1 of a 64-row block as four vectors of (code, code) int16 pairs
+    vcodes8(a, i)        columns k, k + 1 of a 64-row block, 64 bytes a column (int8 tiles' last K % 4 columns),
+                         as four vectors of (code, code) int16 pairs
     vcodes4(a, i)        the same from int4 tiles (torch's packing)
     vquads4(a, i)        int4 tiles: columns k .. k + 3 as four vectors of byte quads (rows 32-63's codes times 16)
-    vquads8(a, i)        int8 tiles: columns k .. k + 3 as four vectors of byte quads
+    vquads8(a, i)        int8 tiles (stored in quads, `quant.int8_tiles`): columns k .. k + 3 as four vectors of
+                         byte quads; vpairs8q0 / vpairs8q1(a, i) the int16 pairs of columns k, k + 1 / k + 2, k + 3
     vbfpairs(a, i)       a[i : i + 32] of bf16 bits (an array, or an address) as 16 lanes of (a[i + 2j], a[i + 2j + 1])
     bfat(a, i)           a[i] of bf16 bits as float32; f32put(a, i, v) stores float32 v at an address
     vdpbf(acc, w, x)     acc + w[2j + 1] x[2j + 1] + w[2j] x[2j] in float32 lane j, bf16 pairs, two roundings
@@ -275,26 +277,31 @@ vquads4 = _codes("vquads4", 128, _quads4)
 
 
 def _quads8(builder, v):
-    """int8 tiles: from a[i : i + 256] (columns k .. k + 3 of a 64-row block, 64 bytes each) the four lane vectors
-    of rows 0-15, 16-31, 32-47, 48-63 for `vdot8`, lane j holding the row's four codes as bytes. Two rounds of
-    two-source permutations: columns k, k + 1 and k + 2, k + 3 interleaved byte by byte (rows 0-31 and 32-63 of each
-    pair: vpermt2b), then the two pairs' halves word by word (vpermt2w): 8 instructions a 256 codes on a Zen 4 (its
-    assembly), where `vcodes8` takes 8 widenings and twice the `vdot`s."""
-    v64 = ir.VectorType(_I32, 64)
-    cols = [builder.shuffle_vector(v, v, ir.Constant(v64, list(range(64 * c, 64 * c + 64)))) for c in range(4)]
-    pairs = [[builder.shuffle_vector(cols[c], cols[c + 1], ir.Constant(v64, [x for j in range(32 * h, 32 * h + 32)
-                                                                            for x in (j, 64 + j)]))
-              for h in (0, 1)] for c in (0, 2)]  # pairs[0][h]: columns k, k + 1 of rows 32h .. 32h + 31
-    out = []
-    for r in range(4):
-        lo, hi = pairs[0][r // 2], pairs[1][r // 2]
-        base = 32 * (r % 2)
-        idx = [x for j in range(16) for x in (base + 2 * j, base + 2 * j + 1, 64 + base + 2 * j, 65 + base + 2 * j)]
-        out.append(builder.bitcast(builder.shuffle_vector(lo, hi, ir.Constant(v64, idx)), _IT))
-    return out
+    """int8 tiles (`quant.int8_tiles`): from a[i : i + 256] (lane unit p of a 64-row block: columns 4p .. 4p + 3, the
+    four codes of a row side by side) the four lane vectors of rows 0-15, 16-31, 32-47, 48-63 for `vdot8` as they
+    lie: the layout is the one `vdot8` and AMX tiles take, made once at conversion (8 byte permutations per 256
+    codes before, at every product)."""
+    w = builder.bitcast(v, ir.VectorType(_I32, 4 * LANES))
+    return [builder.shuffle_vector(w, w, ir.Constant(_IT, list(range(LANES * r, LANES * r + LANES)))) for r in range(4)]
 
 
 vquads8 = _codes("vquads8", 256, _quads8)
+
+
+def _quad_pairs(h: int):
+    def lanes(builder, v):
+        zero = ir.Constant(v.type, None)
+        n = v.type.count
+        return [builder.bitcast(builder.shuffle_vector(v, zero, ir.Constant(ir.VectorType(_I32, 64), [
+            x for j in range(LANES) for x in (64 * r + 4 * j + 2 * h, n, 64 * r + 4 * j + 2 * h + 1, n)])), _IT)
+            for r in range(4)]
+    lanes.__doc__ = f"""int8 tiles in quads: from lane unit p's 256 bytes the (code, code) int16 pairs of columns 4p +
+    {2 * h}, 4p + {2 * h + 1} (`vcodes8`'s lanes), one zeroing byte permutation a vector."""
+    return lanes
+
+
+vpairs8q0 = _codes("vpairs8q0", 256, _quad_pairs(0))
+vpairs8q1 = _codes("vpairs8q1", 256, _quad_pairs(1))
 
 
 def _u16(a) -> bool:

@@ -10,6 +10,8 @@
     vbf16(a, i)          a[i : i + 16] of bf16 bits (an array, or an address) as float32 lanes (exact)
     vf32(a, i)           a[i : i + 16] of float32 at an address
     vraw(a, i, bf16)     a[i : i + 16] of the raw bits at an address, bf16 (`vbf16`) or float32 (`vf32`)
+    vbyte4(a, i, c)      byte c (0..3) of each of the 16 four-byte words at byte i of a uint8 array, as float32 (an
+                         int8 code column of `quant.int8_tiles`' quads)
     vput(a, i, v, bf16)  a[i : i + 16] = v as raw bits (an array of them, or an address): bf16 rounded to nearest
                          even (`vround`'s; a NaN a quiet NaN), or float32's
 
@@ -208,3 +210,19 @@ def vput(a, i, v, bf16):  # pragma: no cover - compiled
         _put16(a, i, vround(v, True))
     else:
         _put32(a, i, v)
+
+
+@intrinsic
+def vbyte4(typingctx, a, i, c):  # pragma: no cover - compiled
+    if not _contiguous(a, (types.uint8,)) or not isinstance(i, types.Integer) or not isinstance(c, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(_at(context, builder, sig.args[0], args[0], args[1], ir.IntType(8)), _IT.as_pointer())
+        shift = builder.mul(context.cast(builder, args[2], sig.args[2], types.int32), ir.Constant(_I32, 8))
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_IT, ir.Undefined), shift,
+                                                              ir.Constant(_I32, 0)),
+                                       ir.Constant(_IT, ir.Undefined), _ci(0))
+        w = builder.and_(builder.lshr(builder.load(ptr, align=1), splat), _ci(255))
+        return builder.uitofp(w, _VT)
+    return f32x16(a, i, c), codegen

@@ -83,7 +83,9 @@ class WeightFormat:
         if self.prequant is not None:
             p = self.prequant
             return f"{p.method}-{p.bits}bit-g{p.group_size or 'all'}" + ("-act-order" if p.act_order else "")
-        return f"int{self.tensor_bits(tensor)}-g{self.group_size}-asym-rtn"
+        bits = self.tensor_bits(tensor)  # (int8 codes in quads, `quant.int8_tiles`: a store holding them column by
+        # column is of another scheme, converted again)
+        return f"int{bits}-g{self.group_size}-asym-rtn" + ("-quads" if bits == 8 else "")
 
     @classmethod
     def from_config(cls, w: WeightsConfig, cfg: ModelConfig) -> WeightFormat:

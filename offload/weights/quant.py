@@ -11,9 +11,11 @@ copy: one *plane* q [1, rows, k/2] with `(scale, zero)` pairs sz [1, k/g, rows, 
 dtype, with the kernel's meaning `w = (nibble - 8) * scale + zero` (scale = s, zero = min + 8 s).
 Tile order of the plane (torch's CPU int4 packing): output rows in blocks of 64; inside a block,
 for each input column k, 32 bytes whose byte j holds row j (low nibble) and row j + 32 (high
-nibble). int8 is one byte a weight in the same tiles, a column's 64 bytes the 64 rows': q [rows / 64,
-k, 64], with sz [k/g, rows, 2] = (scale, min) and `w = q * scale + min` (its CPU kernel reads a block
-as one stream, across the rows, as int4's does: `offload.model.cpu_packed`). The scales' shape tells
+nibble). int8 is one byte a weight in the same blocks of 64 rows, q [rows / 64, k, 64], in lane units of
+four columns: a unit's 256 bytes hold each row's four codes side by side (`int8_tiles`: the byte quads
+that AVX-512 VNNI and AMX tiles multiply as they lie), with sz [k/g, rows, 2] = (scale, min) and
+`w = q * scale + min` (its CPU kernel reads a block as one stream, across the rows, as int4's does:
+`offload.model.cpu_packed`). The scales' shape tells
 the formats apart: int4's has the plane's leading 1. Rows are padded with zeros to a multiple of 64.
 Where the kernel is missing (CUDA, numba absent) a matrix is dequantized into a reused scratch
 buffer and multiplied densely.
@@ -88,6 +90,32 @@ def unpack_tiles(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch
     return out
 
 
+def int8_tiles(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [rows, K] (uint8, rows a multiple of 64) -> tiles [rows / 64, K, 64]: a block of 64 rows in lane
+    units of four columns, each unit's 256 bytes the rows' four codes side by side (row r's columns 4p .. 4p + 3 at
+    256 p + 4 r), the last K % 4 columns 64 bytes each (row r at 64 k + r). The quads are what AVX-512 VNNI's
+    byte products and AMX tiles take as they lie (`simd_int.vquads8`), so no product rearranges the codes."""
+    rows, k = codes.shape
+    nb, k4 = rows // TILE_ROWS, k - k % 4
+    b = codes.to(torch.uint8).view(nb, TILE_ROWS, k)
+    out = torch.empty(nb, k * TILE_ROWS, dtype=torch.uint8, device=codes.device)
+    out[:, : k4 * TILE_ROWS].view(nb, k4 // 4, TILE_ROWS, 4).copy_(b[:, :, :k4].reshape(nb, TILE_ROWS, k4 // 4, 4)
+                                                                  .transpose(1, 2))
+    out[:, k4 * TILE_ROWS :].view(nb, k - k4, TILE_ROWS).copy_(b[:, :, k4:].transpose(1, 2))
+    return out.view(nb, k, TILE_ROWS)
+
+
+def int8_codes(tiles: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`int8_tiles` undone: tiles [rows / 64, K, 64] -> out [rows, K] (any dtype: the codes as its values)."""
+    nb, k, _ = tiles.shape
+    k4 = k - k % 4
+    flat, o = tiles.reshape(nb, k * TILE_ROWS), out.view(nb, TILE_ROWS, k)
+    o[:, :, :k4].view(nb, TILE_ROWS, k4 // 4, 4).copy_(flat[:, : k4 * TILE_ROWS].view(nb, k4 // 4, TILE_ROWS, 4)
+                                                       .transpose(1, 2))
+    o[:, :, k4:].copy_(flat[:, k4 * TILE_ROWS :].view(nb, k - k4, TILE_ROWS).transpose(1, 2))
+    return out
+
+
 # ----------------------------------------------------------------------------- quantize
 def quantize(w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Dense [n, k] -> {"q": uint8 codes, "sz": dtype (scale, zero) pairs} as `packed_shapes` (see module doc)."""
@@ -103,8 +131,7 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype) ->
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = ((g - lo[..., None]) / safe[..., None]).round_().clamp_(0, levels).to(torch.int32).view(rows, k)
     if bits == 8:
-        tiles = q.to(torch.uint8).view(rows // TILE_ROWS, TILE_ROWS, k).transpose(1, 2).contiguous()
-        return {"q": tiles, "sz": torch.stack([scale.T, lo.T], dim=-1).to(dtype)}
+        return {"q": int8_tiles(q), "sz": torch.stack([scale.T, lo.T], dim=-1).to(dtype)}
     sz = torch.stack([scale.T, (lo + 8 * scale).T], dim=-1).to(dtype)
     return {"q": pack_tiles(q)[None], "sz": sz[None]}
 
@@ -139,7 +166,7 @@ def dequantize(q: torch.Tensor, sz: torch.Tensor, out: torch.Tensor | None = Non
     if out is None:
         out = torch.empty(rows, k, dtype=sz.dtype, device=q.device)
     if int8:
-        out.view(rows // TILE_ROWS, TILE_ROWS, k).copy_(q.transpose(1, 2))
+        int8_codes(q, out)
     else:
         unpack_tiles(q[0], out)
     d = out.view(rows, groups, k // groups)
