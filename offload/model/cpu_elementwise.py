@@ -95,17 +95,21 @@ if numba is not None:
                 vstore(out, base + d, vround(vadd(a, b), bf16))
 
     @njit(inline="always")
+    def _vbiased(y, j, b, bf16):  # pragma: no cover - compiled
+        """`_biased` of y[j : j + 16]."""
+        v = vload(y, j)
+        if b.shape[1]:
+            v = vadd(v, vraw(b.ctypes.data, j, bf16))
+        return vround(v, bf16)
+
+    @njit(inline="always")
     def _add_row(x, y, b, bf16):  # pragma: no cover - compiled
         """x[:] = x + `_biased`(y) for float32 rows x, y of the dtype's values (b: bias bits [1, n], [1, 0] none), each
         op rounded to the dtype: a residual after a product. 16 columns at a time, the rest one by one."""
         H = x.shape[0]
         H16 = H - H % LANES
-        at = b.ctypes.data
         for j in range(0, H16, LANES):
-            v = vload(y, j)
-            if b.shape[1]:
-                v = vadd(v, vraw(at, j, bf16))
-            vstore(x, j, vround(vadd(vload(x, j), vround(v, bf16)), bf16))
+            vstore(x, j, vround(vadd(vload(x, j), _vbiased(y, j, b, bf16)), bf16))
         for j in range(H16, H):
             x[j] = _rnd(x[j] + _biased(y[j], b, j, bf16), bf16)
 
@@ -150,24 +154,20 @@ if numba is not None:
     def _bias_row(y, n, b, bf16):  # pragma: no cover - compiled
         """y[:n] = `_biased`(y[:n]) of a float32 row (b: bias bits [1, >= n], [1, 0] none), 16 columns at a time."""
         if bf16 or b.shape[1]:  # (else nothing changes)
-            at, n16 = b.ctypes.data, n - n % LANES
+            n16 = n - n % LANES
             for j in range(0, n16, LANES):
-                v = vload(y, j)
-                if b.shape[1]:
-                    v = vadd(v, vraw(at, j, bf16))
-                vstore(y, j, vround(v, bf16))
+                vstore(y, j, _vbiased(y, j, b, bf16))
             for j in range(n16, n):
                 y[j] = _biased(y[j], b, j, bf16)
 
     @njit(inline="always")
-    def _copy_row(src, s0, dst, d0, n, bf16):  # pragma: no cover - compiled
-        """dst[d0 : d0 + n] = src[s0 : s0 + n] (float32 rows; with bf16 rounded to its values, `_rnd`), 16 at a
-        time."""
+    def _copy_row(src, dst, n, bf16):  # pragma: no cover - compiled
+        """dst[:n] = src[:n] (float32 rows; with bf16 rounded to its values, `_rnd`), 16 at a time."""
         n16 = n - n % LANES
         for j in range(0, n16, LANES):
-            vstore(dst, d0 + j, vround(vload(src, s0 + j), bf16))
+            vstore(dst, j, vround(vload(src, j), bf16))
         for j in range(n16, n):
-            dst[d0 + j] = _rnd(src[s0 + j], bf16)
+            dst[j] = _rnd(src[j], bf16)
 
     @njit(inline="always")
     def _put_kv(src, s0, kv, blk, kind, off, kh, bf16):  # pragma: no cover - compiled

@@ -135,12 +135,20 @@ def _close(A, t0, t1, t2, t3, Sg, Zg, xs):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
+def _quads_end(qb):  # pragma: no cover - compiled
+    """The columns of an int8 block qb (flat, 64 bytes a column) held in units of four (`quant.int8_tiles`): K less
+    K % 4; the ones past it lie 64 bytes each."""
+    k = qb.shape[0] // _BLOCK
+    return k - k % 4
+
+
+@njit(inline="always")
 def _column(qb, k, wide):  # pragma: no cover - compiled
     """Column k of a block's codes qb as four vectors of 16 rows (0-15, 16-31, 32-47, 48-63), converted exactly:
     int8 (`wide`) one byte of each row's quad (the last K % 4 columns: 64 bytes); int4 32 bytes, rows 0-31 in the
     low nibbles and 32-63 in the high ones."""
     if wide:
-        if k < qb.shape[0] // 64 - qb.shape[0] // 64 % 4:  # in a unit of four columns (`quant.int8_tiles`)
+        if k < _quads_end(qb):  # in a unit of four columns
             at, c = 256 * (k >> 2), k & 3
             return vbyte4(qb, at, c), vbyte4(qb, at + 64, c), vbyte4(qb, at + 128, c), vbyte4(qb, at + 192, c)
         return vload(qb, 64 * k), vload(qb, 64 * k + LANES), vload(qb, 64 * k + 2 * LANES), vload(qb, 64 * k + 48)

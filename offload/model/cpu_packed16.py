@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from offload.model.cpu_packed import _AHEAD, _BLOCK, _load4, _scale, _scales, _split, _store4
+from offload.model.cpu_packed import _AHEAD, _BLOCK, _load4, _quads_end, _scale, _scales, _split, _store4
 from offload.model.simd import LANES, _has, parts, prefetch, prefetch_l2, vfma, vload, vsplat, vstore, vzero
 from offload.model.simd_amx import configure, quad_shape, quad_sums, tile_units, tiles_config, tiles_release
 from offload.model.simd_int import (
@@ -138,7 +138,7 @@ def _pair_codes(qb, p, kind):  # pragma: no cover - compiled
     """Lane unit p's columns (2p, 2p + 1; int8 quads: 4p .. 4p + 3) of a block's codes qb as four vectors of 16 rows
     (0-15, 16-31, 32-47, 48-63): int8 128 bytes of int16 pairs, int4 64; in quads int8 256, int4 128."""
     if kind == _INT8:  # (a unit of four columns holds two pairs: `quant.int8_tiles`; the last K % 4 columns as read)
-        if 2 * p < qb.shape[0] // 64 - qb.shape[0] // 64 % 4:
+        if 2 * p < _quads_end(qb):
             return vpairs8q1(qb, 256 * (p >> 1)) if p & 1 else vpairs8q0(qb, 256 * (p >> 1))
         return vcodes8(qb, 128 * p)
     if kind == _INT8_8:

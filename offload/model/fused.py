@@ -102,14 +102,14 @@ if numba is not None:
         qf = qp.reshape(B * Tq, qs)
         for b in range(B):
             for t in range(Tq):
-                _copy_row(qk[pad_index[b, t]], 0, qf[b * Tq + t], 0, qs, False)
+                _copy_row(qk[pad_index[b, t]], qf[b * Tq + t], qs, False)
         att = np.empty((B, Tq, hq, D), np.float32)
         lse = np.empty((B, Tq, hq), np.float32)
         _attend(qp, kv, rows, table, mask, scale, shift, att, lse)
         a2 = np.empty((N, qs), np.float32)
         flat = att.reshape(B * Tq, qs)
         for n in range(N):
-            _copy_row(flat[unpad[n]], 0, a2[n], 0, qs, bf16)
+            _copy_row(flat[unpad[n]], a2[n], qs, bf16)
         y = np.empty((N, H), np.float32)
         _product(a2, o, scales[1], y, kind)
         for n in range(N):

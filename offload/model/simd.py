@@ -93,10 +93,15 @@ def vsplat(typingctx, f):  # pragma: no cover - compiled
         return None
 
     def codegen(context, builder, sig, args):
-        one = builder.insert_element(ir.Constant(_VT, ir.Undefined), args[0], ir.Constant(ir.IntType(32), 0))
-        return builder.shuffle_vector(one, ir.Constant(_VT, ir.Undefined), ir.Constant(
-            ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+        return _splat(builder, args[0], _VT)
     return f32x16(f), codegen
+
+
+def _splat(builder, x, vt):
+    """The scalar x in every lane of the vector type vt."""
+    one = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(
+        ir.VectorType(ir.IntType(32), vt.count), [0] * vt.count))
 
 
 @intrinsic

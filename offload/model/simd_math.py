@@ -26,7 +26,7 @@ from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from offload.model.simd import _VT, LANES, _at, _contiguous, f32x16
+from offload.model.simd import _VT, LANES, _at, _contiguous, _splat, f32x16
 
 _I32 = ir.IntType(32)
 _IT = ir.VectorType(_I32, LANES)
@@ -104,9 +104,7 @@ def _by64(op: str):
         def codegen(context, builder, sig, args):
             wide = sig.args[1] == types.float64  # (a float32 t: float32's operation, as the scalar's)
             vt = ir.VectorType(ir.DoubleType(), LANES) if wide else _VT
-            one = builder.insert_element(ir.Constant(vt, ir.Undefined), args[1], ir.Constant(_I32, 0))
-            tv = builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(_IT, [0] * LANES))
-            r = getattr(builder, op)(builder.fpext(args[0], vt) if wide else args[0], tv)
+            r = getattr(builder, op)(builder.fpext(args[0], vt) if wide else args[0], _splat(builder, args[1], vt))
             return builder.fptrunc(r, _VT) if wide else r
         return f32x16(v, t), codegen
     return typer
@@ -220,9 +218,6 @@ def vbyte4(typingctx, a, i, c):  # pragma: no cover - compiled
     def codegen(context, builder, sig, args):
         ptr = builder.bitcast(_at(context, builder, sig.args[0], args[0], args[1], ir.IntType(8)), _IT.as_pointer())
         shift = builder.mul(context.cast(builder, args[2], sig.args[2], types.int32), ir.Constant(_I32, 8))
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_IT, ir.Undefined), shift,
-                                                              ir.Constant(_I32, 0)),
-                                       ir.Constant(_IT, ir.Undefined), _ci(0))
-        w = builder.and_(builder.lshr(builder.load(ptr, align=1), splat), _ci(255))
+        w = builder.and_(builder.lshr(builder.load(ptr, align=1), _splat(builder, shift, _IT)), _ci(255))
         return builder.uitofp(w, _VT)
     return f32x16(a, i, c), codegen
