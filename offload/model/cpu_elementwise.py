@@ -95,21 +95,28 @@ if numba is not None:
                 vstore(out, base + d, vround(vadd(a, b), bf16))
 
     @njit(inline="always")
-    def _vbiased(y, j, b, bf16):  # pragma: no cover - compiled
-        """`_biased` of y[j : j + 16]."""
+    def _vbiased(y, j, bias, bf16):  # pragma: no cover - compiled
+        """`_biased` of y[j : j + 16]; bias: the bias bits' address, 0 for none (`_bias_at`)."""
         v = vload(y, j)
-        if b.shape[1]:
-            v = vadd(v, vraw(b.ctypes.data, j, bf16))
+        if bias:
+            v = vadd(v, vraw(bias, j, bf16))
         return vround(v, bf16)
+
+    @njit(inline="always")
+    def _bias_at(b):  # pragma: no cover - compiled
+        """The address of bias bits b [1, n], 0 for none ([1, 0]): taken once, before a row's loop (`b.ctypes` in the
+        loop of `_add_row`, beside its scalar tail, made 9 rows of 576 columns 0.87 -> 5.4 us)."""
+        at = b.ctypes.data
+        return at if b.shape[1] else at - at  # (an unsigned address either way)
 
     @njit(inline="always")
     def _add_row(x, y, b, bf16):  # pragma: no cover - compiled
         """x[:] = x + `_biased`(y) for float32 rows x, y of the dtype's values (b: bias bits [1, n], [1, 0] none), each
         op rounded to the dtype: a residual after a product. 16 columns at a time, the rest one by one."""
         H = x.shape[0]
-        H16 = H - H % LANES
+        H16, bias = H - H % LANES, _bias_at(b)
         for j in range(0, H16, LANES):
-            vstore(x, j, vround(vadd(vload(x, j), _vbiased(y, j, b, bf16)), bf16))
+            vstore(x, j, vround(vadd(vload(x, j), _vbiased(y, j, bias, bf16)), bf16))
         for j in range(H16, H):
             x[j] = _rnd(x[j] + _biased(y[j], b, j, bf16), bf16)
 
@@ -154,9 +161,9 @@ if numba is not None:
     def _bias_row(y, n, b, bf16):  # pragma: no cover - compiled
         """y[:n] = `_biased`(y[:n]) of a float32 row (b: bias bits [1, >= n], [1, 0] none), 16 columns at a time."""
         if bf16 or b.shape[1]:  # (else nothing changes)
-            n16 = n - n % LANES
+            n16, bias = n - n % LANES, _bias_at(b)
             for j in range(0, n16, LANES):
-                vstore(y, j, _vbiased(y, j, b, bf16))
+                vstore(y, j, _vbiased(y, j, bias, bf16))
             for j in range(n16, n):
                 y[j] = _biased(y[j], b, j, bf16)
 
