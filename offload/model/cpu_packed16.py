@@ -301,9 +301,30 @@ def _dot4_16(XP, step, xs, r, n, g, W, S, Z, A, kind):  # pragma: no cover - com
 def _close_tiles(A, T, R, Sg, Zg, step, xs, g, kind):  # pragma: no cover - compiled
     """`_close16` of group g for every row from the tiles' sums T (`quad_sums`: 16 rows a tile, 1024 int32 apart)."""
     for r in range(R):
-        i = (r >> 4) * 1024 + 16 * (r & 15)
-        _close16(A, _BLOCK * r, viload(T, i), viload(T, i + 256), viload(T, i + 512), viload(T, i + 768), Sg, Zg,
-                 step[r, g], xs[r, g], kind)
+        _close_tile(A, T, r, Sg, Zg, step, xs, g, kind)
+
+
+@njit(forceinline=True, nogil=True)
+def _close_tile(A, T, r, Sg, Zg, step, xs, g, kind):  # pragma: no cover - compiled
+    """`_close_tiles` of row r."""
+    i = (r >> 4) * 1024 + 16 * (r & 15)
+    _close16(A, _BLOCK * r, viload(T, i), viload(T, i + 256), viload(T, i + 512), viload(T, i + 768), Sg, Zg,
+             step[r, g], xs[r, g], kind)
+
+
+@njit(forceinline=True, nogil=True)
+def _close_asking(A, T, R, Sg, Zg, step, xs, g, kind, qb, nxt, lines):  # pragma: no cover - compiled
+    """`_close_tiles`, asking between rows for the next group's codes: `lines` cache lines from byte nxt of qb into
+    L1, and `_AHEAD_L2` further on into L2. Spread among the rows, not asked for at once before the tiles: 30 layers
+    of SmolLM2-135M's int8 matrices, 9 rows, 2 threads, 6 interleaved runs each, 5.00 -> 4.49 ms best, 5.30 -> 4.95
+    median (into L1 alone, spread: 5.29 / 5.79). (int4's codes are asked for as they are widened: spread in the
+    close they lost 5%.)"""
+    per = (lines + R - 1) // R
+    for r in range(R):
+        _close_tile(A, T, r, Sg, Zg, step, xs, g, kind)
+        for e in range(r * per, min(lines, r * per + per)):
+            prefetch(qb, nxt + 64 * e)
+            prefetch_l2(qb, nxt + _AHEAD_L2 + 64 * e)
 
 
 @njit(forceinline=True, nogil=True)
@@ -320,15 +341,14 @@ def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, T, kq, kind):  # pragma: no
         half = gs // 4
         for g in range(G):
             if kind == _INT8_8:  # int8 codes are quads as they lie (`quant.int8_tiles`): the tiles load them in place
-                for i in range(half):  # (the next group's asked for)
-                    _pair_prefetch(qb, g * half + i, 256 * half, kind)
                 for c in range((R + 15) // 16):
                     quad_sums(XP, 16 * c, g * half, half, kq, qb, T, 1024 * c, 256 * g * half)
+                _close_asking(A1, T, R, S[g], Z[g], step, xs, g, kind, qb, 256 * half * (g + 1), 4 * half)
             else:
                 _widen16(qb, g, half, W, kind)
                 for c in range((R + 15) // 16):
                     quad_sums(XP, 16 * c, g * half, half, kq, W, T, 1024 * c, 0)
-            _close_tiles(A1, T, R, S[g], Z[g], step, xs, g, kind)
+                _close_tiles(A1, T, R, S[g], Z[g], step, xs, g, kind)
     elif R == 1:  # (decode: its own call, the loop's code stays out of it)
         _direct16(XP[0], step[0], xs[0], qb, S, Z, gs, A[0], kind)
     elif not _widens(R, kind):
