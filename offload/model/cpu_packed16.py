@@ -38,6 +38,7 @@ import numpy as np
 from numba import njit, prange
 
 from offload.model.cpu_packed import _AHEAD, _BLOCK, _load4, _quads_end, _scale, _scales, _split, _store4
+from offload.model.cpu_packed_close import _close_asking, _close_tiles
 from offload.model.simd import LANES, _has, parts, prefetch, prefetch_l2, vfma, vload, vsplat, vstore, vzero
 from offload.model.simd_amx import configure, quad_shape, quad_sums, tile_units, tiles_config, tiles_release
 from offload.model.simd_int import (
@@ -298,36 +299,6 @@ def _dot4_16(XP, step, xs, r, n, g, W, S, Z, A, kind):  # pragma: no cover - com
 
 
 @njit(forceinline=True, nogil=True)
-def _close_tiles(A, T, R, Sg, Zg, step, xs, g, kind):  # pragma: no cover - compiled
-    """`_close16` of group g for every row from the tiles' sums T (`quad_sums`: 16 rows a tile, 1024 int32 apart)."""
-    for r in range(R):
-        _close_tile(A, T, r, Sg, Zg, step, xs, g, kind)
-
-
-@njit(forceinline=True, nogil=True)
-def _close_tile(A, T, r, Sg, Zg, step, xs, g, kind):  # pragma: no cover - compiled
-    """`_close_tiles` of row r."""
-    i = (r >> 4) * 1024 + 16 * (r & 15)
-    _close16(A, _BLOCK * r, viload(T, i), viload(T, i + 256), viload(T, i + 512), viload(T, i + 768), Sg, Zg,
-             step[r, g], xs[r, g], kind)
-
-
-@njit(forceinline=True, nogil=True)
-def _close_asking(A, T, R, Sg, Zg, step, xs, g, kind, qb, nxt, lines):  # pragma: no cover - compiled
-    """`_close_tiles`, asking between rows for the next group's codes: `lines` cache lines from byte nxt of qb into
-    L1, and `_AHEAD_L2` further on into L2. Spread among the rows, not asked for at once before the tiles: 30 layers
-    of SmolLM2-135M's int8 matrices, 9 rows, 2 threads, 6 interleaved runs each, 5.00 -> 4.49 ms best, 5.30 -> 4.95
-    median (into L1 alone, spread: 5.29 / 5.79). (int4's codes are asked for as they are widened: spread in the
-    close they lost 5%.)"""
-    per = (lines + R - 1) // R
-    for r in range(R):
-        _close_tile(A, T, r, Sg, Zg, step, xs, g, kind)
-        for e in range(r * per, min(lines, r * per + per)):
-            prefetch(qb, nxt + 64 * e)
-            prefetch_l2(qb, nxt + _AHEAD_L2 + 64 * e)
-
-
-@njit(forceinline=True, nogil=True)
 def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, T, kq, kind):  # pragma: no cover - compiled
     """A [R, 64] = block b's outputs for the rows XP (`_tiles16`), its scales into S, Z and (from `_widens` rows, or
     on tiles: kq > 0) each group's codes into W on the way."""
@@ -343,12 +314,12 @@ def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, T, kq, kind):  # pragma: no
             if kind == _INT8_8:  # int8 codes are quads as they lie (`quant.int8_tiles`): the tiles load them in place
                 for c in range((R + 15) // 16):
                     quad_sums(XP, 16 * c, g * half, half, kq, qb, T, 1024 * c, 256 * g * half)
-                _close_asking(A1, T, R, S[g], Z[g], step, xs, g, kind, qb, 256 * half * (g + 1), 4 * half)
+                _close_asking(A1, T, R, S[g], Z[g], step, xs, g, False, qb, 256 * half * (g + 1), 4 * half, _AHEAD_L2)
             else:
                 _widen16(qb, g, half, W, kind)
                 for c in range((R + 15) // 16):
                     quad_sums(XP, 16 * c, g * half, half, kq, W, T, 1024 * c, 0)
-                _close_tiles(A1, T, R, S[g], Z[g], step, xs, g, kind)
+                _close_tiles(A1, T, R, S[g], Z[g], step, xs, g, kind == _INT4_8)
     elif R == 1:  # (decode: its own call, the loop's code stays out of it)
         _direct16(XP[0], step[0], xs[0], qb, S, Z, gs, A[0], kind)
     elif not _widens(R, kind):
