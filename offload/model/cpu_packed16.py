@@ -362,17 +362,23 @@ def _tiles16(x, q, sz, out, kind, quads, amx):  # pragma: no cover - compiled
     if R < quads and _per(kind) == 4:
         form = _INT8 if kind == _INT8_8 else _INT4
     kq = tile_units(gs // 4) if amx and _per(form) == 4 and R >= _TILE_ROWS else 0
-    XP = np.empty(((R + 15) // 16 * 16 if kq else R, K // _per(form)), np.int32)  # x's int16 pairs (int8 quads), a
-    XP[R:] = 0  # lane unit an int32; on tiles, rows to a whole tile
+    shape = ((R + 15) // 16 * 16 if kq else R, K // _per(form))  # x's int16 pairs (int8 quads), a lane unit an
+    own = R < _SPLIT_PARALLEL  # int32; on tiles, rows to a whole tile. Few rows: each thread splits x itself (below)
+    XP = np.empty(shape if not own else (0, 0), np.int32)
+    XP[R:] = 0
     step, xs = np.empty((R, G), np.float32), np.empty((R, G), np.float32)
-    if R >= _SPLIT_PARALLEL:
+    if not own:
         for r in prange(R):
-            _split_row(x, r, gs, XP, step, xs, kind, form)
-    else:  # (a parallel region costs more than splitting a few rows)
-        for r in range(R):
             _split_row(x, r, gs, XP, step, xs, kind, form)
     share, shares = parts(nb, 1)
     for t in prange(shares):  # (one share of blocks a thread, its buffers made once)
+        XPt, stept, xst = XP, step, xs
+        if own:  # (every thread at once, each into its own cache: split once and read from the other core's, the
+            XPt = np.empty(shape, np.int32)  # rows cost more; SmolLM2 int8 from cache, a layer's products at 9 rows,
+            XPt[R:] = 0  # three interleaved pairs: 110-116 -> 103-113 us; a parallel split costs more than it saves)
+            stept, xst = np.empty((R, G), np.float32), np.empty((R, G), np.float32)
+            for r in range(R):
+                _split_row(x, r, gs, XPt, stept, xst, kind, form)
         S, Z = np.empty((G, _BLOCK), np.float32), np.empty((G, _BLOCK), np.float32)
         A = np.empty((R, _BLOCK), np.float32)
         W = np.empty(gs // _per(form) * _BLOCK if (kq and form != _INT8_8) or _widens(R, form) else 0, np.int32)
@@ -381,7 +387,7 @@ def _tiles16(x, q, sz, out, kind, quads, amx):  # pragma: no cover - compiled
             configure(cfg, quad_shape(min(16, R), kq))
             tiles_config(cfg)
         for b in range(t * share, min(nb, t * share + share)):
-            _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, T, kq, form)
+            _block16(XPt, stept, xst, q, sz, b, nb, S, Z, A, W, T, kq, form)
             for r in range(R):
                 out[r, b * _BLOCK:(b + 1) * _BLOCK] = A[r]
         if kq:
