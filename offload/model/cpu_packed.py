@@ -118,12 +118,17 @@ def _store4(A, a0, a1, a2, a3):  # pragma: no cover - compiled
 @njit(inline="always")
 def _scale(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, xs):  # pragma: no cover - compiled
     """A group's end for the 64 outputs: a = fma(scale, t, a) then fma(zero', sum of x over the group, a)."""
+    s0, s1, s2, s3 = _load4(Sg)
+    z0, z1, z2, z3 = _load4(Zg)
+    return _scale_by(a0, a1, a2, a3, t0, t1, t2, t3, s0, s1, s2, s3, z0, z1, z2, z3, xs)
+
+
+@njit(inline="always")
+def _scale_by(a0, a1, a2, a3, t0, t1, t2, t3, s0, s1, s2, s3, z0, z1, z2, z3, xs):  # pragma: no cover - compiled
+    """`_scale` with the group's scales s and zeros' z as vectors (loaded once for many rows: `cpu_packed_close`)."""
     xv = vsplat(xs)
-    a0 = vfma(vload(Zg, 0), xv, vfma(vload(Sg, 0), t0, a0))
-    a1 = vfma(vload(Zg, LANES), xv, vfma(vload(Sg, LANES), t1, a1))
-    a2 = vfma(vload(Zg, 2 * LANES), xv, vfma(vload(Sg, 2 * LANES), t2, a2))
-    a3 = vfma(vload(Zg, 3 * LANES), xv, vfma(vload(Sg, 3 * LANES), t3, a3))
-    return a0, a1, a2, a3
+    return (vfma(z0, xv, vfma(s0, t0, a0)), vfma(z1, xv, vfma(s1, t1, a1)), vfma(z2, xv, vfma(s2, t2, a2)),
+            vfma(z3, xv, vfma(s3, t3, a3)))
 
 
 @njit(inline="always")

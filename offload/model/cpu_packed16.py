@@ -38,8 +38,8 @@ import numpy as np
 from numba import njit, prange
 
 from offload.model.cpu_packed import _AHEAD, _BLOCK, _load4, _quads_end, _scale, _scales, _split, _store4
-from offload.model.cpu_packed_close import _close_asking, _close_tiles
-from offload.model.simd import LANES, _has, parts, prefetch, prefetch_l2, vfma, vload, vsplat, vstore, vzero
+from offload.model.cpu_packed_close import _close_asking, _close_tiles, _stepped
+from offload.model.simd import LANES, _has, parts, prefetch, prefetch_l2, vload, vstore
 from offload.model.simd_amx import configure, quad_shape, quad_sums, tile_units, tiles_config, tiles_release
 from offload.model.simd_int import (
     vcodes4,
@@ -49,13 +49,11 @@ from offload.model.simd_int import (
     viload,
     visplat,
     vistore,
-    vitof,
     vizero,
     vpairs8q0,
     vpairs8q1,
     vquads4,
     vquads8,
-    vsra,
 )
 
 #: How a product runs (`kind`, every helper's last argument): int4 / int8 codes by x in int16 pairs, in int8 quads.
@@ -77,7 +75,7 @@ _QUADS8 = 1 if _has("amx-int8") else _QUADS
 #: 30 of 32 cases of 6-9 rows. Below 6 a group's sums leaving the tiles (stored, scaled row by row) cost more than
 #: the tiles save.
 _TILE_ROWS = 6
-#: Rows of x from which they are split into int16 in parallel.
+#: Rows of x from which they are split into integer steps in parallel, once for every thread (fewer: by each thread).
 _SPLIT_PARALLEL = 16
 #: Rows of x from which a block's codes are converted once per group into a buffer that every four rows read
 #: (`_dot4_16`); fewer: converted as read, four rows at a time (`_direct4`). int16 steps: one [8192, 2048] int4
@@ -98,11 +96,8 @@ _AHEAD_L2 = 16384
 def _scale16(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma: no cover - compiled
     """`_scale` for a group's exact integer sums t: a = fma(scale, step * t, a) then fma(zero', xs, a). (int4 codes
     in quads: rows 32-63's sums are of their codes times 16, `vquads4`: divided exactly first.)"""
-    if kind == _INT4_8:
-        t2, t3 = vsra(t2, 4), vsra(t3, 4)
-    sv, z = vsplat(step), vzero()
-    return _scale(a0, a1, a2, a3, vfma(vitof(t0), sv, z), vfma(vitof(t1), sv, z), vfma(vitof(t2), sv, z),
-                  vfma(vitof(t3), sv, z), Sg, Zg, xs)
+    t0, t1, t2, t3 = _stepped(t0, t1, t2, t3, step, kind == _INT4_8)
+    return _scale(a0, a1, a2, a3, t0, t1, t2, t3, Sg, Zg, xs)
 
 
 @njit(forceinline=True, nogil=True)
@@ -349,6 +344,15 @@ def _split_row(x, r, gs, XP, step, xs, kind, form):  # pragma: no cover - compil
         _split(x[r], gs, cmax, 127 if _per(kind) == 4 else 32767, XP[r].view(np.int16), step[r], xs[r])
 
 
+@njit(forceinline=True, nogil=True)
+def _split_buffers(R, rows, cols, G):  # pragma: no cover - compiled
+    """`_split_row`'s outputs for R rows of x: XP [rows (R, or R to a whole tile; those past R zeros: 0 for none),
+    cols], steps and sums [R, G]."""
+    XP = np.empty((rows if R else 0, cols), np.int32)
+    XP[R:] = 0
+    return XP, np.empty((R, G), np.float32), np.empty((R, G), np.float32)
+
+
 @njit(inline="always")  # (its prange must land in each parallel entry; the helpers inline in LLVM, not numba)
 def _tiles16(x, q, sz, out, kind, quads, amx):  # pragma: no cover - compiled
     """`_tiles` with x in int16 steps (even groups), its rows four at a time: below `_widens` rows against the codes
@@ -362,11 +366,9 @@ def _tiles16(x, q, sz, out, kind, quads, amx):  # pragma: no cover - compiled
     if R < quads and _per(kind) == 4:
         form = _INT8 if kind == _INT8_8 else _INT4
     kq = tile_units(gs // 4) if amx and _per(form) == 4 and R >= _TILE_ROWS else 0
-    shape = ((R + 15) // 16 * 16 if kq else R, K // _per(form))  # x's int16 pairs (int8 quads), a lane unit an
-    own = R < _SPLIT_PARALLEL  # int32; on tiles, rows to a whole tile. Few rows: each thread splits x itself (below)
-    XP = np.empty(shape if not own else (0, 0), np.int32)
-    XP[R:] = 0
-    step, xs = np.empty((R, G), np.float32), np.empty((R, G), np.float32)
+    rows = (R + 15) // 16 * 16 if kq else R  # x's int16 pairs (int8 quads), a lane unit an int32; on tiles, rows to
+    own = R < _SPLIT_PARALLEL  # a whole tile. Few rows: each thread splits x itself (below)
+    XP, step, xs = _split_buffers(0 if own else R, rows, K // _per(form), G)
     if not own:
         for r in prange(R):
             _split_row(x, r, gs, XP, step, xs, kind, form)
@@ -374,10 +376,8 @@ def _tiles16(x, q, sz, out, kind, quads, amx):  # pragma: no cover - compiled
     for t in prange(shares):  # (one share of blocks a thread, its buffers made once)
         XPt, stept, xst = XP, step, xs
         if own:  # (every thread at once, each into its own cache: split once and read from the other core's, the
-            XPt = np.empty(shape, np.int32)  # rows cost more; SmolLM2 int8 from cache, a layer's products at 9 rows,
-            XPt[R:] = 0  # three interleaved pairs: 110-116 -> 103-113 us; a parallel split costs more than it saves)
-            stept, xst = np.empty((R, G), np.float32), np.empty((R, G), np.float32)
-            for r in range(R):
+            XPt, stept, xst = _split_buffers(R, rows, K // _per(form), G)  # rows cost more; SmolLM2 int8 from
+            for r in range(R):  # cache, a layer's products at 9 rows, three interleaved pairs: 110-116 -> 103-113 us)
                 _split_row(x, r, gs, XPt, stept, xst, kind, form)
         S, Z = np.empty((G, _BLOCK), np.float32), np.empty((G, _BLOCK), np.float32)
         A = np.empty((R, _BLOCK), np.float32)

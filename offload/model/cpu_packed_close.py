@@ -1,14 +1,25 @@
-"""A group's exact int32 sums from AMX tiles (`simd_amx.quad_sums`) closed into a block's float32 outputs: for
-`offload.model.cpu_packed16`'s tile path, `_scale16`'s operations row by row. Knows nothing about models, tiers or
+"""A group's exact int32 sums closed into a block's float32 outputs (`_stepped`, `cpu_packed._scale_by`: every
+integer path's operations, `offload.model.cpu_packed16._scale16`), row by row from AMX tiles (`simd_amx.quad_sums`)
+for the tile path. Knows nothing about models, tiers or
 files."""
 
 from __future__ import annotations
 
 from numba import njit
 
-from offload.model.cpu_packed import _BLOCK, _load4
+from offload.model.cpu_packed import _BLOCK, _load4, _scale_by
 from offload.model.simd import LANES, prefetch, prefetch_l2, vfma, vload, vsplat, vstore, vzero
 from offload.model.simd_int import viload, vitof, vsra
+
+
+@njit(forceinline=True, nogil=True)
+def _stepped(t0, t1, t2, t3, step, quads4):  # pragma: no cover - compiled
+    """A group's exact integer sums t of 64 outputs as float32 times x's step (`cpu_packed16._scale16`'s). quads4:
+    int4 codes in quads, whose rows 32-63's sums are of their codes times 16 (`vquads4`): divided exactly first."""
+    if quads4:
+        t2, t3 = vsra(t2, 4), vsra(t3, 4)
+    sv, z = vsplat(step), vzero()
+    return vfma(vitof(t0), sv, z), vfma(vitof(t1), sv, z), vfma(vitof(t2), sv, z), vfma(vitof(t3), sv, z)
 
 
 @njit(forceinline=True, nogil=True)
@@ -16,17 +27,15 @@ def _close_tile(A, T, r, s0, s1, s2, s3, z0, z1, z2, z3, step, xs, quads4):  # p
     """A [64 r : 64 r + 64] = `cpu_packed16._scale16` of them with row r's sums in T (16 rows a tile, 1024 int32
     apart), its step and sum of x over the group, and the group's scales s and zeros z as vectors, loaded once for
     every row (LLVM does not take them out of the row loop: A's stores might change them; SmolLM2-135M's int8 / int4
-    matrices from cache, 9 rows, 2 threads, a layer's products 113-120 / 127-144 -> 107-117 / 126-131 us). quads4:
-    int4 codes in quads (rows 32-63's sums are of their codes times 16: divided exactly first)."""
-    i = (r >> 4) * 1024 + 16 * (r & 15)
-    t0, t1, t2, t3 = viload(T, i), viload(T, i + 256), viload(T, i + 512), viload(T, i + 768)
-    if quads4:
-        t2, t3 = vsra(t2, 4), vsra(t3, 4)
-    sv, z, xv, j = vsplat(step), vzero(), vsplat(xs), _BLOCK * r
-    vstore(A, j, vfma(z0, xv, vfma(s0, vfma(vitof(t0), sv, z), vload(A, j))))
-    vstore(A, j + LANES, vfma(z1, xv, vfma(s1, vfma(vitof(t1), sv, z), vload(A, j + LANES))))
-    vstore(A, j + 2 * LANES, vfma(z2, xv, vfma(s2, vfma(vitof(t2), sv, z), vload(A, j + 2 * LANES))))
-    vstore(A, j + 3 * LANES, vfma(z3, xv, vfma(s3, vfma(vitof(t3), sv, z), vload(A, j + 3 * LANES))))
+    matrices from cache, 9 rows, 2 threads, a layer's products 113-120 / 127-144 -> 107-117 / 126-131 us)."""
+    i, j = (r >> 4) * 1024 + 16 * (r & 15), _BLOCK * r
+    t0, t1, t2, t3 = _stepped(viload(T, i), viload(T, i + 256), viload(T, i + 512), viload(T, i + 768), step, quads4)
+    a0, a1, a2, a3 = _scale_by(vload(A, j), vload(A, j + LANES), vload(A, j + 2 * LANES), vload(A, j + 3 * LANES),
+                               t0, t1, t2, t3, s0, s1, s2, s3, z0, z1, z2, z3, xs)
+    vstore(A, j, a0)
+    vstore(A, j + LANES, a1)
+    vstore(A, j + 2 * LANES, a2)
+    vstore(A, j + 3 * LANES, a3)
 
 
 @njit(forceinline=True, nogil=True)
