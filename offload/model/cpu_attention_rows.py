@@ -31,7 +31,7 @@ if numba is not None:
         vsum8,
         vzero,
     )
-    from offload.model.simd_math import vdiv64, vexp, vhmax, vmax, vmul64, vraw
+    from offload.model.simd_math import vdiv64, vexp, vhmax, vmax, vmul, vmul64, vraw
 
     @njit(forceinline=True, nogil=True)
     def _dots8(qs, qo, keys, c, D, bf16):  # pragma: no cover - compiled
@@ -153,16 +153,16 @@ if numba is not None:
     @njit(forceinline=True, nogil=True)
     def _visible(mask, b, t, table, bs, row0, rows, koff, s0, s2, keys, vis, kb):  # pragma: no cover - compiled
         """Query (b, t)'s visible keys in token order into keys[kb :] (their K rows' addresses: `_row`'s, row0 the
-        KV head's row at slot 0, offset 0) and vis[kb :] (their indices) -> how many. (Block and offset counted: no
-        division a key.)"""
-        nv, row, off = 0, _row(table[b, 0], row0, rows, koff, s0), 0
-        for j in range(mask.shape[2]):
-            if off == bs:
-                row, off = _row(table[b, j // bs], row0, rows, koff, s0), 0
-            if mask[b, t, j]:
-                keys[kb + nv], vis[kb + nv] = row + off * s2, j
-                nv += 1
-            off += 1
+        KV head's row at slot 0, offset 0) and vis[kb :] (their indices) -> how many. Block by block; each key's
+        entry written whether it is seen or not, then counted (the next one writes over an unseen one's; nv <= j:
+        within the query's Tk entries): no branch a key. (80 / 1040 keys 300 / 2800-3500 -> 125 / 1600-1900
+        cycles.)"""
+        nv, m = 0, mask[b, t]
+        for c in range(mask.shape[2] // bs):
+            row, j0 = _row(table[b, c], row0, rows, koff, s0), c * bs
+            for off in range(bs):
+                keys[kb + nv], vis[kb + nv] = row + off * s2, j0 + off
+                nv += np.int64(m[j0 + off])
         return nv
 
     @njit(forceinline=True, nogil=True)
@@ -193,7 +193,11 @@ if numba is not None:
             for c in range(kb, kb + nv):
                 j = vis[c]
                 scores[so + j] = _tail(scores[so + j], qs, qo, kv, rows, table[b, j // bs], j % bs, kh, 0, D, shift)
-        if scale > 0:  # (16 at a time: an unseen key's -inf stays -inf)
+        if scale > 0 and np.float64(np.float32(scale)) == scale:  # (16 at a time: an unseen key's -inf stays -inf;
+            sv = vsplat(np.float32(scale))  # a float32 scale (1 / 8 at 64 dimensions): float32 products, whose exact
+            for j in range(so, so + TkP, LANES):  # product rounds once either way: the same bits)
+                vstore(scores, j, vmul(vload(scores, j), sv))
+        elif scale > 0:
             for j in range(so, so + TkP, LANES):
                 vstore(scores, j, vmul64(vload(scores, j), scale))
         else:
