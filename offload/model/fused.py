@@ -28,7 +28,7 @@ from offload.model.kernels import (
 )
 
 if numba is not None:
-    from numba import njit
+    from numba import njit, typed
 
     from offload.model.cpu_attention import _attend
     from offload.model.cpu_elementwise import (
@@ -142,6 +142,19 @@ if numba is not None:
                    unpad, hq, scale, kind, bf16, dst)
             src = dst
             stamps[i + 1] = cycles()
+
+    @njit(cache=True)
+    def _weight_list(first):  # pragma: no cover - compiled
+        """A typed list holding `_weights`' tuple first (`LayerRun`: made here, cached with the kernels, not by
+        typed.List from Python, which compiles its methods for the tuple's type in every process: ~1.8 s of a run's
+        first pass)."""
+        out = typed.List()
+        out.append(first)
+        return out
+
+    @njit(cache=True)
+    def _push(items, item):  # pragma: no cover - compiled
+        items.append(item)
 
     @njit(nogil=True, cache=True)
     def _head(x, norm, eps, bf16, w, scales, kind, out):  # pragma: no cover - compiled
@@ -312,10 +325,11 @@ class LayerRun:
     layer: mats, norms as `decoder_layer` takes them); the same bits as calling `decoder_layer` layer by layer."""
 
     def __init__(self, layers: list[tuple[tuple, tuple]], dt: torch.dtype) -> None:
-        from numba import typed
-
         self.dt, self.size = dt, len(layers)
-        self.args = typed.List([_weights(mats, norms, dt) for mats, norms in layers])  # one numba type: or TypeError
+        weights = [_weights(mats, norms, dt) for mats, norms in layers]
+        self.args = _weight_list(weights[0])
+        for w in weights[1:]:
+            _push(self.args, w)  # (one numba type for every layer: or TypeError)
         qkv = layers[0][0][0]
         self.width = qkv.out_features if _packed(qkv) else qkv.shape[0]
         self.kind = packed_kind(self.dt) if _packed(qkv) else dense_kind(qkv.dtype, self.dt)
