@@ -258,3 +258,23 @@ def test_lane_stores_and_float64_lanes_give_the_scalar_bits():
     assert np.array_equal(got[2].view(np.uint32), want[1].view(np.uint32))
     assert np.array_equal(got[3].view(np.uint32), want[2].view(np.uint32))
     assert top == np.nanmax(x)
+
+
+@needs_numba
+def test_resident_layers_of_two_numba_types_are_refused_for_one_call():
+    """`fused.LayerRun` holds every layer's weights in one typed list: layers whose weights differ in numba type (an
+    o matrix kept in bf16 beside float32 ones) raise TypeError, which `functional.layer_run` turns into layer by
+    layer, instead of the list's AssertionError; layers of one type make one list of them all."""
+    from offload.model import fused
+
+    g = torch.Generator().manual_seed(0)
+
+    def layer(o_dtype):
+        qkv, o, gate_up, down = (torch.randn(*shape, generator=g).to(dt) for shape, dt in (
+            ((48, 16), torch.float32), ((16, 16), o_dtype), ((64, 16), torch.float32), ((16, 32), torch.float32)))
+        return (qkv, None, o, None, gate_up, None, down, None), (torch.ones(16), torch.ones(16))
+
+    same = [layer(torch.float32) for _ in range(3)]
+    assert len(fused.LayerRun(same, torch.float32).args) == 3
+    with pytest.raises(TypeError, match="one numba type"):
+        fused.LayerRun(same + [layer(torch.bfloat16)], torch.float32)

@@ -327,9 +327,11 @@ class LayerRun:
     def __init__(self, layers: list[tuple[tuple, tuple]], dt: torch.dtype) -> None:
         self.dt, self.size = dt, len(layers)
         weights = [_weights(mats, norms, dt) for mats, norms in layers]
+        if len({numba.typeof(w) for w in weights}) != 1:  # (one list holds them: a list of another type raises
+            raise TypeError("the layers' weights are not of one numba type")  # AssertionError or numba's own)
         self.args = _weight_list(weights[0])
         for w in weights[1:]:
-            _push(self.args, w)  # (one numba type for every layer: or TypeError)
+            _push(self.args, w)
         qkv = layers[0][0][0]
         self.width = qkv.out_features if _packed(qkv) else qkv.shape[0]
         self.kind = packed_kind(self.dt) if _packed(qkv) else dense_kind(qkv.dtype, self.dt)
