@@ -1,7 +1,6 @@
 """A group's exact int32 sums closed into a block's float32 outputs (`_stepped`, `cpu_packed._scale_by`: every
 integer path's operations, `offload.model.cpu_packed16._scale16`), row by row from AMX tiles (`simd_amx.quad_sums`)
-for the tile path. Knows nothing about models, tiers or
-files."""
+for the tile path. Knows nothing about models, tiers or files."""
 
 from __future__ import annotations
 
