@@ -175,11 +175,11 @@ def quad_sums(XP, r, p0, half, kq, W, T, at, w0):  # pragma: no cover - compiled
     `configure`d) and 64 outputs, the exact sums over lane units p0 .. p0 + half - 1 of x against the codes in W
     from byte w0 on, unit i's quads for outputs 16v .. 16v + 15 at byte w0 + 256 i + 64 v (`cpu_packed16._widen16`'s
     buffer, or int8 codes as they lie: `quant.int8_tiles`). kq: units a tile (half, or 16 when half is a multiple
-    of it). Bound by the code tiles' loads on the 2-core Xeon VM (9 rows, a group of 64, everything in L1, TSC
-    cycles a group): the whole call 220-240, its five loads alone 197 (a 64-byte row ~2.6 cycles, at stride 64 or
-    256 alike), the four products alone 38, the zeroing 4; the sums' stores left out 204. Each code byte is loaded
-    into a tile once per 16 rows of x whatever the order, so below 16 rows this is the floor; widening the next
-    group or closing the last one between a group's loads and its products measured 20-30% slower, not faster."""
+    of it). Its rows must start at cache lines (every array the kernels make does: `simd`): on the 2-core Xeon VM,
+    9 rows, a group of 64, everything in L1, TSC cycles a group, the whole call 100-110 at 64-byte boundaries against
+    232-253 with rows across two lines (numba's arrays start at 32 bytes), its three code tiles' loads alone 20
+    against 127-137. Widening the next group or closing the last one between a group's loads and its products
+    measured 20-30% slower, not faster (with rows across lines)."""
     tile_zero(0)
     tile_zero(1)
     tile_zero(2)
