@@ -33,7 +33,7 @@ def packed_kernels(config: OffloadConfig) -> tuple[str, ...]:
     return tuple(s for s in PACKED if s in used)
 
 
-_told: set[int] = set()  # the compile reserves `run_capacities` has told of
+_told: set[int] = set()  # the compile reserve `run_capacities` has told of (the first a process holds)
 
 
 def run_capacities(config: OffloadConfig, device: torch.device) -> Capacities:
@@ -44,7 +44,8 @@ def run_capacities(config: OffloadConfig, device: torch.device) -> Capacities:
     tiers, held = config.tiers, 0
     if device.type == "cpu" and tiers is not None and (tiers.gpu.capacity is None or tiers.cpu.capacity is None):
         held = fused.compile_reserve(bool(packed_kernels(config)))
-        if held and held not in _told:  # once a process (a command may plan more than once)
+        if held and not _told:  # once a process: a command plans more than once (the run's own plan first, then
+            # other weight formats' for `plan`'s table, whose own reserves would read as this run's)
             _told.add(held)
             log.warning("this install's CPU kernels are not compiled yet: this run compiles them (about a minute) "
                         "and keeps %s of RAM for it, which the auto tiers leave free (later runs home weights there)",
