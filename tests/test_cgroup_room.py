@@ -82,10 +82,13 @@ def test_auto_tiers_leave_free_what_a_first_run_compiles(tiny_llama, monkeypatch
     for keys in ({"weights": {"quantization": "int4"}}, {"speculative": {"draft": "self-int8"}}):
         assert gpu(**keys) == int((2000 - 650) * mib * 0.8), keys
         assert "not compiled yet" in caplog.text and "650.0 MiB" in caplog.text
-    caplog.clear()  # told once a process: a later plan of another format (`plan`'s table of formats) says nothing
+    caplog.clear()  # told once a process: a later plan of another format says nothing, nor one told not to
     monkeypatch.setattr(memory.fused, "layers_compiled", lambda packed=None: False)
-    memory.run_capacities(OffloadConfig.load(run_config(tiny_llama, tiers={"gpu": {"capacity": "auto"}})), cpu)
-    assert not caplog.records
+    dense = OffloadConfig.load(run_config(tiny_llama, tiers={"gpu": {"capacity": "auto"}}))
+    memory.run_capacities(dense, cpu)
+    monkeypatch.setattr(memory, "_told", set())
+    assert memory.run_capacities(dense, cpu, tell=False).gpu == int((2000 - 300) * mib * 0.8)
+    assert not caplog.records  # (`plan`'s table of weight formats plans so: their reserves are not the run's)
     explicit = {"gpu": {"capacity": "1GiB"}, "cpu": {"capacity": "auto"}}
     assert gpu(tiers=explicit, weights={"quantization": "int8"}) == 1 << 30  # the cpu tier leaves it: 0 here
     monkeypatch.setattr(memory.fused, "layers_compiled", lambda packed=None: None)  # numba's cache unreadable

@@ -339,7 +339,7 @@ def compare_schemes(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype,
         w = config.weights
         other = config.replace(weights=WeightsConfig(scheme, w.group_size, w.keep))
         try:
-            planner = Planner(other, cfg, dtype, device, context=context)
+            planner = Planner(other, cfg, dtype, device, run_capacities(other, device, tell=False), context=context)
             rp = planner.run_plan()
         except (CapacityError, ConfigError) as e:
             rows.append({"quantization": scheme, "refused": str(e)})

@@ -36,16 +36,16 @@ def packed_kernels(config: OffloadConfig) -> tuple[str, ...]:
 _told: set[int] = set()  # the compile reserve `run_capacities` has told of (the first a process holds)
 
 
-def run_capacities(config: OffloadConfig, device: torch.device) -> Capacities:
+def run_capacities(config: OffloadConfig, device: torch.device, tell: bool = True) -> Capacities:
     """The run's tier capacities (`resolve_capacities`): on a CPU device, `auto` tiers leave free what this install's
     first run still compiles (`fused.compile_reserve`; numba keeps it for the process's life: a cold first run of a
     1.7B int4 with a 1563-token prompt in a 1.5 GiB cgroup filled it without the reserve, 1.07 tok/s; with it, peak
-    1.44 GB, 1.34 tok/s)."""
+    1.44 GB, 1.34 tok/s). Says so (`tell`) once a process, for the run's own plan, not for another weight format's
+    (`offload plan`'s table, whose reserve is not this run's)."""
     tiers, held = config.tiers, 0
     if device.type == "cpu" and tiers is not None and (tiers.gpu.capacity is None or tiers.cpu.capacity is None):
         held = fused.compile_reserve(bool(packed_kernels(config)))
-        if held and not _told:  # once a process: a command plans more than once (the run's own plan first, then
-            # other weight formats' for `plan`'s table, whose own reserves would read as this run's)
+        if held and tell and not _told:  # (a command may plan more than once: the first is the run's own)
             _told.add(held)
             log.warning("this install's CPU kernels are not compiled yet: this run compiles them (about a minute) "
                         "and keeps %s of RAM for it, which the auto tiers leave free (later runs home weights there)",
