@@ -44,13 +44,13 @@ from numba.np.ufunc.parallel import _launch_threads
 
 LANES = 16
 _F = ir.FloatType()
+_VT = ir.VectorType(_F, LANES)
 
 # Every array the kernels make (np.empty) starts at a cache line: numba's start at 32 bytes (its context's preferred
 # alignment), and a 64-byte vector or tile row across two lines loads at a fraction of the speed (`simd_amx.quad_sums`'
 # tile loads 6x slower). numba's context API is private: where it differs, only the alignment is lost.
 if hasattr(BaseContext, "get_preferred_array_alignment"):
     BaseContext.get_preferred_array_alignment = lambda context, ty: 64
-_VT = ir.VectorType(_F, LANES)
 
 
 class F32x16(types.Type):
