@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.model import cpu_attention, cpu_elementwise, kernels
+from offload.model import cpu_attention, cpu_elementwise, fused, kernels
+from offload.model.cpu_elementwise import _bf16_bits
 from offload.model.functional import attend_group, merge_attention, sdpa_with_lse
 from offload.model.simd import vload, vstore
-from offload.model.simd_math import vexp
+from offload.model.simd_math import vdiv64, vexp, vhmax, vmax, vmul64, vput
 
 
 def reference_attention(q, k, v, mask, scale):
@@ -222,9 +223,6 @@ def test_lane_stores_and_float64_lanes_give_the_scalar_bits():
     import numpy as np
     from numba import njit
 
-    from offload.model.cpu_elementwise import _bf16_bits
-    from offload.model.simd_math import vdiv64, vhmax, vmax, vmul64, vput
-
     @njit
     def lanes(x, t, o16, o32, mul, div):
         top = vload(x, 0)
@@ -265,7 +263,6 @@ def test_resident_layers_of_two_numba_types_are_refused_for_one_call():
     """`fused.LayerRun` holds every layer's weights in one typed list: layers whose weights differ in numba type (an
     o matrix kept in bf16 beside float32 ones) raise TypeError, which `functional.layer_run` turns into layer by
     layer, instead of the list's AssertionError; layers of one type make one list of them all."""
-    from offload.model import fused
 
     g = torch.Generator().manual_seed(0)
 

@@ -12,6 +12,7 @@ import torch
 numba = pytest.importorskip("numba")
 
 from offload.model import simd_int  # noqa: E402  (after the skip: the module needs numba)
+from offload.model.cpu_packed import _split  # noqa: E402
 from offload.model.simd import _x86  # noqa: E402
 from offload.weights import quant  # noqa: E402
 
@@ -81,7 +82,6 @@ def test_a_rows_integer_steps_are_numpys_rounding_of_it_whatever_the_group_size(
     """`cpu_packed._split` (16 columns at a time by `vsteps`, the rest one by one) against numpy: per group the step
     is the largest |x| over qmax, each x / step rounded to even and kept within qmax, and a group with a NaN or an
     infinity all zeros with a NaN step."""
-    from offload.model.cpu_packed import _split
 
     split = numba.njit(cache=False)(lambda x, gs, cmax, xq, step, xs: _split(x, gs, cmax, top, xq, step, xs))
     rng = np.random.default_rng(3)
