@@ -15,11 +15,13 @@ import torch
 
 from offload.model import cpu_packed16, cpu_packed_entry, fused, kernels, simd_amx
 from offload.model import functional as M
+from offload.model.checkpoint import Checkpoint
 from offload.runtime.engine import Engine, Request, Sampling
 from offload.runtime.executor import ForwardBatch
 from offload.runtime.resident import ResidentLayers
 from offload.runtime.runner import Runner
 from offload.weights import quant
+from offload.weights.groups import model_layouts
 from offload.weights.quant import PackedLinear
 from tests.conftest import run_config, within_split
 
@@ -434,3 +436,43 @@ def test_the_fused_cpu_layer_gives_the_op_by_op_layers_bits(model_factory, famil
     op_by_op = passes()
     assert calls == {"run": 0, "layer": 0}
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(whole, by_layer, op_by_op))
+
+
+def test_runs_of_resident_layers_between_streamed_ones_go_in_one_call_each(model_factory, tmp_path, monkeypatch):
+    """A plan that streams some layers from disk keeps the rest resident between them: each run of two or more
+    resident layers goes in one compiled call (`fused.LayerRun`), the streamed layers one by one as they arrive, and
+    the tokens are the all-resident run's and the layer-by-layer run's (before, one streamed layer sent every layer
+    through its own call: ~0.1 ms of Python each, SmolLM2-135M int4 with a quarter resident 10.5 -> 9.2 ms a step)."""
+    model = model_factory("llama", overrides={"num_hidden_layers": 12})
+    layouts = model_layouts(Checkpoint(model).config, torch.float32)
+    room = 14 * layouts["layer.0"].nbytes + layouts["head"].nbytes + 2 * 2**20  # (a fixed pool and chunk: a plan
+    tiered = run_config(model, activations={"prefill_chunk": 64}, kv_cache={"gpu_blocks": 16},  # that stays put)
+                        tiers={"gpu": {"capacity": room}, "cpu": {"capacity": 0},
+                               "disk": {"path": str(tmp_path / "store")}})
+    calls = {"run": 0, "layer": 0}
+    monkeypatch.setattr(fused, "decoder_layer", lambda *a, real=fused.decoder_layer: (
+        calls.__setitem__("layer", calls["layer"] + 1), real(*a))[1])
+    real_run = fused.LayerRun.__call__
+    monkeypatch.setattr(fused.LayerRun, "__call__", lambda *a: (calls.__setitem__("run", calls["run"] + 1),
+                                                               real_run(*a))[1])
+    texts = [[1, 17, 99, 23, 5, 61, 7, 300, 41], [1, 8, 2]]
+
+    def tokens(cfg: dict, runs_counted: bool = False) -> list[list[int]]:
+        with Runner.from_config(cfg) as r:
+            if runs_counted:
+                ex = r.target
+                runs = [layers for together, layers in ex.resident.segments if together]
+                alone = [layers[0] for together, layers in ex.resident.segments if not together]
+                streamed = [i for i in alone if not ex.plan.is_resident(ex.layer_groups[i])]
+                assert runs and streamed, f"the plan no longer mixes runs and streamed layers: {ex.resident.segments}"
+            calls.update(run=0, layer=0)
+            out = [x.token_ids for x in r.generate(texts, max_new_tokens=6, stop_on_eos=False)]
+            if runs_counted:
+                passes = calls["run"] // len(runs)
+                assert passes > 0 and calls == {"run": passes * len(runs), "layer": passes * len(alone)}
+            return out
+
+    mixed = tokens(tiered, runs_counted=True)
+    assert mixed == tokens(run_config(model))
+    monkeypatch.setattr(ResidentLayers, "possible", False)
+    assert mixed == tokens(tiered) and calls["run"] == 0

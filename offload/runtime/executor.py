@@ -134,7 +134,7 @@ class Executor:
         self.traffic = Traffic()  # bytes moved by weights and KV blocks, per route
         self.layers = range(self.cfg.num_layers) if layers is None else layers  # the slice a pass runs
         self.layer_groups = tuple(f"layer.{i}" for i in range(self.cfg.num_layers))
-        self.resident = ResidentLayers(self)  # a CPU pass's resident layers in one compiled call
+        self.resident = ResidentLayers(self)  # a pass's layers: runs of resident ones in one compiled call each
         caps = capacities if capacities is not None else run_capacities(config, self.device)
         run_plan = Planner(config, self.cfg, self.dtype, self.device, caps, self.layers, concurrency,
                            context).run_plan()
@@ -236,12 +236,7 @@ class Executor:
         try:
             self._start_cold_fetch(p)
             x = self.weights.embed(p.ids) if hidden is None else hidden  # [N, H]
-            ran = self.resident(x, p)
-            if ran is not None:
-                x = ran
-            else:
-                for i in self.layers:
-                    x = self.layer(i, x, p)
+            x = self.resident(x, p)  # runs of resident layers in one call each, the rest one by one
             out = self.head_logits(x, p) if self.has_head else x
         except BaseException:
             self.weights.abort_pass()
