@@ -398,6 +398,18 @@ def test_the_throughput_mode_gives_each_request_its_tokens_alone_at_any_batch(wi
     assert len(got[0]) == len(LENS) and got[0] == got[1]
 
 
+def counted_calls(monkeypatch) -> dict[str, int]:
+    """Calls of a run of layers in one call ("run": `fused.LayerRun`) and of one layer in one call ("layer":
+    `fused.decoder_layer`), counted from now on."""
+    calls = {"run": 0, "layer": 0}
+    monkeypatch.setattr(fused, "decoder_layer", lambda *a, real=fused.decoder_layer: (
+        calls.__setitem__("layer", calls["layer"] + 1), real(*a))[1])
+    real_run = fused.LayerRun.__call__
+    monkeypatch.setattr(fused.LayerRun, "__call__", lambda *a: (calls.__setitem__("run", calls["run"] + 1),
+                                                               real_run(*a))[1])
+    return calls
+
+
 @pytest.mark.parametrize("family,quantization", [("llama", "none"), ("qwen2", "none"), ("mistral", "none"),
                                                   ("llama", "int8"), ("llama", "int4")])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -407,12 +419,7 @@ def test_the_fused_cpu_layer_gives_the_op_by_op_layers_bits(model_factory, famil
     three give the same bits, so a step's tokens do not depend on which ran (a prompt chunk and decode rows in one
     pass, biases (Qwen2), a sliding window (Mistral), int8 and int4 matrices)."""
     model = model_factory(family, dtype=dtype, overrides={"sliding_window": 4} if family == "mistral" else {})
-    calls = {"run": 0, "layer": 0}
-    monkeypatch.setattr(fused, "decoder_layer", lambda *a, real=fused.decoder_layer: (
-        calls.__setitem__("layer", calls["layer"] + 1), real(*a))[1])
-    real_run = fused.LayerRun.__call__
-    monkeypatch.setattr(fused.LayerRun, "__call__", lambda *a: (calls.__setitem__("run", calls["run"] + 1),
-                                                               real_run(*a))[1])
+    calls = counted_calls(monkeypatch)
 
     def passes() -> list[torch.Tensor]:
         calls.update(run=0, layer=0)
@@ -449,12 +456,7 @@ def test_runs_of_resident_layers_between_streamed_ones_go_in_one_call_each(model
     tiered = run_config(model, activations={"prefill_chunk": 64}, kv_cache={"gpu_blocks": 16},  # that stays put)
                         tiers={"gpu": {"capacity": room}, "cpu": {"capacity": 0},
                                "disk": {"path": str(tmp_path / "store")}})
-    calls = {"run": 0, "layer": 0}
-    monkeypatch.setattr(fused, "decoder_layer", lambda *a, real=fused.decoder_layer: (
-        calls.__setitem__("layer", calls["layer"] + 1), real(*a))[1])
-    real_run = fused.LayerRun.__call__
-    monkeypatch.setattr(fused.LayerRun, "__call__", lambda *a: (calls.__setitem__("run", calls["run"] + 1),
-                                                               real_run(*a))[1])
+    calls = counted_calls(monkeypatch)
     texts = [[1, 17, 99, 23, 5, 61, 7, 300, 41], [1, 8, 2]]
 
     def tokens(cfg: dict, runs_counted: bool = False) -> list[list[int]]:
