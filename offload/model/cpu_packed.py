@@ -102,6 +102,15 @@ def _sums(xr, gs, X):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
+def _put(out, r, b, A):  # pragma: no cover - compiled
+    """out[r, 64 b : 64 b + 64] = A[r] (a block's outputs of row r), 16 lanes at a time. (As a slice assignment each
+    row made two views and copied value by value: a layer of SmolLM2-135M's 81 blocks, 9 rows, 43 -> 7 us.)"""
+    o, a = out[r], A[r]
+    for v in range(0, _BLOCK, LANES):
+        vstore(o, b * _BLOCK + v, vload(a, v))
+
+
+@njit(inline="always")
 def _load4(A):  # pragma: no cover - compiled
     """A block's 64 outputs A [64] as four lane vectors."""
     return vload(A, 0), vload(A, LANES), vload(A, 2 * LANES), vload(A, 3 * LANES)
@@ -273,7 +282,7 @@ def _tiles(x, q, sz, out, wide):  # pragma: no cover - compiled
                     for r in range(R - R % 3, R):
                         _dot1(x[r], X[r], g, W, S, Z, A[r])
             for r in range(R):
-                out[r, b * _BLOCK:(b + 1) * _BLOCK] = A[r]
+                _put(out, r, b, A)
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from offload.model.cpu_packed import _AHEAD, _BLOCK, _load4, _quads_end, _scale, _scales, _split, _store4
+from offload.model.cpu_packed import _AHEAD, _BLOCK, _load4, _put, _quads_end, _scale, _scales, _split, _store4
 from offload.model.cpu_packed_close import _close_asking, _close_tiles, _stepped
 from offload.model.simd import LANES, _has, parts, prefetch, prefetch_l2, vload, vstore
 from offload.model.simd_amx import configure, quad_shape, quad_sums, tile_units, tiles_config, tiles_release
@@ -389,6 +389,6 @@ def _tiles16(x, q, sz, out, kind, quads, amx):  # pragma: no cover - compiled
         for b in range(t * share, min(nb, t * share + share)):
             _block16(XPt, stept, xst, q, sz, b, nb, S, Z, A, W, T, kq, form)
             for r in range(R):
-                out[r, b * _BLOCK:(b + 1) * _BLOCK] = A[r]
+                _put(out, r, b, A)
         if kq:
             tiles_release()
