@@ -56,6 +56,7 @@ def setup(tmp_path, tiny_llama, monkeypatch):
         return store
 
     monkeypatch.setattr(auto, "calibrate", fake_calibrate)
+    monkeypatch.setattr(auto, "compile_kernels", lambda dtype, packed: True)  # (children compiling: test_precompile)
     monkeypatch.setattr(kernels, "ACTIVATIONS", dict(kernels.ACTIVATIONS))  # (a run sets them for the process)
     monkeypatch.setattr(auto, "open_tier_store", counting_convert)
     small = auto.Machine.detect(tmp_path)
@@ -104,6 +105,18 @@ def start_packed(model, disk, fmt, monkeypatch, capsys, lines=("Hello there",)):
     monkeypatch.setattr("sys.stdin", io.StringIO("".join(line + "\n" for line in lines)))
     assert main(["chat", "--auto", str(model), "--disk", str(disk), "--weights", fmt, "--max-new-tokens", "4"]) == 0
     return capsys.readouterr()
+
+
+def test_a_start_compiles_the_kernels_its_run_computes_with_before_it_calibrates(setup, monkeypatch, capsys):
+    """Every start hands the kernels of its dtype and packed format to `compile_kernels` (child processes, where
+    numba's cache lacks them) before its calibration times them and its run calls them."""
+    model, disk, calls = setup
+    order, fake_calibrate = [], auto.calibrate
+    monkeypatch.setattr(auto, "compile_kernels", lambda dtype, packed: order.append((dtype, tuple(packed))) or True)
+    monkeypatch.setattr(auto, "calibrate", lambda *a, **kw: order.append("calibrate") or fake_calibrate(*a, **kw))
+    start_packed(model, disk, "int4", monkeypatch, capsys)
+    start_packed(model, disk, "int4", monkeypatch, capsys)  # (a later start too: a new install's kernels)
+    assert order == [(torch.float32, ("int4",)), "calibrate", (torch.float32, ("int4",))]
 
 
 def test_a_calibration_of_older_kernels_another_machine_or_a_broken_one_is_measured_again(setup, monkeypatch, capsys):

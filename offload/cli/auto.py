@@ -38,6 +38,7 @@ from offload.plan.memory import packed_kernels, ram_available
 from offload.plan.planner import Planner, resolve_capacities
 from offload.runtime.device import resolve_dtype
 from offload.runtime.overhead import engine_overhead_s
+from offload.runtime.precompile import compile_kernels
 from offload.weights.convert import convert, open_tier_store
 from offload.weights.groups import WeightFormat
 from storage.lock import FileLock
@@ -243,6 +244,8 @@ def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig
         _ensure_store(config.tiers.disk, ckpt, dtype, WeightFormat.from_config(config.weights, ckpt.config), root)
     cal_path = config.calibration or root / "calibration.json"
     kernels.use_activations(config.weights.int4_activations, config.weights.int8_activations)  # (what it times)
+    if device.type == "cpu":  # a fresh install's kernels, before the calibration and the run call them
+        compile_kernels(dtype, packed_kernels(config))
     _ensure_calibration(cal_path, packed_kernels(config), device, dtype,
                         config.tiers.disk.path.parent if config.tiers and config.tiers.disk else root)
     config = config.replace(calibration=cal_path)

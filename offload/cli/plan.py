@@ -33,12 +33,14 @@ from offload.model.generic import resolve_impl
 from offload.plan.calibrate import calibrate, default_path, load_calibration
 from offload.plan.costmodel import explain, plan_bytes
 from offload.plan.experts import expert_choice
+from offload.plan.memory import PACKED
 from offload.plan.planner import Planner, RunPlan, run_capacities
 from offload.plan.predict import KVTiers, Workload, cold_kv, predict_decode, predict_prefill_per_token, suggestions
 from offload.plan.speculative import streaming_note, without_draft
 from offload.plan.stages import plan_stages
 from offload.runtime.device import resolve_dtype
 from offload.runtime.overhead import engine_overhead_s
+from offload.runtime.precompile import compile_kernels
 from offload.runtime.speculative import auto_gain
 from storage.errors import CapacityError
 from storage.units import fmt_bytes
@@ -51,6 +53,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise ConfigError("--device cuda was asked for but CUDA is not available here")
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
     disk = Path(args.disk_path) if args.disk_path else (default_path().parent)
+    if device.type == "cpu":  # a fresh install's kernels, in child processes (`compile_kernels`)
+        compile_kernels(dtype, PACKED)
     cal = calibrate(device, dtype, disk, engine=engine_overhead_s)
     out = Path(args.output) if args.output else default_path()
     cal.save(out)

@@ -1,0 +1,72 @@
+"""A fresh install's CPU kernels compile in child processes, a stage each (`offload.runtime.precompile`), so that the
+process that calibrates and runs keeps none of numba's compiler memory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from offload.model import fused
+from offload.runtime import precompile
+
+pytestmark = pytest.mark.skipif(fused.layers_compiled() is None, reason="needs numba's kernel cache")
+
+
+def children(monkeypatch, returncode: int = 0, stderr: str = "") -> list[list[str]]:
+    """The argv of every child `compile_kernels` starts, none started for real (each ends with `returncode`)."""
+    calls: list[list[str]] = []
+
+    def run(argv, **_):
+        calls.append(list(argv))
+        return subprocess.CompletedProcess(argv, returncode, "", stderr)
+
+    monkeypatch.setattr(precompile.subprocess, "run", run)
+    return calls
+
+
+@pytest.mark.parametrize("dense, packed_done, packed, stages", [
+    (False, False, ("int4",), ["dense", "products", "packed"]),
+    (True, False, ("int8",), ["products", "packed"]),
+    (False, False, (), ["dense"]),  # a dense run compiles no packed kernel
+    (True, True, ("int4",), []),
+    (None, None, ("int4",), []),  # numba absent, or a cache it cannot read: the run compiles as before
+])
+def test_what_the_cache_lacks_compiles_in_children_stage_by_stage(monkeypatch, dense, packed_done, packed, stages):
+    monkeypatch.setattr(fused, "layers_compiled", lambda p=None: packed_done if p else dense)
+    calls, said = children(monkeypatch), []
+    assert precompile.compile_kernels(torch.bfloat16, packed, said.append)
+    assert [argv[3] for argv in calls] == stages
+    for argv in calls:
+        assert argv[:3] == [sys.executable, "-m", "offload.runtime.precompile"]
+        assert argv[4:] == ["bfloat16", *packed[:1]]
+    assert len(said) == (1 + len(stages) if stages else 0)
+    assert not stages or "not compiled yet" in said[0] and all("compiled in" in s for s in said[1:])
+
+
+@pytest.mark.parametrize("returncode, stderr, why", [
+    (-9, "", "signal 9, for memory?"),
+    (1, "Traceback (most recent call last):\nValueError: no such thing", "ValueError: no such thing"),
+])
+def test_a_child_that_fails_is_said_and_the_run_compiles_the_rest(monkeypatch, returncode, stderr, why):
+    monkeypatch.setattr(fused, "layers_compiled", lambda p=None: False)
+    calls, said = children(monkeypatch, returncode, stderr), []
+    assert not precompile.compile_kernels(torch.bfloat16, ("int4",), said.append)
+    assert [argv[3] for argv in calls] == ["dense"]  # the stages after a failed one are not started
+    assert why in said[-1] and "this process compiles what is left" in said[-1]
+
+
+def test_each_stage_runs_the_kernels_it_names():
+    """The stages' own work (here in this process, whose kernels earlier tests compiled), and one as the child it is
+    started as; a stage it does not know is refused with the ones it does."""
+    for stage in ("dense", "products", "packed"):
+        precompile.run_stage(stage, "float32", "int8")
+    assert fused.layers_compiled(False) and fused.layers_compiled(True)
+    child = subprocess.run([sys.executable, "-m", "offload.runtime.precompile", "products", "float32"],
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr
+    bad = subprocess.run([sys.executable, "-m", "offload.runtime.precompile", "all", "float32"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "stage must be one of dense, products, packed, not 'all'" in bad.stderr
