@@ -3,16 +3,25 @@ process that calibrates and runs keeps none of numba's compiler memory."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from offload.model import fused
 from offload.runtime import precompile
+from storage.lock import FileLock
 
 pytestmark = pytest.mark.skipif(fused.layers_compiled() is None, reason="needs numba's kernel cache")
+
+
+@pytest.fixture(autouse=True)
+def _cache(monkeypatch, tmp_path):  # (the lock file of `compile_kernels` lives there)
+    monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path))
 
 
 def children(monkeypatch, returncode: int = 0, stderr: str = "") -> list[list[str]]:
@@ -70,3 +79,25 @@ def test_each_stage_runs_the_kernels_it_names():
     bad = subprocess.run([sys.executable, "-m", "offload.runtime.precompile", "all", "float32"],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "stage must be one of dense, products, packed, not 'all'" in bad.stderr
+
+
+def test_processes_starting_at_once_take_turns_and_the_next_finds_the_kernels_compiled(monkeypatch, tmp_path):
+    """Two fresh starts at once: the second waits for the first's lock (and says whose), then finds the kernels in
+    numba's cache and starts no child of its own."""
+    compiled = {"now": False}
+    monkeypatch.setattr(fused, "layers_compiled", lambda p=None: compiled["now"])
+    calls, said = children(monkeypatch), []
+    first = FileLock(tmp_path / ".kernels.lock")
+    first.exclusive()
+    first.announce("compiling the CPU kernels")
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(precompile.compile_kernels, torch.float32, ("int8",), said.append)
+        deadline = time.monotonic() + 30
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert said and f"waiting for pid {os.getpid()} (compiling the CPU kernels since" in said[0]
+        assert not second.done()
+        compiled["now"] = True  # what the first process compiled
+        first.close()
+        assert second.result(timeout=30)
+    assert calls == [] and len(said) == 1

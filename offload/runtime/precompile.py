@@ -26,11 +26,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from offload.config import cache_dir
+from offload.errors import OffloadError
 from offload.model import fused
 from offload.model.kernels import packed_linear
 from offload.runtime.runner import Runner
 from offload.testing.make_model import make_model
 from offload.weights.quant import quantize
+from storage.lock import FileLock
 
 #: what each stage's child compiles, in the order they run
 STAGES = {"dense": "the dense layers", "products": "the packed products", "packed": "the packed layers"}
@@ -48,8 +51,27 @@ def compile_kernels(dtype: torch.dtype, packed: Sequence[str], say: Callable[[st
     """Compile the CPU kernels a run in `dtype` with these packed formats (int8, int4) computes with, where numba's
     cache lacks them, each stage in its own child process (`STAGES`). True where the cache holds them after (or
     did before); False where a child failed, which is said in one sentence: the run then compiles what is left in
-    its own process, as it did before this existed (the memory planner keeps room for that: `compile_reserve`)."""
+    its own process, as it did before this existed (the memory planner keeps room for that: `compile_reserve`).
+    Processes starting at once take turns (a lock in `cache_dir()`): the next finds the kernels cached."""
     stages = stages_needed(bool(packed))
+    if not stages:
+        return True
+    try:  # one process compiles at a time; the others wait, then find the kernels cached
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        lock = FileLock(cache_dir() / ".kernels.lock")
+    except (OSError, OffloadError):  # (a cache directory it cannot write: each compiles for itself)
+        lock = None
+    try:
+        if lock is not None:
+            lock.exclusive(on_wait=lambda holder: say(f"kernels: waiting for {holder} to finish compiling them"))
+            lock.announce("compiling the CPU kernels")
+        return _compile(stages_needed(bool(packed)), dtype, packed, say)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _compile(stages: list[str], dtype: torch.dtype, packed: Sequence[str], say: Callable[[str], None]) -> bool:
     if not stages:
         return True
     say(f"kernels: this install's CPU kernels are not compiled yet: compiling them once, {len(stages)} child "
@@ -59,7 +81,7 @@ def compile_kernels(dtype: torch.dtype, packed: Sequence[str], say: Callable[[st
     for stage in stages:
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", __name__, stage, name, *packed[:1]],
-                              capture_output=True, text=True, check=False)
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             why = (f"stopped by signal {-proc.returncode}{', for memory?' if proc.returncode == -9 else ''}"
                    if proc.returncode < 0 else
