@@ -11,10 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import yaml
 
+from offload.cli import prepare
+from offload.cli.main import main
 from offload.model import fused
 from offload.runtime import precompile
+from offload.runtime.runner import Runner
 from storage.lock import FileLock
+from tests.conftest import run_config
 
 pytestmark = pytest.mark.skipif(fused.layers_compiled() is None, reason="needs numba's kernel cache")
 
@@ -101,3 +106,26 @@ def test_processes_starting_at_once_take_turns_and_the_next_finds_the_kernels_co
         first.close()
         assert second.result(timeout=30)
     assert calls == [] and len(said) == 1
+
+
+@pytest.mark.parametrize("weights, packed", [({}, ()), ({"quantization": "int8", "group_size": 8}, ("int8",))])
+def test_a_cli_run_from_a_yaml_compiles_first_what_it_computes_with(tiny_llama, tmp_path, monkeypatch, capsys,
+                                                                   weights, packed):
+    """`offload run` (as `serve` and `chat --config`) hands the kernels of its dtype and packed format to
+    `compile_kernels` before the runner starts; what it says goes to stderr (stdout is the run's output)."""
+    seen = []
+
+    def compile_kernels(dtype, formats, say):
+        seen.append((dtype, tuple(formats)))
+        say("kernels: compiled")
+        return True
+
+    monkeypatch.setattr(prepare, "compile_kernels", compile_kernels)
+    started, real_init = [], Runner.__init__  # (how many compiles came before the runner started)
+    monkeypatch.setattr(Runner, "__init__", lambda *a, **kw: started.append(len(seen)) or real_init(*a, **kw))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(run_config(tiny_llama, weights=weights)))
+    assert main(["run", "--config", str(cfg), "--prompt-ids", "1,5,6", "--max-new-tokens", "2", "--json"]) == 0
+    out = capsys.readouterr()
+    assert seen == [(torch.float32, packed)] and started == [1]  # compiled before the runner
+    assert "kernels: compiled" in out.err and "kernels" not in out.out

@@ -30,9 +30,11 @@ from offload.model.chat import ChatTemplate
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.model.generic import generic_config, resolve_impl
+from offload.plan.memory import packed_kernels
 from offload.plan.planner import Planner, run_capacities
 from offload.plan.speculative import reserve_draft
 from offload.runtime.device import resolve_device, resolve_dtype
+from offload.runtime.precompile import compile_kernels
 from offload.runtime.ranks import launched
 from offload.runtime.requests import Context
 from offload.runtime.speculative import auto_gain, draft_config, draft_model_config
@@ -144,6 +146,18 @@ def store_to_fill(path: Path) -> StoreState:
         raise ConfigError(f"tiers.disk.path {path} is {what} that is not an Offload store; point tiers.disk.path "
                           "at an empty or new directory (or an existing store)")
     return state
+
+
+def compile_first(config: OffloadConfig) -> None:
+    """On a CPU, the kernels of the run's dtype and packed formats, where a fresh install's numba cache lacks them,
+    compiled now in child processes (`precompile.compile_kernels`): the run then holds none of the compiler's
+    memory, and its `auto` tiers keep no room for it. A model transformers runs calls none of them."""
+    if resolve_device(config.device).type != "cpu":
+        return
+    cfg = model_config(config)
+    if cfg.impl == "native":
+        compile_kernels(resolve_dtype(config.dtype, cfg.torch_dtype), packed_kernels(config),
+                        say=lambda line: print(line, file=sys.stderr))
 
 
 def convert_first(config: OffloadConfig, replace: bool = False) -> None:

@@ -19,6 +19,7 @@ from typing import TextIO
 
 from offload.cli.prepare import (
     check_new_tokens,
+    compile_first,
     convert_first,
     load_config,
     model_config,
@@ -270,6 +271,7 @@ def run_prompts(config: OffloadConfig, prompts: list[Prompt], args: argparse.Nam
     """Check the prompts (before any weight loads), convert a missing store, generate and print."""
     inputs = prepare_inputs(config, prompts, args)
     convert_first(config)
+    compile_first(config)
     trace = getattr(args, "trace", None)
     # a trace covers the whole run: keep every span; otherwise the configured window (bounded memory)
     timeline = Timeline(enabled=not getattr(args, "no_spans", False),
@@ -297,6 +299,7 @@ def run_jsonl(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.model)
     check_new_tokens(model_config(config), args.max_new_tokens)
     convert_first(config)
+    compile_first(config)
     defaults = FileDefaults(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
     inp, outp = Path(args.input), Path(args.output)
     with Runner(config, timeline=Timeline(enabled=not args.no_spans), concurrency=args.batch) as runner:

@@ -17,7 +17,7 @@ import sys
 
 import uvicorn
 
-from offload.cli.prepare import convert_first, load_config
+from offload.cli.prepare import compile_first, convert_first, load_config
 from offload.cli.signals import settle_heap
 from offload.errors import ConfigError
 from offload.runtime.runner import Runner
@@ -117,6 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         convert_first(config)
+        compile_first(config)
         runner = Runner(config, concurrency=args.max_batch)  # an automatic KV pool sized for a batch
     except BaseException:
         sock.close()
