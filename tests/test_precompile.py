@@ -70,6 +70,7 @@ def test_a_child_that_fails_is_said_and_the_run_compiles_the_rest(monkeypatch, r
     assert not precompile.compile_kernels(torch.bfloat16, ("int4",), said.append)
     assert [argv[3] for argv in calls] == ["dense"]  # the stages after a failed one are not started
     assert why in said[-1] and "this process compiles what is left" in said[-1]
+    assert ("give this one start about 1 GiB" in said[-1]) == (returncode == -9)
 
 
 def test_each_stage_runs_the_kernels_it_names():

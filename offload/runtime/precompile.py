@@ -87,7 +87,9 @@ def _compile(stages: list[str], dtype: torch.dtype, packed: Sequence[str], say: 
                    if proc.returncode < 0 else
                    (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1])
             say(f"kernels: compiling {STAGES[stage]} in a child process failed ({why}): this process compiles "
-                "what is left as it runs (later starts find it compiled)")
+                "what is left as it runs (later starts find it compiled)" + (
+                    "; if memory stopped it, give this one start about 1 GiB (a stage's child takes up to ~0.7 GiB "
+                    "beside this process): later starts fit in less" if proc.returncode == -9 else ""))
             return False
         say(f"kernels: {STAGES[stage]} compiled in {time.perf_counter() - t0:.0f}s")
     return True
