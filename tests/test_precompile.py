@@ -130,3 +130,19 @@ def test_a_cli_run_from_a_yaml_compiles_first_what_it_computes_with(tiny_llama, 
     out = capsys.readouterr()
     assert seen == [(torch.float32, packed)] and started == [1]  # compiled before the runner
     assert "kernels: compiled" in out.err and "kernels" not in out.out
+
+
+def test_a_cache_directory_it_cannot_make_a_lock_in_compiles_unlocked(monkeypatch):
+    """Where no lock file can be made (a read-only cache directory: `FileLock` goes without), it compiles all the
+    same, with nothing to announce."""
+    class NoFile(FileLock):
+        def __init__(self, path):
+            super().__init__(path)
+            self.close()
+            self.fd = -1  # as FileLock leaves it where it can make no lock file
+
+    monkeypatch.setattr(precompile, "FileLock", NoFile)
+    monkeypatch.setattr(fused, "layers_compiled", lambda p=None: False)
+    calls = children(monkeypatch)
+    assert precompile.compile_kernels(torch.float32, (), lambda line: None)
+    assert [argv[3] for argv in calls] == ["dense"]

@@ -42,7 +42,7 @@ STAGES = {"dense": "the dense layers", "products": "the packed products", "packe
 def stages_needed(packed: bool) -> list[str]:
     """The stages whose kernels numba's cache does not hold yet (`fused.layers_compiled`): the dense layers (every CPU
     run and its calibration calls them), and where the run multiplies packed matrices their products and layers.
-    None where it cannot tell (no numba, another cache layout): those compile in the run as before."""
+    No stage where it cannot tell (no numba, another cache layout): those compile in the run as before, if at all."""
     need = ["dense"] if fused.layers_compiled(False) is False else []
     return need + (["products", "packed"] if packed and fused.layers_compiled(True) is False else [])
 
@@ -64,7 +64,8 @@ def compile_kernels(dtype: torch.dtype, packed: Sequence[str], say: Callable[[st
     try:
         if lock is not None:
             lock.exclusive(on_wait=lambda holder: say(f"kernels: waiting for {holder} to finish compiling them"))
-            lock.announce("compiling the CPU kernels")
+            if lock.fd is not None and lock.fd >= 0:  # (no lock file it could make: nothing to announce in)
+                lock.announce("compiling the CPU kernels")
         return _compile(stages_needed(bool(packed)), dtype, packed, say)
     finally:
         if lock is not None:
