@@ -96,8 +96,11 @@ class FileLock:
         self.mode = None
 
     def announce(self, what: str) -> None:
-        """Write who holds the lock and why (read by those who wait); only the exclusive holder writes."""
-        assert self.mode == "exclusive" and self.fd is not None and self.fd >= 0
+        """Write who holds the lock and why (read by those who wait); only the exclusive holder writes. Without a lock
+        file (one it could not make: read-only media) there is nothing to write in, nor anyone who could read it."""
+        assert self.mode == "exclusive" and self.fd is not None
+        if self.fd < 0:
+            return
         text = f"pid {os.getpid()} ({what} since {time.strftime('%H:%M:%S')})".encode()
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, text, 0)

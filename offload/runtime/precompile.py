@@ -64,8 +64,7 @@ def compile_kernels(dtype: torch.dtype, packed: Sequence[str], say: Callable[[st
     try:
         if lock is not None:
             lock.exclusive(on_wait=lambda holder: say(f"kernels: waiting for {holder} to finish compiling them"))
-            if lock.fd is not None and lock.fd >= 0:  # (no lock file it could make: nothing to announce in)
-                lock.announce("compiling the CPU kernels")
+            lock.announce("compiling the CPU kernels")
         return _compile(stages_needed(bool(packed)), dtype, packed, say)
     finally:
         if lock is not None:
