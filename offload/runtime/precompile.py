@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -30,8 +29,7 @@ from offload.config import cache_dir
 from offload.errors import OffloadError
 from offload.model import fused
 from offload.model.kernels import packed_linear
-from offload.runtime.runner import Runner
-from offload.testing.make_model import make_model
+from offload.runtime.overhead import TINY_PROMPT, tiny_runner
 from offload.weights.quant import quantize
 from storage.lock import FileLock
 
@@ -97,12 +95,8 @@ def _compile(stages: list[str], dtype: torch.dtype, packed: Sequence[str], say: 
 
 def _tiny_run(dtype: str, quantization: str) -> None:
     """Prefill and decode with a tiny Llama-shaped model in `dtype`, its matrices dense ("none") or packed."""
-    with tempfile.TemporaryDirectory(prefix="offload-precompile-") as tmp:
-        make_model(tmp, "llama", "tiny", dtype=dtype, overrides={"intermediate_size": 384})  # (group size 64)
-        config = {"model": tmp, "device": "cpu", "dtype": dtype, "kv_cache": {"prefix_cache": "off"},
-                  "activations": {"prefill_chunk": 16}, "weights": {"quantization": quantization}}
-        with Runner.from_config(config) as runner:
-            runner.generate([[1] + list(range(3, 18))], max_new_tokens=3, stop_on_eos=False)
+    with tiny_runner("cpu", dtype, quantization) as (runner, _):
+        runner.generate([TINY_PROMPT], max_new_tokens=3, stop_on_eos=False)
 
 
 def _products(dtype: str) -> None:
