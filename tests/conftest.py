@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from offload.plan import memory
 from offload.testing.make_model import make_model
 
 
@@ -47,6 +48,15 @@ def run_config(model: Path, **overrides) -> dict:
     cfg = {"model": str(model), "device": "cpu", "dtype": "float32"}
     cfg.update(overrides)
     return cfg
+
+
+@pytest.fixture(autouse=True)
+def _compiling_in_process():
+    """Every test plans as a Runner made in Python does, keeping room for compiling the kernels in the process; a
+    command that compiles them in child processes first (`prepare.before_run`) says so for its process."""
+    memory.compile_apart(False)
+    yield
+    memory.compile_apart(False)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -3,6 +3,7 @@ process that calibrates and runs keeps none of numba's compiler memory."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,9 @@ import yaml
 
 from offload.cli import prepare
 from offload.cli.main import main
+from offload.config import OffloadConfig
 from offload.model import fused
+from offload.plan import memory
 from offload.runtime import precompile
 from offload.runtime.runner import Runner
 from storage.lock import FileLock
@@ -130,6 +133,41 @@ def test_a_cli_run_from_a_yaml_compiles_first_what_it_computes_with(tiny_llama, 
     out = capsys.readouterr()
     assert seen == [(torch.float32, packed)] and started == [1]  # compiled before the runner
     assert "kernels: compiled" in out.err and "kernels" not in out.out
+
+
+
+def test_a_command_plans_its_run_as_compiled_in_children_and_keeps_the_reserve_where_one_failed(
+        tiny_llama, tmp_path, monkeypatch, capsys):
+    """A command's run compiles a fresh install's kernels in child processes before its runner plans
+    (`prepare.before_run`): its auto tiers, and the conversion's plan before them, keep no room for compiling in the
+    process, and `offload plan` plans so (saying the first run compiles them first; a fresh install's plan had
+    streamed 7 of SmolLM2 int4's 32 groups in 1 GiB that the run holds in RAM). Where a child failed the run compiles
+    the rest itself and keeps the room, as a Runner made in Python does."""
+    mib, cpu = 2**20, torch.device("cpu")
+    monkeypatch.setattr(memory, "ram_available", lambda: 2000 * mib)
+    monkeypatch.setattr(fused, "layers_compiled", lambda packed=None: False)
+    monkeypatch.setattr(memory, "_told", set())
+    tiers, weights = {"gpu": {"capacity": "auto"}}, {"quantization": "int8", "group_size": 8}
+    config = OffloadConfig.load(run_config(tiny_llama, tiers=tiers, weights=weights))
+
+    def room() -> int:
+        return memory.run_capacities(config, cpu, tell=False).gpu
+
+    assert room() == int((2000 - 650) * mib * 0.8)  # a Runner made in Python compiles in its own process
+    for compiled, held in ((True, 0), (False, 650)):
+        monkeypatch.setattr(prepare, "compile_kernels", lambda dtype, formats, say, ok=compiled: ok)
+        prepare.before_run(config)
+        assert room() == int((2000 - held) * mib * 0.8), compiled
+    memory.compile_apart(False)
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(run_config(tiny_llama, tiers=tiers, weights=weights)))
+    assert main(["plan", "--config", str(path), "--json"]) == 0
+    out = capsys.readouterr()
+    assert "not compiled yet: the first run compiles them in child processes" in out.err
+    assert json.loads(out.out)["device"] == "cpu" and room() == int(2000 * mib * 0.8)
+    monkeypatch.setattr(fused, "layers_compiled", lambda packed=None: True)  # compiled: nothing to say
+    assert main(["plan", "--config", str(path)]) == 0
+    assert "kernels" not in capsys.readouterr().err
 
 
 def test_a_cache_directory_it_cannot_make_a_lock_in_compiles_unlocked(monkeypatch):

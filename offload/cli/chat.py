@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from offload.cli import auto
-from offload.cli.prepare import check_new_tokens, compile_first, convert_first, load_config, model_config, require_chat
+from offload.cli.prepare import before_run, check_new_tokens, convert_first, load_config, model_config, require_chat
 from offload.cli.run import add_sampling_args, check_sampling_args, cli_sampling
 from offload.cli.signals import Terminated, settle_heap
 from offload.errors import ConfigError, OffloadError
@@ -152,9 +152,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.model)
     require_chat(config.model)
     check_new_tokens(model_config(config), args.max_new_tokens)
-    convert_first(config)
-    if args.auto is None:  # (--auto's setup compiled them before it calibrated)
-        compile_first(config)
+    if args.auto is None:
+        before_run(config)
+    else:  # (its setup compiled the kernels before it calibrated)
+        convert_first(config)
     if args.auto is not None:
         print("loading the weights into their homes ...", file=sys.stderr)
     t0 = time.perf_counter()

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from offload.cli.prepare import load_config, plan_for
+from offload.cli.prepare import load_config, plan_as_run, plan_for
 from offload.config import (
     CpuTierConfig,
     DiskTierConfig,
@@ -114,6 +114,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         raise ConfigError(f"--ranks must be at least 1, got {args.ranks}")
     config, cfg = _plan_inputs(args)
+    plan_as_run(config, cfg)
     show_plan(config, cfg, args.batch, args.context, args.json, args.ranks)
     return 0
 

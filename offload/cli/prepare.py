@@ -4,7 +4,8 @@
     cfg = model_config(config)                        # config.json alone
     require_chat(config.model)                        # chat / run --chat: a template and a tokenizer, or refuse
     check_new_tokens(cfg, args.max_new_tokens)        # a --max-new-tokens no prompt could fit beside
-    convert_first(config)                             # a missing store: planned, then converted with a bar
+    before_run(config)                                # a missing store planned and converted (a bar), then a
+                                                      # fresh install's CPU kernels compiled in child processes
     plan_for(config, cfg, dtype, device)              # the planner a run uses (`offload plan` shows its plan)
 
 Each check reads small files (config.json, the tokenizer files), so a mistake costs a second, not a
@@ -30,11 +31,11 @@ from offload.model.chat import ChatTemplate
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.model.generic import generic_config, resolve_impl
-from offload.plan.memory import packed_kernels
+from offload.plan.memory import compile_apart, packed_kernels
 from offload.plan.planner import Planner, run_capacities
 from offload.plan.speculative import reserve_draft
 from offload.runtime.device import resolve_device, resolve_dtype
-from offload.runtime.precompile import compile_kernels
+from offload.runtime.precompile import compile_kernels, stages_needed
 from offload.runtime.ranks import launched
 from offload.runtime.requests import Context
 from offload.runtime.speculative import auto_gain, draft_config, draft_model_config
@@ -148,16 +149,43 @@ def store_to_fill(path: Path) -> StoreState:
     return state
 
 
+def compiles_apart(config: OffloadConfig, cfg: ModelConfig | None = None) -> bool:
+    """Does a command's run of `config` compile its CPU kernels in child processes before its runner starts
+    (`compile_first`): a CPU device and a model Offload runs natively (a model transformers runs calls none)?"""
+    return resolve_device(config.device).type == "cpu" and (cfg or model_config(config)).impl == "native"
+
+
+def plan_as_run(config: OffloadConfig, cfg: ModelConfig) -> None:
+    """`offload plan`: plan as a command's run of `config` places its weights, which on a CPU compiles a fresh
+    install's kernels in child processes before its runner plans (`before_run`): its `auto` tiers keep no room for
+    compiling. Said on stderr where this install has not compiled them yet."""
+    apart = compiles_apart(config, cfg)
+    compile_apart(apart)
+    if apart and stages_needed(bool(packed_kernels(config))):
+        print("kernels: this install's CPU kernels are not compiled yet: the first run compiles them in child "
+              "processes before it starts (a few minutes), and this is the plan it makes then", file=sys.stderr)
+
+
 def compile_first(config: OffloadConfig) -> None:
     """On a CPU, the kernels of the run's dtype and packed formats, where a fresh install's numba cache lacks them,
     compiled now in child processes (`precompile.compile_kernels`): the run then holds none of the compiler's
-    memory, and its `auto` tiers keep no room for it. A model transformers runs calls none of them."""
-    if resolve_device(config.device).type != "cpu":
+    memory, and its `auto` tiers keep no room for it (`memory.compile_apart`). Where a child fails, the run compiles
+    what is left in its own process, and its plan keeps that room again."""
+    if not compiles_apart(config):
         return
     cfg = model_config(config)
-    if cfg.impl == "native":
-        compile_kernels(resolve_dtype(config.dtype, cfg.torch_dtype), packed_kernels(config),
-                        say=lambda line: print(line, file=sys.stderr))
+    if not compile_kernels(resolve_dtype(config.dtype, cfg.torch_dtype), packed_kernels(config),
+                           say=lambda line: print(line, file=sys.stderr)):
+        compile_apart(False)
+
+
+def before_run(config: OffloadConfig) -> None:
+    """What a command does before its runner starts: a missing store planned and converted (`convert_first`), then
+    a fresh install's CPU kernels compiled in child processes (`compile_first`). The conversion's plan is the run's,
+    which keeps no room for compiling in the process."""
+    compile_apart(compiles_apart(config))
+    convert_first(config)
+    compile_first(config)
 
 
 def convert_first(config: OffloadConfig, replace: bool = False) -> None:

@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import TextIO
 
 from offload.cli.prepare import (
+    before_run,
     check_new_tokens,
-    compile_first,
-    convert_first,
     load_config,
     model_config,
     parse_ids,
@@ -270,8 +269,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def run_prompts(config: OffloadConfig, prompts: list[Prompt], args: argparse.Namespace) -> int:
     """Check the prompts (before any weight loads), convert a missing store, generate and print."""
     inputs = prepare_inputs(config, prompts, args)
-    convert_first(config)
-    compile_first(config)
+    before_run(config)
     trace = getattr(args, "trace", None)
     # a trace covers the whole run: keep every span; otherwise the configured window (bounded memory)
     timeline = Timeline(enabled=not getattr(args, "no_spans", False),
@@ -298,8 +296,7 @@ def run_jsonl(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch must be at least 1, got {args.batch}")
     config = load_config(args.config, args.model)
     check_new_tokens(model_config(config), args.max_new_tokens)
-    convert_first(config)
-    compile_first(config)
+    before_run(config)
     defaults = FileDefaults(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
     inp, outp = Path(args.input), Path(args.output)
     with Runner(config, timeline=Timeline(enabled=not args.no_spans), concurrency=args.batch) as runner:

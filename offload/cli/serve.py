@@ -17,7 +17,7 @@ import sys
 
 import uvicorn
 
-from offload.cli.prepare import compile_first, convert_first, load_config
+from offload.cli.prepare import before_run, load_config
 from offload.cli.signals import settle_heap
 from offload.errors import ConfigError
 from offload.runtime.runner import Runner
@@ -116,8 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)  # before the weights load: a busy port costs nothing
     try:
         config = load_config(args.config)
-        convert_first(config)
-        compile_first(config)
+        before_run(config)
         runner = Runner(config, concurrency=args.max_batch)  # an automatic KV pool sized for a batch
     except BaseException:
         sock.close()

@@ -34,16 +34,27 @@ def packed_kernels(config: OffloadConfig) -> tuple[str, ...]:
 
 
 _told: set[int] = set()  # the compile reserve `run_capacities` has told of (the first a process holds)
+#: does this process compile the CPU kernels in child processes before its runner plans (the command line's runs:
+#: `cli.prepare.before_run`; `offload plan`, which predicts them)? Its plans then keep no room for compiling
+_apart: list[bool] = [False]
+
+
+def compile_apart(on: bool) -> None:
+    """Plan this process's runs as compiling the CPU kernels in child processes first (`on`), or in the process,
+    keeping room for it (`run_capacities`; a Runner made in Python, or a run whose compiling child failed)."""
+    _apart[0] = on
 
 
 def run_capacities(config: OffloadConfig, device: torch.device, tell: bool = True) -> Capacities:
     """The run's tier capacities (`resolve_capacities`): on a CPU device, `auto` tiers leave free what this install's
-    first run still compiles (`fused.compile_reserve`; numba keeps it for the process's life: a cold first run of a
-    1.7B int4 with a 1563-token prompt in a 1.5 GiB cgroup filled it without the reserve, 1.07 tok/s; with it, peak
-    1.44 GB, 1.34 tok/s). Says so (`tell`) once a process, for the run's own plan, not for another weight format's
+    first run still compiles in its own process (`fused.compile_reserve`; none where it compiles them in children
+    first: `compile_apart`). numba keeps that for the process's life: a cold first run of a 1.7B int4 with a
+    1563-token prompt in a 1.5 GiB cgroup filled it without the reserve, 1.07 tok/s; with it, peak 1.44 GB, 1.34
+    tok/s. Says so (`tell`) once a process, for the run's own plan, not for another weight format's
     (`offload plan`'s table, whose reserve is not this run's)."""
     tiers, held = config.tiers, 0
-    if device.type == "cpu" and tiers is not None and (tiers.gpu.capacity is None or tiers.cpu.capacity is None):
+    if device.type == "cpu" and tiers is not None and (tiers.gpu.capacity is None or tiers.cpu.capacity is None) \
+            and not _apart[0]:
         held = fused.compile_reserve(bool(packed_kernels(config)))
         if held and tell and not _told:  # (a command may plan more than once: the first is the run's own)
             _told.add(held)
