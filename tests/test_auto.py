@@ -271,7 +271,7 @@ def test_a_first_start_short_of_the_memory_its_compiling_holds_is_told_before_it
                                          (True, 300 * mib, ("int4",), False), (False, 400 * mib, (), True),
                                          (False, 600 * mib, (), False)]:
         path.unlink(missing_ok=True)
-        monkeypatch.setattr(auto.fused, "layers_compiled", lambda packed=None, compiled=compiled: compiled)
+        monkeypatch.setattr(auto.fused, "layers_compiled", lambda packed=None, dtype=None, compiled=compiled: compiled)
         monkeypatch.setattr(auto, "ram_available", lambda room=room: room)
         auto._ensure_calibration(path, packed, torch.device("cpu"), torch.float32, tmp_path)
         out = capsys.readouterr().out
@@ -317,7 +317,7 @@ def test_a_machine_too_small_for_the_smallest_plan_is_told_before_anything_is_co
     # the RAM it names is enough: with it the same start converts, plans and chats, on a fresh install too (the
     # check before converting counts the RAM a first run keeps for compiling, which the calibration's restart frees)
     monkeypatch.setattr(memory, "ram_available", lambda: parse_size(need[1]))
-    monkeypatch.setattr(memory.fused, "layers_compiled", lambda packed=None: False)
+    monkeypatch.setattr(memory.fused, "layers_compiled", lambda packed=None, dtype=None: False)
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n"))
     assert main(["chat", "--auto", str(model), "--disk", str(disk), "--max-new-tokens", "2"]) == 0
     assert calls["convert"] == 1 and "passes of 16 tokens" in capsys.readouterr().err

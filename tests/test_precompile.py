@@ -52,7 +52,7 @@ def children(monkeypatch, returncode: int = 0, stderr: str = "") -> list[list[st
     (None, None, ("int4",), []),  # numba absent, or a cache it cannot read: the run compiles as before
 ])
 def test_what_the_cache_lacks_compiles_in_children_stage_by_stage(monkeypatch, dense, packed_done, packed, stages):
-    monkeypatch.setattr(fused, "layers_compiled", lambda p=None: packed_done if p else dense)
+    monkeypatch.setattr(fused, "layers_compiled", lambda p=None, dtype=None: packed_done if p else dense)
     calls, said = children(monkeypatch), []
     assert precompile.compile_kernels(torch.bfloat16, packed, said.append)
     assert [argv[3] for argv in calls] == stages
@@ -63,12 +63,34 @@ def test_what_the_cache_lacks_compiles_in_children_stage_by_stage(monkeypatch, d
     assert not stages or "not compiled yet" in said[0] and all("compiled in" in s for s in said[1:])
 
 
+
+def test_the_stages_look_for_the_layer_of_the_runs_dtype(monkeypatch):
+    """Each activation dtype has its own compiled layer and products: a fresh install whose first run was in bf16
+    compiles a float32 run's kernels in child processes too, not in that run (where its plan keeps no room for it).
+    The layer's first argument says the dtype (its rows' raw bits: uint16 bf16, uint32 float32), uint8 arrays that
+    it multiplies packed codes."""
+    row = "Array({}, 2, 'C', False, aligned=True)"
+    signatures = {"bf16 dense": f"({row.format('uint16')}, {row.format('uint16')}, {row.format('uint16')})",
+                  "float32 packed": f"({row.format('uint32')}, {row.format('uint32')}, {row.format('uint8')})"}
+    index: dict = {}
+    monkeypatch.setattr(fused._layer._cache._cache_file, "_load_index", lambda: index)
+    assert precompile.stages_needed(True, torch.bfloat16) == ["dense", "products", "packed"]  # a fresh install
+    index[(signatures["bf16 dense"], "cpu")] = 0
+    assert precompile.stages_needed(True, torch.bfloat16) == ["products", "packed"]
+    assert precompile.stages_needed(False, torch.bfloat16) == []
+    assert precompile.stages_needed(False, torch.float32) == ["dense"]  # (they looked at any dtype's layer)
+    assert precompile.stages_needed(True, torch.float32) == ["dense", "products", "packed"]
+    index[(signatures["float32 packed"], "cpu")] = 1
+    assert precompile.stages_needed(True, torch.float32) == ["dense"]
+    assert precompile.stages_needed(True) == [] and fused.layers_compiled(True, torch.bfloat16) is False
+
+
 @pytest.mark.parametrize("returncode, stderr, why", [
     (-9, "", "signal 9, for memory?"),
     (1, "Traceback (most recent call last):\nValueError: no such thing", "ValueError: no such thing"),
 ])
 def test_a_child_that_fails_is_said_and_the_run_compiles_the_rest(monkeypatch, returncode, stderr, why):
-    monkeypatch.setattr(fused, "layers_compiled", lambda p=None: False)
+    monkeypatch.setattr(fused, "layers_compiled", lambda p=None, dtype=None: False)
     calls, said = children(monkeypatch, returncode, stderr), []
     assert not precompile.compile_kernels(torch.bfloat16, ("int4",), said.append)
     assert [argv[3] for argv in calls] == ["dense"]  # the stages after a failed one are not started
@@ -94,7 +116,7 @@ def test_processes_starting_at_once_take_turns_and_the_next_finds_the_kernels_co
     """Two fresh starts at once: the second waits for the first's lock (and says whose), then finds the kernels in
     numba's cache and starts no child of its own."""
     compiled = {"now": False}
-    monkeypatch.setattr(fused, "layers_compiled", lambda p=None: compiled["now"])
+    monkeypatch.setattr(fused, "layers_compiled", lambda p=None, dtype=None: compiled["now"])
     calls, said = children(monkeypatch), []
     first = FileLock(tmp_path / ".kernels.lock")
     first.exclusive()
@@ -145,7 +167,7 @@ def test_a_command_plans_its_run_as_compiled_in_children_and_keeps_the_reserve_w
     the rest itself and keeps the room, as a Runner made in Python does."""
     mib, cpu = 2**20, torch.device("cpu")
     monkeypatch.setattr(memory, "ram_available", lambda: 2000 * mib)
-    monkeypatch.setattr(fused, "layers_compiled", lambda packed=None: False)
+    monkeypatch.setattr(fused, "layers_compiled", lambda packed=None, dtype=None: False)
     monkeypatch.setattr(memory, "_told", set())
     tiers, weights = {"gpu": {"capacity": "auto"}}, {"quantization": "int8", "group_size": 8}
     config = OffloadConfig.load(run_config(tiny_llama, tiers=tiers, weights=weights))
@@ -165,9 +187,10 @@ def test_a_command_plans_its_run_as_compiled_in_children_and_keeps_the_reserve_w
     out = capsys.readouterr()
     assert "not compiled yet: the first run compiles them in child processes" in out.err
     assert json.loads(out.out)["device"] == "cpu" and room() == int(2000 * mib * 0.8)
-    monkeypatch.setattr(fused, "layers_compiled", lambda packed=None: True)  # compiled: nothing to say
+    monkeypatch.setattr(fused, "layers_compiled", lambda packed=None, dtype=None: True)  # compiled: nothing to say
     assert main(["plan", "--config", str(path)]) == 0
     assert "kernels" not in capsys.readouterr().err
+
 
 
 def test_a_cache_directory_it_cannot_make_a_lock_in_compiles_unlocked(monkeypatch):
@@ -180,7 +203,7 @@ def test_a_cache_directory_it_cannot_make_a_lock_in_compiles_unlocked(monkeypatc
             self.fd = -1  # as FileLock leaves it where it can make no lock file
 
     monkeypatch.setattr(precompile, "FileLock", NoFile)
-    monkeypatch.setattr(fused, "layers_compiled", lambda p=None: False)
+    monkeypatch.setattr(fused, "layers_compiled", lambda p=None, dtype=None: False)
     calls = children(monkeypatch)
     assert precompile.compile_kernels(torch.float32, (), lambda line: None)
     assert [argv[3] for argv in calls] == ["dense"]

@@ -161,7 +161,7 @@ def plan_as_run(config: OffloadConfig, cfg: ModelConfig) -> None:
     compiling. Said on stderr where this install has not compiled them yet."""
     apart = compiles_apart(config, cfg)
     compile_apart(apart)
-    if apart and stages_needed(bool(packed_kernels(config))):
+    if apart and stages_needed(bool(packed_kernels(config)), resolve_dtype(config.dtype, cfg.torch_dtype)):
         print("kernels: this install's CPU kernels are not compiled yet: the first run compiles them in child "
               "processes before it starts (a few minutes), and this is the plan it makes then", file=sys.stderr)
 

@@ -174,17 +174,24 @@ LAYER_DTYPES = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
     if numba is not None else set()
 
 
-def layers_compiled(packed: bool | None = None) -> bool | None:
+def layers_compiled(packed: bool | None = None, dtype: torch.dtype | None = None) -> bool | None:
     """Does numba's cache hold a compiled decoder layer (`_layer`, which every fused pass calls: a streamed layer on
     its own, resident ones through `_layers`, whose compiling around a cached `_layer` held 57 MiB) of these kernel
-    files: for packed matrices (int8, int4: `packed` True), dense ones (False) or any? False on a fresh install, whose
-    first run compiles every kernel it uses (~1 min, and memory: `COMPILING`); None where numba is not there or its
-    cache's (private) layout differs."""
+    files: for packed matrices (int8, int4: `packed` True), dense ones (False) or any, with activations of `dtype`
+    (bf16, float32: each its own layer and products) or any? False on a fresh install, whose first run compiles
+    every kernel it uses (~1 min, and memory: `COMPILING`); None where numba is not there or its cache's (private)
+    layout differs."""
     try:
         signatures = [str(key[0]) for key in _layer._cache._cache_file._load_index()]
     except Exception:  # noqa: BLE001 - numba's internals: where they differ, only this answer is lost
         return None
-    return any(packed is None or ("uint8" in s) == packed for s in signatures)  # packed codes are the uint8 arrays
+    rows = None if dtype is None else f"(Array({_RAW_BITS[dtype]}, "  # x, the layer's first argument: raw bits
+    return any((packed is None or ("uint8" in s) == packed) and (rows is None or s.startswith(rows))
+               for s in signatures)  # packed codes are the uint8 arrays
+
+
+#: the raw bits a layer's rows are passed as, by the activations' dtype (`cpu_elementwise._raw`)
+_RAW_BITS = {torch.bfloat16: "uint16", torch.float32: "uint32"}
 
 
 #: what a first run's compiling holds beyond a later run's, for the process's life (numba keeps the code and its

@@ -37,12 +37,13 @@ from storage.lock import FileLock
 STAGES = {"dense": "the dense layers", "products": "the packed products", "packed": "the packed layers"}
 
 
-def stages_needed(packed: bool) -> list[str]:
-    """The stages whose kernels numba's cache does not hold yet (`fused.layers_compiled`): the dense layers (every CPU
-    run and its calibration calls them), and where the run multiplies packed matrices their products and layers.
-    No stage where it cannot tell (no numba, another cache layout): those compile in the run as before, if at all."""
-    need = ["dense"] if fused.layers_compiled(False) is False else []
-    return need + (["products", "packed"] if packed and fused.layers_compiled(True) is False else [])
+def stages_needed(packed: bool, dtype: torch.dtype | None = None) -> list[str]:
+    """The stages whose kernels numba's cache does not hold yet for activations of `dtype` (any: None;
+    `fused.layers_compiled`): the dense layers (every CPU run and its calibration calls them), and where the run
+    multiplies packed matrices their products and layers. No stage where it cannot tell (no numba, another cache
+    layout): those compile in the run as before, if at all."""
+    need = ["dense"] if fused.layers_compiled(False, dtype) is False else []
+    return need + (["products", "packed"] if packed and fused.layers_compiled(True, dtype) is False else [])
 
 
 def compile_kernels(dtype: torch.dtype, packed: Sequence[str], say: Callable[[str], None] = print) -> bool:
@@ -51,7 +52,7 @@ def compile_kernels(dtype: torch.dtype, packed: Sequence[str], say: Callable[[st
     did before); False where a child failed, which is said in one sentence: the run then compiles what is left in
     its own process, as it did before this existed (the memory planner keeps room for that: `compile_reserve`).
     Processes starting at once take turns (a lock in `cache_dir()`): the next finds the kernels cached."""
-    stages = stages_needed(bool(packed))
+    stages = stages_needed(bool(packed), dtype)
     if not stages:
         return True
     try:  # one process compiles at a time; the others wait, then find the kernels cached
@@ -63,7 +64,7 @@ def compile_kernels(dtype: torch.dtype, packed: Sequence[str], say: Callable[[st
         if lock is not None:
             lock.exclusive(on_wait=lambda holder: say(f"kernels: waiting for {holder} to finish compiling them"))
             lock.announce("compiling the CPU kernels")
-        return _compile(stages_needed(bool(packed)), dtype, packed, say)
+        return _compile(stages_needed(bool(packed), dtype), dtype, packed, say)
     finally:
         if lock is not None:
             lock.close()
