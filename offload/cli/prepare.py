@@ -192,17 +192,25 @@ def convert_first(config: OffloadConfig, replace: bool = False) -> None:
     """The first run of a config with a disk tier converts the checkpoint into the store: here, with a
     progress bar on stderr, once the plan is known to fit (a config the runner would refuse converts nothing).
     A complete store is left alone (`replace`: converted again, as `offload convert --force` would: for a store
-    the caller owns, such as the demo's cache); an interrupted conversion resumes; other processes wait."""
+    the caller owns, such as the demo's cache); an interrupted conversion resumes; other processes wait. A
+    complete store of another checkpoint, dtype or weight format is refused now, as the runner would refuse it
+    (`convert.open_store`), not after a fresh install's kernels compiled (`compile_first`: minutes)."""
     disk = config.tiers.disk if config.tiers is not None else None
-    if disk is None or (store_to_fill(disk.path) is StoreState.COMPLETE and not replace):
+    if disk is None:
+        return
+    complete = store_to_fill(disk.path) is StoreState.COMPLETE and not replace
+    if complete and config.hub:  # (its weights come when the runner starts, which checks the store then)
         return
     if config.hub:  # the weights come now, as the runner would fetch them (resumed if interrupted)
         config = config.replace(model=hub.fetch(config.hub))
     ckpt = Checkpoint(config.model, config.model_impl)
     dtype, device = resolve_dtype(config.dtype, ckpt.config.torch_dtype), resolve_device(config.device)
+    fmt = WeightFormat.from_config(config.weights, ckpt.config)
+    if complete:  # StaleStoreError, as the runner's
+        open_tier_store(ckpt, disk, dtype, fmt).close()
+        return
     if not launched():  # under torchrun each rank plans its own slice when the run starts
         plan_for(config, ckpt.config, dtype, device)[1].run_plan()  # CapacityError / ConfigError, as the runner's
-    fmt = WeightFormat.from_config(config.weights, ckpt.config)
     if replace:  # under the store's lock: a process reading it is waited for
         print(f"offload: converting {ckpt.path} into the store {disk.path} again", file=sys.stderr)
         convert(ckpt, disk.path, dtype, force=True, capacity=disk.capacity, progress=True, fmt=fmt).close()
