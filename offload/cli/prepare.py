@@ -151,8 +151,10 @@ def store_to_fill(path: Path) -> StoreState:
 
 def compiles_apart(config: OffloadConfig, cfg: ModelConfig | None = None) -> bool:
     """Does a command's run of `config` compile its CPU kernels in child processes before its runner starts
-    (`compile_first`): a CPU device and a model Offload runs natively (a model transformers runs calls none)?"""
-    return resolve_device(config.device).type == "cpu" and (cfg or model_config(config)).impl == "native"
+    (`compile_first`): a CPU device and a model Offload runs natively (a model transformers runs calls none)? (A
+    CUDA device is not asked for: `offload plan` plans for one on paper, and a run without it is refused later.)"""
+    device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device).type == "cpu" and (cfg or model_config(config)).impl == "native"
 
 
 def plan_as_run(config: OffloadConfig, cfg: ModelConfig) -> None:
