@@ -149,12 +149,12 @@ def store_to_fill(path: Path) -> StoreState:
     return state
 
 
-def compiles_apart(config: OffloadConfig, cfg: ModelConfig | None = None) -> bool:
+def compiles_apart(config: OffloadConfig, cfg: ModelConfig) -> bool:
     """Does a command's run of `config` compile its CPU kernels in child processes before its runner starts
-    (`compile_first`): a CPU device and a model Offload runs natively (a model transformers runs calls none)? (A
-    CUDA device is not asked for: `offload plan` plans for one on paper, and a run without it is refused later.)"""
+    (`before_run`): a CPU device and a model Offload runs natively (a model transformers runs calls none)? (A CUDA
+    device is not asked for: `offload plan` plans for one on paper, and a run without it is refused later.)"""
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device).type == "cpu" and (cfg or model_config(config)).impl == "native"
+    return torch.device(device).type == "cpu" and cfg.impl == "native"
 
 
 def plan_as_run(config: OffloadConfig, cfg: ModelConfig) -> None:
@@ -168,26 +168,19 @@ def plan_as_run(config: OffloadConfig, cfg: ModelConfig) -> None:
               "processes before it starts (a few minutes), and this is the plan it makes then", file=sys.stderr)
 
 
-def compile_first(config: OffloadConfig) -> None:
-    """On a CPU, the kernels of the run's dtype and packed formats, where a fresh install's numba cache lacks them,
-    compiled now in child processes (`precompile.compile_kernels`): the run then holds none of the compiler's
-    memory, and its `auto` tiers keep no room for it (`memory.compile_apart`). Where a child fails, the run compiles
-    what is left in its own process, and its plan keeps that room again."""
-    if not compiles_apart(config):
-        return
-    cfg = model_config(config)
-    if not compile_kernels(resolve_dtype(config.dtype, cfg.torch_dtype), packed_kernels(config),
-                           say=lambda line: print(line, file=sys.stderr)):
-        compile_apart(False)
-
-
 def before_run(config: OffloadConfig) -> None:
-    """What a command does before its runner starts: a missing store planned and converted (`convert_first`), then
-    a fresh install's CPU kernels compiled in child processes (`compile_first`). The conversion's plan is the run's,
-    which keeps no room for compiling in the process."""
-    compile_apart(compiles_apart(config))
+    """What a command does before its runner starts: a missing store planned and converted (`convert_first`), then,
+    on a CPU, the kernels of the run's dtype and packed formats that a fresh install's numba cache lacks compiled
+    in child processes (`precompile.compile_kernels`): the run then holds none of the compiler's memory, and its
+    plans (the conversion's too) keep no room for it (`memory.compile_apart`). Where a child fails, the run compiles
+    what is left in its own process, and its plan keeps that room again."""
+    cfg = model_config(config)
+    apart = compiles_apart(config, cfg)
+    compile_apart(apart)
     convert_first(config)
-    compile_first(config)
+    if apart and not compile_kernels(resolve_dtype(config.dtype, cfg.torch_dtype), packed_kernels(config),
+                                     say=lambda line: print(line, file=sys.stderr)):
+        compile_apart(False)
 
 
 def convert_first(config: OffloadConfig, replace: bool = False) -> None:
@@ -196,7 +189,7 @@ def convert_first(config: OffloadConfig, replace: bool = False) -> None:
     A complete store is left alone (`replace`: converted again, as `offload convert --force` would: for a store
     the caller owns, such as the demo's cache); an interrupted conversion resumes; other processes wait. A
     complete store of another checkpoint, dtype or weight format is refused now, as the runner would refuse it
-    (`convert.open_store`), not after a fresh install's kernels compiled (`compile_first`: minutes)."""
+    (`convert.open_store`), not after a fresh install's kernels compiled (`before_run`: minutes)."""
     disk = config.tiers.disk if config.tiers is not None else None
     if disk is None:
         return

@@ -185,13 +185,10 @@ def layers_compiled(packed: bool | None = None, dtype: torch.dtype | None = None
         signatures = [str(key[0]) for key in _layer._cache._cache_file._load_index()]
     except Exception:  # noqa: BLE001 - numba's internals: where they differ, only this answer is lost
         return None
-    rows = None if dtype is None else f"(Array({_RAW_BITS[dtype]}, "  # x, the layer's first argument: raw bits
+    rows = None if dtype is None else f"(Array({_raw(torch.empty(0, dtype=dtype), True).dtype}, "  # x: raw bits
     return any((packed is None or ("uint8" in s) == packed) and (rows is None or s.startswith(rows))
                for s in signatures)  # packed codes are the uint8 arrays
 
-
-#: the raw bits a layer's rows are passed as, by the activations' dtype (`cpu_elementwise._raw`)
-_RAW_BITS = {torch.bfloat16: "uint16", torch.float32: "uint32"}
 
 
 #: what a first run's compiling holds beyond a later run's, for the process's life (numba keeps the code and its
