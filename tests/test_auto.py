@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -20,7 +21,7 @@ from offload.cli.main import main
 from offload.fields import parse_size
 from offload.model import kernels
 from offload.plan import machine, memory
-from offload.plan.calibrate import PACKED, Calibration, kernels_id
+from offload.plan.calibrate import PACKED, Calibration, kernels_id, load_calibration
 from offload.runtime.conversation import Conversation
 from offload.runtime.engine import Sampling
 from offload.runtime.overhead import engine_overhead_s
@@ -229,6 +230,67 @@ def test_two_starts_at_once_measure_the_machine_once(tmp_path, monkeypatch, caps
     assert len(measured) == 1 and Calibration.load(path).meta["kernels"] == kernels_id()
     # (who: "pid N (calibrating since ...)", or "another process" where the second looked before the first announced)
     assert "calibration: waiting for " in out and "(measured by the process it waited for; no calibration)" in out
+
+
+def measured(rate: float, busy: float) -> Calibration:
+    """A calibration of this machine and these kernels whose layers went at `rate`, other work keeping `busy` of the
+    CPUs meanwhile."""
+    cal = Calibration.defaults()
+    cal.compute["cpu"]["weight_bytes_per_s"] = [rate] * len(cal.compute["cpu"]["tokens"])
+    cal.meta |= {"kernels": kernels_id(), "machine": machine.identity(), "activations": dict(kernels.ACTIVATIONS),
+                 "others_busy": busy}
+    return cal
+
+
+def test_two_setups_starting_at_once_take_turns_measuring(tmp_path, monkeypatch, capsys):
+    """Two first starts with separate --disk directories measured at once, each timing the other's load (2 cores:
+    a step of 8 ms planned at 20-23 ms by both); every calibration of the machine takes one lock now: the second
+    waits, then measures its own file."""
+    spans = []
+
+    def slow_calibrate(device, dtype, disk, engine=None, packed=PACKED):
+        t0 = time.monotonic()
+        time.sleep(0.4)
+        spans.append((t0, time.monotonic()))
+        return measured(10e9, 0.0)
+
+    monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(auto, "calibrate", slow_calibrate)
+    paths = [tmp_path / f"disk{i}" / "calibration.json" for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda p: auto._ensure_calibration(p, (), torch.device("cpu"), torch.float32, p.parent), paths))
+    (a0, a1), (b0, b1) = sorted(spans)
+    assert len(spans) == 2 and a1 <= b0 and all(Calibration.load(p).meta["kernels"] == kernels_id() for p in paths)
+    assert "calibration: waiting for " in capsys.readouterr().out
+
+
+def test_a_calibration_slowed_by_other_work_is_measured_again_keeping_the_faster_tables(tmp_path, monkeypatch,
+                                                                                        capsys, caplog):
+    """Measured while other work kept more than BUSY of the CPUs busy: the next start measures again and keeps the
+    faster of each table, up to BUSY_ROUNDS measurements; then the file stands, and a run reading it is warned."""
+    path, rounds = tmp_path / "calibration.json", [(10e9, 0.5), (5e9, 0.6), (20e9, 0.0)]
+    monkeypatch.setattr(auto, "calibrate", lambda *a, **k: measured(*rounds.pop(0)))
+
+    def start() -> str:
+        auto._ensure_calibration(path, (), torch.device("cpu"), torch.float32, tmp_path)
+        return capsys.readouterr().out
+
+    def rate() -> float:
+        return Calibration.load(path).compute["cpu"]["weight_bytes_per_s"][0]
+
+    assert "once" in start() and rate() == 10e9
+    assert "(other work kept 50% of the CPUs busy while it measured)" in start() and rate() == 10e9  # (kept)
+    assert "(other work kept 60% of the CPUs busy while it measured)" in start() and rate() == 20e9
+    assert "(reused; no calibration)" in start() and not rounds
+    assert Calibration.load(path).meta["rounds"] == 3 and Calibration.load(path).busy == 0.0
+    rounds[:] = [(10e9, 0.7), (9e9, 0.5), (8e9, 0.4)]  # busy every time: BUSY_ROUNDS measurements, then it stands
+    path.unlink()
+    for _ in range(4):
+        start()
+    assert not rounds and rate() == 10e9 and "(reused; no calibration)" in (start())
+    with caplog.at_level(logging.WARNING):
+        load_calibration(path)
+    assert [r for r in caplog.records if "was measured while other work kept 40% of the CPUs busy" in r.message]
 
 
 def test_a_calibration_that_leaves_the_process_holding_memory_starts_the_command_again(tmp_path, monkeypatch):

@@ -44,8 +44,9 @@ def test_the_thread_count_follows_the_cores_others_leave(monkeypatch):
     a thread away, its end gives it back, a look too soon decides nothing; the caller's own count is left alone."""
     clock, readings = [0.0], []
     monkeypatch.setattr(cores, "cpus", lambda: 2)
-    monkeypatch.setattr(cores.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(cores, "cpu_seconds", lambda: readings.pop(0))
+    monkeypatch.setattr(machine, "cpus", lambda: 2)
+    monkeypatch.setattr(cores.time, "monotonic", lambda: clock[0])  # (the module's: machine's readings too)
+    monkeypatch.setattr(machine, "cpu_seconds", lambda: readings.pop(0))
 
     def look(at: float, busy: float, ours: float) -> int | None:
         clock[0] = at
@@ -82,7 +83,7 @@ def test_omp_num_threads_is_the_most_it_takes_and_no_proc_stat_decides_nothing(m
 
     assert in_thread(told) == (None, 1)
     monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setattr(cores, "cpu_seconds", lambda: None)
+    monkeypatch.setattr(machine, "cpu_seconds", lambda: None)
     monkeypatch.setattr(cores, "CHECK_S", 0.0)
 
     def blind():
@@ -126,6 +127,31 @@ def test_a_busy_process_beside_takes_a_thread_and_gives_it_back_when_it_ends(mon
     busy, free = in_thread(run)
     assert busy and busy[-1] < n, busy
     assert free and free[-1] == n, free
+
+
+@pytest.mark.skipif(machine.cpu_seconds() is None, reason="needs /proc/stat")
+def test_busy_share_counts_other_processes_work_and_not_this_ones():
+    """`machine.busy_share` (what a calibration records: `Calibration.busy`): a process spinning beside for a second
+    shows as about one core of the CPUs; this process's own spinning does not show."""
+    def share(work) -> float:
+        start = machine.busy_mark()
+        work()
+        return machine.busy_share(start, machine.busy_mark()) * machine.cpus()  # (cores)
+
+    def spin(seconds: float = 1.0) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+
+    other = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # (started)
+        beside = share(lambda: time.sleep(1.0))
+    finally:
+        other.kill()
+        other.wait()
+    assert beside > 0.6, beside
+    assert share(spin) < 0.5
 
 
 @pytest.mark.parametrize("quantization", [None, "int4"])

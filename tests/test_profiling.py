@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,6 +327,10 @@ def test_calibration_probes_fit_in_a_quarter_of_the_ram_the_process_may_fill(tmp
 
 
 def test_calibration_with_too_little_ram_for_a_test_layer_keeps_default_compute_tables(tmp_path, monkeypatch, caplog):
+    """(And a calibration records how busy other work kept the CPUs meanwhile: `Calibration.busy`.)"""
+    readings = [(0.0, 100.0, 10.0), (4.0, 106.0, 12.0)]  # (monotonic s, all CPU s, ours): others 4 s of 8
+    monkeypatch.setattr(machine, "busy_mark", lambda: readings.pop(0))
+    monkeypatch.setattr(machine, "cpus", lambda: 2)
     monkeypatch.setattr(calibrate, "ram_available", lambda: 40 << 20)
     monkeypatch.setattr(probe, "_layer_seconds", lambda *a: pytest.fail("a test layer was measured"))
     cal = calibrate.calibrate(torch.device("cpu"), torch.float32, tmp_path,
@@ -333,6 +338,7 @@ def test_calibration_with_too_little_ram_for_a_test_layer_keeps_default_compute_
     assert cal.compute == {} and cal.links["memcpy"] > 0 and cal.links["disk read"] > 0
     assert cal.weight_bytes_per_s("cpu", 1) == calibrate.DEFAULTS["compute"]["cpu"]["weight_bytes_per_s"][0]
     assert [r.message for r in caplog.records if "fits no test layer" in r.message]
+    assert cal.busy == 0.5 and not readings
 
 
 def test_a_pass_larger_than_the_cache_is_planned_at_the_cold_rate():

@@ -19,6 +19,7 @@ import argparse
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,18 +34,20 @@ from offload.errors import ConfigError, StaleStoreError
 from offload.model import fused, hub, kernels
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
-from offload.plan.calibrate import calibrate, why_measure
-from offload.plan.memory import packed_kernels, ram_available
+from offload.plan.calibrate import BUSY, BUSY_ROUNDS, Calibration, CalibrationError, calibrate
+from offload.plan.memory import PACKED, packed_kernels, ram_available
 from offload.plan.planner import Planner, resolve_capacities
 from offload.runtime.device import resolve_dtype
 from offload.runtime.overhead import engine_overhead_s
 from offload.runtime.precompile import compile_kernels
 from offload.weights.convert import convert, open_tier_store
 from offload.weights.groups import WeightFormat
+from storage.errors import OffloadError
 from storage.lock import FileLock
 from storage.store import StoreState
 
 WEIGHT_SCHEMES = ("int8", "int4")
+BUSIER = "other work kept"  # (`why_measure`'s reason where other work slowed the last measurement)
 
 
 @dataclass(frozen=True)
@@ -174,13 +177,61 @@ def _anon() -> int:
     return m.rss - getattr(m, "shared", 0)
 
 
+def why_measure(path: Path, packed: Sequence[str] = ()) -> tuple[str | None, tuple[str, ...]]:
+    """Why the calibration file at `path` is to be measured (again), None when it can be reused: missing, not a
+    calibration, measured with other CPU kernels than these (`Calibration.stale`), or a CPU calibration without the
+    `packed` formats' kernels (those a run computes with) or with them in other activation steps than this process's
+    (`kernels.use_activations`: int8 and int16 steps differ 1.2-1.5x past one row), or measured while other work
+    kept the CPUs busy (`Calibration.busy`, at most BUSY_ROUNDS measurements). Beside it, the packed formats a
+    new measurement times (`calibrate`'s argument): `packed` and those the file holds, kept (it may be shared)."""
+    if not path.is_file():
+        return "there is none", _packed(packed)
+    try:
+        cal = Calibration.load(path)
+    except CalibrationError:
+        return "it was not a calibration file", _packed(packed)
+    held = [table.removeprefix("cpu/") for table in cal.compute]
+    if cal.stale:
+        return "it measured older CPU kernels", _packed([*packed, *held])
+    if other := cal.other_machine:
+        return f"it measured another machine: {other}", _packed([*packed, *held])
+    missing = [s for s in packed if "cpu" in cal.compute and f"cpu/{s}" not in cal.compute]
+    if missing:
+        return f"it did not measure the {' and '.join(missing)} kernels", _packed([*packed, *held])
+    steps = cal.meta.get("activations") or {}  # (files before this record: the defaults of their kernels)
+    other = [s for s in packed if f"cpu/{s}" in cal.compute and steps.get(s, "int8") != kernels.ACTIVATIONS[s]]
+    if other:
+        return f"it measured the {' and '.join(other)} kernels in other activation steps", _packed([*packed, *held])
+    if cal.busy > BUSY and cal.meta.get("rounds", 1) < BUSY_ROUNDS:  # (the last reason: the rest is as measured)
+        return f"{BUSIER} {cal.busy:.0%} of the CPUs busy while it measured", _packed([*packed, *held])
+    return None, _packed([*packed, *held])
+
+
+def _packed(names: Sequence[str]) -> tuple[str, ...]:
+    """The packed formats among `names`, in PACKED's order."""
+    return tuple(s for s in PACKED if s in names)
+
+
+def _calibration_lock(cal_path: Path) -> FileLock:
+    """The lock every calibration of this machine takes (in `cache_dir()`; beside the file where that cannot be
+    made): two first starts at once with separate --disk directories, 2 cores, each measured while the other did,
+    and each planned a step of 8 ms at 20-23 ms."""
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        return FileLock(cache_dir() / ".calibration.lock")
+    except (OSError, OffloadError):
+        return FileLock(cal_path.with_name(f".{cal_path.name}.lock"))
+
+
 def _ensure_calibration(cal_path: Path, packed: tuple[str, ...], device: torch.device, dtype: torch.dtype,
                         disk: Path) -> None:
-    """Measure this machine into cal_path once (again where `why_measure` says so), under a lock beside it: another
-    process starting the same setup at once waits and reuses what this one measured (both measuring at once read
-    each other's disk probe, and each would time the other's load)."""
+    """Measure this machine into cal_path once (again where `why_measure` says so), under one lock for every
+    calibration of this machine (`_calibration_lock`): another process starting the same setup at once waits and
+    reuses what this one measured, one starting another setup waits and then measures its own (both measuring at
+    once read each other's disk probe, and each would time the other's load). A measurement again because other work
+    slowed the last one keeps the faster of each table (`Calibration.keep_faster`)."""
     cal_path.parent.mkdir(parents=True, exist_ok=True)
-    lock, waited, held = FileLock(cal_path.with_name(f".{cal_path.name}.lock")), [], 0
+    lock, waited, held = _calibration_lock(cal_path), [], 0
     try:
         lock.exclusive(on_wait=lambda holder: (waited.append(holder),
                                                print(f"calibration: waiting for {holder} to finish measuring")))
@@ -195,7 +246,8 @@ def _ensure_calibration(cal_path: Path, packed: tuple[str, ...], device: torch.d
         if device.type == "cpu":
             _warn_compiling(bool(schemes))
         t0, anon = time.perf_counter(), _anon()
-        calibrate(device, dtype, disk, engine=engine_overhead_s, packed=schemes).save(cal_path)
+        cal = calibrate(device, dtype, disk, engine=engine_overhead_s, packed=schemes)
+        (cal.keep_faster(Calibration.load(cal_path)) if BUSIER in why else cal).save(cal_path)
         print(f"calibration: done in {time.perf_counter() - t0:.1f}s")
         held = _anon() - anon
     finally:

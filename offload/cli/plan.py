@@ -30,7 +30,7 @@ from offload.errors import ConfigError
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.model.generic import resolve_impl
-from offload.plan.calibrate import calibrate, default_path, load_calibration
+from offload.plan.calibrate import BUSY, calibrate, default_path, load_calibration
 from offload.plan.costmodel import explain, plan_bytes
 from offload.plan.experts import expert_choice
 from offload.plan.memory import PACKED
@@ -63,6 +63,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     table = cal.compute[device.type]
     for n, bps, fixed in zip(table["tokens"], table["weight_bytes_per_s"], table["layer_overhead_s"]):
         print(f"  layer kernels, {n:>4} tokens: {bps / 1e9:8.2f} GB/s of weights, {1000 * fixed:.2f} ms per layer")
+    if cal.busy > BUSY:  # (the kernels' times: slower than a quiet machine's)
+        print(f"other work kept {cal.busy:.0%} of the CPUs busy meanwhile: measure again when it is quieter")
     print(f"wrote {out}")
     return 0
 

@@ -64,6 +64,10 @@ class CalibrationError(OffloadError):
 
 
 VERSION = 1
+#: a calibration during which other work kept more than this share of the CPUs busy timed the kernels slow (two
+#: first starts at once on 2 cores, each measuring while the other did: a step of 8 ms planned at 20-23 ms); `offload
+#: chat --auto` measures it again at its next starts, up to BUSY_ROUNDS measurements in all, keeping the faster tables
+BUSY, BUSY_ROUNDS = 0.25, 3
 #: Used when no calibration file exists: slow but real hardware (a SATA-class disk, PCIe 3 x8, a laptop CPU).
 DEFAULTS: dict[str, Any] = {
     "links": DEFAULT_LINKS,
@@ -113,6 +117,18 @@ class Calibration:
     def stale(self) -> bool:
         """Were the CPU kernels this file measured not the ones this install runs (`kernels.VERSION`)?"""
         return self.source != "defaults" and "cpu" in self.compute and self.meta.get("kernels") != kernels_id()
+
+    @property
+    def busy(self) -> float:
+        """The share of the CPUs other work kept busy while this file measured (0: quiet, or not recorded)."""
+        return float(self.meta.get("others_busy") or 0.0)
+
+    def keep_faster(self, older: Calibration) -> Calibration:
+        """This measurement with each table and link of `older` (this machine's, these kernels') that went faster
+        (`faster_of`), counting the rounds: a measurement again where other work slowed the last one (`BUSY`)."""
+        compute = {k: faster_of(t, older.compute[k]) if k in older.compute else t for k, t in self.compute.items()}
+        links = {k: max(v, older.links.get(k, 0.0)) for k, v in self.links.items()}
+        return Calibration(links, compute, self.source, self.meta | {"rounds": older.meta.get("rounds", 1) + 1})
 
     def _table(self, device_type: str) -> dict[str, list[float]]:
         return self.compute.get(device_type) or DEFAULTS["compute"]["cuda" if device_type == "cuda" else "cpu"]
@@ -179,7 +195,6 @@ def _interpolate(xs: list[float], ys: list[float], tokens: int) -> float:
     return ys[-1]
 
 
-# ----------------------------------------------------------------------------- measurements
 # ----------------------------------------------------------------------------- the model side
 #: Where a calibration has no `cache_curve` (`offload.plan.probe`; older files), the share of the last-level
 #: cache a pass's weights may fill and still be read from it the next pass (other data and other processes take the
@@ -282,39 +297,14 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
         _warned.add(str(path))
         log.warning("calibration %s measured another machine (%s): the plan's times are that machine's; run "
                     "`offload calibrate -o %s` to measure this one", path, other, path)
+    elif cal.busy > BUSY and str(path) not in _warned:
+        _warned.add(str(path))
+        log.warning("calibration %s was measured while other work kept %.0f%% of the CPUs busy: the plan's compute "
+                    "times may be too slow; run `offload calibrate -o %s` when the machine is quieter", path,
+                    100 * cal.busy, path)
     return cal
 
 
-
-def why_measure(path: Path, packed: Sequence[str] = ()) -> tuple[str | None, tuple[str, ...]]:
-    """Why the calibration file at `path` is to be measured (again), None when it can be reused: missing, not a
-    calibration, measured with other CPU kernels than these (`Calibration.stale`), or a CPU calibration without the
-    `packed` formats' kernels (those a run computes with) or with them in other activation steps than this process's
-    (`kernels.use_activations`: int8 and int16 steps differ 1.2-1.5x past one row). Beside it, the packed formats a
-    new measurement times (`calibrate`'s argument): `packed` and those the file holds, kept (it may be shared)."""
-    if not path.is_file():
-        return "there is none", _packed(packed)
-    try:
-        cal = Calibration.load(path)
-    except CalibrationError:
-        return "it was not a calibration file", _packed(packed)
-    held = [table.removeprefix("cpu/") for table in cal.compute]
-    if cal.stale:
-        return "it measured older CPU kernels", _packed([*packed, *held])
-    if other := cal.other_machine:
-        return f"it measured another machine: {other}", _packed([*packed, *held])
-    missing = [s for s in packed if "cpu" in cal.compute and f"cpu/{s}" not in cal.compute]
-    if missing:
-        return f"it did not measure the {' and '.join(missing)} kernels", _packed([*packed, *held])
-    steps = cal.meta.get("activations") or {}  # (files before this record: the defaults of their kernels)
-    other = [s for s in packed if f"cpu/{s}" in cal.compute and steps.get(s, "int8") != kernels.ACTIVATIONS[s]]
-    return (f"it measured the {' and '.join(other)} kernels in other activation steps" if other else None), \
-        _packed([*packed, *held])
-
-
-def _packed(names: Sequence[str]) -> tuple[str, ...]:
-    """The packed formats among `names`, in PACKED's order."""
-    return tuple(s for s in PACKED if s in names)
 
 _warned: set[str] = set()  # stale calibration files already named in a warning
 
@@ -356,7 +346,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
     table. `packed` (a CPU): the packed formats whose kernels are timed too (`cpu/int8`, `cpu/int4`); `offload
     chat --auto` names only those its run computes with, as each format's first use compiles its kernels (SmolLM2's
     bf16 first start, cold kernel cache: calibration 206 -> 72 s without the packed ones it never ran)."""
-    budget = int(ram_available() * PROBE_SHARE)
+    budget, start = int(ram_available() * PROBE_SHARE), machine.busy_mark()
     links = measure_links(device, disk_path, budget)
     run_dtype = compute_dtype("auto", dtype, device, False)  # what an all-in-memory dense run computes in
     shape = REFERENCE if device.type == "cuda" else reference_shape(budget, dtype, run_dtype)  # CUDA's: GPU memory
@@ -391,4 +381,6 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
     cal = Calibration(links, compute, "measured", meta)
     if engine is not None and device.type == "cpu" and device.type in compute:
         compute[device.type].update(engine(cal, device, dtype))
+    busy = machine.busy_share(start, machine.busy_mark())  # (`BUSY`)
+    meta["others_busy"] = None if busy is None else round(busy, 3)
     return cal

@@ -3,8 +3,9 @@ CPU kernels choose their paths by, and the CPUs this process may use. `calibrate
 another machine is measured again by `offload chat --auto` and scripts/bench_cpu.py, and named in a warning where a
 run or a plan reads it (its times are that machine's: a Zen 3 file read on a Zen 4 put `offload plan` 18-38% off).
 Reads /proc/cpuinfo (Linux); elsewhere the platform's processor name and no features. Also the CPU time this
-process and everything else on its CPUs have run (`cpu_seconds`: how many threads `offload.runtime.cores` gives the
-kernels). Knows nothing else.
+process and everything else on its CPUs have run (`cpu_seconds`, `busy_share`: how many threads
+`offload.runtime.cores` gives the kernels, and how busy other work kept the CPUs while a calibration measured them).
+Knows nothing else.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,20 @@ def cpu_seconds() -> tuple[float, float] | None:
             ticks += user + nice + system + irq + softirq
     t = os.times()
     return ticks * TICK_S, t.user + t.system
+
+
+def busy_mark() -> tuple[float, float, float] | None:
+    """A reading for `busy_share`: (monotonic seconds, `cpu_seconds()`), None where the kernel does not say."""
+    seconds = cpu_seconds()
+    return None if seconds is None else (time.monotonic(), *seconds)
+
+
+def busy_share(before: tuple[float, float, float] | None, after: tuple[float, float, float] | None) -> float | None:
+    """The share of this process's CPUs that other work kept busy between two `busy_mark` readings (0: none of
+    them, 1: all), or None where either is missing."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / ((after[0] - before[0]) * cpus())
 
 
 def identity() -> dict[str, Any]:

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from offload.plan.machine import cpu_seconds, cpus
+from offload.plan.machine import busy_mark, busy_share, cpus
 from schedulers.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -65,11 +65,11 @@ def share_cores(timeline: Timeline | None = None) -> int | None:
     if torch.get_num_threads() != s.ours:  # set by the caller since: theirs to decide from now on
         s.full = None
         return None
-    mark, seconds = s.mark, cpu_seconds()
-    s.mark = None if seconds is None else (now, *seconds)
-    if seconds is None or mark is None:
+    mark, s.mark = s.mark, busy_mark()
+    share = busy_share(mark, s.mark)
+    if share is None:
         return None
-    others = max(0.0, (seconds[0] - mark[1]) - (seconds[1] - mark[2])) / (now - mark[0])
+    others = share * cpus()  # (cores)
     want = min(s.full, max(1, int(cpus() - others + SPARE)))
     if want != s.ours:
         torch.set_num_threads(want)
