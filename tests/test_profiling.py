@@ -536,6 +536,23 @@ def test_auto_depth_picks_the_fastest_predicted_depth(model_factory, tmp_path):
         assert r.plan.depth == chosen
 
 
+def test_the_plan_counts_a_packed_models_parameters_as_the_dense_ones(tmp_path, capsys):
+    """`offload plan` (and `chat --auto`) said a model's parameters from the compute sizes, which scale a packed
+    format's layers by how fast its kernels went in the calibration: SmolLM2-135M int4 came out at 95-114 M from one
+    start to the next. The count and the dense size are the checkpoint's whatever the format and calibration."""
+    root = Path(__file__).resolve().parent.parent / "scripts"
+    table = {"tokens": [1, 8, 64], "weight_bytes_per_s": [10e9, 10e9, 5e9]}
+    cal = Calibration({}, {"cpu": table, "cpu/int4": table | {"weight_bytes_per_s": [25e9, 20e9, 9e9]}}, "measured",
+                      {"kernels": calibrate.kernels_id()})
+    cal.save(tmp_path / "cal.json")
+    for weights in ("none", "int4"):
+        assert main(["plan", "--model-config", str(root / "examples" / "llama3-70b" / "config.json"), "--device",
+                     "cpu", "--gpu", "8GiB", "--cpu", "0", "--disk-path", str(tmp_path), "--calibration",
+                     str(tmp_path / "cal.json"), "--weights", weights]) == 0
+        out = capsys.readouterr().out
+        assert "80 layers, 70.55 B parameters (131.42 GiB in bfloat16" in out, (weights, out[:400])
+
+
 def test_plan_on_paper_for_llama3_70b(capsys):
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent / "scripts"

@@ -42,6 +42,7 @@ from offload.runtime.device import resolve_dtype
 from offload.runtime.overhead import engine_overhead_s
 from offload.runtime.precompile import compile_kernels
 from offload.runtime.speculative import auto_gain
+from offload.weights.groups import model_layouts
 from storage.errors import CapacityError
 from storage.units import fmt_bytes
 
@@ -215,7 +216,8 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
                           **rp.plan.to_dict()},
                          indent=2))
         return
-    params = sum(planner.compute_sizes.values()) / dtype.itemsize
+    dense = sum(layout.nbytes for layout in model_layouts(cfg, dtype).values())  # (compute_sizes: times, not bytes)
+    params = dense / dtype.itemsize
     count = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
     w = config.weights
     stored = "" if w.quantization == "none" else (
@@ -224,7 +226,7 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     impl = "Offload's own math" if cfg.impl == "native" else "run by transformers, KV in its DynamicCache"
     print(f"device {device}, {cfg.family} model ({impl}; model_impl: {config.model_impl}), "
           f"{cfg.num_layers} layers, {count} parameters "
-          f"({format_size(sum(planner.compute_sizes.values()))} in {str(dtype).removeprefix('torch.')}{stored})")
+          f"({format_size(dense)} in {str(dtype).removeprefix('torch.')}{stored})")
     if rp.compute_dtype != dtype:
         print(f"  compute in {str(rp.compute_dtype).removeprefix('torch.')} (compute_dtype: {config.compute_dtype}): "
               f"weights move as {str(dtype).removeprefix('torch.')} and are upcast after the transfer")
