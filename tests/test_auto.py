@@ -296,7 +296,8 @@ def test_a_calibration_slowed_by_other_work_is_measured_again_keeping_the_faster
 def test_a_calibration_that_leaves_the_process_holding_memory_starts_the_command_again(tmp_path, monkeypatch):
     """A first start's calibration compiles the CPU kernels, and numba keeps ~550 MiB of what it compiled for the
     process's life: the command starts again in its place (`signals.restart`) where a calibration left the process
-    holding RESTART_HELD or more; not where it held less, nor where the calibration was reused."""
+    holding RESTART_HELD or more; not where it held less, nor where the calibration was reused, nor where what it
+    holds is under RESTART_SHARE of the memory the process may fill (a 24 GiB machine started again for 180 MiB)."""
     restarts, kept = [], []
 
     def calibrate(device, dtype, disk, engine=None, packed=PACKED, hold=0):
@@ -306,15 +307,19 @@ def test_a_calibration_that_leaves_the_process_holding_memory_starts_the_command
         return cal
 
     monkeypatch.setattr(auto.signals, "restart", restarts.append)
-    path = tmp_path / "calibration.json"
-    cases = [(0, False, 0), (auto.RESTART_HELD + (16 << 20), False, 1), (auto.RESTART_HELD * 2, True, 1)]
-    for hold, reuse, want in cases:
+    path, gib = tmp_path / "calibration.json", 2**30
+    # (hold, reuse the file, RAM the process may fill after it, restarts so far): where RAM is plenty, that room
+    # changes no plan (RESTART_SHARE)
+    cases = [(0, False, gib, 0), (auto.RESTART_HELD + (16 << 20), False, gib, 1), (auto.RESTART_HELD * 2, True, gib, 1),
+             (auto.RESTART_HELD * 2, False, 20 * gib, 1)]
+    for hold, reuse, room, want in cases:
         if not reuse:
             path.unlink(missing_ok=True)
         monkeypatch.setattr(auto, "calibrate", lambda *a, hold=hold, **k: calibrate(*a, hold=hold, **k))
+        monkeypatch.setattr(auto, "ram_available", lambda room=room: room)
         auto._ensure_calibration(path, (), torch.device("cpu"), torch.float32, tmp_path)
-        assert len(restarts) == want, (hold, reuse)
-    assert len(kept) == 2 and "numba keeps" in restarts[0]
+        assert len(restarts) == want, (hold, reuse, room)
+    assert len(kept) == 3 and "numba compiled, which it keeps" in restarts[0]
 
 
 def test_a_first_start_short_of_the_memory_its_compiling_holds_is_told_before_it_compiles(tmp_path, monkeypatch,
