@@ -19,6 +19,7 @@ the numbers; this module measures and stores them, and picks the compute dtype o
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import logging
 import math
@@ -54,6 +55,7 @@ from offload.plan.probe import (  # noqa: F401 (re-exported)
 from offload.weights.groups import WeightFormat, group_layout, model_layouts
 from storage import io
 from storage.errors import OffloadError
+from storage.heap import trim_heap
 from storage.units import fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -383,4 +385,6 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
         compute[device.type].update(engine(cal, device, dtype))
     busy = machine.busy_share(start, machine.busy_mark())  # (`BUSY`)
     meta["others_busy"] = None if busy is None else round(busy, 3)
+    gc.collect()  # the probes' buffers sit in reference cycles (SmolLM2's first start, 24 GiB: 842 MiB held after
+    trim_heap()  # it, 63 once collected and trimmed), which the run planning next would count as taken
     return cal
