@@ -160,8 +160,7 @@ def _ensure_store(disk: DiskTierConfig, ckpt: Checkpoint, dtype: torch.dtype, fm
 #: the process's life (SmolLM2-135M int4: ~650 MiB, for want of which a run in 1 GiB streamed 26 of its 32 groups)
 RESTART_HELD = 128 * 2**20
 #: ... and at least this share of what the process may fill with it: where RAM is plenty that room changes no plan
-#: (a 24 GiB machine: a calibration with cached kernels left ~180 MiB, its large probes' memory kept by the allocator,
-#: and started again for it)
+#: (a 24 GiB machine started again for 180 MiB, its probes' KV pools before `calibrate` collected them)
 RESTART_SHARE = 0.05
 
 
@@ -258,8 +257,8 @@ def _ensure_calibration(cal_path: Path, packed: tuple[str, ...], device: torch.d
         lock.close()
     if held >= max(RESTART_HELD, RESTART_SHARE * (ram_available() + held)):
         signals.restart(f"calibration: this process holds {format_size(held)} more than before it (the CPU kernels "
-                        "numba compiled, which it keeps, and memory its probes left with the allocator): starting "
-                        "again, once, so that the run has that room")
+                        "numba compiled or loaded, which it keeps): starting again, once, so that the run has that "
+                        "room")
 
 
 def prepare(model: str, disk: Path | None, weights: str | None) -> OffloadConfig:

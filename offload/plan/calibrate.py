@@ -307,8 +307,7 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
     return cal
 
 
-
-_warned: set[str] = set()  # stale calibration files already named in a warning
+_warned: set[str] = set()  # calibration files already named in a warning
 
 
 def compute_sizes(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat, cal: Calibration,
