@@ -384,6 +384,6 @@ def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
         compute[device.type].update(engine(cal, device, dtype))
     busy = machine.busy_share(start, machine.busy_mark())  # (`BUSY`)
     meta["others_busy"] = None if busy is None else round(busy, 3)
-    gc.collect()  # the probes' buffers sit in reference cycles (SmolLM2's first start, 24 GiB: 842 MiB held after
-    trim_heap()  # it, 63 once collected and trimmed), which the run planning next would count as taken
+    gc.collect()  # the probes' layers (their packed matrices, scratch, closures) sit in reference cycles: 2.6 GiB
+    trim_heap()  # held after it with the collector off, 63 MiB collected and trimmed (SmolLM2's first start, 24 GiB)
     return cal
