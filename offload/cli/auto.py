@@ -160,7 +160,8 @@ def _ensure_store(disk: DiskTierConfig, ckpt: Checkpoint, dtype: torch.dtype, fm
 #: the process's life (SmolLM2-135M int4: ~650 MiB, for want of which a run in 1 GiB streamed 26 of its 32 groups)
 RESTART_HELD = 128 * 2**20
 #: ... and at least this share of what the process may fill with it: where RAM is plenty that room changes no plan
-#: (a 24 GiB machine started again for 180 MiB, its probes' KV pools before `calibrate` collected them)
+#: (kernels compiled in the process where the children failed, ~650 MiB, are 3% of a 24 GiB machine; a 24 GiB first
+#: start also restarted for 178-842 MiB of probe memory in reference cycles, which `calibrate` now collects)
 RESTART_SHARE = 0.05
 
 
