@@ -40,7 +40,7 @@ def setup(tmp_path, tiny_llama, monkeypatch):
                                                              "eos_token": "</s>"}))
     calls = {"calibrate": 0, "convert": 0, "packed": []}
 
-    def fake_calibrate(device, dtype, disk, engine=None, packed=PACKED):  # measuring takes ~20 s here; what
+    def fake_calibrate(device, dtype, disk, engine=None, packed=PACKED, locked=False):  # measuring takes ~20 s here; what
         assert engine is engine_overhead_s  # matters: it runs once, and the engine's step is timed too
         calls["calibrate"] += 1
         calls["packed"].append(tuple(packed))  # the packed formats whose kernels it times
@@ -214,7 +214,7 @@ def test_two_starts_at_once_measure_the_machine_once(tmp_path, monkeypatch, caps
     """The second of two setups starting together waits for the first's calibration and reuses it."""
     measured = []
 
-    def slow_calibrate(device, dtype, disk, engine=None, packed=PACKED):
+    def slow_calibrate(device, dtype, disk, engine=None, packed=PACKED, locked=False):
         measured.append(packed)
         time.sleep(0.5)  # (long enough for the other start to find the lock held)
         cal = Calibration.defaults()
@@ -248,7 +248,7 @@ def test_two_setups_starting_at_once_take_turns_measuring(tmp_path, monkeypatch,
     waits, then measures its own file."""
     spans = []
 
-    def slow_calibrate(device, dtype, disk, engine=None, packed=PACKED):
+    def slow_calibrate(device, dtype, disk, engine=None, packed=PACKED, locked=False):
         t0 = time.monotonic()
         time.sleep(0.4)
         spans.append((t0, time.monotonic()))
@@ -300,7 +300,7 @@ def test_a_calibration_that_leaves_the_process_holding_memory_starts_the_command
     holds is under RESTART_SHARE of the memory the process may fill (a 24 GiB machine started again for 180 MiB)."""
     restarts, kept = [], []
 
-    def calibrate(device, dtype, disk, engine=None, packed=PACKED, hold=0):
+    def calibrate(device, dtype, disk, engine=None, packed=PACKED, locked=False, hold=0):
         kept.append(b"\x01" * hold)  # written, so resident: what the compiled kernels are to the process
         cal = Calibration.defaults()
         cal.meta |= {"kernels": kernels_id(), "machine": machine.identity(), "activations": dict(kernels.ACTIVATIONS)}
@@ -327,7 +327,7 @@ def test_a_first_start_short_of_the_memory_its_compiling_holds_is_told_before_it
     """A fresh install's first start compiles the CPU kernels while it calibrates (~650 MiB held with the packed
     ones, ~300 without): where the process may fill less than that and 128 MiB, it says so first (a start in 700 MiB
     was stopped for memory after minutes, saying nothing); not once the kernels are compiled, nor with room."""
-    def calibrate(device, dtype, disk, engine=None, packed=PACKED):
+    def calibrate(device, dtype, disk, engine=None, packed=PACKED, locked=False):
         cal = Calibration.defaults()
         cal.meta |= {"kernels": kernels_id(), "machine": machine.identity(), "activations": dict(kernels.ACTIVATIONS)}
         return cal

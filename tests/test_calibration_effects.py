@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import gc
+import logging
+import os
+import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 
 from offload.cli.main import main
-from offload.plan import calibrate, probe
+from offload.plan import calibrate, machine, probe
 from offload.plan.calibrate import Calibration
 
 
@@ -49,3 +54,33 @@ def test_the_plan_counts_a_packed_models_parameters_as_the_dense_ones(tmp_path, 
                      str(tmp_path / "cal.json"), "--weights", weights]) == 0
         out = capsys.readouterr().out
         assert "80 layers, 70.55 B parameters (131.42 GiB in bfloat16" in out, (weights, out[:400])
+
+
+def test_every_calibration_waits_for_the_one_measuring_the_machine(tmp_path, monkeypatch, caplog):
+    """`offload calibrate` and the scripts call `calibrate` without the lock `offload chat --auto` measures under:
+    one of them started beside a first start timed the other's load (each then plans a slow step). `calibrate` takes
+    the machine's lock itself, waiting for its holder, and lets it go whatever the measurement raises."""
+    monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "cache"))
+    started = []
+
+    def links(*_):
+        started.append(time.monotonic())
+        raise KeyboardInterrupt  # (the measurement interrupted: Ctrl-C)
+
+    monkeypatch.setattr(calibrate, "measure_links", links)
+    holder = machine.calibration_lock(tmp_path)
+    holder.exclusive()
+    holder.announce("calibrating")
+    with ThreadPoolExecutor(1) as pool, caplog.at_level(logging.WARNING):
+        measuring = pool.submit(calibrate.calibrate, torch.device("cpu"), torch.float32, tmp_path)
+        time.sleep(0.5)
+        assert not started and not measuring.done()
+        released = time.monotonic()
+        holder.close()
+        with pytest.raises(KeyboardInterrupt):
+            measuring.result(timeout=30)
+    assert started[0] >= released
+    assert [r for r in caplog.records if f"waiting for pid {os.getpid()} (calibrating since" in r.getMessage()]
+    again = machine.calibration_lock(tmp_path)
+    assert again.try_exclusive()  # (let go after the interruption)
+    again.close()

@@ -35,6 +35,7 @@ from offload.model import fused, hub, kernels
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import BUSY, BUSY_ROUNDS, Calibration, CalibrationError, calibrate
+from offload.plan.machine import calibration_lock
 from offload.plan.memory import PACKED, packed_kernels, ram_available
 from offload.plan.planner import Planner, resolve_capacities
 from offload.runtime.device import resolve_dtype
@@ -42,8 +43,6 @@ from offload.runtime.overhead import engine_overhead_s
 from offload.runtime.precompile import compile_kernels
 from offload.weights.convert import convert, open_tier_store
 from offload.weights.groups import WeightFormat
-from storage.errors import OffloadError
-from storage.lock import FileLock
 from storage.store import StoreState
 
 WEIGHT_SCHEMES = ("int8", "int4")
@@ -216,26 +215,15 @@ def _packed(names: Sequence[str]) -> tuple[str, ...]:
     return tuple(s for s in PACKED if s in names)
 
 
-def _calibration_lock(cal_path: Path) -> FileLock:
-    """The lock every calibration of this machine takes (in `cache_dir()`; beside the file where that cannot be
-    made): two first starts at once with separate --disk directories, 2 cores, each measured while the other did,
-    and each planned a step of 8 ms at 20-23 ms."""
-    try:
-        cache_dir().mkdir(parents=True, exist_ok=True)
-        return FileLock(cache_dir() / ".calibration.lock")
-    except (OSError, OffloadError):
-        return FileLock(cal_path.with_name(f".{cal_path.name}.lock"))
-
-
 def _ensure_calibration(cal_path: Path, packed: tuple[str, ...], device: torch.device, dtype: torch.dtype,
                         disk: Path) -> None:
     """Measure this machine into cal_path once (again where `why_measure` says so), under one lock for every
-    calibration of this machine (`_calibration_lock`): another process starting the same setup at once waits and
+    calibration of this machine (`calibration_lock`): another process starting the same setup at once waits and
     reuses what this one measured, one starting another setup waits and then measures its own (both measuring at
     once read each other's disk probe, and each would time the other's load). A measurement again because other work
     slowed the last one keeps the faster of each table (`Calibration.keep_faster`)."""
     cal_path.parent.mkdir(parents=True, exist_ok=True)
-    lock, waited, held = _calibration_lock(cal_path), [], 0
+    lock, waited, held = calibration_lock(cal_path.parent), [], 0
     try:
         lock.exclusive(on_wait=lambda holder: (waited.append(holder),
                                                print(f"calibration: waiting for {holder} to finish measuring")))
@@ -250,7 +238,7 @@ def _ensure_calibration(cal_path: Path, packed: tuple[str, ...], device: torch.d
         if device.type == "cpu":
             _warn_compiling(bool(schemes))
         t0, anon = time.perf_counter(), _anon()
-        cal = calibrate(device, dtype, disk, engine=engine_overhead_s, packed=schemes)
+        cal = calibrate(device, dtype, disk, engine=engine_overhead_s, packed=schemes, locked=True)
         (cal.keep_faster(Calibration.load(cal_path)) if BUSIER in why else cal).save(cal_path)
         print(f"calibration: done in {time.perf_counter() - t0:.1f}s")
         held = _anon() - anon

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -340,13 +341,23 @@ def kernels_id() -> str:
 
 def calibrate(device: torch.device, dtype: torch.dtype, disk_path: Path | None,
               engine: Callable[[Calibration, torch.device, torch.dtype], dict[str, float]] | None = None,
-              packed: Sequence[str] = PACKED) -> Calibration:
-    """This machine, each probe (buffers, test layers) within PROBE_SHARE of the RAM the process may still fill.
+              packed: Sequence[str] = PACKED, locked: bool = False) -> Calibration:
+    """This machine, each probe (buffers, test layers) within PROBE_SHARE of the RAM the process may still fill,
+    under the machine's calibration lock (`machine.calibration_lock`; `locked`: the caller holds it), waiting while
+    another process measures: two measuring at once would each time the other's load.
     `engine` (a CPU): times what a decode step costs beyond the probes' tables, given them
     (`offload.runtime.overhead.engine_overhead_s`, which the plan cannot import); its columns join the CPU's
     table. `packed` (a CPU): the packed formats whose kernels are timed too (`cpu/int8`, `cpu/int4`); `offload
     chat --auto` names only those its run computes with, as each format's first use compiles its kernels (SmolLM2's
     bf16 first start, cold kernel cache: calibration 206 -> 72 s without the packed ones it never ran)."""
+    if not locked:
+        lock = machine.calibration_lock(disk_path or Path(tempfile.gettempdir()))
+        try:
+            lock.exclusive(on_wait=lambda who: log.warning("calibration: waiting for %s to finish measuring", who))
+            lock.announce("calibrating")
+            return calibrate(device, dtype, disk_path, engine, packed, locked=True)
+        finally:
+            lock.close()
     budget, start = int(ram_available() * PROBE_SHARE), machine.busy_mark()
     links = measure_links(device, disk_path, budget)
     run_dtype = compute_dtype("auto", dtype, device, False)  # what an all-in-memory dense run computes in

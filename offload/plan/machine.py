@@ -4,8 +4,8 @@ another machine is measured again by `offload chat --auto` and scripts/bench_cpu
 run or a plan reads it (its times are that machine's: a Zen 3 file read on a Zen 4 put `offload plan` 18-38% off).
 Reads /proc/cpuinfo (Linux); elsewhere the platform's processor name and no features. Also the CPU time this
 process and everything else on its CPUs have run (`cpu_seconds`, `busy_share`: how many threads
-`offload.runtime.cores` gives the kernels, and how busy other work kept the CPUs while a calibration measured them).
-Knows nothing else.
+`offload.runtime.cores` gives the kernels, and how busy other work kept the CPUs while a calibration measured them),
+and the one lock every calibration of this machine takes (`calibration_lock`). Knows nothing else.
 """
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ import platform
 import time
 from pathlib import Path
 from typing import Any
+
+from offload.config import cache_dir
+from storage.errors import OffloadError
+from storage.lock import FileLock
 
 #: The CPU features the kernels' paths and speeds follow: AVX2 / AVX-512 vector widths, AVX-512 BF16's vdpbf16ps
 #: (`offload.model.cpu_bf16`), VNNI's vpdpwssds (`offload.model.cpu_packed16`), and AMX (`offload.model.simd_amx`).
@@ -107,3 +111,15 @@ def other_machine(recorded: Any) -> str | None:
     if recorded.get("cpus") != ours["cpus"]:
         return f"{recorded.get('cpus')} CPUs, this process may use {ours['cpus']}"
     return None
+
+
+def calibration_lock(near: Path) -> FileLock:
+    """The lock every calibration of this machine takes, whoever calls it (`offload chat --auto`, `offload
+    calibrate`, the scripts), in `cache_dir()`; in the directory `near` where that cannot be made. Two first starts
+    at once with separate --disk directories, 2 cores, each measured while the other did, and each planned a step
+    of 8 ms at 20-23 ms."""
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        return FileLock(cache_dir() / ".calibration.lock")
+    except (OSError, OffloadError):
+        return FileLock(Path(near) / ".calibration.lock")
