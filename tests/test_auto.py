@@ -40,8 +40,8 @@ def setup(tmp_path, tiny_llama, monkeypatch):
                                                              "eos_token": "</s>"}))
     calls = {"calibrate": 0, "convert": 0, "packed": []}
 
-    def fake_calibrate(device, dtype, disk, engine=None, packed=PACKED, locked=False):  # measuring takes ~20 s here; what
-        assert engine is engine_overhead_s  # matters: it runs once, and the engine's step is timed too
+    def fake_calibrate(device, dtype, disk, engine=None, packed=PACKED, locked=False):  # measuring takes ~20 s
+        assert engine is engine_overhead_s  # here; what matters: it runs once, and the engine's step is timed too
         calls["calibrate"] += 1
         calls["packed"].append(tuple(packed))  # the packed formats whose kernels it times
         cal = Calibration.defaults()

@@ -1,7 +1,7 @@
 """Any transformers causal LM through the tiers (model_impl: transformers): greedy tokens equal transformers'
-own on tiny Gemma 2, Gemma 3 (text), Phi-3 and StableLM checkpoints, resident and streamed from the disk
-tier; a native family forced through the generic path gives the native path's tokens; what the path cannot
-do is refused in one sentence."""
+own on tiny Gemma 2, Gemma 3 (text), Phi-3, StableLM, GPT-NeoX and Phi-MoE checkpoints (the last two renamed and
+stacked by transformers as it loads them), resident and streamed from the disk tier; a native family forced
+through the generic path gives the native path's tokens; what the path cannot do is refused in one sentence."""
 
 from __future__ import annotations
 
@@ -39,6 +39,11 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, sliding_window=8)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(partial_rotary_factor=0.5)),
+    # checkpoints whose tensors transformers 5 renames (embed_out -> lm_head; block_sparse_moe -> mlp) and whose
+    # experts it stacks ([E, 2I, H] from experts.{e}.w1 / w3) as it loads them
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(tie_word_embeddings=False)),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                          intermediate_size=32)),
 }
 PROMPTS = [[5, 17, 33, 2, 9, 100, 41, 7, 8, 12, 13], [3, 4, 200]]
 NEW = 10
@@ -50,7 +55,7 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[Path, list[list[int]]]]:
     out = {}
     for family, (config_cls, model_cls, extra) in FAMILIES.items():
         torch.manual_seed(0)
-        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**SIZES, **extra)).eval()
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**(SIZES | extra))).eval()
         path = tmp_path_factory.mktemp(family)
         model.save_pretrained(path)
         with torch.no_grad():
@@ -223,3 +228,38 @@ def test_a_store_converted_for_the_native_path_is_refused_by_the_transformers_pa
                  "--force"]) == 0
     with Runner(raw) as r:
         assert r.cfg.impl == "transformers" and r.generate([1, 5, 9], max_new_tokens=2)[0].outputs[0].token_ids
+
+
+def test_a_checkpoint_transformers_converts_otherwise_than_by_renaming_or_stacking_is_refused(hf_models,
+                                                                                            monkeypatch):
+    """transformers 5 renames and stacks tensors as it loads (followed: the Phi-MoE family above); a conversion that
+    cuts or reorders a tensor has no rows to bind in place, and is named."""
+    from transformers import conversion_mapping, core_model_loading
+
+    split = core_model_loading.WeightConverter(source_patterns="mlp.gate_up_proj.weight",
+                                               target_patterns=["mlp.gate.weight", "mlp.up.weight"],
+                                               operations=[core_model_loading.Chunk(dim=0)])
+    with monkeypatch.context() as m:
+        m.setattr(conversion_mapping, "get_checkpoint_conversion_mapping",
+                  lambda key: [split] if key == "Phi3ForCausalLM" else None)
+        with pytest.raises(CheckpointError, match=r"transformers converts tensor 'model.layers.0.mlp.gate_up_proj."
+                                                  r"weight' as it loads it \(Chunk\), which Offload's transformers"):
+            Checkpoint(hf_models["phi3"][0])
+    cfg = Checkpoint(hf_models["phimoe"][0]).config  # (its own mapping: experts stacked, gate's rows then up's)
+    up = dict(cfg.tensors.sources)["model.layers.0.mlp.experts.gate_up_proj"]
+    assert [n for n, _ in up][:3] == ["model.layers.0.block_sparse_moe.experts.0.w1.weight",
+                                      "model.layers.0.block_sparse_moe.experts.0.w3.weight",
+                                      "model.layers.0.block_sparse_moe.experts.1.w1.weight"]
+
+
+def test_a_model_with_recurrent_state_is_refused_in_one_sentence(tmp_path):
+    """Jamba's Mamba layers keep a state that cropping a KV cache cannot take back (conversations, prompt cache):
+    refused by name, where it failed inside transformers' scan."""
+    torch.manual_seed(0)
+    config = transformers.JambaConfig(**SIZES, num_experts=2, num_experts_per_tok=1, attn_layer_period=2,
+                                      attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                                      mamba_d_state=4, mamba_expand=2, use_mamba_kernels=False)
+    transformers.JambaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"JambaForCausalLM keeps a recurrent state \(linear-attention or Mamba "
+                                              r"layers\), which Offload's transformers path does not run"):
+        Runner(run_config(tmp_path))

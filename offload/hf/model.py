@@ -31,7 +31,7 @@ import torch
 from accelerate import init_empty_weights
 from accelerate.hooks import ModelHook, add_hook_to_module
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, cache_utils
 
 from offload.errors import CheckpointError
 from offload.model.config import ModelConfig
@@ -56,11 +56,12 @@ class Bound:
     def bind(self) -> None:
         views = self.weights.acquire(self.group)
         self.held = True
-        for (m, leaf, name), (_, _, _, param) in zip(self.bindings, self.meta):
+        for (m, leaf, name), (_, _, meta, param) in zip(self.bindings, self.meta):
             t = views[name]
             if name in self.lazy:
                 self.lazy[name].packed = t
-            else:
+            else:  # (experts transformers stacks: their rows one after another, viewed as its [E, ...])
+                t = t if t.shape == meta.shape else t.view(meta.shape)
                 put(m, leaf, t if t.dtype == self.dtype else t.to(self.dtype), param)
 
     def unbind(self, release: bool = True) -> None:
@@ -172,6 +173,12 @@ class TieredModel:
                                   f"({str(e).splitlines()[0][:160]}); Offload runs causal LMs transformers "
                                   "knows") from None
         self.model.eval()
+        recurrent = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
+        if any(isinstance(layer, recurrent) for layer in self.new_cache().layers):  # (Jamba, Qwen3-Next, ...)
+            raise CheckpointError(f"{path}: {type(self.model).__name__} keeps a recurrent state (linear-attention or "
+                                  "Mamba layers), which Offload's transformers path does not run (it takes a "
+                                  "sequence back to earlier tokens by cropping its KV cache); run it with "
+                                  "transformers itself")
         # transformers >= 5.2x names the cache `cache` (`past_key_values` before)
         self.cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         for m in self.model.modules():  # RoPE tables and other buffers are real: they go to the device
@@ -189,19 +196,20 @@ class TieredModel:
     def _attach(self, cfg: ModelConfig, weights: Any) -> set[str]:
         """Hook every group onto its modules; returns the parameter names bound."""
         root, covered = self.model, set()
+        names = {id(m): n for n, m in root.named_modules()}
 
         def bindings(group: str) -> list[Binding]:
             out = []
             for name, _ in group_sources(cfg, group):
                 path, _, leaf = name.rpartition(".")
-                try:
-                    module = root.get_submodule(path)
+                try:  # (the LM head: the module transformers multiplies by, whatever the checkpoint names it)
+                    module = root.get_output_embeddings() if name == LM_HEAD else root.get_submodule(path)
+                    covered.add(f"{names[id(module)]}.{leaf}" if name == LM_HEAD else name)
                 except AttributeError:
                     raise CheckpointError(f"checkpoint tensor {name!r} names no module of transformers' "
                                           f"{type(root).__name__}; the checkpoint and config.json do not belong "
                                           "together") from None
                 out.append((module, leaf, name))
-                covered.add(name)
             return out
 
         for i in range(cfg.num_layers):

@@ -23,7 +23,7 @@ import torch
 
 from offload.errors import CheckpointError
 from offload.model.config import ModelConfig
-from offload.model.generic import generic_config, generic_tensors, resolve_impl
+from offload.model.generic import generic_config, generic_tensors, loaded_names, resolve_impl
 from storage.io import preadv_into
 
 log = logging.getLogger(__name__)
@@ -154,8 +154,10 @@ class Checkpoint:
             self._headers[f] = raw_header
         if native:
             self._prefix = self._detect_prefix()
-        else:  # names stay whole: they are the parameters' names in transformers' module tree
-            tensors = generic_tensors({n: e.shape for n, e in self.entries.items()}, str(self.path))
+        else:  # the parameters' names in transformers' module tree, as it renames and stacks them loading
+            where = str(self.path)
+            tensors = generic_tensors({n: e.shape for n, e in self.entries.items()}, where,
+                                      loaded_names(raw, self.entries, where))
             self.config = generic_config(raw, tensors, str(cfg_path))
             self._prefix = ""
 

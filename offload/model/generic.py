@@ -3,19 +3,20 @@
 For `model_impl: transformers` (or `auto` on a family `offload.model.config` does not know) transformers runs
 the model and Offload only moves its weights, so Offload needs no more than: which tensors make up each
 decoder block (`{prefix}layers.{i}.*`, GPT-style `h.{i}.*`, `blocks.{i}.*`), the token embeddings, and what is
-left (the final norm and the LM head, run after the last block). Tensor names are kept whole: a block's
-group holds e.g. `model.layers.3.self_attn.q_proj.weight`, the name of the parameter transformers' module
-tree gives it, so the weights bind to the module without a mapping. The sizes a planner estimates with
-(heads, widths) are read from config.json where present, else from the tensors; the KV cache of this path is
-transformers' own, so they only size activation workspaces. This module knows names and shapes; it
-knows nothing of transformers, tiers or files.
+left (the final norm and the LM head, run after the last block). Tensors go by the name of the parameter
+transformers' module tree gives them, e.g. `model.layers.3.self_attn.q_proj.weight`, so the weights bind to the
+modules as they are: the checkpoint's own name, or the one transformers 5 renames or stacks it into as it loads
+(`loaded_names`, which asks transformers' conversion mapping where transformers is installed). The sizes a planner
+estimates with (heads, widths) are read from config.json where present, else from the tensors; the KV cache of
+this path is transformers' own, so they only size activation workspaces. This module knows names and shapes;
+it knows nothing of tiers or files.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +27,16 @@ from offload.model.config import SUPPORTED, ModelConfig
 _BLOCK = re.compile(r"^(?P<pre>(?:.*\.)?(?:layers|h|blocks))\.(?P<i>\d+)\.(?P<rest>.+)$")
 #: Token-embedding tensors, by the names transformers' families give them.
 _EMBED = re.compile(r"^(?:.*\.)?(?:embed_tokens|word_embeddings|wte|embed_in)\.weight$")
-#: The LM head's name in a causal LM (transformers' `get_output_embeddings()` of nearly every family).
+#: The LM head's name in a causal LM (transformers' `get_output_embeddings()` of nearly every family), the name its
+#: group keeps it under whatever the checkpoint calls it: HEADS, GPT-NeoX's (Pythia) `embed_out` too, a module
+#: transformers 5 names lm_head (it renames the tensor as it loads)
 LM_HEAD = "lm_head.weight"
+HEADS = (LM_HEAD, "embed_out.weight")
 
 Tensor = tuple[str, tuple[int, ...]]  # (full checkpoint name, shape)
+#: The conversions transformers makes as it loads that binding follows (beside renames): experts stacked into one
+#: [E, ...] parameter (`experts.{e}.down_proj`), and gate and up stacked then concatenated ([E, 2I, H])
+STACKS = ((("MergeModulelist", 0),), (("MergeModulelist", 0), ("Concatenate", 1)))
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,9 @@ class GenericTensors:
     layers: tuple[tuple[Tensor, ...], ...]  # per decoder block, in the checkpoint's (sorted) order
     head: tuple[Tensor, ...]  # everything else but the LM head: the final norm(s)
     lm_head: Tensor | None  # None: tied to the embeddings (the head group reads them)
+    #: the parameters transformers builds from checkpoint tensors of other names as it loads (`loaded_names`):
+    #: (parameter name, (the tensors filling its rows, in order)); the rest are the checkpoint's own
+    built: tuple[tuple[str, tuple[Tensor, ...]], ...] = ()
 
     @property
     def tied(self) -> bool:
@@ -49,6 +59,12 @@ class GenericTensors:
     def matrices(self) -> dict[str, int]:
         """The blocks' matrices (2-D `.weight` tensors) an int8/int4 format packs: name -> input dimension."""
         return {n: s[1] for layer in self.layers for n, s in layer if len(s) == 2 and n.endswith(".weight")}
+
+
+    @functools.cached_property
+    def sources(self) -> dict[str, tuple[Tensor, ...]]:
+        """A tensor of a group -> the checkpoint tensors filling its rows (itself, for most)."""
+        return dict(self.built)
 
 
 def block_module(name: str) -> str:
@@ -67,8 +83,60 @@ def resolve_impl(impl: str, raw: Mapping[str, Any]) -> str:
     return "native" if known else "transformers"
 
 
-def generic_tensors(entries: Mapping[str, tuple[int, ...]], where: str) -> GenericTensors:
-    """Group a checkpoint's tensors (name -> shape) into embeddings, decoder blocks and the rest."""
+def loaded_names(raw: Mapping[str, Any], names: Iterable[str], where: str) -> dict[str, list[str]]:
+    """How transformers renames and stacks this architecture's checkpoint tensors as it loads them (its conversion
+    mapping, transformers 5): {parameter: [the checkpoint tensors filling its rows, in order]} for each one it
+    changes; {} where it changes none (transformers 4's modules carry the checkpoint's names). Renames (GPT-NeoX's
+    embed_out -> lm_head, Phi-MoE's block_sparse_moe -> mlp) and experts stacked (`STACKS`: DeepSeek-V2, Jamba,
+    Phi-MoE, the Qwen-MoE families) are followed; another conversion is refused, naming it."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+    except ImportError:
+        return {}
+    keys = [k for k in [*(raw.get("architectures") or [])[:1], raw.get("model_type")] if isinstance(k, str)]
+    transforms = next((m for k in keys if (m := get_checkpoint_conversion_mapping(k))), None) or []
+    renames = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    out: dict[str, list[str]] = {}
+    stacks: dict[str, dict[tuple[int, int], str]] = {}
+    for name in sorted(names):
+        new = name
+        for t in renames:
+            new = t.rename_source_key(new)[0]
+        for t in converters:
+            target, pattern = t.rename_source_key(new)
+            if pattern is None:
+                continue
+            ops = tuple((type(o).__name__, getattr(o, "dim", None)) for o in t.operations)
+            if ops not in STACKS:
+                raise CheckpointError(f"{where}: transformers converts tensor {name!r} as it loads it "
+                                      f"({', '.join(op for op, _ in ops)}), which Offload's transformers path does "
+                                      "not follow; such a model cannot run through it")
+            expert = int(re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), new)[1])
+            stacks.setdefault(target, {})[(expert, t.source_patterns.index(pattern))] = name
+            break
+        else:
+            if new != name:
+                out[new] = [name]
+    for target, parts in stacks.items():
+        experts, kinds = {e for e, _ in parts}, {k for _, k in parts}
+        if experts != set(range(len(experts))) or len(parts) != len(experts) * len(kinds):
+            raise CheckpointError(f"{where}: the experts transformers stacks into {target!r} are not numbered "
+                                  f"0..{len(experts) - 1}, each with its {len(kinds)} tensors; the checkpoint is "
+                                  "incomplete")
+        out[target] = [parts[k] for k in sorted(parts)]  # (each expert's rows: gate's, then up's)
+    return out
+
+
+def generic_tensors(entries: Mapping[str, tuple[int, ...]], where: str,
+                    loaded: Mapping[str, list[str]] | None = None) -> GenericTensors:
+    """Group a checkpoint's tensors (name -> shape) into embeddings, decoder blocks and the rest, under the names
+    transformers gives them as it loads (`loaded`: `loaded_names`)."""
+    built = {target: tuple((n, tuple(entries[n])) for n in names) for target, names in (loaded or {}).items()}
+    taken = {n for parts in built.values() for n, _ in parts}
+    entries = {n: s for n, s in entries.items() if n not in taken} | {
+        target: (sum(s[0] for _, s in parts), *parts[0][1][1:]) for target, parts in built.items()}
     blocks: dict[int, list[Tensor]] = {}
     prefixes: set[str] = set()
     embed: list[Tensor] = []
@@ -81,7 +149,7 @@ def generic_tensors(entries: Mapping[str, tuple[int, ...]], where: str) -> Gener
             prefixes.add(m["pre"])
         elif _EMBED.match(name) and len(shape) == 2:
             embed.append((name, shape))
-        elif name != LM_HEAD:
+        elif name not in HEADS:
             rest.append((name, shape))
     if len(embed) != 1 or not blocks or len(prefixes) != 1:
         found = [n for n, _ in embed] or "none"
@@ -91,8 +159,9 @@ def generic_tensors(entries: Mapping[str, tuple[int, ...]], where: str) -> Gener
     if sorted(blocks) != list(range(len(blocks))):
         raise CheckpointError(f"{where}: decoder blocks {sorted(blocks)[:8]} are not numbered 0..{len(blocks) - 1}; "
                               "the checkpoint is incomplete")
-    head = (LM_HEAD, tuple(entries[LM_HEAD])) if LM_HEAD in entries else None
-    return GenericTensors(embed[0], tuple(tuple(blocks[i]) for i in range(len(blocks))), tuple(rest), head)
+    head = next(((name, tuple(entries[name])) for name in HEADS if name in entries), None)
+    return GenericTensors(embed[0], tuple(tuple(blocks[i]) for i in range(len(blocks))), tuple(rest), head,
+                          tuple(sorted(built.items())))
 
 
 def generic_config(raw: dict[str, Any], tensors: GenericTensors | None, where: str) -> ModelConfig:

@@ -209,17 +209,20 @@ def embedding_source(cfg: ModelConfig, fmt: WeightFormat | None = None) -> tuple
 
 
 def generic_sources(tensors: GenericTensors, group: str) -> list[tuple[str, Sources]]:
-    """A model transformers runs: each tensor keeps its checkpoint name, unfused (`offload.model.generic`)."""
+    """A model transformers runs: each tensor under its parameter's name, read from the checkpoint tensors of that
+    name or those transformers renames or stacks into it (`offload.model.generic.loaded_names`)."""
     if group == "embed":
         named = [tensors.embed]
     elif group == "head":  # the final norm(s), then the LM head (the embeddings when tied)
         named = [*tensors.head]
-        return [(n, [(n, s)]) for n, s in named] + [(LM_HEAD, [tensors.lm_head or tensors.embed])]
+        head = tensors.lm_head or tensors.embed
+        return [(n, list(tensors.sources.get(n, [(n, s)]))) for n, s in named] + [
+            (LM_HEAD, list(tensors.sources.get(head[0], [head])))]
     elif group.startswith("layer.") and group.count(".") == 1:
         named = list(tensors.layers[int(group.split(".")[1])])
     else:
         raise KeyError(group)
-    return [(n, [(n, s)]) for n, s in named]
+    return [(n, list(tensors.sources.get(n, [(n, s)]))) for n, s in named]
 
 
 def group_sources(cfg: ModelConfig, group: str, stacked: bool = False) -> list[tuple[str, Sources]]:
