@@ -19,7 +19,7 @@ from storage.errors import StoreError
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview over a contiguous CPU tensor's bytes."""
     assert t.device.type == "cpu" and t.is_contiguous(), "positional I/O needs a contiguous CPU tensor"
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # (flat first: a scalar cannot view its bytes)
 
 
 def preadv_into(fd: int, dest: torch.Tensor, offset: int, path: str | os.PathLike = "") -> None:

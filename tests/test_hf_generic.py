@@ -1,7 +1,8 @@
 """Any transformers causal LM through the tiers (model_impl: transformers): greedy tokens equal transformers'
-own on tiny Gemma 2, Gemma 3 (text), Phi-3, StableLM, GPT-NeoX and Phi-MoE checkpoints (the last two renamed and
-stacked by transformers as it loads them), resident and streamed from the disk tier; a native family forced
-through the generic path gives the native path's tokens; what the path cannot do is refused in one sentence."""
+own on tiny Gemma 2, Gemma 3 (text), Phi-3, StableLM, GPT-NeoX, Phi-MoE (both renamed and stacked by transformers
+as it loads them), Apertus and Llama 4 (text) checkpoints, resident and streamed from the disk tier; a native
+family forced through the generic path gives the native path's tokens; what the path cannot do is refused in one
+sentence."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ FAMILIES = {
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(tie_word_embeddings=False)),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
                                                           intermediate_size=32)),
+    # scalar parameters (its activation's beta and eps); ids moved to the embeddings' device before they run
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(pad_token_id=0)),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+                                                             intermediate_size=32, intermediate_size_mlp=64,
+                                                             interleave_moe_layer_step=1, pad_token_id=0)),
 }
 PROMPTS = [[5, 17, 33, 2, 9, 100, 41, 7, 8, 12, 13], [3, 4, 200]]
 NEW = 10
@@ -259,7 +265,10 @@ def test_a_model_with_recurrent_state_is_refused_in_one_sentence(tmp_path):
     config = transformers.JambaConfig(**SIZES, num_experts=2, num_experts_per_tok=1, attn_layer_period=2,
                                       attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                                       mamba_d_state=4, mamba_expand=2, use_mamba_kernels=False)
-    transformers.JambaForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(CheckpointError, match=r"JambaForCausalLM keeps a recurrent state \(linear-attention or Mamba "
-                                              r"layers\), which Offload's transformers path does not run"):
-        Runner(run_config(tmp_path))
+    transformers.JambaForCausalLM(config).save_pretrained(tmp_path / "jamba")
+    mamba = transformers.MambaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, state_size=4)
+    transformers.MambaForCausalLM(mamba).save_pretrained(tmp_path / "mamba")  # (its table: backbone.embeddings)
+    for name in ("Jamba", "Mamba"):
+        with pytest.raises(CheckpointError, match=rf"{name}ForCausalLM keeps a recurrent state \(linear-attention or "
+                                                  r"Mamba layers\), which Offload's transformers path does not run"):
+            Runner(run_config(tmp_path / name.lower()))

@@ -232,6 +232,10 @@ class TieredModel:
         add_hook_to_module(out_embed, HeadHook(head, last=True))
         embed = root.get_input_embeddings()
         add_hook_to_module(embed, EmbedHook(weights, self.dtype))
+        # between passes a stand-in of the table's shape, dtype and device (one element): Llama 4 moves the ids to
+        # its embeddings' device before they run, and a meta table took them to meta
+        shape = embed._parameters["weight"].shape
+        embed._parameters["weight"] = torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
         covered.add(cfg.tensors.embed[0])
         return covered
 

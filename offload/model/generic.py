@@ -26,7 +26,7 @@ from offload.model.config import SUPPORTED, ModelConfig
 #: A decoder block's tensor: (prefix)(layers|h|blocks).(i).(rest)
 _BLOCK = re.compile(r"^(?P<pre>(?:.*\.)?(?:layers|h|blocks))\.(?P<i>\d+)\.(?P<rest>.+)$")
 #: Token-embedding tensors, by the names transformers' families give them.
-_EMBED = re.compile(r"^(?:.*\.)?(?:embed_tokens|word_embeddings|wte|embed_in)\.weight$")
+_EMBED = re.compile(r"^(?:.*\.)?(?:embed_tokens|word_embeddings|wte|embed_in|embeddings)\.weight$")
 #: The LM head's name in a causal LM (transformers' `get_output_embeddings()` of nearly every family), the name its
 #: group keeps it under whatever the checkpoint calls it: HEADS, GPT-NeoX's (Pythia) `embed_out` too, a module
 #: transformers 5 names lm_head (it renames the tensor as it loads)

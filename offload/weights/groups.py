@@ -279,6 +279,9 @@ def group_sources(cfg: ModelConfig, group: str, stacked: bool = False) -> list[t
 
 
 def dense_shape(sources: Sources) -> tuple[int, ...]:
+    """A fused tensor's shape: its sources' rows one after another (one source: its shape, a scalar's () too)."""
+    if len(sources) == 1:
+        return tuple(sources[0][1])
     return (sum(shape[0] for _, shape in sources), *sources[0][1][1:])
 
 

@@ -37,6 +37,9 @@ def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor, fmt: We
             quant.quantize_into(CheckpointRows(ckpt, sources), fmt.tensor_bits(tensor), fmt.group_size,
                                 views[f"{tensor}.q"], views[f"{tensor}.sz"])
             continue
+        if len(sources) == 1:  # (a scalar has no rows: Apertus's activation parameters)
+            ckpt.read_into(sources[0][0], views[tensor])
+            continue
         row = 0
         for short, shape in sources:
             ckpt.read_into(short, views[tensor][row : row + shape[0]])
