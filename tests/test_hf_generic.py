@@ -128,9 +128,10 @@ def test_the_groups_are_the_checkpoints_blocks_named_as_transformers_names_them(
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_packed_blocks_stream_and_give_every_placement_the_same_tokens_near_the_float_logits(hf_models, scheme,
-                                                                                             tmp_path):
-    path, _ = hf_models["phi3"]
+@pytest.mark.parametrize("family", ["phi3", "phimoe"])  # (Phi-MoE's experts: stacked by transformers, packed whole)
+def test_packed_blocks_stream_and_give_every_placement_the_same_tokens_near_the_float_logits(hf_models, family,
+                                                                                             scheme, tmp_path):
+    path, _ = hf_models[family]
     weights = {"quantization": scheme, "group_size": 32}
     with Runner(run_config(path, weights=weights)) as r:
         resident = [x.outputs[0].token_ids for x in r.generate(PROMPTS, max_new_tokens=NEW, temperature=0,

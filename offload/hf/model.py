@@ -51,7 +51,7 @@ class Bound:
         self.meta = [(m, leaf, getattr(m, leaf), leaf in dict(m.named_parameters(recurse=False)))
                      for m, leaf, _ in bindings]
         self.held = False
-        self.lazy: dict[str, DenseOnUse] = {}  # packed matrices: dequantized by their module's own hook
+        self.lazy: dict[str, tuple[DenseOnUse, str]] = {}  # packed matrices: (their module's hook, leaf)
 
     def bind(self) -> None:
         views = self.weights.acquire(self.group)
@@ -59,7 +59,8 @@ class Bound:
         for (m, leaf, name), (_, _, meta, param) in zip(self.bindings, self.meta):
             t = views[name]
             if name in self.lazy:
-                self.lazy[name].packed = t
+                hook, leaf = self.lazy[name]
+                hook.packed[leaf] = t
             else:  # (experts transformers stacks: their rows one after another, viewed as its [E, ...])
                 t = t if t.shape == meta.shape else t.view(meta.shape)
                 put(m, leaf, t if t.dtype == self.dtype else t.to(self.dtype), param)
@@ -67,8 +68,8 @@ class Bound:
     def unbind(self, release: bool = True) -> None:
         for m, leaf, meta, param in self.meta:
             put(m, leaf, meta, param)
-        for hook in self.lazy.values():
-            hook.packed = None
+        for hook, leaf in self.lazy.values():
+            hook.packed.pop(leaf, None)
         if self.held and release:
             self.weights.release(self.group)
         self.held = False
@@ -83,24 +84,28 @@ def put(m: nn.Module, leaf: str, t: torch.Tensor, param: bool) -> None:
 
 
 class DenseOnUse(ModelHook):
-    """An int8/int4 matrix's module (e.g. a Linear): dequantized right before it runs, into the weight source's
-    one scratch buffer (a module's product consumes it before the next module's dequantizes), put back after."""
+    """A module's int8/int4 matrices (a Linear's weight; the gate_up_proj and down_proj of experts transformers
+    stacks, viewed as its [E, ...]): dequantized right before it runs, put back after. One matrix goes into the
+    weight source's one scratch buffer (a module's product consumes it before the next module's dequantizes);
+    a module of several dequantizes each into its own."""
 
-    def __init__(self, leaf: str, param: bool, dtype: torch.dtype) -> None:
-        self.leaf, self.param, self.dtype = leaf, param, dtype
-        self.packed: Any = None  # a quant.PackedLinear while its group is bound
-        self.meta: torch.Tensor | None = None
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.leaves: dict[str, bool] = {}  # leaf -> a parameter? (else a persistent buffer)
+        self.packed: dict[str, Any] = {}  # leaf -> its quant.PackedLinear while its group is bound
+        self.meta: dict[str, torch.Tensor] = {}
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        if self.packed is not None:
-            self.meta = getattr(module, self.leaf)
-            put(module, self.leaf, self.packed.dense().to(self.dtype), self.param)
+        for leaf, packed in self.packed.items():
+            self.meta[leaf] = meta = getattr(module, leaf)
+            dense = packed.dense(scratch=len(self.leaves) == 1).to(self.dtype)
+            put(module, leaf, dense if dense.shape == meta.shape else dense.view(meta.shape), self.leaves[leaf])
         return args, kwargs
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
-        if self.meta is not None:
-            put(module, self.leaf, self.meta, self.param)
-            self.meta = None
+        for leaf, meta in self.meta.items():
+            put(module, leaf, meta, self.leaves[leaf])
+        self.meta.clear()
         return output
 
 
@@ -212,6 +217,7 @@ class TieredModel:
                 out.append((module, leaf, name))
             return out
 
+        lazy: dict[int, DenseOnUse] = {}  # a module's hook for its packed matrices
         for i in range(cfg.num_layers):
             group = f"layer.{i}"
             b = bindings(group)
@@ -219,8 +225,11 @@ class TieredModel:
             bound = Bound(weights, group, b, self.dtype)
             for (m, leaf, name), (_, _, _, param) in zip(b, bound.meta):
                 if weights.fmt.packs(cfg, name):
-                    bound.lazy[name] = DenseOnUse(leaf, param, self.dtype)
-                    add_hook_to_module(m, bound.lazy[name])
+                    if id(m) not in lazy:
+                        lazy[id(m)] = DenseOnUse(self.dtype)
+                        add_hook_to_module(m, lazy[id(m)])
+                    lazy[id(m)].leaves[leaf] = param
+                    bound.lazy[name] = (lazy[id(m)], leaf)
             self.bounds.append(bound)
             add_hook_to_module(block, GroupHook(bound))
         head = Bound(weights, "head", bindings("head"), self.dtype)

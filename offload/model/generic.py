@@ -57,8 +57,11 @@ class GenericTensors:
 
     @functools.cached_property
     def matrices(self) -> dict[str, int]:
-        """The blocks' matrices (2-D `.weight` tensors) an int8/int4 format packs: name -> input dimension."""
-        return {n: s[1] for layer in self.layers for n, s in layer if len(s) == 2 and n.endswith(".weight")}
+        """The blocks' matrices an int8/int4 format packs: 2-D `.weight` tensors, and experts transformers stacks
+        (their matrices' rows one after another: one matrix of E x the rows): name -> input dimension."""
+        stacked = {n for n, parts in self.built if len(parts) > 1 and all(len(s) == 2 for _, s in parts)}
+        return {n: s[1] for layer in self.layers for n, s in layer
+                if len(s) == 2 and (n.endswith(".weight") or n in stacked)}
 
 
     @functools.cached_property

@@ -224,10 +224,10 @@ class PackedLinear:
     def row_invariant(self, x: torch.Tensor) -> bool:
         return self.fused or kernels.packed_supported(self.sz)
 
-    def dense(self) -> torch.Tensor:
-        """The dequantized weight [out_features, k] (in the scratch buffer when there is one)."""
+    def dense(self, scratch: bool = True) -> torch.Tensor:
+        """The dequantized weight [out_features, k] (in the scratch buffer when there is one and `scratch`)."""
         rows, k = kernels.packed_rows_cols(self.q, self.sz)
-        if self.scratch is None:
+        if self.scratch is None or not scratch:
             return dequantize(self.q, self.sz)[: self.out_features]
         buf = self.scratch.take(rows * k, self.sz.dtype, self.q.device).view(rows, k)
         return dequantize(self.q, self.sz, buf)[: self.out_features]
