@@ -26,7 +26,9 @@ from offload.model.config import SUPPORTED, ModelConfig
 #: A decoder block's tensor: (prefix)(layers|h|blocks).(i).(rest)
 _BLOCK = re.compile(r"^(?P<pre>(?:.*\.)?(?:layers|h|blocks))\.(?P<i>\d+)\.(?P<rest>.+)$")
 #: Token-embedding tensors, by the names transformers' families give them.
-_EMBED = re.compile(r"^(?:.*\.)?(?:embed_tokens|word_embeddings|wte|embed_in|embeddings)\.weight$")
+_EMBED = re.compile(r"^(?:.*\.)?(?:embed_tokens|word_embeddings|wte|embed_in)\.weight$")
+#: ... and where none of those is there, Mamba's (`backbone.embeddings`)
+_EMBED_ELSE = re.compile(r"^(?:.*\.)?embeddings\.weight$")
 #: The LM head's name in a causal LM (transformers' `get_output_embeddings()` of nearly every family), the name its
 #: group keeps it under whatever the checkpoint calls it: HEADS, GPT-NeoX's (Pythia) `embed_out` too, a module
 #: transformers 5 names lm_head (it renames the tensor as it loads)
@@ -154,6 +156,9 @@ def generic_tensors(entries: Mapping[str, tuple[int, ...]], where: str,
             embed.append((name, shape))
         elif name not in HEADS:
             rest.append((name, shape))
+    if not embed:
+        embed = [t for t in rest if _EMBED_ELSE.match(t[0]) and len(t[1]) == 2]
+        rest = [t for t in rest if t not in embed]
     if len(embed) != 1 or not blocks or len(prefixes) != 1:
         found = [n for n, _ in embed] or "none"
         raise CheckpointError(f"{where}: cannot tell the token embeddings ({found}) and decoder blocks "
