@@ -273,3 +273,54 @@ def test_a_model_with_recurrent_state_is_refused_in_one_sentence(tmp_path):
         with pytest.raises(CheckpointError, match=rf"{name}ForCausalLM keeps a recurrent state \(linear-attention or "
                                                   r"Mamba layers\), which Offload's transformers path does not run"):
             Runner(run_config(tmp_path / name.lower()))
+
+
+def mxfp4_gpt_oss(path: Path, scales_dtype: torch.dtype = torch.uint8) -> None:
+    """A tiny gpt-oss checkpoint as OpenAI ships its models: the experts' matrices in MXFP4 (random codes, scales
+    near 2^0), the rest float, `quantization_config: {quant_method: mxfp4}`."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(**(SIZES | dict(intermediate_size=64, num_hidden_layers=2, head_dim=16,
+                                                        num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                                        layer_types=["sliding_attention", "full_attention"])))
+    model = transformers.GptOssForCausalLM(config)
+    model.save_pretrained(path)
+    g = torch.Generator().manual_seed(1)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, n = tensors.pop(name).shape  # the model's [E, K, N]; the checkpoint's blocks [E, N, K / 32, 16]
+        tensors[f"{name}_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), generator=g, dtype=torch.uint8)
+        tensors[f"{name}_scales"] = torch.randint(120, 127, (e, n, k // 32), generator=g).to(scales_dtype)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                       "model.layers.*.mlp.router",
+                                                                                       "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+def test_an_mxfp4_checkpoint_runs_dequantized_as_transformers_dequantizes_it(tmp_path):
+    """gpt-oss ships MXFP4 experts only (refused before as a quantized checkpoint): read dense, expert by expert,
+    the tokens equal transformers' own (it dequantizes on load), resident and streamed; packed int8 too, the same
+    tokens in every placement; blocks and scales of another dtype refused in one sentence."""
+    mxfp4_gpt_oss(tmp_path / "oss")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "oss", quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False
+                              )[0, len(p):].tolist() for p in PROMPTS]
+    assert greedy(run_config(tmp_path / "oss")) == ref
+    for weights, gpu in (({}, "800KiB"), ({"weights": {"quantization": "int8", "group_size": 32}}, "400KiB")):
+        raw = run_config(tmp_path / "oss", **weights, prefetch={"depth": 1},
+                         tiers={"gpu": {"capacity": gpu}, "cpu": {"capacity": "60KiB"},
+                                "disk": {"path": str(tmp_path / f"store{len(weights)}")}})
+        with Runner(raw) as r:
+            assert "disk" in r.plan.homes.values()
+            got = [x.outputs[0].token_ids for x in r.generate(PROMPTS, max_new_tokens=NEW, temperature=0,
+                                                              stop_on_eos=False)]
+        assert got == (ref if not weights else greedy(run_config(tmp_path / "oss", **weights)))
+    mxfp4_gpt_oss(tmp_path / "bad", scales_dtype=torch.float16)
+    with pytest.raises(CheckpointError, match=r"are not the uint8 blocks \[E, N, G, 16\] and scales \[E, N, G\] of "
+                                              "an MXFP4 matrix"):
+        Runner(run_config(tmp_path / "bad"))

@@ -119,9 +119,10 @@ def refuse_unsupported(config: OffloadConfig, layers: range | None) -> None:
         raw = json.loads((config.model / "config.json").read_text())
     except (OSError, ValueError):
         raw = {}  # the checkpoint's own reader says what is wrong with it
-    if isinstance(raw, dict) and raw.get("quantization_config"):
-        raise ConfigError("model_impl transformers: quantized checkpoints (quantization_config) are read by "
-                          "Offload's native families only; use a float checkpoint")
+    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if quant and not (isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "mxfp4"):
+        raise ConfigError("model_impl transformers: quantized checkpoints (quantization_config) other than MXFP4 "
+                          "(gpt-oss) are read by Offload's native families only; use a float checkpoint")
     if config.speculative.enabled:
         raise ConfigError("speculative: decoding with a draft needs Offload's own math; set speculative.enabled: "
                           "false or model_impl: native")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from offload.errors import CheckpointError
+from offload.model import mxfp4
 from offload.model.config import ModelConfig
 from offload.model.generic import generic_config, generic_tensors, loaded_names, resolve_impl
 from storage.io import preadv_into
@@ -143,6 +144,8 @@ class Checkpoint:
         if not isinstance(raw, dict):
             raise CheckpointError(f"{cfg_path}: expected a JSON object of model settings; fix or re-download it")
         native = resolve_impl(impl, raw) == "native"
+        self.mxfp4: dict[str, tuple[str, str]] = {}  # an MXFP4 expert matrix: (its blocks, its scales)
+        self._expert: tuple[str, int, torch.Tensor] | None = None  # the last one's expert read dense
         if native:  # its config is checked before any shard is opened
             self.config = ModelConfig.from_dict(raw, str(cfg_path))
         self.files = self._find_files()
@@ -155,9 +158,12 @@ class Checkpoint:
         if native:
             self._prefix = self._detect_prefix()
         else:  # the parameters' names in transformers' module tree, as it renames and stacks them loading
-            where = str(self.path)
-            tensors = generic_tensors({n: e.shape for n, e in self.entries.items()}, where,
-                                      loaded_names(raw, self.entries, where))
+            where, shapes = str(self.path), {n: e.shape for n, e in self.entries.items()}
+            self.mxfp4 = mxfp4.pairs(raw, shapes)  # (read dense: `_mxfp4_rows`)
+            for target, (blocks, scales) in self.mxfp4.items():
+                shapes[target] = mxfp4.dense_shape(shapes.pop(blocks))
+                del shapes[scales]
+            tensors = generic_tensors(shapes, where, loaded_names(raw, shapes, where), stacked=self.mxfp4)
             self.config = generic_config(raw, tensors, str(cfg_path))
             self._prefix = ""
 
@@ -213,6 +219,15 @@ class Checkpoint:
         slab = _SLAB.match(short)
         if slab:
             return self._slab(slab[1], int(slab[2]), shape, dtype)
+        if short in self.mxfp4:  # its blocks and scales, uint8, of the shapes its dense one implies
+            (blocks, scales), (rows, n) = self.mxfp4[short], shape
+            e = self.entries[blocks]
+            if e.dtype != torch.uint8 or self.entries[scales].dtype != torch.uint8 or len(e.shape) != 4 or \
+                    self.entries[scales].shape != e.shape[:3] or mxfp4.dense_shape(e.shape) != (rows, n):
+                raise CheckpointError(f"{self.path}: {blocks!r} and {scales!r} are not the uint8 blocks [E, N, G, 16] "
+                                      "and scales [E, N, G] of an MXFP4 matrix; the checkpoint does not match its "
+                                      "quantization_config")
+            return e
         full = self.name(short)
         e = self.entries.get(full)
         if e is None:
@@ -250,6 +265,8 @@ class Checkpoint:
     def read_rows_into(self, short: str, shape: tuple[int, ...], row: int, dest: torch.Tensor) -> None:
         """Copy rows row .. row + len(dest) of a tensor of `shape` into `dest` (any dtype/device): a part of a
         large matrix without its whole bytes in memory."""
+        if short in self.mxfp4:
+            return self._mxfp4_rows(short, tuple(shape), row, dest)
         e = self.entry(short, tuple(shape), dest.dtype)
         offset = e.start
         if row or tuple(dest.shape) != e.shape:
@@ -266,6 +283,24 @@ class Checkpoint:
                 dest.copy_(tmp)
         finally:
             os.close(fd)
+
+    def _mxfp4_rows(self, short: str, shape: tuple[int, ...], row: int, dest: torch.Tensor) -> None:
+        """`read_rows_into` of an MXFP4 matrix: each expert's rows dequantized (`offload.model.mxfp4`), the last
+        expert kept for the next rows (a conversion reads a packed format's rows a block at a time)."""
+        self.entry(short, shape)
+        (blocks, scales), k = self.mxfp4[short], shape[0] // self.entries[self.mxfp4[short][0]].shape[0]
+        r, end = row, row + dest.shape[0]
+        while r < end:
+            e, k0 = divmod(r, k)
+            if self._expert is None or self._expert[:2] != (short, e):
+                qb = torch.empty((1, *self.entries[blocks].shape[1:]), dtype=torch.uint8)
+                qs = torch.empty((1, *self.entries[scales].shape[1:]), dtype=torch.uint8)
+                self.read_rows_into(blocks, self.entries[blocks].shape, e, qb)
+                self.read_rows_into(scales, self.entries[scales].shape, e, qs)
+                self._expert = (short, e, mxfp4.dequantize(qb[0], qs[0]))
+            k1 = min(k, k0 + end - r)
+            dest[r - row : r - row + k1 - k0].copy_(self._expert[2][k0:k1])
+            r += k1 - k0
 
     def read(self, short: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)

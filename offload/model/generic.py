@@ -52,6 +52,9 @@ class GenericTensors:
     #: the parameters transformers builds from checkpoint tensors of other names as it loads (`loaded_names`):
     #: (parameter name, (the tensors filling its rows, in order)); the rest are the checkpoint's own
     built: tuple[tuple[str, tuple[Tensor, ...]], ...] = ()
+    #: experts' matrices as one tensor of their rows one after another (stacked by transformers, or dequantized
+    #: from MXFP4): packed by an int8 / int4 format as one matrix
+    stacked: frozenset[str] = frozenset()
 
     @property
     def tied(self) -> bool:
@@ -61,9 +64,8 @@ class GenericTensors:
     def matrices(self) -> dict[str, int]:
         """The blocks' matrices an int8/int4 format packs: 2-D `.weight` tensors, and experts transformers stacks
         (their matrices' rows one after another: one matrix of E x the rows): name -> input dimension."""
-        stacked = {n for n, parts in self.built if len(parts) > 1 and all(len(s) == 2 for _, s in parts)}
         return {n: s[1] for layer in self.layers for n, s in layer
-                if len(s) == 2 and (n.endswith(".weight") or n in stacked)}
+                if len(s) == 2 and (n.endswith(".weight") or n in self.stacked)}
 
 
     @functools.cached_property
@@ -135,9 +137,10 @@ def loaded_names(raw: Mapping[str, Any], names: Iterable[str], where: str) -> di
 
 
 def generic_tensors(entries: Mapping[str, tuple[int, ...]], where: str,
-                    loaded: Mapping[str, list[str]] | None = None) -> GenericTensors:
+                    loaded: Mapping[str, list[str]] | None = None, stacked: Iterable[str] = ()) -> GenericTensors:
     """Group a checkpoint's tensors (name -> shape) into embeddings, decoder blocks and the rest, under the names
-    transformers gives them as it loads (`loaded`: `loaded_names`)."""
+    transformers gives them as it loads (`loaded`: `loaded_names`); `stacked`: other experts' matrices stored as
+    their rows one after another (MXFP4's, read dense)."""
     built = {target: tuple((n, tuple(entries[n])) for n in names) for target, names in (loaded or {}).items()}
     taken = {n for parts in built.values() for n, _ in parts}
     entries = {n: s for n, s in entries.items() if n not in taken} | {
@@ -168,8 +171,9 @@ def generic_tensors(entries: Mapping[str, tuple[int, ...]], where: str,
         raise CheckpointError(f"{where}: decoder blocks {sorted(blocks)[:8]} are not numbered 0..{len(blocks) - 1}; "
                               "the checkpoint is incomplete")
     head = next(((name, tuple(entries[name])) for name in HEADS if name in entries), None)
+    stacked = {*stacked, *(n for n, parts in built.items() if len(parts) > 1 and all(len(s) == 2 for _, s in parts))}
     return GenericTensors(embed[0], tuple(tuple(blocks[i]) for i in range(len(blocks))), tuple(rest), head,
-                          tuple(sorted(built.items())))
+                          tuple(sorted(built.items())), frozenset(stacked))
 
 
 def generic_config(raw: dict[str, Any], tensors: GenericTensors | None, where: str) -> ModelConfig:
