@@ -324,3 +324,13 @@ def test_an_mxfp4_checkpoint_runs_dequantized_as_transformers_dequantizes_it(tmp
     with pytest.raises(CheckpointError, match=r"are not the uint8 blocks \[E, N, G, 16\] and scales \[E, N, G\] of "
                                               "an MXFP4 matrix"):
         Runner(run_config(tmp_path / "bad"))
+
+
+def test_chat_auto_fits_the_packed_group_size_to_a_transformers_models_matrices(hf_models):
+    """`chat --auto --weights int4` writes the group size that divides every matrix it packs: for a model
+    transformers runs, read from its tensors (it stopped with 'not supported natively' before converting)."""
+    from offload.cli import auto
+
+    fmt = auto.packed(str(hf_models["phimoe"][0]), "int4")  # (its experts' down_proj: 32 inputs)
+    assert (fmt.quantization, fmt.group_size) == ("int4", 32)
+    assert auto.packed(str(hf_models["phi3"][0]), "int8").group_size == 64

@@ -30,10 +30,11 @@ from offload.cli import signals
 from offload.cli.plan import show_plan
 from offload.cli.prepare import store_to_fill
 from offload.config import DiskTierConfig, OffloadConfig, cache_dir, format_size
-from offload.errors import ConfigError, StaleStoreError
+from offload.errors import CheckpointError, ConfigError, StaleStoreError
 from offload.model import fused, hub, kernels
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
+from offload.model.generic import resolve_impl
 from offload.plan.calibrate import BUSY, BUSY_ROUNDS, Calibration, CalibrationError, calibrate
 from offload.plan.machine import calibration_lock
 from offload.plan.memory import PACKED, packed_kernels, ram_available
@@ -119,8 +120,13 @@ def _name(model: str) -> str:
 def packed(model: str, quantization: str) -> WeightFormat:
     """The packed format for this model: the default group size (64), or the largest that divides every matrix."""
     directory = hub.fetch(model, weights=False) if hub.is_hub_id(model) else Path(model)
-    cfg = ModelConfig.from_dict(json.loads((directory / "config.json").read_text()), str(directory / "config.json"))
-    return WeightFormat(quantization).fitted(cfg)
+    raw = json.loads((directory / "config.json").read_text())
+    if resolve_impl("auto", raw) == "native":
+        return WeightFormat(quantization).fitted(ModelConfig.from_dict(raw, str(directory / "config.json")))
+    try:  # a model transformers runs: its matrices are its tensors, whose shapes the safetensors headers give
+        return WeightFormat(quantization).fitted(Checkpoint(directory).config)
+    except CheckpointError:  # (a Hub model's weights, not fetched yet: the default group size; a conversion
+        return WeightFormat(quantization)  # it does not fit names weights.group_size in the YAML)
 
 
 def _ensure_store(disk: DiskTierConfig, ckpt: Checkpoint, dtype: torch.dtype, fmt: WeightFormat, root: Path) -> None:
