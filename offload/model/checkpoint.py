@@ -285,8 +285,8 @@ class Checkpoint:
             os.close(fd)
 
     def _mxfp4_rows(self, short: str, shape: tuple[int, ...], row: int, dest: torch.Tensor) -> None:
-        """`read_rows_into` of an MXFP4 matrix: each expert's rows dequantized (`offload.model.mxfp4`), the last
-        expert kept for the next rows (a conversion reads a packed format's rows a block at a time)."""
+        """`read_rows_into` of an MXFP4 matrix: each expert's rows dequantized (`offload.model.mxfp4`), the expert
+        kept until its last rows are read (a conversion reads a packed format's rows a block at a time)."""
         self.entry(short, shape)
         (blocks, scales), k = self.mxfp4[short], shape[0] // self.entries[self.mxfp4[short][0]].shape[0]
         r, end = row, row + dest.shape[0]
@@ -301,6 +301,8 @@ class Checkpoint:
             k1 = min(k, k0 + end - r)
             dest[r - row : r - row + k1 - k0].copy_(self._expert[2][k0:k1])
             r += k1 - k0
+            if k1 == k:  # (its last rows read: not kept beyond the conversion, 66 MB a gpt-oss-120b expert)
+                self._expert = None
 
     def read(self, short: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)
