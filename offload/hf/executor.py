@@ -120,9 +120,9 @@ def refuse_unsupported(config: OffloadConfig, layers: range | None) -> None:
     except (OSError, ValueError):
         raw = {}  # the checkpoint's own reader says what is wrong with it
     quant = raw.get("quantization_config") if isinstance(raw, dict) else None
-    if quant and not (isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "mxfp4"):
+    if quant and not (isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() in ("mxfp4", "fp8")):
         raise ConfigError("model_impl transformers: quantized checkpoints (quantization_config) other than MXFP4 "
-                          "(gpt-oss) are read by Offload's native families only; use a float checkpoint")
+                          "and block FP8 are read by Offload's native families only; use a float checkpoint")
     if config.speculative.enabled:
         raise ConfigError("speculative: decoding with a draft needs Offload's own math; set speculative.enabled: "
                           "false or model_impl: native")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from offload.errors import CheckpointError
-from offload.model import mxfp4
+from offload.model import fp8, mxfp4
 from offload.model.config import ModelConfig
 from offload.model.generic import generic_config, generic_tensors, loaded_names, resolve_impl
 from storage.io import preadv_into
@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 #: Integer tensors, read only where a quantized format expects them (GPTQ/AWQ qweight, qzeros, g_idx).
 _ST_INTS = {"I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "I64": torch.int64}
+#: FP8 codes, read only as a checkpoint's `quantization_config` says (`offload.model.fp8`)
+_ST_FP8 = {"F8_E4M3": torch.float8_e4m3fn}
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -121,8 +123,8 @@ def _entry(path: Path, name: str, info: object, base: int, size: int) -> TensorE
         raise CheckpointError(f"{where}: data_offsets give {end - start} bytes but shape {shape} of {dtype} "
                               f"needs {math.prod(shape) * _ST_ITEMSIZE[dtype]}; the header is corrupt")
     # integer tensors keep their dtype (quantized formats read them); `Checkpoint.entry` checks every read
-    return TensorEntry(path, _ST_DTYPES.get(dtype, _ST_INTS.get(dtype, torch.uint8)), tuple(shape), base + start,
-                       end - start)
+    return TensorEntry(path, _ST_DTYPES.get(dtype, _ST_INTS.get(dtype, _ST_FP8.get(dtype, torch.uint8))),
+                       tuple(shape), base + start, end - start)
 
 
 class Checkpoint:
@@ -155,10 +157,13 @@ class Checkpoint:
             entries, raw_header = read_safetensors_header(f)
             self.entries.update(entries)
             self._headers[f] = raw_header
+        self.fp8 = fp8.pairs(raw, {n: e.dtype for n, e in self.entries.items()})  # (read dense: `_fp8_rows`)
+        self.fp8_block = fp8.block(raw)
         if native:
             self._prefix = self._detect_prefix()
         else:  # the parameters' names in transformers' module tree, as it renames and stacks them loading
-            where, shapes = str(self.path), {n: e.shape for n, e in self.entries.items()}
+            scales = set(self.fp8.values())
+            where, shapes = str(self.path), {n: e.shape for n, e in self.entries.items() if n not in scales}
             self.mxfp4 = mxfp4.pairs(raw, shapes)  # (read dense: `_mxfp4_rows`)
             for target, (blocks, scales) in self.mxfp4.items():
                 shapes[target] = mxfp4.dense_shape(shapes.pop(blocks))
@@ -218,6 +223,9 @@ class Checkpoint:
         """Where a tensor is, checked: present, of `shape`, float (or exactly `dtype` when one is asked for)."""
         slab = _SLAB.match(short)
         if slab:
+            if self.name(slab[1]) in self.fp8:
+                raise CheckpointError(f"{self.path}: {self.name(slab[1])!r} stacks FP8 experts in one tensor, which "
+                                      "Offload does not read; use a checkpoint with a tensor an expert")
             return self._slab(slab[1], int(slab[2]), shape, dtype)
         if short in self.mxfp4:  # its blocks and scales, uint8, of the shapes its dense one implies
             (blocks, scales), (rows, n) = self.mxfp4[short], shape
@@ -237,6 +245,13 @@ class Checkpoint:
                 f"{self.path}: tensor {full!r} has shape {list(e.shape)} but config.json implies {list(shape)}; "
                 "the weights and config.json do not belong together"
             )
+        if full in self.fp8:  # its scales: float32, one a block
+            se = self.entries[self.fp8[full]]
+            if se.dtype != torch.float32 or se.shape != fp8.grid(e.shape, self.fp8_block):
+                raise CheckpointError(f"{self.path}: {self.fp8[full]!r} is not the float32 scales "
+                                      f"{list(fp8.grid(e.shape, self.fp8_block))} of {full!r} in blocks of "
+                                      f"{list(self.fp8_block)}; the checkpoint does not match its quantization_config")
+            return e
         if dtype is not None and not dtype.is_floating_point:
             if e.dtype != dtype:
                 raise CheckpointError(f"{self.path}: tensor {full!r} is {e.dtype} but its quantization format "
@@ -268,6 +283,12 @@ class Checkpoint:
         if short in self.mxfp4:
             return self._mxfp4_rows(short, tuple(shape), row, dest)
         e = self.entry(short, tuple(shape), dest.dtype)
+        if self.name(short) in self.fp8:
+            return self._fp8_rows(self.name(short), e, row, dest)
+        self._pread(e, row, dest)
+
+    def _pread(self, e: TensorEntry, row: int, dest: torch.Tensor) -> None:
+        """Rows row .. of the tensor at `e` into `dest`, converted to its dtype."""
         offset = e.start
         if row or tuple(dest.shape) != e.shape:
             if not (dest.dim() and dest.shape[1:] == e.shape[1:] and 0 <= row <= e.shape[0] - dest.shape[0]):
@@ -283,6 +304,16 @@ class Checkpoint:
                 dest.copy_(tmp)
         finally:
             os.close(fd)
+
+    def _fp8_rows(self, full: str, e: TensorEntry, row: int, dest: torch.Tensor) -> None:
+        """`read_rows_into` of an FP8 matrix: its codes and the scales of their blocks of rows, dequantized."""
+        n, size, scales = dest.shape[0], self.fp8_block, self.fp8[full]
+        codes = torch.empty((n, *e.shape[1:]), dtype=fp8.CODES)
+        self._pread(e, row, codes)
+        first, last = row // size[0], (row + n - 1) // size[0]
+        s = torch.empty((last - first + 1, self.entries[scales].shape[1]), dtype=torch.float32)
+        self._pread(self.entries[scales], first, s)
+        dest.copy_(fp8.dequantize(codes, s, row - first * size[0], size))
 
     def _mxfp4_rows(self, short: str, shape: tuple[int, ...], row: int, dest: torch.Tensor) -> None:
         """`read_rows_into` of an MXFP4 matrix: each expert's rows dequantized (`offload.model.mxfp4`), the expert

@@ -91,8 +91,9 @@ class WeightFormat:
     def from_config(cls, w: WeightsConfig, cfg: ModelConfig) -> WeightFormat:
         """The run's format: the config's `weights:`, or the checkpoint's own quantization (then weights: none)."""
         raw = cfg.raw.get("quantization_config")
-        if cfg.impl == "transformers" and isinstance(raw, dict) and str(raw.get("quant_method", "")).lower() == "mxfp4":
-            raw = None  # (its experts read dense, `offload.model.mxfp4`: as a float checkpoint)
+        method = str(raw.get("quant_method", "")).lower() if isinstance(raw, dict) else ""
+        if method == "fp8" or (method == "mxfp4" and cfg.impl == "transformers"):
+            raw = None  # (read dense, `offload.model.fp8` / `mxfp4`: as a float checkpoint)
         pre = gptq.parse_quantization_config(raw, "config.json")
         if pre is None:
             return cls(w.quantization, w.group_size, tuple(w.keep))
