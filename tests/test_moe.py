@@ -286,3 +286,23 @@ def test_config_reads_each_family_routing():
                                        "clip_qkv": 8.0})
     assert ol.qk_norm and ol.qk_norm_whole and ol.clip_qkv == 8.0 and ol.moe_intermediate_size == 128
     assert np.isclose(ol.layer_params(), 4 * 64 * 64 + 3 * 64 * 4 * 128 + 5 * 64 + 2 * 64)
+
+
+def test_a_qwen3_moe_saved_by_transformers_5_runs_with_its_own_expert_count(tmp_path):
+    """transformers 5 saves Qwen3-MoE's expert count as num_local_experts (Mixtral's name); read as num_experts
+    only, a 4-expert model was taken for the family's default 128 and refused its own tensors. Saved by
+    transformers itself, greedy tokens equal its own."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, pad_token_id=0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert ModelConfig.from_dict(raw).num_experts == 4
+    with torch.no_grad():
+        want = model.generate(torch.tensor([[5, 17, 33, 2]]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with Runner(run_config(tmp_path)) as r:
+        got = r.generate([[5, 17, 33, 2]], max_new_tokens=6, temperature=0, stop_on_eos=False)[0].outputs[0].token_ids
+    assert got == want[0, 4:].tolist()

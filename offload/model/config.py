@@ -246,7 +246,9 @@ def _moe(cfg: dict[str, Any], model_type: str, layers: int, where: str) -> dict[
     """The mixture-of-experts fields of a MoE family's config (ModelConfig keyword arguments)."""
     # absent keys take transformers' defaults for the family, as its loader does
     d = MOE_DEFAULTS[model_type]
-    experts_key = "num_local_experts" if model_type == "mixtral" else "num_experts"
+    # (transformers 5 saves Qwen3-MoE's count as num_local_experts, Mixtral's name: either is read)
+    keys = ("num_local_experts", "num_experts") if model_type == "mixtral" else ("num_experts", "num_local_experts")
+    experts_key = next((k for k in keys if k in cfg), keys[0])
     experts = _size(cfg, experts_key, where, d["experts"])
     top_k = _size(cfg, "num_experts_per_tok", where, d["top_k"])
     if top_k > experts:
