@@ -334,3 +334,29 @@ def test_chat_auto_fits_the_packed_group_size_to_a_transformers_models_matrices(
     fmt = auto.packed(str(hf_models["phimoe"][0]), "int4")  # (its experts' down_proj: 32 inputs)
     assert (fmt.quantization, fmt.group_size) == ("int4", 32)
     assert auto.packed(str(hf_models["phi3"][0]), "int8").group_size == 64
+
+
+def test_a_multimodal_checkpoint_runs_as_its_language_model(tmp_path):
+    """Gemma 3 from 4B up ships as one multimodal checkpoint (its language model under `language_model.`, a vision
+    tower beside): refused before ('cannot tell the token embeddings and decoder blocks apart'). Its language model
+    runs alone, the vision tower's tensors left out: text prompts give the multimodal model's own greedy tokens,
+    resident and streamed from disk."""
+    torch.manual_seed(0)
+    text = SIZES | dict(head_dim=16, sliding_window=8, pad_token_id=0, vocab_size=300)
+    config = transformers.Gemma3Config(text_config=text, mm_tokens_per_image=4, image_token_index=299,
+                                       boi_token_index=297, eoi_token_index=298,
+                                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                          num_attention_heads=2, image_size=28, patch_size=14))
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path / "model")
+    with torch.no_grad():
+        ref = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False
+                              )[0, len(p):].tolist() for p in PROMPTS]
+    assert greedy(run_config(tmp_path / "model")) == ref
+    raw = run_config(tmp_path / "model", prefetch={"depth": 1},
+                     tiers={"gpu": {"capacity": "640KiB"}, "cpu": {"capacity": "60KiB"},
+                            "disk": {"path": str(tmp_path / "store")}})
+    with Runner(raw) as r:
+        assert "disk" in r.plan.homes.values() and r.cfg.family == "gemma3_text"
+        assert [x.outputs[0].token_ids for x in r.generate(PROMPTS, max_new_tokens=NEW, temperature=0,
+                                                           stop_on_eos=False)] == ref

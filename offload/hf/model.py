@@ -170,6 +170,8 @@ class TieredModel:
                  dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
         hf_config = AutoConfig.from_pretrained(path)
+        if getattr(hf_config, "text_config", None) is not None and "text_config" not in cfg.raw:
+            hf_config = hf_config.get_text_config()  # (a multimodal checkpoint run as its language model)
         try:
             with init_empty_weights():
                 self.model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)

@@ -24,7 +24,7 @@ import torch
 from offload.errors import CheckpointError
 from offload.model import fp8, mxfp4
 from offload.model.config import ModelConfig
-from offload.model.generic import generic_config, generic_tensors, loaded_names, resolve_impl
+from offload.model.generic import generic_config, generic_tensors, loaded_names, resolve_impl, text_only
 from storage.io import preadv_into
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,14 @@ class Checkpoint:
             for target, (blocks, scales) in self.mxfp4.items():
                 shapes[target] = mxfp4.dense_shape(shapes.pop(blocks))
                 del shapes[scales]
-            tensors = generic_tensors(shapes, where, loaded_names(raw, shapes, where), stacked=self.mxfp4)
+            back = {n: n for n in shapes}  # the model's tensor name -> the checkpoint's
+            if (text := text_only(raw, shapes)) is not None:  # a multimodal checkpoint: its language model alone
+                raw, back = text
+                shapes = {old: shapes[old] for old in back.values()}
+            loaded = {t: [back[n] for n in names] for t, names in loaded_names(raw, list(back), where).items()}
+            taken = {n for names in loaded.values() for n in names}
+            loaded |= {new: [old] for new, old in back.items() if new != old and old not in taken}
+            tensors = generic_tensors(shapes, where, loaded, stacked=self.mxfp4)
             self.config = generic_config(raw, tensors, str(cfg_path))
             self._prefix = ""
 

@@ -90,6 +90,37 @@ def resolve_impl(impl: str, raw: Mapping[str, Any]) -> str:
     return "native" if known else "transformers"
 
 
+#: A multimodal checkpoint's language model, as transformers 4 and 5 save it: prefix -> the causal LM's own
+TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                 ("model.language_model.", "model."), ("lm_head.", "lm_head."))
+
+
+def text_only(raw: Mapping[str, Any], names: Iterable[str]) -> tuple[dict[str, Any], dict[str, str]] | None:
+    """A multimodal checkpoint (a config.json with a `text_config`: Gemma 3 4B+, Mistral 3, ...) run as its language
+    model alone: (the text config, {the causal LM's tensor name: the checkpoint's}); None for a causal LM, or where
+    no tensor is the language model's. The vision and audio towers' tensors are left out: a text prompt never runs
+    them."""
+    text = text_config(raw)
+    if text is None:
+        return None
+    out = {}
+    for name in names:
+        new = next((new + name[len(old):] for old, new in TEXT_PREFIXES if name.startswith(old)), None)
+        if new is not None:
+            out[new] = name
+    return (text, out) if out else None
+
+
+def text_config(raw: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A multimodal model's language model's config.json (its `text_config`, with the dtype, quantization and
+    special tokens of the whole where it does not say them); None for a causal LM."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        return None
+    keep = ("torch_dtype", "dtype", "quantization_config", "bos_token_id", "eos_token_id")
+    return dict(text) | {k: raw[k] for k in keep if k in raw and k not in text}
+
+
 def loaded_names(raw: Mapping[str, Any], names: Iterable[str], where: str) -> dict[str, list[str]]:
     """How transformers renames and stacks this architecture's checkpoint tensors as it loads them (its conversion
     mapping, transformers 5): {parameter: [the checkpoint tensors filling its rows, in order]} for each one it
@@ -180,6 +211,8 @@ def generic_config(raw: dict[str, Any], tensors: GenericTensors | None, where: s
     """A ModelConfig for a model transformers runs: the sizes from the tensors, the rest from config.json.
     Without `tensors` (config.json alone: checks before the weights load) the sizes are config.json's, and
     the config cannot plan (it names no groups)."""
+    if tensors is None and (text := text_config(raw)) is not None:  # (a multimodal model's language model)
+        raw = text
     if tensors is not None:
         (vocab, hidden), layers, tied = tensors.embed[1], len(tensors.layers), tensors.tied
     else:
