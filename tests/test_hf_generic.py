@@ -360,3 +360,18 @@ def test_a_multimodal_checkpoint_runs_as_its_language_model(tmp_path):
         assert "disk" in r.plan.homes.values() and r.cfg.family == "gemma3_text"
         assert [x.outputs[0].token_ids for x in r.generate(PROMPTS, max_new_tokens=NEW, temperature=0,
                                                            stop_on_eos=False)] == ref
+
+
+def test_a_multimodal_checkpoint_whose_language_model_has_no_causal_lm_is_refused_by_name(tmp_path):
+    """Qwen2.5-VL keeps its language model under the causal LM's own names (`model.layers`) beside `visual.`, and
+    transformers has no causal LM class for its text config: refused naming that class (it was 'cannot tell the
+    token embeddings and decoder blocks apart')."""
+    text = SIZES | dict(vocab_size=300, pad_token_id=0, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0])
+    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=299,
+                                           video_token_id=298, vision_start_token_id=297)
+    transformers.Qwen2_5_VLForConditionalGeneration(config).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"transformers cannot build a causal LM from its config.json "
+                                              r"\(Unrecognized configuration class .*Qwen2_5_VLTextConfig"):
+        Runner(run_config(tmp_path))

@@ -95,6 +95,10 @@ TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head."
                  ("model.language_model.", "model."), ("lm_head.", "lm_head."))
 
 
+#: A multimodal checkpoint's other parts, by the names transformers' families give them
+_TOWER = re.compile(r"(?:^|\.)(?:visual|vision_tower|vision_model|audio_tower|multi_modal_projector|mm_projector)\.")
+
+
 def text_only(raw: Mapping[str, Any], names: Iterable[str]) -> tuple[dict[str, Any], dict[str, str]] | None:
     """A multimodal checkpoint (a config.json with a `text_config`: Gemma 3 4B+, Mistral 3, ...) run as its language
     model alone: (the text config, {the causal LM's tensor name: the checkpoint's}); None for a causal LM, or where
@@ -103,6 +107,10 @@ def text_only(raw: Mapping[str, Any], names: Iterable[str]) -> tuple[dict[str, A
     text = text_config(raw)
     if text is None:
         return None
+    names = list(names)
+    if not any(name.startswith(old) for name in names for old, _ in TEXT_PREFIXES[:-1]):
+        # the language model under its own names (Qwen2.5-VL's `model.layers`), the towers beside (`visual.`)
+        return text, {name: name for name in names if not _TOWER.search(name)}
     out = {}
     for name in names:
         new = next((new + name[len(old):] for old, new in TEXT_PREFIXES if name.startswith(old)), None)
