@@ -81,3 +81,22 @@ def test_fp8_scales_of_another_shape_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"is not the float32 scales \[\d+, \d+\] of 'model.layers.0.*' in "
                                               r"blocks of \[32, 32\]; the checkpoint does not match"):
         Runner(run_config(tmp_path / "model"))
+
+
+def test_a_malformed_quantization_config_is_one_sentence_not_a_crash(tmp_path, tiny_llama):
+    """Any checkpoint is asked whether it is FP8 as it opens: a quantization_config that is not a mapping still
+    gets the format parser's sentence (the first FP8 reader took .get of it: AttributeError), and an FP8 one's
+    block size that is not two positive sizes is named."""
+    import shutil
+
+    shutil.copytree(tiny_llama, tmp_path / "plain")
+    raw = json.loads((tmp_path / "plain" / "config.json").read_text())
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(raw | {"quantization_config": "gptq"}))
+    with pytest.raises(CheckpointError, match="quantization_config must be a mapping"):
+        Runner(run_config(tmp_path / "plain"))
+    fp8_checkpoint(tmp_path / "model", "llama")
+    raw = json.loads((tmp_path / "model" / "config.json").read_text())
+    raw["quantization_config"]["weight_block_size"] = [0, 32]
+    (tmp_path / "model" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"weight_block_size \[0, 32\] is not two positive block sizes"):
+        Runner(run_config(tmp_path / "model"))

@@ -31,7 +31,7 @@ from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.hf.model import TieredModel
 from offload.kv.cache import PagedKVCache
-from offload.model.config import ModelConfig
+from offload.model.config import ModelConfig, quant_method
 from offload.runtime.cores import share_cores
 from offload.runtime.executor import Executor, ForwardBatch
 from schedulers.plan import Capacities
@@ -119,8 +119,7 @@ def refuse_unsupported(config: OffloadConfig, layers: range | None) -> None:
         raw = json.loads((config.model / "config.json").read_text())
     except (OSError, ValueError):
         raw = {}  # the checkpoint's own reader says what is wrong with it
-    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
-    if quant and not (isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() in ("mxfp4", "fp8")):
+    if isinstance(raw, dict) and raw.get("quantization_config") and quant_method(raw) not in ("mxfp4", "fp8"):
         raise ConfigError("model_impl transformers: quantized checkpoints (quantization_config) other than MXFP4 "
                           "and block FP8 are read by Offload's native families only; use a float checkpoint")
     if config.speculative.enabled:

@@ -158,12 +158,12 @@ class Checkpoint:
             self.entries.update(entries)
             self._headers[f] = raw_header
         self.fp8 = fp8.pairs(raw, {n: e.dtype for n, e in self.entries.items()})  # (read dense: `_fp8_rows`)
-        self.fp8_block = fp8.block(raw)
+        self.fp8_block = fp8.block(raw, str(cfg_path)) if self.fp8 else (0, 0)
         if native:
             self._prefix = self._detect_prefix()
         else:  # the parameters' names in transformers' module tree, as it renames and stacks them loading
-            scales = set(self.fp8.values())
-            where, shapes = str(self.path), {n: e.shape for n, e in self.entries.items() if n not in scales}
+            fp8_scales = set(self.fp8.values())
+            where, shapes = str(self.path), {n: e.shape for n, e in self.entries.items() if n not in fp8_scales}
             self.mxfp4 = mxfp4.pairs(raw, shapes)  # (read dense: `_mxfp4_rows`)
             for target, (blocks, scales) in self.mxfp4.items():
                 shapes[target] = mxfp4.dense_shape(shapes.pop(blocks))
@@ -289,9 +289,9 @@ class Checkpoint:
         large matrix without its whole bytes in memory."""
         if short in self.mxfp4:
             return self._mxfp4_rows(short, tuple(shape), row, dest)
-        e = self.entry(short, tuple(shape), dest.dtype)
-        if self.name(short) in self.fp8:
-            return self._fp8_rows(self.name(short), e, row, dest)
+        e, full = self.entry(short, tuple(shape), dest.dtype), self.name(short)
+        if full in self.fp8:
+            return self._fp8_rows(full, e, row, dest)
         self._pread(e, row, dest)
 
     def _pread(self, e: TensorEntry, row: int, dest: torch.Tensor) -> None:
@@ -325,16 +325,16 @@ class Checkpoint:
     def _mxfp4_rows(self, short: str, shape: tuple[int, ...], row: int, dest: torch.Tensor) -> None:
         """`read_rows_into` of an MXFP4 matrix: each expert's rows dequantized (`offload.model.mxfp4`), the expert
         kept until its last rows are read (a conversion reads a packed format's rows a block at a time)."""
-        self.entry(short, shape)
-        (blocks, scales), k = self.mxfp4[short], shape[0] // self.entries[self.mxfp4[short][0]].shape[0]
-        r, end = row, row + dest.shape[0]
+        blocks = self.entry(short, shape)  # (checked with its scales)
+        scales = self.entries[self.mxfp4[short][1]]
+        k, r, end = shape[0] // blocks.shape[0], row, row + dest.shape[0]  # (k: an expert's rows)
         while r < end:
             e, k0 = divmod(r, k)
             if self._expert is None or self._expert[:2] != (short, e):
-                qb = torch.empty((1, *self.entries[blocks].shape[1:]), dtype=torch.uint8)
-                qs = torch.empty((1, *self.entries[scales].shape[1:]), dtype=torch.uint8)
-                self.read_rows_into(blocks, self.entries[blocks].shape, e, qb)
-                self.read_rows_into(scales, self.entries[scales].shape, e, qs)
+                qb = torch.empty((1, *blocks.shape[1:]), dtype=torch.uint8)
+                qs = torch.empty((1, *scales.shape[1:]), dtype=torch.uint8)
+                self._pread(blocks, e, qb)
+                self._pread(scales, e, qs)
                 self._expert = (short, e, mxfp4.dequantize(qb[0], qs[0]))
             k1 = min(k, k0 + end - r)
             dest[r - row : r - row + k1 - k0].copy_(self._expert[2][k0:k1])

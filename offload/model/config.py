@@ -197,6 +197,12 @@ class ModelConfig:
         )
 
 
+def quant_method(raw: Any) -> str:
+    """A config.json's `quantization_config.quant_method`, lowercase ('' for a float checkpoint or no mapping)."""
+    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+    return str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else ""
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

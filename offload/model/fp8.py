@@ -15,21 +15,26 @@ from typing import Any
 
 import torch
 
+from offload.errors import CheckpointError
+from offload.model.config import quant_method
+
 CODES = torch.float8_e4m3fn
 
 
 def pairs(raw: Mapping[str, Any], dtypes: Mapping[str, torch.dtype]) -> dict[str, str]:
     """{an FP8 matrix: its scales} of a checkpoint whose config.json says fp8; {} for any other."""
-    qc = raw.get("quantization_config")
-    if not isinstance(qc, dict) or str(qc.get("quant_method", "")).lower() != "fp8":
+    if quant_method(raw) != "fp8":
         return {}
     return {n: f"{n}_scale_inv" for n, dt in dtypes.items() if dt == CODES and f"{n}_scale_inv" in dtypes}
 
 
-def block(raw: Mapping[str, Any]) -> tuple[int, int]:
+def block(raw: Mapping[str, Any], where: str) -> tuple[int, int]:
     """The rows and columns a scale covers (`weight_block_size`, 128 x 128 where it is not given)."""
-    size = (raw.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
-    return int(size[0]), int(size[1])
+    size = raw["quantization_config"].get("weight_block_size") or (128, 128)
+    if not (isinstance(size, list | tuple) and len(size) == 2 and all(isinstance(v, int) and v > 0 for v in size)):
+        raise CheckpointError(f"{where}: quantization_config.weight_block_size {size!r} is not two positive block "
+                              "sizes (rows, columns); fix config.json")
+    return size[0], size[1]
 
 
 def grid(shape: tuple[int, ...], size: tuple[int, int]) -> tuple[int, int]:

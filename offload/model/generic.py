@@ -67,7 +67,6 @@ class GenericTensors:
         return {n: s[1] for layer in self.layers for n, s in layer
                 if len(s) == 2 and (n.endswith(".weight") or n in self.stacked)}
 
-
     @functools.cached_property
     def sources(self) -> dict[str, tuple[Tensor, ...]]:
         """A tensor of a group -> the checkpoint tensors filling its rows (itself, for most)."""

@@ -16,14 +16,15 @@ from typing import Any
 
 import torch
 
+from offload.model.config import quant_method
+
 #: The 16 E2M1 values a code stands for
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 def pairs(raw: Mapping[str, Any], names: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
     """{the parameter: (its blocks, its scales)} of a checkpoint whose config.json says mxfp4; {} for any other."""
-    qc = raw.get("quantization_config")
-    if not isinstance(qc, dict) or str(qc.get("quant_method", "")).lower() != "mxfp4":
+    if quant_method(raw) != "mxfp4":
         return {}
     return {n.removesuffix("_blocks"): (n, n.removesuffix("_blocks") + "_scales") for n in names
             if n.endswith("_blocks") and n.removesuffix("_blocks") + "_scales" in names}

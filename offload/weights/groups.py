@@ -28,7 +28,7 @@ import torch
 from offload.config import WeightsConfig
 from offload.errors import ConfigError
 from offload.model.checkpoint import Checkpoint
-from offload.model.config import ModelConfig
+from offload.model.config import ModelConfig, quant_method
 from offload.model.generic import LM_HEAD, GenericTensors
 from offload.weights import gptq, quant
 from storage.layout import GroupLayout, dtype_name
@@ -90,8 +90,7 @@ class WeightFormat:
     @classmethod
     def from_config(cls, w: WeightsConfig, cfg: ModelConfig) -> WeightFormat:
         """The run's format: the config's `weights:`, or the checkpoint's own quantization (then weights: none)."""
-        raw = cfg.raw.get("quantization_config")
-        method = str(raw.get("quant_method", "")).lower() if isinstance(raw, dict) else ""
+        raw, method = cfg.raw.get("quantization_config"), quant_method(cfg.raw)
         if method == "fp8" or (method == "mxfp4" and cfg.impl == "transformers"):
             raw = None  # (read dense, `offload.model.fp8` / `mxfp4`: as a float checkpoint)
         pre = gptq.parse_quantization_config(raw, "config.json")
@@ -219,14 +218,18 @@ def generic_sources(tensors: GenericTensors, group: str) -> list[tuple[str, Sour
         named = [tensors.embed]
     elif group == "head":  # the final norm(s), then the LM head (the embeddings when tied)
         named = [*tensors.head]
-        head = tensors.lm_head or tensors.embed
-        return [(n, list(tensors.sources.get(n, [(n, s)]))) for n, s in named] + [
-            (LM_HEAD, list(tensors.sources.get(head[0], [head])))]
+        return [(n, _read_from(tensors, (n, s))) for n, s in named] + [
+            (LM_HEAD, _read_from(tensors, tensors.lm_head or tensors.embed))]
     elif group.startswith("layer.") and group.count(".") == 1:
         named = list(tensors.layers[int(group.split(".")[1])])
     else:
         raise KeyError(group)
-    return [(n, list(tensors.sources.get(n, [(n, s)]))) for n, s in named]
+    return [(n, _read_from(tensors, (n, s))) for n, s in named]
+
+
+def _read_from(tensors: GenericTensors, tensor: tuple[str, tuple[int, ...]]) -> Sources:
+    """The checkpoint tensors a group's tensor is read from: those transformers builds it of, else itself."""
+    return list(tensors.sources.get(tensor[0], [tensor]))
 
 
 def group_sources(cfg: ModelConfig, group: str, stacked: bool = False) -> list[tuple[str, Sources]]:
