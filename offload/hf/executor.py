@@ -13,9 +13,9 @@ not apply on this path: the KV cache's cold tiers (host/disk blocks,
 int8 cold blocks: kv_cache.cpu_blocks/disk_blocks are taken as 0), speculative decoding (verification needs
 Offload's batched tree attention), pipeline stages and GPTQ/AWQ checkpoints (their packed matrices need
 Offload's native layouts). int8/int4 weights (`weights.quantization`) pack the blocks' matrices: they stream
-packed and are dequantized module by module as they run. A pass runs its sequences one at a time (a ragged
-batch of DynamicCaches has no common shape), so with streamed weights a step of B sequences reads the streamed
-layers B times.
+packed and are multiplied as they lie (a Linear's, the routed experts': `offload.hf.packed`) or dequantized
+module by module as they run. A pass runs its sequences one at a time (a ragged batch of DynamicCaches has no
+common shape), so with streamed weights a step of B sequences reads the streamed layers B times.
 """
 
 from __future__ import annotations

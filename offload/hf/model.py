@@ -12,8 +12,10 @@ attach the weights where they run:
   forward (scaling, as Gemma's does) runs on it;
 - each decoder block `layer.i`: acquired from the weight source before the block runs (the prefetcher has
   streamed it into the ring, or it is resident), its tensors bound to the block's parameters as views (no
-  copy unless the compute dtype differs), handed back after it; an int8/int4 matrix is dequantized by a
-  hook on its own module right before that module runs (one scratch buffer: one dense matrix at a time);
+  copy unless the compute dtype differs), handed back after it; an int8/int4 matrix is handed packed to its
+  module by a hook on it, which multiplies it as it lies (a Linear; transformers' experts modules, the routed
+  experts' rows: `offload.hf.packed`), or dequantized right before its module runs (one scratch buffer: one dense
+  matrix at a time; stacked experts, the routed ones only);
 - the head (final norm, LM head): acquired before the first of its modules runs, released after the LM head.
 
 After each module runs its parameters are put back on `meta`, so nothing holds a slot the prefetcher
@@ -34,6 +36,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, cache_utils
 
 from offload.errors import CheckpointError
+from offload.hf import packed as packing
 from offload.model.config import ModelConfig
 from offload.model.generic import LM_HEAD, block_module
 from offload.weights.groups import group_sources
@@ -96,13 +99,22 @@ class DenseOnUse(ModelHook):
         self.meta: dict[str, torch.Tensor] = {}
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        if packing.multipliable(module, self.packed):  # multiplied as they lie (`offload.hf.packed`)
+            module.offload_packed = self.packed
+            return args, kwargs
+        routed = packing.routed(module, args, kwargs)
         for leaf, packed in self.packed.items():
             self.meta[leaf] = meta = getattr(module, leaf)
-            dense = packed.dense(scratch=len(self.leaves) == 1).to(self.dtype)
+            if routed is not None and meta.dim() == 3 and len(routed) < meta.shape[0]:
+                dense = packed.dense_parts(meta.shape[0], routed, self.dtype)  # (the routed experts' rows only)
+            else:
+                dense = packed.dense(scratch=len(self.leaves) == 1).to(self.dtype)
             put(module, leaf, dense if dense.shape == meta.shape else dense.view(meta.shape), self.leaves[leaf])
         return args, kwargs
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
+        if getattr(module, "offload_packed", None) is not None:
+            module.offload_packed = None
         for leaf, meta in self.meta.items():
             put(module, leaf, meta, self.leaves[leaf])
         self.meta.clear()
@@ -180,6 +192,7 @@ class TieredModel:
                                   f"({str(e).splitlines()[0][:160]}); Offload runs causal LMs transformers "
                                   "knows") from None
         self.model.eval()
+        packing.install(self.model)
         recurrent = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
         if any(isinstance(layer, recurrent) for layer in self.new_cache().layers):  # (Jamba, Qwen3-Next, ...)
             raise CheckpointError(f"{path}: {type(self.model).__name__} keeps a recurrent state (linear-attention or "
@@ -228,6 +241,7 @@ class TieredModel:
             for (m, leaf, name), (_, _, _, param) in zip(b, bound.meta):
                 if weights.fmt.packs(cfg, name):
                     if id(m) not in lazy:
+                        packing.adopt(m)
                         lazy[id(m)] = DenseOnUse(self.dtype)
                         add_hook_to_module(m, lazy[id(m)])
                     lazy[id(m)].leaves[leaf] = param

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from offload.errors import CheckpointError
-from offload.model import fp8, mxfp4
+from offload.model import fp8, generic, mxfp4
 from offload.model.config import ModelConfig
 from offload.model.generic import generic_config, generic_tensors, loaded_names, resolve_impl, text_only
 from storage.io import preadv_into
@@ -148,6 +148,7 @@ class Checkpoint:
         native = resolve_impl(impl, raw) == "native"
         self.mxfp4: dict[str, tuple[str, str]] = {}  # an MXFP4 expert matrix: (its blocks, its scales)
         self._expert: tuple[str, int, torch.Tensor] | None = None  # the last one's expert read dense
+        self.flat: dict[str, tuple[int, int]] = {}  # experts stacked [E, R, k], read as [E R, k] (`stacked_matrices`)
         if native:  # its config is checked before any shard is opened
             self.config = ModelConfig.from_dict(raw, str(cfg_path))
         self.files = self._find_files()
@@ -168,6 +169,8 @@ class Checkpoint:
             for target, (blocks, scales) in self.mxfp4.items():
                 shapes[target] = mxfp4.dense_shape(shapes.pop(blocks))
                 del shapes[scales]
+            self.flat = generic.stacked_matrices({n: s for n, s in shapes.items() if n not in self.fp8})
+            shapes |= self.flat
             back = {n: n for n in shapes}  # the model's tensor name -> the checkpoint's
             if (text := text_only(raw, shapes)) is not None:  # a multimodal checkpoint: its language model alone
                 raw, back = text
@@ -175,7 +178,7 @@ class Checkpoint:
             loaded = {t: [back[n] for n in names] for t, names in loaded_names(raw, list(back), where).items()}
             taken = {n for names in loaded.values() for n in names}
             loaded |= {new: [old] for new, old in back.items() if new != old and old not in taken}
-            tensors = generic_tensors(shapes, where, loaded, stacked=self.mxfp4)
+            tensors = generic_tensors(shapes, where, loaded, stacked={*self.mxfp4, *self.flat}, raw=raw)
             self.config = generic_config(raw, tensors, str(cfg_path))
             self._prefix = ""
 
@@ -247,6 +250,8 @@ class Checkpoint:
         e = self.entries.get(full)
         if e is None:
             raise CheckpointError(f"{self.path}: tensor {full!r} is missing; the checkpoint does not match its config")
+        if self.flat.get(full) == tuple(shape):  # (stacked experts: their rows one after another)
+            e = TensorEntry(e.file, e.dtype, tuple(shape), e.start, e.nbytes)
         if e.shape != tuple(shape):
             raise CheckpointError(
                 f"{self.path}: tensor {full!r} has shape {list(e.shape)} but config.json implies {list(shape)}; "

@@ -55,6 +55,8 @@ class GenericTensors:
     #: experts' matrices as one tensor of their rows one after another (stacked by transformers, or dequantized
     #: from MXFP4): packed by an int8 / int4 format as one matrix
     stacked: frozenset[str] = frozenset()
+    #: the routers' matrices ([E, H]): kept dense, as the native path keeps them (routing is sensitive to rounding)
+    routers: frozenset[str] = frozenset()
 
     @property
     def tied(self) -> bool:
@@ -65,7 +67,7 @@ class GenericTensors:
         """The blocks' matrices an int8/int4 format packs: 2-D `.weight` tensors, and experts transformers stacks
         (their matrices' rows one after another: one matrix of E x the rows): name -> input dimension."""
         return {n: s[1] for layer in self.layers for n, s in layer
-                if len(s) == 2 and (n.endswith(".weight") or n in self.stacked)}
+                if len(s) == 2 and (n.endswith(".weight") or n in self.stacked) and n not in self.routers}
 
     @functools.cached_property
     def sources(self) -> dict[str, tuple[Tensor, ...]]:
@@ -128,6 +130,24 @@ def text_config(raw: Mapping[str, Any]) -> dict[str, Any] | None:
     return dict(text) | {k: raw[k] for k in keep if k in raw and k not in text}
 
 
+#: experts a checkpoint keeps stacked as transformers' module holds them ([E, R, k]: gpt-oss, a model re-saved
+#: unconverted), by the name of their parameter
+_STACKED_EXPERTS = re.compile(r"\.experts\.[^.]+$")
+
+
+#: a router's matrix, by its module's name (Mixtral's and DeepSeek's `mlp.gate`, gpt-oss's `mlp.router`, Hunyuan's
+#: `mlp.gate.wg`, Granite-MoE's `router.layer`) and its rows (the experts')
+_ROUTER = re.compile(r"\.(?:gate|router)\.(?:[a-z_]+\.)?weight$")
+#: config.json's count of routed experts, by the names families give it
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def stacked_matrices(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, int]]:
+    """The checkpoint's stacked experts [E, R, k] as the matrix of their rows one after another [E R, k] (its bytes
+    as they lie): packed by an int8 / int4 format as one, as the experts transformers stacks are."""
+    return {n: (s[0] * s[1], s[2]) for n, s in shapes.items() if len(s) == 3 and _STACKED_EXPERTS.search(n)}
+
+
 def loaded_names(raw: Mapping[str, Any], names: Iterable[str], where: str) -> dict[str, list[str]]:
     """How transformers renames and stacks this architecture's checkpoint tensors as it loads them (its conversion
     mapping, transformers 5): {parameter: [the checkpoint tensors filling its rows, in order]} for each one it
@@ -175,10 +195,12 @@ def loaded_names(raw: Mapping[str, Any], names: Iterable[str], where: str) -> di
 
 
 def generic_tensors(entries: Mapping[str, tuple[int, ...]], where: str,
-                    loaded: Mapping[str, list[str]] | None = None, stacked: Iterable[str] = ()) -> GenericTensors:
+                    loaded: Mapping[str, list[str]] | None = None, stacked: Iterable[str] = (),
+                    raw: Mapping[str, Any] | None = None) -> GenericTensors:
     """Group a checkpoint's tensors (name -> shape) into embeddings, decoder blocks and the rest, under the names
     transformers gives them as it loads (`loaded`: `loaded_names`); `stacked`: other experts' matrices stored as
-    their rows one after another (MXFP4's, read dense)."""
+    their rows one after another (MXFP4's, read dense; stacked in the checkpoint: `stacked_matrices`), by their
+    checkpoint names; `raw`: config.json, whose expert count tells the routers' matrices."""
     built = {target: tuple((n, tuple(entries[n])) for n in names) for target, names in (loaded or {}).items()}
     taken = {n for parts in built.values() for n, _ in parts}
     entries = {n: s for n, s in entries.items() if n not in taken} | {
@@ -209,9 +231,13 @@ def generic_tensors(entries: Mapping[str, tuple[int, ...]], where: str,
         raise CheckpointError(f"{where}: decoder blocks {sorted(blocks)[:8]} are not numbered 0..{len(blocks) - 1}; "
                               "the checkpoint is incomplete")
     head = next(((name, tuple(entries[name])) for name in HEADS if name in entries), None)
-    stacked = {*stacked, *(n for n, parts in built.items() if len(parts) > 1 and all(len(s) == 2 for _, s in parts))}
+    stacked = set(stacked)
+    stacked |= {n for n, parts in built.items() if (len(parts) > 1 and all(len(s) == 2 for _, s in parts))
+                or (len(parts) == 1 and parts[0][0] in stacked)}  # (stacked by transformers; renamed)
+    experts = _int(raw or {}, EXPERT_COUNTS, 0)
+    routers = {n for b in blocks.values() for n, s in b if len(s) == 2 and s[0] == experts and _ROUTER.search(n)}
     return GenericTensors(embed[0], tuple(tuple(blocks[i]) for i in range(len(blocks))), tuple(rest), head,
-                          tuple(sorted(built.items())), frozenset(stacked))
+                          tuple(sorted(built.items())), frozenset(stacked), frozenset(routers))
 
 
 def generic_config(raw: dict[str, Any], tensors: GenericTensors | None, where: str) -> ModelConfig:

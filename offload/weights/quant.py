@@ -232,6 +232,28 @@ class PackedLinear:
         buf = self.scratch.take(rows * k, self.sz.dtype, self.q.device).view(rows, k)
         return dequantize(self.q, self.sz, buf)[: self.out_features]
 
+    def dense_parts(self, parts: int, wanted: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight [out_features, k] in `dtype` with only the wanted of its `parts` equal ranges of rows
+        written (ascending ids), the others' values undefined: a mixture of experts' stacked matrix, its routed
+        experts only (an expert's rows dequantized with the whole tiles of 64 rows they lie in)."""
+        k, n = kernels.packed_rows_cols(self.q, self.sz)[1], self.out_features // parts
+        out = torch.empty(self.out_features, k, dtype=dtype, device=self.q.device)
+        runs: list[list[int]] = []  # consecutive parts, dequantized together
+        for p in wanted:
+            if runs and runs[-1][1] == p:
+                runs[-1][1] = p + 1
+            else:
+                runs.append([p, p + 1])
+        for first, end in runs:
+            r0, r1 = first * n, end * n
+            a, b = r0 // TILE_ROWS * TILE_ROWS, padded_rows(r1)
+            if self.bits == 8:
+                d = dequantize(self.q[a // TILE_ROWS : b // TILE_ROWS], self.sz[:, a:b])
+            else:
+                d = dequantize(self.q[:, a:b], self.sz[:, :, a:b])
+            out[r0:r1] = d[r0 - a : r1 - a]
+        return out
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, float32: bool = False) -> torch.Tensor:
         """x [..., k] -> [..., out_features] in x's dtype (`float32`: in float32, the values x's dtype gives)."""
         lead = x.shape[:-1]

@@ -1,0 +1,143 @@
+"""int8 / int4 matrices of the modules transformers runs, multiplied as they lie packed (`quant.PackedLinear`: the
+packed kernels, no dense copy): a Linear's weight, and the routed experts of a mixture of experts.
+
+The blocks' packed matrices are handed to their modules while the group is bound (`offload_packed`, leaf ->
+PackedLinear: set by the module's hook, `hf.model.DenseOnUse`, where `multipliable` says the module can use them;
+the hook dequantizes them for any other). A Linear becomes a `Linear` of this module (`adopt`), which multiplies
+its packed weight where it has one.
+
+transformers 5 gives most mixtures of experts one experts module (`use_experts_implementation`): parameters stacked
+[E, ...] (`gate_up_proj` [E, 2I, H], or `up_proj` where there is no gate; `down_proj` [E, H, I]; biases [E, ...]),
+called with the hidden states [T, H], the routed experts' ids [T, k] and their weights [T, k], and dispatching to an
+implementation by its config's `_experts_implementation`. `install` registers one more, `offload_packed`, on every
+such module of a model: where the module's int8 / int4 matrices are packed, each routed expert's rows of them are
+multiplied as they lie; every other call goes to the implementation
+transformers chose for the module (a float run's products are transformers' own).
+
+The math follows transformers' eager loop: the routed experts ascending, each over the rows routed to it, its gate
+(the module's own `_apply_gate`, or its activation without one), biases, post-expert norm and routing weight, summed
+into the output by `index_add_`. A packed run's tokens are then the same in every placement and batch (the kernels'
+rows are independent of each other); they are not the float model's (the weights are quantized). Experts stored
+transposed ([E, H, 2I]: gpt-oss) or whose rows do not fill whole tiles of 64 are dequantized instead, the routed
+experts only (`hf.model.DenseOnUse`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload.weights.quant import TILE_ROWS, PackedLinear
+
+try:  # (transformers 5: its experts interface; none before)
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+except ImportError:
+    ALL_EXPERTS_FUNCTIONS = None
+
+NAME = "offload_packed"
+
+
+def install(model: nn.Module) -> int:
+    """Route every experts module of `model` through `experts_forward` (falling back to the implementation
+    transformers chose for it); returns how many there are (0 where transformers has no experts interface)."""
+    if ALL_EXPERTS_FUNCTIONS is None:
+        return 0
+    ALL_EXPERTS_FUNCTIONS[NAME] = experts_forward
+    modules = [m for m in model.modules() if interfaced(m)]
+    chosen = {id(m): m.config._experts_implementation for m in modules}  # (before any is switched: shared configs)
+    for m in modules:
+        m.offload_fallback = chosen[id(m)] if chosen[id(m)] not in (None, NAME) else "eager"
+        m.config._experts_implementation_internal = NAME
+        m.offload_packed = None
+    return len(modules)
+
+
+def interfaced(module: nn.Module) -> bool:
+    """Is `module` an experts module of transformers' experts interface (one device: no expert parallelism)?"""
+    return (hasattr(module, "has_gate") and isinstance(getattr(module, "num_experts", None), int)
+            and getattr(module, "config", None) is not None and not getattr(module, "_is_expert_parallel", True))
+
+
+class Linear(nn.Linear):
+    """An nn.Linear that multiplies its packed weight as it lies while it is handed one (`offload_packed`)."""
+
+    offload_packed: dict[str, PackedLinear] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offload_packed is None:
+            return super().forward(x)
+        return self.offload_packed["weight"].linear(x, self.bias)
+
+
+def adopt(module: nn.Module) -> None:
+    """A module with a packed matrix: an nn.Linear (exactly: a subclass may compute otherwise) becomes a `Linear`."""
+    if type(module) is nn.Linear:
+        module.__class__ = Linear
+
+
+def multipliable(module: nn.Module, packed: dict[str, Any]) -> bool:
+    """Can the module multiply its packed matrices as they lie? A `Linear`; an experts module whose matrices are
+    packed untransposed (an expert's rows are its outputs), each expert's rows whole tiles of 64."""
+    if isinstance(module, Linear):
+        return set(packed) == {"weight"}
+    if not interfaced(module) or module.is_transposed:
+        return False
+    names = ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+    return (set(packed) == set(names)
+            and all(packed[n].out_features % (module.num_experts * TILE_ROWS) == 0 for n in names))
+
+
+def routed(module: nn.Module, args: tuple, kwargs: dict) -> list[int] | None:
+    """The experts a call of an interfaced experts module routes to (ascending ids of its second argument, the
+    routed experts' [T, k]: every implementation indexes the stacked parameters by those alone); None for another
+    module, which may read every expert."""
+    if not interfaced(module):
+        return None
+    try:  # (the original forward's parameters: the interface's wrapper keeps them as `__wrapped__`)
+        values = list(inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments.values())
+    except TypeError:
+        return None
+    ids = values[2] if len(values) > 2 else None
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex():
+        return None
+    return [e for e in torch.unique(ids).tolist() if 0 <= e < module.num_experts]
+
+
+def expert_rows(w: PackedLinear, e: int, experts: int) -> PackedLinear:
+    """Expert e's rows of a stacked packed matrix (whole tiles of 64 rows: a view of its codes and scales)."""
+    n = w.out_features // experts
+    a, b = e * n, (e + 1) * n
+    if w.bits == 8:
+        return PackedLinear(w.q[a // TILE_ROWS : b // TILE_ROWS], w.sz[:, a:b], n, w.scratch)
+    return PackedLinear(w.q[:, a:b], w.sz[:, :, a:b], n, w.scratch)
+
+
+def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts interface's call: [T, H] -> [T, H] (see the module doc)."""
+    packed = self.offload_packed
+    if packed is None:
+        original = type(self).forward.__wrapped__
+        impl = ALL_EXPERTS_FUNCTIONS.get_interface(self.offload_fallback, original)
+        return impl(self, hidden_states, top_k_index, top_k_weights)
+    E = self.num_experts
+    up = packed["gate_up_proj" if self.has_gate else "up_proj"]
+    up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
+    out = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        mask = nn.functional.one_hot(top_k_index, num_classes=E + 1).permute(2, 1, 0)  # (ids of E: masked choices)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist()
+    for e in hit:
+        if e >= E:
+            continue
+        pos, rows = torch.where(mask[e])
+        y = expert_rows(up, e, E).linear(hidden_states[rows], None if up_bias is None else up_bias[e])
+        y = self._apply_gate(y) if self.has_gate else self.act_fn(y)
+        y = expert_rows(packed["down_proj"], e, E).linear(y, self.down_proj_bias[e] if self.has_bias else None)
+        if self.has_post_expert_norm:
+            y = self.post_expert_norm(y)
+        out.index_add_(0, rows, (y * top_k_weights[rows, pos, None]).to(out.dtype))
+    return out
