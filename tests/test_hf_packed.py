@@ -13,6 +13,7 @@ import torch
 
 from offload import Runner
 from offload.hf import packed as packing
+from offload.model.generic import transposed_experts
 from offload.weights import quant
 from tests.conftest import run_config
 
@@ -92,17 +93,16 @@ def test_packed_linears_and_experts_are_multiplied_as_they_lie_giving_transforme
     logits, tokens = run(raw)
     assert dequantized == []
     assert streamed(raw, "400KiB", tmp_path / "store") == tokens
-    monkeypatch.setattr(packing, "multipliable", lambda module, packed: False)  # transformers' modules, dequantized
+    monkeypatch.setattr(packing, "multipliable", lambda *_: False)  # transformers' modules, dequantized
     want, _ = run(raw)
     assert dequantized
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
 
 
-def test_experts_stacked_in_the_checkpoint_pack_and_only_the_routed_ones_are_dequantized(gpt_oss, monkeypatch,
-                                                                                         tmp_path):
-    """gpt-oss's float checkpoint keeps its experts stacked [E, H, 2I]: they ran dense whatever weights.quantization
-    said (the bulk of the model); now packed, and, stored transposed, dequantized for its experts' loop: a decode step
-    dequantizes the rows of the experts routed to (before: all 8), the tokens those of every expert dequantized."""
+def test_experts_stacked_transposed_in_the_checkpoint_pack_as_each_experts_transpose(gpt_oss, monkeypatch, tmp_path):
+    """gpt-oss's float checkpoint keeps its experts stacked as its module holds them, transposed [E, H, 2I]: they ran
+    dense whatever weights.quantization said (the bulk of the model); now packed as each expert's transpose and
+    multiplied as they lie, nothing dequantized, the logits those of transformers' modules on the same weights."""
     path, ref = gpt_oss
     dense, tokens = run(run_config(path))
     assert tokens == ref  # (float: transformers' own tokens, the experts read as their rows one after another)
@@ -110,13 +110,44 @@ def test_experts_stacked_in_the_checkpoint_pack_and_only_the_routed_ones_are_deq
     with Runner(run_config(path)) as d, Runner(raw) as p:
         assert p.plan.sizes["layer.0"] < d.plan.sizes["layer.0"] / 1.8
     dequantized = counting(monkeypatch)
+    logits, tokens = run(raw)
+    assert dequantized == []
+    assert ((logits - dense).norm() / dense.norm()).item() < 0.02
+    assert streamed(raw, "600KiB", tmp_path / "store") == tokens
+    monkeypatch.setattr(packing, "multipliable", lambda *_: False)  # transformers' experts loop, dequantized
+    want, _ = run(raw)
+    assert dequantized
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_experts_that_cannot_be_multiplied_packed_dequantize_only_the_routed_ones(tmp_path, monkeypatch):
+    """Experts whose rows do not fill whole tiles of 64 (2I = 32 here) are dequantized for transformers' own loop:
+    a step of one token dequantizes the rows of the 2 experts routed to (before: all 8), and the logits are those
+    of every expert dequantized."""
+    torch.manual_seed(0)
+    config = transformers.PhimoeConfig(**SIZES, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)
+    raw = run_config(save(tmp_path / "m", transformers.PhimoeForCausalLM(config)),
+                     weights={"quantization": "int8", "group_size": 16})
+    dequantized = counting(monkeypatch)
     with Runner(raw) as r:
         dequantized.clear()  # (a one-token prompt: every pass routes one row to 2 experts of 8)
         r.generate([PROMPT[:1]], max_new_tokens=4, temperature=0, stop_on_eos=False)
-    assert dequantized and max(dequantized) <= 2 * 64 < 8 * 64  # (an expert: 64 rows of a stacked matrix's 512)
+    # (dequantized in whole tiles of 64 rows: an expert's 32 of gate_up's 256, its 64 of down_proj's 512)
+    assert dequantized and max(dequantized) <= 2 * 64 < 256
     logits, tokens = run(raw)
-    assert ((logits - dense).norm() / dense.norm()).item() < 0.02
-    assert streamed(raw, "600KiB", tmp_path / "store") == tokens
-    monkeypatch.setattr(packing, "routed", lambda module, args, kwargs: None)  # every expert dequantized
+    monkeypatch.setattr(packing, "routed", lambda *_: None)  # every expert dequantized
     want, every = run(raw)
     assert torch.equal(logits, want) and every == tokens
+
+
+@pytest.mark.parametrize(("hidden", "gate_up", "down", "transposed"), [
+    (2880, (2880, 5760), (2880, 2880), True),  # gpt-oss-20b: down is square (I = H), gate_up tells
+    (2048, (2048, 2048), (2048, 1024), False),  # OLMoE's shape: gate_up is square (2I = H), down tells
+    (4096, (28672, 4096), (4096, 14336), False),  # Mixtral's
+    (64, (64, 128), (64, 64), True),
+])
+def test_the_orientation_of_stacked_experts_is_told_by_the_hidden_size(hidden, gate_up, down, transposed):
+    """Which stacked experts their module holds [E, in, out]: one of gate_up and down is never square."""
+    E, p = 8, "model.layers.0.mlp.experts."
+    stacked = {p + "gate_up_proj": (E * gate_up[0], gate_up[1]), p + "down_proj": (E * down[0], down[1])}
+    assert transposed_experts(stacked, E, hidden) == (set(stacked) if transposed else set())

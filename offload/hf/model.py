@@ -97,9 +97,10 @@ class DenseOnUse(ModelHook):
         self.leaves: dict[str, bool] = {}  # leaf -> a parameter? (else a persistent buffer)
         self.packed: dict[str, Any] = {}  # leaf -> its quant.PackedLinear while its group is bound
         self.meta: dict[str, torch.Tensor] = {}
+        self.flipped: dict[str, bool] = {}  # leaf -> stored as each expert's transpose (`GenericTensors.transposed`)
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        if packing.multipliable(module, self.packed):  # multiplied as they lie (`offload.hf.packed`)
+        if packing.multipliable(module, self.packed, self.flipped):  # multiplied as they lie (`offload.hf.packed`)
             module.offload_packed = self.packed
             return args, kwargs
         routed = packing.routed(module, args, kwargs)
@@ -109,6 +110,8 @@ class DenseOnUse(ModelHook):
                 dense = packed.dense_parts(meta.shape[0], routed, self.dtype)  # (the routed experts' rows only)
             else:
                 dense = packed.dense(scratch=len(self.leaves) == 1).to(self.dtype)
+            if self.flipped.get(leaf):  # [E out, in] -> the module's [E, in, out]
+                dense = dense.view(meta.shape[0], meta.shape[2], meta.shape[1]).transpose(1, 2)
             put(module, leaf, dense if dense.shape == meta.shape else dense.view(meta.shape), self.leaves[leaf])
         return args, kwargs
 
@@ -245,6 +248,7 @@ class TieredModel:
                         lazy[id(m)] = DenseOnUse(self.dtype)
                         add_hook_to_module(m, lazy[id(m)])
                     lazy[id(m)].leaves[leaf] = param
+                    lazy[id(m)].flipped[leaf] = name in cfg.tensors.transposed
                     bound.lazy[name] = (lazy[id(m)], leaf)
             self.bounds.append(bound)
             add_hook_to_module(block, GroupHook(bound))

@@ -17,9 +17,10 @@ transformers chose for the module (a float run's products are transformers' own)
 The math follows transformers' eager loop: the routed experts ascending, each over the rows routed to it, its gate
 (the module's own `_apply_gate`, or its activation without one), biases, post-expert norm and routing weight, summed
 into the output by `index_add_`. A packed run's tokens are then the same in every placement and batch (the kernels'
-rows are independent of each other); they are not the float model's (the weights are quantized). Experts stored
-transposed ([E, H, 2I]: gpt-oss) or whose rows do not fill whole tiles of 64 are dequantized instead, the routed
-experts only (`hf.model.DenseOnUse`).
+rows are independent of each other); they are not the float model's (the weights are quantized). Experts a module
+holds transposed ([E, H, 2I]: gpt-oss) are packed as each expert's transpose (`GenericTensors.transposed`), so that
+an expert's rows are its outputs here too; experts whose rows do not fill whole tiles of 64 are dequantized instead,
+the routed experts only (`hf.model.DenseOnUse`).
 """
 
 from __future__ import annotations
@@ -78,15 +79,16 @@ def adopt(module: nn.Module) -> None:
         module.__class__ = Linear
 
 
-def multipliable(module: nn.Module, packed: dict[str, Any]) -> bool:
+def multipliable(module: nn.Module, packed: dict[str, Any], flipped: dict[str, bool]) -> bool:
     """Can the module multiply its packed matrices as they lie? A `Linear`; an experts module whose matrices are
-    packed untransposed (an expert's rows are its outputs), each expert's rows whole tiles of 64."""
+    packed with an expert's outputs as its rows (as the module holds them, or `flipped`: each expert transposed
+    where the module holds them [E, in, out]), each expert's rows whole tiles of 64."""
     if isinstance(module, Linear):
         return set(packed) == {"weight"}
-    if not interfaced(module) or module.is_transposed:
+    if not interfaced(module):
         return False
     names = ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
-    return (set(packed) == set(names)
+    return (set(packed) == set(names) and all(flipped.get(n, False) == bool(module.is_transposed) for n in names)
             and all(packed[n].out_features % (module.num_experts * TILE_ROWS) == 0 for n in names))
 
 

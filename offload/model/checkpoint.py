@@ -53,6 +53,8 @@ _ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 #: `name[i]`: the i-th slab (along the first dimension) of a stacked tensor, e.g. one expert's weights.
 _SLAB = re.compile(r"^(.*)\[(\d+)\]$")
+#: `name^T`: stacked experts [E in, out] read as each expert's transpose, [E out, in] (packed so: `_transposed_rows`)
+TRANSPOSED = "^T"
 #: The official reader's limit on a header; ours is checked before a byte of it is read.
 MAX_HEADER = 100 * 2**20
 MAX_DIMS = 8
@@ -149,6 +151,8 @@ class Checkpoint:
         self.mxfp4: dict[str, tuple[str, str]] = {}  # an MXFP4 expert matrix: (its blocks, its scales)
         self._expert: tuple[str, int, torch.Tensor] | None = None  # the last one's expert read dense
         self.flat: dict[str, tuple[int, int]] = {}  # experts stacked [E, R, k], read as [E R, k] (`stacked_matrices`)
+        self._transposed: tuple[str, int, torch.Tensor] | None = None  # the last expert read transposed
+        self.stacks: dict[str, tuple[int, int]] = {}
         if native:  # its config is checked before any shard is opened
             self.config = ModelConfig.from_dict(raw, str(cfg_path))
         self.files = self._find_files()
@@ -171,6 +175,7 @@ class Checkpoint:
                 del shapes[scales]
             self.flat = generic.stacked_matrices({n: s for n, s in shapes.items() if n not in self.fp8})
             shapes |= self.flat
+            self.stacks = {n: shapes[n] for n in [*self.mxfp4, *self.flat]}  # (their [E R, k])
             back = {n: n for n in shapes}  # the model's tensor name -> the checkpoint's
             if (text := text_only(raw, shapes)) is not None:  # a multimodal checkpoint: its language model alone
                 raw, back = text
@@ -294,6 +299,8 @@ class Checkpoint:
         large matrix without its whole bytes in memory."""
         if short in self.mxfp4:
             return self._mxfp4_rows(short, tuple(shape), row, dest)
+        if short.endswith(TRANSPOSED):
+            return self._transposed_rows(short.removesuffix(TRANSPOSED), tuple(shape), row, dest)
         e, full = self.entry(short, tuple(shape), dest.dtype), self.name(short)
         if full in self.fp8:
             return self._fp8_rows(full, e, row, dest)
@@ -326,6 +333,22 @@ class Checkpoint:
         s = torch.empty((last - first + 1, self.entries[scales].shape[1]), dtype=torch.float32)
         self._pread(self.entries[scales], first, s)
         dest.copy_(fp8.dequantize(codes, s, row - first * size[0], size))
+
+    def _transposed_rows(self, short: str, shape: tuple[int, ...], row: int, dest: torch.Tensor) -> None:
+        """`read_rows_into` of stacked experts [E in, out] as each expert's transpose (`shape`: [E out, in]): an expert
+        read whole, kept until its last rows are read."""
+        k, r, end = shape[1], row, row + dest.shape[0]
+        out = self.stacks[short][1]
+        while r < end:
+            e, stop = r // out, min(end, (r // out + 1) * out)
+            if self._transposed is None or self._transposed[:2] != (short, e):
+                w = torch.empty(k, out, dtype=torch.float32)
+                self.read_rows_into(short, self.stacks[short], e * k, w)
+                self._transposed = (short, e, w.T)
+            dest[r - row : stop - row].copy_(self._transposed[2][r - e * out : stop - e * out])
+            if stop == (e + 1) * out:
+                self._transposed = None
+            r = stop
 
     def _mxfp4_rows(self, short: str, shape: tuple[int, ...], row: int, dest: torch.Tensor) -> None:
         """`read_rows_into` of an MXFP4 matrix: each expert's rows dequantized (`offload.model.mxfp4`), the expert

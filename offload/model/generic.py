@@ -57,6 +57,10 @@ class GenericTensors:
     stacked: frozenset[str] = frozenset()
     #: the routers' matrices ([E, H]): kept dense, as the native path keeps them (routing is sensitive to rounding)
     routers: frozenset[str] = frozenset()
+    #: stacked experts their module holds transposed ([E, in, out]: gpt-oss), by the shapes (`transposed_experts`):
+    #: packed as each expert's [out, in] rows, the orientation the packed kernels multiply
+    transposed: frozenset[str] = frozenset()
+    experts: int = 0  # routed experts a MoE layer has (config.json's count)
 
     @property
     def tied(self) -> bool:
@@ -66,7 +70,7 @@ class GenericTensors:
     def matrices(self) -> dict[str, int]:
         """The blocks' matrices an int8/int4 format packs: 2-D `.weight` tensors, and experts transformers stacks
         (their matrices' rows one after another: one matrix of E x the rows): name -> input dimension."""
-        return {n: s[1] for layer in self.layers for n, s in layer
+        return {n: s[0] // self.experts if n in self.transposed else s[1] for layer in self.layers for n, s in layer
                 if len(s) == 2 and (n.endswith(".weight") or n in self.stacked) and n not in self.routers}
 
     @functools.cached_property
@@ -236,8 +240,31 @@ def generic_tensors(entries: Mapping[str, tuple[int, ...]], where: str,
                 or (len(parts) == 1 and parts[0][0] in stacked)}  # (stacked by transformers; renamed)
     experts = _int(raw or {}, EXPERT_COUNTS, 0)
     routers = {n for b in blocks.values() for n, s in b if len(s) == 2 and s[0] == experts and _ROUTER.search(n)}
+    shapes = {n: s for b in blocks.values() for n, s in b if n in stacked and len(built.get(n, ())) <= 1}
     return GenericTensors(embed[0], tuple(tuple(blocks[i]) for i in range(len(blocks))), tuple(rest), head,
-                          tuple(sorted(built.items())), frozenset(stacked), frozenset(routers))
+                          tuple(sorted(built.items())), frozenset(stacked), frozenset(routers),
+                          transposed_experts(shapes, experts, embed[0][1][1]), experts)
+
+
+def transposed_experts(stacked: Mapping[str, tuple[int, ...]], experts: int, hidden: int) -> frozenset[str]:
+    """The stacked experts [E x rows, cols] whose module holds them [E, in, out], told by the hidden size: `up` (gate_up
+    or up: in = hidden) and `down` (out = hidden) of one module, each [E, hidden, n] / [E, n, hidden] where the module
+    is transposed, the other way round where not; one of them is always unambiguous (n = hidden for one only)."""
+    out: set[str] = set()
+    modules: dict[str, dict[str, tuple[int, int]]] = {}
+    for n, (rows, cols) in ((n, s) for n, s in stacked.items() if len(s) == 2 and experts and s[0] % experts == 0):
+        prefix, _, leaf = n.rpartition(".")
+        modules.setdefault(prefix, {})[leaf] = (rows // experts, cols)
+    for prefix, leaves in modules.items():
+        votes = set()
+        for leaf, (a, b) in leaves.items():
+            if leaf in ("gate_up_proj", "up_proj") and (a == hidden) != (b == hidden):
+                votes.add(a == hidden)
+            elif leaf == "down_proj" and (a == hidden) != (b == hidden):
+                votes.add(b == hidden)
+        if votes == {True}:
+            out |= {f"{prefix}.{leaf}" for leaf in leaves if leaf in ("gate_up_proj", "up_proj", "down_proj")}
+    return frozenset(out)
 
 
 def generic_config(raw: dict[str, Any], tensors: GenericTensors | None, where: str) -> ModelConfig:

@@ -27,7 +27,7 @@ import torch
 
 from offload.config import WeightsConfig
 from offload.errors import ConfigError
-from offload.model.checkpoint import Checkpoint
+from offload.model.checkpoint import TRANSPOSED, Checkpoint
 from offload.model.config import ModelConfig, quant_method
 from offload.model.generic import LM_HEAD, GenericTensors
 from offload.weights import gptq, quant
@@ -302,6 +302,16 @@ def prequant_sources(sources: Sources, pre: gptq.PrequantFormat) -> list[tuple[s
     return out
 
 
+def packed_sources(cfg: ModelConfig, tensor: str, sources: Sources) -> Sources:
+    """Where a packed matrix's rows are read: its sources, or for stacked experts their module holds transposed
+    ([E in, out]: `GenericTensors.transposed`) each expert's transpose, [E out, in] (the orientation the kernels
+    multiply)."""
+    if cfg.impl != "transformers" or tensor not in cfg.tensors.transposed:
+        return sources
+    ((name, (rows, cols)),), experts = sources, cfg.tensors.experts
+    return [(name + TRANSPOSED, (experts * cols, rows // experts))]
+
+
 def group_layout(cfg: ModelConfig, group: str, dtype: torch.dtype, fmt: WeightFormat = DENSE) -> GroupLayout:
     entries = []
     for tensor, sources in group_sources(cfg, group):
@@ -309,6 +319,7 @@ def group_layout(cfg: ModelConfig, group: str, dtype: torch.dtype, fmt: WeightFo
         if fmt.prequant is not None and fmt.packs(cfg, tensor):
             entries += [(f"{tensor}.{part}", dt, shp) for part, _, dt, shp in prequant_sources(sources, fmt.prequant)]
         elif fmt.packs(cfg, tensor):
+            shape = dense_shape(packed_sources(cfg, tensor, sources))
             shapes = quant.packed_shapes(shape[0], shape[1], fmt.tensor_bits(tensor), fmt.group_size)
             entries += [(f"{tensor}.q", "uint8", shapes["q"]), (f"{tensor}.sz", dtype_name(dtype), shapes["sz"])]
         else:
@@ -337,7 +348,7 @@ def weight_views(cfg: ModelConfig, group: str, views: dict[str, torch.Tensor], s
             n, k = dense_shape(sources)
             out[tensor] = gptq.PrequantLinear(fmt.prequant, parts, n, k, views["input_norm"].dtype, scratch)
         elif f"{tensor}.q" in views:
-            rows = dense_shape(sources)[0]
+            rows = dense_shape(packed_sources(cfg, tensor, sources))[0]
             out[tensor] = quant.PackedLinear(views[f"{tensor}.q"], views[f"{tensor}.sz"], rows, scratch)
         else:
             out[tensor] = views[tensor]

@@ -17,6 +17,7 @@ from offload.weights.groups import (
     group_names,
     group_sources,
     mlp_prefix,
+    packed_sources,
     prequant_sources,
     stacked_experts,
     stacked_sources,
@@ -34,7 +35,8 @@ def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor, fmt: We
                 ckpt.read_into(name, views[f"{tensor}.{part}"])
             continue
         if fmt.packs(ckpt.config, tensor):  # read a block of rows at a time as it is quantized
-            quant.quantize_into(CheckpointRows(ckpt, sources), fmt.tensor_bits(tensor), fmt.group_size,
+            quant.quantize_into(CheckpointRows(ckpt, packed_sources(ckpt.config, tensor, sources)),
+                                fmt.tensor_bits(tensor), fmt.group_size,
                                 views[f"{tensor}.q"], views[f"{tensor}.sz"])
             continue
         if len(sources) == 1:  # (a scalar has no rows: Apertus's activation parameters)
