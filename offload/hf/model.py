@@ -15,7 +15,8 @@ attach the weights where they run:
   copy unless the compute dtype differs), handed back after it; an int8/int4 matrix is handed packed to its
   module by a hook on it, which multiplies it as it lies (a Linear; transformers' experts modules, the routed
   experts' rows: `offload.hf.packed`), or dequantized right before its module runs (one scratch buffer: one dense
-  matrix at a time; stacked experts, the routed ones only);
+  matrix at a time; stacked experts, the routed ones only); on a CPU every nn.Linear multiplies by Offload's
+  kernels (`offload.hf.packed.Linear`), a dense weight too;
 - the head (final norm, LM head): acquired before the first of its modules runs, released after the LM head.
 
 After each module runs its parameters are put back on `meta`, so nothing holds a slot the prefetcher
@@ -196,6 +197,7 @@ class TieredModel:
                                   "knows") from None
         self.model.eval()
         packing.install(self.model)
+        packing.adopt(self.model)
         recurrent = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
         if any(isinstance(layer, recurrent) for layer in self.new_cache().layers):  # (Jamba, Qwen3-Next, ...)
             raise CheckpointError(f"{path}: {type(self.model).__name__} keeps a recurrent state (linear-attention or "
@@ -244,7 +246,6 @@ class TieredModel:
             for (m, leaf, name), (_, _, _, param) in zip(b, bound.meta):
                 if weights.fmt.packs(cfg, name):
                     if id(m) not in lazy:
-                        packing.adopt(m)
                         lazy[id(m)] = DenseOnUse(self.dtype)
                         add_hook_to_module(m, lazy[id(m)])
                     lazy[id(m)].leaves[leaf] = param

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from offload.model import kernels
 from offload.weights.quant import TILE_ROWS, PackedLinear
 
 try:  # (transformers 5: its experts interface; none before)
@@ -63,20 +64,26 @@ def interfaced(module: nn.Module) -> bool:
 
 
 class Linear(nn.Linear):
-    """An nn.Linear that multiplies its packed weight as it lies while it is handed one (`offload_packed`)."""
+    """An nn.Linear that multiplies by Offload's CPU kernels, as the native path does: its packed weight as it lies
+    while it is handed one (`offload_packed`), a dense one (float32, bf16, fp16) by `kernels.dense_linear` (the
+    weight as it is, accumulated in float32, each row independent of the others: torch's bf16 product of one row
+    reads an LM head at a fraction of the memory's speed); elsewhere (CUDA) torch's."""
 
     offload_packed: dict[str, PackedLinear] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.offload_packed is None:
-            return super().forward(x)
-        return self.offload_packed["weight"].linear(x, self.bias)
+        if self.offload_packed is not None:
+            return self.offload_packed["weight"].linear(x, self.bias)
+        if kernels.dense_supported(x, self.weight):
+            return kernels.dense_linear(x, self.weight, self.bias)
+        return super().forward(x)
 
 
-def adopt(module: nn.Module) -> None:
-    """A module with a packed matrix: an nn.Linear (exactly: a subclass may compute otherwise) becomes a `Linear`."""
-    if type(module) is nn.Linear:
-        module.__class__ = Linear
+def adopt(model: nn.Module) -> None:
+    """Every nn.Linear of the model (exactly: a subclass may compute otherwise) becomes a `Linear`."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = Linear
 
 
 def multipliable(module: nn.Module, packed: dict[str, Any], flipped: dict[str, bool]) -> bool:
