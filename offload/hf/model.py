@@ -88,10 +88,11 @@ def put(m: nn.Module, leaf: str, t: torch.Tensor, param: bool) -> None:
 
 
 class DenseOnUse(ModelHook):
-    """A module's int8/int4 matrices (a Linear's weight; the gate_up_proj and down_proj of experts transformers
-    stacks, viewed as its [E, ...]): dequantized right before it runs, put back after. One matrix goes into the
-    weight source's one scratch buffer (a module's product consumes it before the next module's dequantizes);
-    a module of several dequantizes each into its own."""
+    """A module's int8/int4 matrices (a Linear's weight; the gate_up_proj and down_proj of stacked experts, viewed
+    as its [E, ...]) while its group is bound: handed to the module packed where it multiplies them as they lie
+    (`offload.hf.packed.multipliable`), else dequantized right before it runs (stacked experts: the routed ones'
+    rows only) and put back after. One matrix goes into the weight source's one scratch buffer (a module's product
+    consumes it before the next module's dequantizes); a module of several dequantizes each into its own."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype

@@ -3,16 +3,16 @@ packed kernels, no dense copy): a Linear's weight, and the routed experts of a m
 
 The blocks' packed matrices are handed to their modules while the group is bound (`offload_packed`, leaf ->
 PackedLinear: set by the module's hook, `hf.model.DenseOnUse`, where `multipliable` says the module can use them;
-the hook dequantizes them for any other). A Linear becomes a `Linear` of this module (`adopt`), which multiplies
-its packed weight where it has one.
+the hook dequantizes them for any other). Every nn.Linear becomes a `Linear` of this module (`adopt`), which
+multiplies by Offload's CPU kernels: its packed weight as it lies, a dense one as the native path's products do.
 
 transformers 5 gives most mixtures of experts one experts module (`use_experts_implementation`): parameters stacked
 [E, ...] (`gate_up_proj` [E, 2I, H], or `up_proj` where there is no gate; `down_proj` [E, H, I]; biases [E, ...]),
 called with the hidden states [T, H], the routed experts' ids [T, k] and their weights [T, k], and dispatching to an
 implementation by its config's `_experts_implementation`. `install` registers one more, `offload_packed`, on every
 such module of a model: where the module's int8 / int4 matrices are packed, each routed expert's rows of them are
-multiplied as they lie; every other call goes to the implementation
-transformers chose for the module (a float run's products are transformers' own).
+multiplied as they lie; every other call goes to the implementation transformers chose for the module (a float
+run's experts are transformers' own).
 
 The math follows transformers' eager loop: the routed experts ascending, each over the rows routed to it, its gate
 (the module's own `_apply_gate`, or its activation without one), biases, post-expert norm and routing weight, summed
@@ -25,6 +25,7 @@ the routed experts only (`hf.model.DenseOnUse`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -105,14 +106,20 @@ def routed(module: nn.Module, args: tuple, kwargs: dict) -> list[int] | None:
     module, which may read every expert."""
     if not interfaced(module):
         return None
-    try:  # (the original forward's parameters: the interface's wrapper keeps them as `__wrapped__`)
-        values = list(inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments.values())
+    try:
+        values = list(_signature(type(module)).bind(module, *args, **kwargs).arguments.values())
     except TypeError:
         return None
     ids = values[2] if len(values) > 2 else None
     if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex():
         return None
     return [e for e in torch.unique(ids).tolist() if 0 <= e < module.num_experts]
+
+
+@functools.cache
+def _signature(cls: type) -> inspect.Signature:
+    """The original forward's parameters (the interface's wrapper keeps it as `__wrapped__`, which inspect follows)."""
+    return inspect.signature(cls.forward)
 
 
 def expert_rows(w: PackedLinear, e: int, experts: int) -> PackedLinear:
