@@ -142,9 +142,9 @@ def test_experts_that_cannot_be_multiplied_packed_dequantize_only_the_routed_one
 
 
 def test_dense_linears_multiply_through_offloads_kernels_and_keep_transformers_tokens(phimoe, monkeypatch):
-    """A dense Linear (the LM head, attention's projections) multiplies by the kernels the native path's dense
-    products use (torch's bf16 product of one row read an LM head at a fraction of the memory's speed: a Gemma 3
-    of 211 M decoded at 14.8 tok/s, 27.9 now); bf16 greedy tokens stay transformers' own."""
+    """A dense Linear (the LM head, attention's projections) and a routed expert multiply by the kernels the native
+    path's dense products use (torch's bf16 product of one row read an LM head at a fraction of the memory's speed:
+    a Gemma 3 of 211 M decoded at 14.8 tok/s, 27.9 now); bf16 greedy tokens stay transformers' own."""
     model = transformers.AutoModelForCausalLM.from_pretrained(phimoe, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW,
@@ -154,7 +154,7 @@ def test_dense_linears_multiply_through_offloads_kernels_and_keep_transformers_t
                         real(x, w, bias))
     with Runner(run_config(phimoe, dtype="bfloat16")) as r:
         tokens = r.generate([PROMPT], max_new_tokens=NEW, temperature=0, stop_on_eos=False)[0].outputs[0].token_ids
-    assert (256, 64) in shapes and tokens == ref  # (the LM head among them)
+    assert (256, 64) in shapes and (64, 32) in shapes and tokens == ref  # (the LM head; an expert's down_proj)
 
 
 @pytest.mark.parametrize(("hidden", "gate_up", "down", "transposed"), [

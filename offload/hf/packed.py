@@ -11,8 +11,8 @@ transformers 5 gives most mixtures of experts one experts module (`use_experts_i
 called with the hidden states [T, H], the routed experts' ids [T, k] and their weights [T, k], and dispatching to an
 implementation by its config's `_experts_implementation`. `install` registers one more, `offload_packed`, on every
 such module of a model: where the module's int8 / int4 matrices are packed, each routed expert's rows of them are
-multiplied as they lie; every other call goes to the implementation transformers chose for the module (a float
-run's experts are transformers' own).
+multiplied as they lie; dense ones (on a CPU, untransposed) by the dense kernels a `Linear` uses; every other call
+goes to the implementation transformers chose for the module.
 
 The math follows transformers' eager loop: the routed experts ascending, each over the rows routed to it, its gate
 (the module's own `_apply_gate`, or its activation without one), biases, post-expert norm and routing weight, summed
@@ -134,14 +134,19 @@ def expert_rows(w: PackedLinear, e: int, experts: int) -> PackedLinear:
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts interface's call: [T, H] -> [T, H] (see the module doc)."""
+    E, up_name = self.num_experts, "gate_up_proj" if self.has_gate else "up_proj"
     packed = self.offload_packed
-    if packed is None:
+    if packed is not None:
+        def weights(e: int) -> tuple[Any, Any]:
+            return expert_rows(packed[up_name], e, E), expert_rows(packed["down_proj"], e, E)
+    elif not self.is_transposed and kernels.dense_supported(hidden_states, self.down_proj[0]):
+        def weights(e: int) -> tuple[Any, Any]:  # (an expert's [out, in] rows of the stacked dense matrices)
+            return getattr(self, up_name)[e], self.down_proj[e]
+    else:
         original = type(self).forward.__wrapped__
         impl = ALL_EXPERTS_FUNCTIONS.get_interface(self.offload_fallback, original)
         return impl(self, hidden_states, top_k_index, top_k_weights)
-    E = self.num_experts
-    up = packed["gate_up_proj" if self.has_gate else "up_proj"]
-    up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
+    up_bias = getattr(self, f"{up_name}_bias") if self.has_bias else None
     out = torch.zeros_like(hidden_states)
     with torch.no_grad():
         mask = nn.functional.one_hot(top_k_index, num_classes=E + 1).permute(2, 1, 0)  # (ids of E: masked choices)
@@ -150,10 +155,15 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         if e >= E:
             continue
         pos, rows = torch.where(mask[e])
-        y = expert_rows(up, e, E).linear(hidden_states[rows], None if up_bias is None else up_bias[e])
+        up, down = weights(e)
+        y = _linear(hidden_states[rows], up, None if up_bias is None else up_bias[e])
         y = self._apply_gate(y) if self.has_gate else self.act_fn(y)
-        y = expert_rows(packed["down_proj"], e, E).linear(y, self.down_proj_bias[e] if self.has_bias else None)
+        y = _linear(y, down, self.down_proj_bias[e] if self.has_bias else None)
         if self.has_post_expert_norm:
             y = self.post_expert_norm(y)
         out.index_add_(0, rows, (y * top_k_weights[rows, pos, None]).to(out.dtype))
     return out
+
+
+def _linear(x: torch.Tensor, w: PackedLinear | torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return kernels.dense_linear(x, w, bias) if isinstance(w, torch.Tensor) else w.linear(x, bias)
