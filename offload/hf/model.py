@@ -291,6 +291,10 @@ class TieredModel:
         return out.logits[0].float(), out[self.cache_arg]
 
     def abort(self) -> None:
-        """A forward stopped half way: every module back on meta (the weight source resets its own pass)."""
+        """A forward stopped half way: every module back on meta, no packed matrix left handed to one (the weight
+        source resets its own pass)."""
         for b in self.bounds:
             b.unbind(release=False)
+        for m in self.model.modules():
+            if getattr(m, "offload_packed", None) is not None:
+                m.offload_packed = None
