@@ -43,11 +43,11 @@ except ImportError:
 NAME = "offload_packed"
 
 
-def install(model: nn.Module) -> int:
+def install(model: nn.Module) -> None:
     """Route every experts module of `model` through `experts_forward` (falling back to the implementation
-    transformers chose for it); returns how many there are (0 where transformers has no experts interface)."""
+    transformers chose for it); nothing where transformers has no experts interface."""
     if ALL_EXPERTS_FUNCTIONS is None:
-        return 0
+        return
     ALL_EXPERTS_FUNCTIONS[NAME] = experts_forward
     modules = [m for m in model.modules() if interfaced(m)]
     chosen = {id(m): m.config._experts_implementation for m in modules}  # (before any is switched: shared configs)
@@ -55,7 +55,6 @@ def install(model: nn.Module) -> int:
         m.offload_fallback = chosen[id(m)] if chosen[id(m)] not in (None, NAME) else "eager"
         m.config._experts_implementation_internal = NAME
         m.offload_packed = None
-    return len(modules)
 
 
 def interfaced(module: nn.Module) -> bool:
@@ -125,10 +124,7 @@ def _signature(cls: type) -> inspect.Signature:
 def expert_rows(w: PackedLinear, e: int, experts: int) -> PackedLinear:
     """Expert e's rows of a stacked packed matrix (whole tiles of 64 rows: a view of its codes and scales)."""
     n = w.out_features // experts
-    a, b = e * n, (e + 1) * n
-    if w.bits == 8:
-        return PackedLinear(w.q[a // TILE_ROWS : b // TILE_ROWS], w.sz[:, a:b], n, w.scratch)
-    return PackedLinear(w.q[:, a:b], w.sz[:, :, a:b], n, w.scratch)
+    return w.tile_rows(e * n, (e + 1) * n)
 
 
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

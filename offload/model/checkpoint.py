@@ -15,6 +15,7 @@ import math
 import os
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,10 +150,9 @@ class Checkpoint:
             raise CheckpointError(f"{cfg_path}: expected a JSON object of model settings; fix or re-download it")
         native = resolve_impl(impl, raw) == "native"
         self.mxfp4: dict[str, tuple[str, str]] = {}  # an MXFP4 expert matrix: (its blocks, its scales)
-        self._expert: tuple[str, int, torch.Tensor] | None = None  # the last one's expert read dense
+        self._expert: tuple[str, int, torch.Tensor] | None = None  # the last expert read whole (`_expert_rows`)
         self.flat: dict[str, tuple[int, int]] = {}  # experts stacked [E, R, k], read as [E R, k] (`stacked_matrices`)
-        self._transposed: tuple[str, int, torch.Tensor] | None = None  # the last expert read transposed
-        self.stacks: dict[str, tuple[int, int]] = {}
+        self.stacks: dict[str, tuple[int, int]] = {}  # MXFP4's and `flat`'s matrices: [E R, k]
         if native:  # its config is checked before any shard is opened
             self.config = ModelConfig.from_dict(raw, str(cfg_path))
         self.files = self._find_files()
@@ -335,39 +335,46 @@ class Checkpoint:
         dest.copy_(fp8.dequantize(codes, s, row - first * size[0], size))
 
     def _transposed_rows(self, short: str, shape: tuple[int, ...], row: int, dest: torch.Tensor) -> None:
-        """`read_rows_into` of stacked experts [E in, out] as each expert's transpose (`shape`: [E out, in]): an expert
-        read whole, kept until its last rows are read."""
-        k, r, end = shape[1], row, row + dest.shape[0]
-        out = self.stacks[short][1]
-        while r < end:
-            e, stop = r // out, min(end, (r // out + 1) * out)
-            if self._transposed is None or self._transposed[:2] != (short, e):
-                w = torch.empty(k, out, dtype=torch.float32)
-                self.read_rows_into(short, self.stacks[short], e * k, w)
-                self._transposed = (short, e, w.T)
-            dest[r - row : stop - row].copy_(self._transposed[2][r - e * out : stop - e * out])
-            if stop == (e + 1) * out:
-                self._transposed = None
-            r = stop
+        """`read_rows_into` of stacked experts [E in, out] as each expert's transpose (`shape`: [E out, in])."""
+        rows, out = self.stacks[short]
+        k = shape[1]
+
+        def load(e: int) -> torch.Tensor:
+            w = torch.empty(k, out, dtype=torch.float32)
+            self.read_rows_into(short, (rows, out), e * k, w)
+            return w.T
+
+        self._expert_rows(short + TRANSPOSED, out, row, dest, load)
 
     def _mxfp4_rows(self, short: str, shape: tuple[int, ...], row: int, dest: torch.Tensor) -> None:
-        """`read_rows_into` of an MXFP4 matrix: each expert's rows dequantized (`offload.model.mxfp4`), the expert
-        kept until its last rows are read (a conversion reads a packed format's rows a block at a time)."""
+        """`read_rows_into` of an MXFP4 matrix: each expert's rows dequantized (`offload.model.mxfp4`)."""
         blocks = self.entry(short, shape)  # (checked with its scales)
         scales = self.entries[self.mxfp4[short][1]]
-        k, r, end = shape[0] // blocks.shape[0], row, row + dest.shape[0]  # (k: an expert's rows)
+
+        def load(e: int) -> torch.Tensor:
+            qb = torch.empty((1, *blocks.shape[1:]), dtype=torch.uint8)
+            qs = torch.empty((1, *scales.shape[1:]), dtype=torch.uint8)
+            self._pread(blocks, e, qb)
+            self._pread(scales, e, qs)
+            return mxfp4.dequantize(qb[0], qs[0])
+
+        self._expert_rows(short, shape[0] // blocks.shape[0], row, dest, load)
+
+    def _expert_rows(self, key: str, k: int, row: int, dest: torch.Tensor, load: Callable[[int], torch.Tensor]
+                     ) -> None:
+        """Rows row .. of experts' matrices one after another, k rows an expert, each expert's whole matrix made by
+        `load(e)` and kept until its last rows are read (a conversion reads a packed format's rows a block at a
+        time; not kept beyond: 66 MB a gpt-oss-120b expert). An expert loaded from another's rows (MXFP4 experts
+        read transposed) reads all of them at once, so the one slot serves both."""
+        r, end = row, row + dest.shape[0]
         while r < end:
             e, k0 = divmod(r, k)
-            if self._expert is None or self._expert[:2] != (short, e):
-                qb = torch.empty((1, *blocks.shape[1:]), dtype=torch.uint8)
-                qs = torch.empty((1, *scales.shape[1:]), dtype=torch.uint8)
-                self._pread(blocks, e, qb)
-                self._pread(scales, e, qs)
-                self._expert = (short, e, mxfp4.dequantize(qb[0], qs[0]))
+            if self._expert is None or self._expert[:2] != (key, e):
+                self._expert = (key, e, load(e))
             k1 = min(k, k0 + end - r)
             dest[r - row : r - row + k1 - k0].copy_(self._expert[2][k0:k1])
             r += k1 - k0
-            if k1 == k:  # (its last rows read: not kept beyond the conversion, 66 MB a gpt-oss-120b expert)
+            if k1 == k:
                 self._expert = None
 
     def read(self, short: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

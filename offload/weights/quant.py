@@ -246,13 +246,18 @@ class PackedLinear:
                 runs.append([p, p + 1])
         for first, end in runs:
             r0, r1 = first * n, end * n
-            a, b = r0 // TILE_ROWS * TILE_ROWS, padded_rows(r1)
-            if self.bits == 8:
-                d = dequantize(self.q[a // TILE_ROWS : b // TILE_ROWS], self.sz[:, a:b])
-            else:
-                d = dequantize(self.q[:, a:b], self.sz[:, :, a:b])
-            out[r0:r1] = d[r0 - a : r1 - a]
+            a = r0 // TILE_ROWS * TILE_ROWS
+            part = self.tile_rows(a, r1)
+            out[r0:r1] = dequantize(part.q, part.sz)[r0 - a : r1 - a]
         return out
+
+    def tile_rows(self, a: int, b: int) -> PackedLinear:
+        """Rows a .. b as a matrix of their own (a on a tile of 64 rows; b on one, or the last row): views of the
+        codes and scales of the whole tiles they lie in."""
+        t = padded_rows(b)
+        if self.bits == 8:
+            return PackedLinear(self.q[a // TILE_ROWS : t // TILE_ROWS], self.sz[:, a:t], b - a, self.scratch)
+        return PackedLinear(self.q[:, a:t], self.sz[:, :, a:t], b - a, self.scratch)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, float32: bool = False) -> torch.Tensor:
         """x [..., k] -> [..., out_features] in x's dtype (`float32`: in float32, the values x's dtype gives)."""
