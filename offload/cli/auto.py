@@ -16,6 +16,7 @@ the YAML says `weights: {quantization: ...}`, and the store is converted, planne
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import time
@@ -31,7 +32,7 @@ from offload.cli.plan import show_plan
 from offload.cli.prepare import store_to_fill
 from offload.config import DiskTierConfig, OffloadConfig, cache_dir, format_size
 from offload.errors import CheckpointError, ConfigError, StaleStoreError
-from offload.model import fused, hub, kernels
+from offload.model import compressed, fused, hub, kernels
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.model.generic import resolve_impl
@@ -118,15 +119,19 @@ def _name(model: str) -> str:
 
 
 def packed(model: str, quantization: str) -> WeightFormat:
-    """The packed format for this model: the default group size (64), or the largest that divides every matrix."""
+    """The packed format for this model: the default group size (64), or the largest that divides every matrix
+    (an int4 / int8 checkpoint of smaller groups: at most its own, so its values stay: `compressed.kept_format`)."""
     directory = hub.fetch(model, weights=False) if hub.is_hub_id(model) else Path(model)
     raw = json.loads((directory / "config.json").read_text())
+    fmt = WeightFormat(quantization)
+    if (kept := compressed.kept_format(raw)) is not None and kept[0] <= fmt.bits:
+        fmt = dataclasses.replace(fmt, group_size=min(fmt.group_size, kept[1]))
     if resolve_impl("auto", raw) == "native":
-        return WeightFormat(quantization).fitted(ModelConfig.from_dict(raw, str(directory / "config.json")))
+        return fmt.fitted(ModelConfig.from_dict(raw, str(directory / "config.json")))
     try:  # a model transformers runs: its matrices are its tensors, whose shapes the safetensors headers give
-        return WeightFormat(quantization).fitted(Checkpoint(directory).config)
+        return fmt.fitted(Checkpoint(directory).config)
     except CheckpointError:  # (a Hub model's weights, not fetched yet: the default group size; a conversion
-        return WeightFormat(quantization)  # it does not fit names weights.group_size in the YAML)
+        return fmt  # it does not fit names weights.group_size in the YAML)
 
 
 def _ensure_store(disk: DiskTierConfig, ckpt: Checkpoint, dtype: torch.dtype, fmt: WeightFormat, root: Path) -> None:

@@ -27,6 +27,7 @@ from offload.config import (
     parse_size,
 )
 from offload.errors import ConfigError
+from offload.model import compressed
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.model.generic import resolve_impl
@@ -268,7 +269,10 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     for line in (experts or {}).get("lines", []):
         print(f"  {line}")
     print("by weight format (same tiers; bytes per group, bytes per token by link, predicted step):")
+    kept = compressed.kept_format(cfg.raw) if cfg.codes_kept else None
     for row in schemes:
+        if row["quantization"] == "none" and kept is not None:  # (WeightFormat.from_config: its codes stay packed)
+            row = row | {"quantization": f"none (the checkpoint's int{kept[0]}, groups of {kept[1]}):"}
         if "refused" in row:
             print(f"  {row['quantization']:<5} does not fit: {row['refused']}")
             continue

@@ -113,15 +113,20 @@ class HFExecutor(Executor):
         return torch.cat(out)
 
 
+#: quantized checkpoints this path reads, each matrix dequantized as it is read (`offload.model.checkpoint`)
+READ_DENSE = ("mxfp4", "fp8", "compressed-tensors")
+
+
 def refuse_unsupported(config: OffloadConfig, layers: range | None) -> None:
     """What the transformers path cannot do, refused before anything loads, each in one sentence."""
     try:
         raw = json.loads((config.model / "config.json").read_text())
     except (OSError, ValueError):
         raw = {}  # the checkpoint's own reader says what is wrong with it
-    if isinstance(raw, dict) and raw.get("quantization_config") and quant_method(raw) not in ("mxfp4", "fp8"):
-        raise ConfigError("model_impl transformers: quantized checkpoints (quantization_config) other than MXFP4 "
-                          "and block FP8 are read by Offload's native families only; use a float checkpoint")
+    if isinstance(raw, dict) and raw.get("quantization_config") and quant_method(raw) not in READ_DENSE:
+        raise ConfigError("model_impl transformers: quantized checkpoints (quantization_config) other than MXFP4, "
+                          "block FP8 and compressed-tensors are read by Offload's native families only; use a float "
+                          "checkpoint")
     if config.speculative.enabled:
         raise ConfigError("speculative: decoding with a draft needs Offload's own math; set speculative.enabled: "
                           "false or model_impl: native")

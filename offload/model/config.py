@@ -80,6 +80,9 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     impl: str = "native"  # native: Offload's math; transformers: transformers runs it (offload.model.generic)
     tensors: Any = field(default=None, repr=False)  # transformers: its GenericTensors (which tensors are a group)
+    #: False: a compressed-tensors checkpoint leaves a decoder matrix float (its int codes are read dense then,
+    #: not kept as Offload's int4 / int8: `offload.model.compressed.kept_format`)
+    codes_kept: bool = field(default=True, compare=False)
 
     def __post_init__(self) -> None:
         if not self.moe_layers:

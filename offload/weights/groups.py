@@ -27,6 +27,7 @@ import torch
 
 from offload.config import WeightsConfig
 from offload.errors import ConfigError
+from offload.model import compressed
 from offload.model.checkpoint import TRANSPOSED, Checkpoint
 from offload.model.config import ModelConfig, quant_method
 from offload.model.generic import LM_HEAD, GenericTensors
@@ -91,9 +92,12 @@ class WeightFormat:
     def from_config(cls, w: WeightsConfig, cfg: ModelConfig) -> WeightFormat:
         """The run's format: the config's `weights:`, or the checkpoint's own quantization (then weights: none)."""
         raw, method = cfg.raw.get("quantization_config"), quant_method(cfg.raw)
-        if method == "fp8" or (method == "mxfp4" and cfg.impl == "transformers"):
-            raw = None  # (read dense, `offload.model.fp8` / `mxfp4`: as a float checkpoint)
+        if method in ("fp8", "compressed-tensors") or (method == "mxfp4" and cfg.impl == "transformers"):
+            raw = None  # (read dense, `offload.model.fp8` / `compressed` / `mxfp4`: as a float checkpoint)
         pre = gptq.parse_quantization_config(raw, "config.json")
+        kept = compressed.kept_format(cfg.raw) if w.quantization == "none" and cfg.codes_kept else None
+        if kept is not None:  # an int4 / int8 compressed-tensors checkpoint stays int4 / int8, the same values
+            return cls(f"int{kept[0]}", kept[1], ("lm_head",))
         if pre is None:
             return cls(w.quantization, w.group_size, tuple(w.keep))
         if w.quantization != "none":

@@ -117,8 +117,12 @@ def int8_codes(tiles: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- quantize
-def quantize(w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Dense [n, k] -> {"q": uint8 codes, "sz": dtype (scale, zero) pairs} as `packed_shapes` (see module doc)."""
+def quantize(w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype,
+             grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Dense [n, k] -> {"q": uint8 codes, "sz": dtype (scale, zero) pairs} as `packed_shapes` (see module doc).
+    `grid`: (step, bottom) [n, k / group_size] of groups whose values already lie on bottom + step * (0 .. at most
+    2^bits - 1) (an int4 / int8 checkpoint's own codes), NaN for the others: those keep their values (the codes are
+    their integers, the scale the step), the others are quantized as above."""
     n, k = w.shape
     if k % group_size or group_size % 2:
         raise ValueError(f"group size {group_size} does not divide the input dimension {k}")
@@ -128,6 +132,10 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype) ->
     g = w32.view(rows, k // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)  # [rows, groups]
     scale = (hi - lo) / levels
+    if grid is not None:
+        on = torch.zeros_like(scale, dtype=torch.bool)
+        on[:n] = ~grid[0].isnan()
+        scale[on], lo[on] = grid[0][on[:n]], grid[1][on[:n]]
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = ((g - lo[..., None]) / safe[..., None]).round_().clamp_(0, levels).to(torch.int32).view(rows, k)
     if bits == 8:
@@ -147,7 +155,8 @@ def quantize_into(w: torch.Tensor, bits: int, group_size: int, q: torch.Tensor, 
     or anything with a `shape` whose row slices are float tensors (`reading.CheckpointRows` reads them from disk)."""
     block = max(TILE_ROWS, QUANTIZE_BLOCK_BYTES // (4 * w.shape[1]) // TILE_ROWS * TILE_ROWS)
     for r0 in range(0, w.shape[0], block):
-        part = quantize(w[r0 : r0 + block], bits, group_size, sz.dtype)
+        grid = w.grid(r0, min(r0 + block, w.shape[0]), group_size, bits) if hasattr(w, "grid") else None
+        part = quantize(w[r0 : r0 + block], bits, group_size, sz.dtype, grid)
         r1 = r0 + part["sz"].shape[-2]  # (the last block's padded rows are the matrix's)
         if bits == 8:
             q[r0 // TILE_ROWS : r1 // TILE_ROWS].copy_(part["q"])
