@@ -27,7 +27,6 @@ from offload.config import (
     parse_size,
 )
 from offload.errors import ConfigError
-from offload.model import compressed
 from offload.model.checkpoint import Checkpoint
 from offload.model.config import ModelConfig
 from offload.model.generic import resolve_impl
@@ -152,8 +151,7 @@ def print_ranks(ranks: dict[str, Any]) -> None:
 
 
 def prefix_capacity(rp: RunPlan) -> dict[str, object]:
-    """What the prefix cache may hold: idle full blocks in every KV tier (taken back when a request needs them),
-    and with `persist` the blocks kept on disk for later processes."""
+    """What the prefix cache may hold: idle full blocks in every KV tier (persist: on disk for later processes)."""
     kv = rp.kv
     out: dict[str, object] = {"mode": kv.prefix_cache}
     if kv.prefix_cache != "off":
@@ -269,15 +267,12 @@ def show_plan(config: OffloadConfig, cfg: ModelConfig, batch: int = 1, context: 
     for line in (experts or {}).get("lines", []):
         print(f"  {line}")
     print("by weight format (same tiers; bytes per group, bytes per token by link, predicted step):")
-    kept = compressed.kept_format(cfg.raw) if cfg.codes_kept else None
     for row in schemes:
-        if row["quantization"] == "none" and kept is not None:  # (WeightFormat.from_config: its codes stay packed)
-            row = row | {"quantization": f"none (the checkpoint's int{kept[0]}, groups of {kept[1]}):"}
         if "refused" in row:
             print(f"  {row['quantization']:<5} does not fit: {row['refused']}")
             continue
         links = ", ".join(f"{k} {format_size(v)}" for k, v in row["bytes_per_token"].items()) or "nothing streamed"
-        print(f"  {row['quantization']:<5} layer {format_size(row['layer_bytes'])}, model "
+        print(f"  {row['quantization'] + row['kept']:<5} layer {format_size(row['layer_bytes'])}, model "
               f"{format_size(row['model_bytes'])}; per token {links}; {row['step_ms']:.0f} ms/step, "
               f"bound by {row['bottleneck']}")
     if plain_note:
@@ -361,7 +356,9 @@ def compare_schemes(config: OffloadConfig, cfg: ModelConfig, dtype: torch.dtype,
         pred = predict_decode(plan, cfg, cal, device.type, work, dtype.itemsize, planner.compute_sizes,
                               KVTiers.of(rp, planner))
         moved = {link: plan_bytes(plan, link) / work.batch for link in ("disk read", "host->device")}
-        rows.append({"quantization": scheme, "layer_bytes": plan.sizes["layer.0"],
+        fmt = planner.fmt  # (none of a GPTQ or an int4 / int8 checkpoint: its own codes, `WeightFormat.from_config`)
+        kept = f" (the checkpoint's {fmt.quantization}, groups of {fmt.group_size}):" * (scheme != fmt.quantization)
+        rows.append({"quantization": scheme, "kept": kept, "layer_bytes": plan.sizes["layer.0"],
                      "model_bytes": sum(plan.sizes.values()), "bytes_per_token": {k: v for k, v in moved.items() if v},
                      "step_ms": 1000 * pred.step_s, "bottleneck": pred.bottleneck})
     return rows
