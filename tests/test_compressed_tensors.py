@@ -234,3 +234,14 @@ def test_a_checkpoint_leaving_a_decoder_matrix_float_is_read_dense(tmp_path, lis
                               )[0, len(p):].tolist() for p in PROMPTS]
     tokens, _, _, fmt = greedy(run_config(tmp_path / "model"))
     assert (tokens, fmt) == (ref, ("none", 64))
+
+
+def test_chat_auto_packs_a_checkpoint_of_small_groups_in_its_groups(tmp_path):
+    """`offload chat --auto --weights int4 | int8` on an int4 checkpoint of 32 columns a group: groups of 32, where
+    the default 64 would quantize every group anew; a larger group size (int4 of FP8) keeps the default."""
+    from offload.cli.auto import packed
+
+    compressed_checkpoint(tmp_path / "int4", "llama", "w4a16-g32")
+    compressed_checkpoint(tmp_path / "fp8", "llama", "fp8-channel")
+    assert [packed(str(tmp_path / "int4"), q).group_size for q in ("int4", "int8")] == [32, 32]
+    assert packed(str(tmp_path / "fp8"), "int4").group_size == 64
