@@ -130,7 +130,8 @@ def test_every_matrix_reads_as_compressed_tensors_decompresses_it(tmp_path, case
 
 
 @pytest.mark.parametrize("family, impl, case", [("llama", "native", "w4a16-asym-g32"),
-                                                ("phi3", "transformers", "w8a16-g64")])
+                                                ("phi3", "transformers", "w8a16-g64"),
+                                                ("llama", "native", "int8-channel")])
 def test_a_compressed_checkpoint_gives_transformers_tokens_resident_and_streamed(tmp_path, family, impl, case):
     """Its int codes kept as they are (Offload's int4 / int8 of the checkpoint's groups), the greedy tokens are
     transformers' own on the checkpoint, on both paths, resident and streamed from disk."""
@@ -143,7 +144,7 @@ def test_a_compressed_checkpoint_gives_transformers_tokens_resident_and_streamed
         ref = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False
                               )[0, len(p):].tolist() for p in PROMPTS]
     # weights.quantization none: the checkpoint's int4 / int8 codes kept, in Offload's packed format of its groups
-    kept = ("int4", 32) if case == "w4a16-asym-g32" else ("int8", 64)
+    kept = {"w4a16-asym-g32": ("int4", 32), "w8a16-g64": ("int8", 64), "int8-channel": ("int8", 64)}[case]
     tokens, got_impl, _, fmt = greedy(run_config(tmp_path / "model"))
     assert (tokens, got_impl, fmt) == (ref, impl, kept)
     streamed = run_config(tmp_path / "model", prefetch={"depth": 1},

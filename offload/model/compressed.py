@@ -253,9 +253,9 @@ def _matrix(qc: Mapping[str, Any], group: Mapping[str, Any], module: str, entrie
 
 def kept_format(raw: Mapping[str, Any]) -> tuple[int, int] | None:
     """(bits, group size) of Offload's int4 / int8 format that holds every quantized matrix of this checkpoint with
-    the same values (`Matrix.grid_rows`): a pack-quantized checkpoint whose every config group quantizes weights to
-    one number of bits, 4 or 8, by group (its group size) or channel (64), and leaves no Linear of the decoder
-    layers float (`ignore`: the LM head alone). None for any other (read dense)."""
+    the same values (`Matrix.grid_rows`): an integer checkpoint (pack-quantized, or int8 codes) whose every config
+    group quantizes weights to one number of bits, 4 or 8, by group (its group size) or channel (64), and leaves no
+    Linear of the decoder layers float (`ignore`: the LM head alone). None for any other (read dense)."""
     if quant_method(raw) != METHOD:
         return None
     qc = raw["quantization_config"]
@@ -265,7 +265,8 @@ def kept_format(raw: Mapping[str, Any]) -> tuple[int, int] | None:
     kinds = {(a.get("num_bits"), str(a.get("type", "int")).lower(), str(a.get("strategy") or "tensor").lower(),
               a.get("group_size") if str(a.get("strategy")).lower() == "group" else 64) for a in args}
     ignore = [str(i) for i in qc.get("ignore") or ()]
-    if formats != {"pack-quantized"} or len(kinds) != 1 or not all("lm_head" in i for i in ignore):
+    if not formats <= {"pack-quantized", "int-quantized", "naive-quantized"} or len(kinds) != 1 \
+            or not all("lm_head" in i for i in ignore):
         return None
     ((bits, kind, strategy, group),) = kinds
     if kind != "int" or bits not in (4, 8) or strategy not in ("group", "channel") or not isinstance(group, int) \
