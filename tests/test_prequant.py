@@ -5,6 +5,7 @@ bytes go into the store unchanged; bad checkpoints are one clear error with noth
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from offload.config import OffloadConfig
 from offload.errors import CheckpointError, ConfigError
 from offload.model.checkpoint import Checkpoint
 from offload.runtime.runner import Runner
+from offload.testing import prequant
 from offload.testing.prequant import make_prequantized
 from offload.weights import gptq
 from offload.weights.convert import convert
@@ -153,6 +155,29 @@ def test_the_store_keeps_the_packed_bytes_and_streams_the_same_tokens(prequantiz
         assert [g.token_ids for g in r.generate(PROMPTS, max_new_tokens=6, stop_on_eos=False)] == want
 
 
+
+@pytest.mark.parametrize("method, act_order", [("gptq", True), ("awq", False)])
+def test_a_family_transformers_runs_reads_them_too(tmp_path, method, act_order):
+    """Gemma 2 (no native math): the packed bytes stored as they are, dequantized as each Linear runs; the greedy
+    tokens are transformers' on the float model of the reference dequantization, resident and streamed from disk."""
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, pad_token_id=0)
+    transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**sizes)).save_pretrained(tmp_path / "float")
+    path = make_prequantized(tmp_path / "float", tmp_path / "q", method, 4, 32, act_order)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(float_twin(path, tmp_path / "twin")),
+                                                           dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+               for p in PROMPTS]
+    streamed = {"tiers": {"gpu": {"capacity": "420KiB"}, "cpu": {"capacity": "40KiB"},
+                          "disk": {"path": str(tmp_path / "store")}}, "prefetch": {"depth": 1}}
+    for extra in ({}, streamed):
+        with Runner.from_config(run_config(path, **extra)) as r:
+            assert r.cfg.impl == "transformers" and ("disk" in r.plan.homes.values()) == bool(extra)
+            assert [g.token_ids for g in r.generate(PROMPTS, max_new_tokens=6, stop_on_eos=False)] == ref
+
+
 def edit_config(path: Path, **qc) -> None:
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"].update(qc)
@@ -194,3 +219,15 @@ def test_bad_prequantized_checkpoint_is_one_clear_error_and_nothing_is_converted
         Runner.from_config(run_config(path, tiers={"disk": {"path": str(store)}}, **extra))
     assert "\n" not in str(info.value)
     assert not store.exists()
+
+
+def test_a_gptq_mixture_of_experts_on_the_transformers_path_is_one_sentence(tmp_path, monkeypatch):
+    """Its experts packed one by one, which transformers stacks into one parameter: refused before anything loads,
+    naming the releases that run (the native path reads it)."""
+    sizes = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024, num_local_experts=4)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(**sizes)).save_pretrained(tmp_path / "float")
+    monkeypatch.setattr(prequant, "LINEAR", re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|w1|w2|w3)\.weight$"))
+    path = make_prequantized(tmp_path / "float", tmp_path / "q", "gptq", 4, 32)
+    with pytest.raises(CheckpointError, match="a GPTQ mixture of experts is read by Offload's native families only"):
+        Runner.from_config(run_config(path, model_impl="transformers"))

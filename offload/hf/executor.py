@@ -11,11 +11,12 @@ blocks and lengths (`HFSequences`), while the keys and values live in transforme
 sequence, on the device, in the KV region the plan reserved (the bookkeeping's blocks hold nothing). What does
 not apply on this path: the KV cache's cold tiers (host/disk blocks,
 int8 cold blocks: kv_cache.cpu_blocks/disk_blocks are taken as 0), speculative decoding (verification needs
-Offload's batched tree attention), pipeline stages and GPTQ/AWQ checkpoints (their packed matrices need
-Offload's native layouts). int8/int4 weights (`weights.quantization`) pack the blocks' matrices: they stream
-packed and are multiplied as they lie (a Linear's, the routed experts': `offload.hf.packed`) or dequantized
-module by module as they run. A pass runs its sequences one at a time (a ragged batch of DynamicCaches has no
-common shape), so with streamed weights a step of B sequences reads the streamed layers B times.
+Offload's batched tree attention) and pipeline stages. int8/int4 weights (`weights.quantization`) pack the
+blocks' matrices: they stream packed and are multiplied as they lie (a Linear's, the routed experts':
+`offload.hf.packed`) or dequantized module by module as they run; a GPTQ / AWQ checkpoint's are stored as they
+are and dequantized as their Linear runs. A pass runs its sequences one at a time (a ragged batch of
+DynamicCaches has no common shape), so with streamed weights a step of B sequences reads the streamed layers B
+times.
 """
 
 from __future__ import annotations
@@ -113,8 +114,9 @@ class HFExecutor(Executor):
         return torch.cat(out)
 
 
-#: quantized checkpoints this path reads, each matrix dequantized as it is read (`offload.model.checkpoint`)
-READ_DENSE = ("mxfp4", "fp8", "compressed-tensors")
+#: quantized checkpoints this path reads: each matrix dequantized as it is read (`offload.model.checkpoint`), or
+#: (GPTQ, AWQ) stored as it is and dequantized as its module runs
+READ = ("mxfp4", "fp8", "compressed-tensors", "gptq", "awq")
 
 
 def refuse_unsupported(config: OffloadConfig, layers: range | None) -> None:
@@ -123,10 +125,10 @@ def refuse_unsupported(config: OffloadConfig, layers: range | None) -> None:
         raw = json.loads((config.model / "config.json").read_text())
     except (OSError, ValueError):
         raw = {}  # the checkpoint's own reader says what is wrong with it
-    if isinstance(raw, dict) and raw.get("quantization_config") and quant_method(raw) not in READ_DENSE:
-        raise ConfigError("model_impl transformers: quantized checkpoints (quantization_config) other than MXFP4, "
-                          "block FP8 and compressed-tensors are read by Offload's native families only; use a float "
-                          "checkpoint")
+    if isinstance(raw, dict) and raw.get("quantization_config") and quant_method(raw) not in READ:
+        raise ConfigError(f"model_impl transformers: quantization_config.quant_method {quant_method(raw)!r} is not "
+                          "read (Offload reads MXFP4, block FP8, compressed-tensors, GPTQ and AWQ checkpoints); use a "
+                          "float checkpoint")
     if config.speculative.enabled:
         raise ConfigError("speculative: decoding with a draft needs Offload's own math; set speculative.enabled: "
                           "false or model_impl: native")

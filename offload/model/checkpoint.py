@@ -23,7 +23,7 @@ import torch
 
 from offload.errors import CheckpointError
 from offload.model import compressed, fp8, generic, mxfp4
-from offload.model.config import ModelConfig
+from offload.model.config import ModelConfig, quant_method
 from offload.model.generic import generic_config, generic_tensors, loaded_names, resolve_impl, text_only
 from offload.model.shards import FLOATS, TensorEntry, read_safetensors_header
 from storage.io import preadv_into
@@ -86,6 +86,11 @@ class Checkpoint:
             for target, (blocks, scales) in self.mxfp4.items():
                 shapes[target] = mxfp4.dense_shape(shapes.pop(blocks))
                 del shapes[scales]
+            prequant = generic.prequant_matrices(raw, shapes)
+            for target, shape in prequant.items():  # (stored as they are, packed: `offload.weights.gptq`)
+                for part in generic.PREQUANT_PARTS:
+                    shapes.pop(target.removesuffix("weight") + part, None)
+                shapes[target] = shape
             self.flat = generic.stacked_matrices({n: s for n, s in shapes.items() if n not in self.fp8})
             shapes |= self.flat
             self.stacks = {n: shapes[n] for n in [*self.mxfp4, *self.flat]}  # (their [E R, k])
@@ -95,6 +100,10 @@ class Checkpoint:
                 shapes = {old: shapes[old] for old in back.values()}
             loaded = {t: [back[n] for n in names] for t, names in loaded_names(raw, list(back), where).items()}
             taken = {n for names in loaded.values() for n in names}
+            if taken & set(prequant):  # (experts transformers stacks into one parameter)
+                raise CheckpointError(f"{self.path}: a {quant_method(raw).upper()} mixture of experts is read by "
+                                      "Offload's native families only (transformers stacks its experts, which the "
+                                      "checkpoint packs one by one); use its float or compressed-tensors release")
             loaded |= {new: [old] for new, old in back.items() if new != old and old not in taken}
             tensors = generic_tensors(shapes, where, loaded, stacked={*self.mxfp4, *self.flat}, raw=raw)
             self.config = generic_config(raw, tensors, str(cfg_path))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from offload.errors import CheckpointError
-from offload.model.config import SUPPORTED, ModelConfig
+from offload.model.config import SUPPORTED, ModelConfig, quant_method
 
 #: A decoder block's tensor: (prefix)(layers|h|blocks).(i).(rest)
 _BLOCK = re.compile(r"^(?P<pre>(?:.*\.)?(?:layers|h|blocks))\.(?P<i>\d+)\.(?P<rest>.+)$")
@@ -144,6 +144,22 @@ _STACKED_EXPERTS = re.compile(r"\.experts\.[^.]+$")
 _ROUTER = re.compile(r"\.(?:gate|router)\.(?:[a-z_]+\.)?weight$")
 #: config.json's count of routed experts, by the names families give it
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+#: a GPTQ / AWQ linear's packed parts (`offload.weights.gptq`), which make the matrix `X.weight` a model binds
+PREQUANT_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def prequant_matrices(raw: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, int]]:
+    """{`X.weight`: (N, K)} of a GPTQ / AWQ checkpoint's packed linears, by `X.qweight` (GPTQ [K / f, N], AWQ
+    [K, N / f], f = 32 / bits values an int32); {} for another checkpoint (or bits its format parser refuses)."""
+    method, qc = quant_method(raw), raw.get("quantization_config")
+    bits = qc.get("bits", qc.get("w_bit")) if isinstance(qc, dict) else None
+    if method not in ("gptq", "awq") or bits not in (4, 8):
+        return {}
+    f = 32 // bits
+    return {n.removesuffix("qweight") + "weight": (s[1], s[0] * f) if method == "gptq" else (s[1] * f, s[0])
+            for n, s in shapes.items() if n.endswith(".qweight") and len(s) == 2}
 
 
 def stacked_matrices(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, int]]:

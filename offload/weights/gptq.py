@@ -151,10 +151,12 @@ class PrequantLinear:
     dtype: torch.dtype  # the compute dtype
     scratch: object | None  # a `quant.Scratch`: the dense copy's reused buffer
 
-    def dense(self) -> torch.Tensor:
+    def dense(self, scratch: bool = True) -> torch.Tensor:
+        """W [N, K] in the compute dtype, in the scratch buffer (`scratch`: a module holding two at once asks for
+        fresh ones, as `quant.PackedLinear.dense` is asked)."""
         dev = self.parts[0]["scales"].device
         n, k = self.out_features, self.in_features
-        out = (torch.empty(n, k, dtype=self.dtype, device=dev) if self.scratch is None
+        out = (torch.empty(n, k, dtype=self.dtype, device=dev) if self.scratch is None or not scratch
                else self.scratch.take(n * k, self.dtype, dev).view(n, k))
         row = 0
         for part in self.parts:

@@ -67,7 +67,7 @@ class WeightFormat:
         """Is this group tensor stored packed? (A tied LM head packed leaves the embedding rows a dense `embed`
         group of their own: `separate_embed`.)"""
         if cfg.impl == "transformers":  # the blocks' matrices, by their checkpoint names (keep: not theirs)
-            return self.quantization in ("int8", "int4") and tensor in cfg.tensors.matrices
+            return tensor in cfg.tensors.matrices and (self.quantization in ("int8", "int4") or bool(self.prequant))
         if self.prequant is not None:  # GPTQ/AWQ checkpoints quantize the decoder layers' linears
             return tensor in LINEARS and tensor != "lm_head"
         return self.quantization != "none" and tensor in LINEARS and tensor not in self.keep
@@ -339,9 +339,10 @@ def model_layouts(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat = DENS
 
 
 def weight_views(cfg: ModelConfig, group: str, views: dict[str, torch.Tensor], scratch: quant.Scratch | None,
-                 fmt: WeightFormat = DENSE) -> dict:
+                 fmt: WeightFormat = DENSE, dtype: torch.dtype | None = None) -> dict:
     """A group's views with each packed matrix turned into one weight object named as the dense one:
-    (`t.q`, `t.sz`) into a `quant.PackedLinear`, a GPTQ/AWQ matrix's parts into a `gptq.PrequantLinear`."""
+    (`t.q`, `t.sz`) into a `quant.PackedLinear`, a GPTQ/AWQ matrix's parts into a `gptq.PrequantLinear` (dense in
+    `dtype`: the store's; by default the layer's norm's)."""
     if not any(name.endswith((".q", ".qweight")) for name in views):
         return views
     out: dict = {}
@@ -350,7 +351,7 @@ def weight_views(cfg: ModelConfig, group: str, views: dict[str, torch.Tensor], s
             parts = tuple({suffix: views[f"{tensor}.{i}.{suffix}"] for suffix in fmt.prequant.tensors(1, 1)}
                           for i in range(len(sources)))
             n, k = dense_shape(sources)
-            out[tensor] = gptq.PrequantLinear(fmt.prequant, parts, n, k, views["input_norm"].dtype, scratch)
+            out[tensor] = gptq.PrequantLinear(fmt.prequant, parts, n, k, dtype or views["input_norm"].dtype, scratch)
         elif f"{tensor}.q" in views:
             rows = dense_shape(packed_sources(cfg, tensor, sources))[0]
             out[tensor] = quant.PackedLinear(views[f"{tensor}.q"], views[f"{tensor}.sz"], rows, scratch)

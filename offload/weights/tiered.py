@@ -211,7 +211,8 @@ class TieredWeights:
                     self._upcast[key] = up  # (the same objects each step: the fused layer keeps its arguments)
             return up
         if (packed := self._packed.get(key)) is None:  # the same weight objects each step (the fused layer keeps
-            packed = self._packed[key] = weight_views(self.cfg, group, views, self.scratch, self.fmt)  # its args)
+            packed = self._packed[key] = weight_views(self.cfg, group, views, self.scratch, self.fmt,  # its args)
+                                                      self.dtype)
         return packed
 
     def _typed(self, group: str, buf: torch.Tensor) -> tuple[tuple[str, int], dict[str, torch.Tensor]]:
