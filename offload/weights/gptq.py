@@ -140,6 +140,17 @@ def dequantize(fmt: PrequantFormat, t: dict[str, torch.Tensor]) -> torch.Tensor:
     return w.to(scales.dtype).T
 
 
+def scales_zeros(fmt: PrequantFormat, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each weight's scale and zero of one linear's packed tensors, float32 [N, K]: W = (q - zero) * scale."""
+    if fmt.method == "gptq":
+        g = t["g_idx"].long()
+        zeros = _unpack_cols(t["qzeros"], fmt.bits) + fmt.zero_offset  # [G, N]
+        return t["scales"][g].float().T, zeros[g].float().T
+    zeros = _unpack_cols(t["qzeros"], fmt.bits, AWQ_ORDER)
+    rows = t["qweight"].shape[0] // zeros.shape[0]
+    return (t["scales"].repeat_interleave(rows, 0).float().T, zeros.repeat_interleave(rows, 0).float().T)
+
+
 @dataclass(frozen=True, slots=True)
 class PrequantLinear:
     """A fused matrix made of one or more GPTQ/AWQ linears (rows stacked: q, k, v), dequantized per use."""

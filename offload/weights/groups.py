@@ -21,7 +21,7 @@ copy; norms, biases and the embeddings stay in the compute dtype (`offload.weigh
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,8 @@ class WeightFormat:
     group_size: int = 64  # input columns per (scale, zero); must divide every packed matrix's input dim
     keep: tuple[str, ...] = ()  # matrices kept dense (names of LINEARS)
     prequant: gptq.PrequantFormat | None = None  # a GPTQ/AWQ checkpoint's format: its bytes are kept as they are
+    #: a GPTQ/AWQ checkpoint's format its matrices are read from (dequantized), to be packed anew in this one
+    source: gptq.PrequantFormat | None = field(default=None, compare=False)
 
     @property
     def bits(self) -> int:
@@ -90,7 +92,8 @@ class WeightFormat:
 
     @classmethod
     def from_config(cls, w: WeightsConfig, cfg: ModelConfig) -> WeightFormat:
-        """The run's format: the config's `weights:`, or the checkpoint's own quantization (then weights: none)."""
+        """The run's format: the config's `weights:`, or the checkpoint's own quantization (weights: none; a GPTQ /
+        AWQ one packed anew by int8 / int4, from its dequantized matrices: `reading.PrequantRows`)."""
         raw, method = cfg.raw.get("quantization_config"), quant_method(cfg.raw)
         if method in ("fp8", "compressed-tensors") or (method == "mxfp4" and cfg.impl == "transformers"):
             raw = None  # (read dense, `offload.model.fp8` / `compressed` / `mxfp4`: as a float checkpoint)
@@ -100,9 +103,9 @@ class WeightFormat:
             return cls(f"int{kept[0]}", kept[1], ("lm_head",))
         if pre is None:
             return cls(w.quantization, w.group_size, tuple(w.keep))
-        if w.quantization != "none":
-            raise ConfigError(f"weights.quantization: the checkpoint is already {pre.method}-quantized; Offload reads "
-                              "its packed weights as they are, so set weights.quantization: none")
+        if w.quantization != "none":  # its codes and scales kept where a group has one scale (at most its groups)
+            group = w.group_size if not pre.group_size or pre.group_size % w.group_size == 0 else pre.group_size
+            return cls(w.quantization, group, tuple(w.keep), source=pre)
         return cls(pre.method, pre.group_size, (), pre)
 
     def to_json(self) -> dict:

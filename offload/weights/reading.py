@@ -4,11 +4,13 @@ filled into a buffer (converted to the compute dtype, or packed a block of rows 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from offload.errors import CheckpointError
 from offload.model.checkpoint import Checkpoint
-from offload.weights import quant
+from offload.weights import gptq, quant
 from offload.weights.groups import (
     DENSE,
     Sources,
@@ -35,9 +37,12 @@ def fill_group(ckpt: Checkpoint, layout: GroupLayout, buf: torch.Tensor, fmt: We
                 ckpt.read_into(name, views[f"{tensor}.{part}"])
             continue
         if fmt.packs(ckpt.config, tensor):  # read a block of rows at a time as it is quantized
-            quant.quantize_into(CheckpointRows(ckpt, packed_sources(ckpt.config, tensor, sources)),
+            quant.quantize_into(matrix_rows(ckpt, packed_sources(ckpt.config, tensor, sources), fmt),
                                 fmt.tensor_bits(tensor), fmt.group_size,
                                 views[f"{tensor}.q"], views[f"{tensor}.sz"])
+            continue
+        if fmt.source is not None and prequantized(ckpt, sources, fmt):  # kept dense: dequantized
+            views[tensor].copy_(PrequantRows(ckpt, sources, fmt.source)[0 : dense_shape(sources)[0]])
             continue
         if len(sources) == 1:  # (a scalar has no rows: Apertus's activation parameters)
             ckpt.read_into(sources[0][0], views[tensor])
@@ -59,12 +64,8 @@ class CheckpointRows:
     def __getitem__(self, rows: slice) -> torch.Tensor:
         r0, r1, _ = rows.indices(self.shape[0])
         out = torch.empty(max(r1 - r0, 0), *self.shape[1:], dtype=torch.float32)
-        top = 0  # the first row of each source in the fused matrix
-        for short, shape in self.sources:
-            a, b = max(r0, top), min(r1, top + shape[0])
-            if a < b:
-                self.ckpt.read_rows_into(short, shape, a - top, out[a - r0 : b - r0])
-            top += shape[0]
+        for short, a, b, at in in_sources(self.sources, r0, r1):
+            self.ckpt.read_rows_into(short, dict(self.sources)[short], a, out[at : at + b - a])
         return out
 
     def grid(self, r0: int, r1: int, group: int, bits: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -81,6 +82,76 @@ class CheckpointRows:
         return (step, base) if found else None
 
 
+def in_sources(sources: Sources, r0: int, r1: int) -> Iterator[tuple[str, int, int, int]]:
+    """Rows r0 .. r1 of a fused matrix by source: (its name, its rows a .. b, where they start in the slice)."""
+    top = 0  # the first row of each source in the fused matrix
+    for short, shape in sources:
+        a, b = max(r0, top), min(r1, top + shape[0])
+        if a < b:
+            yield short, a - top, b - top, a - r0
+        top += shape[0]
+
+
+def prequantized(ckpt: Checkpoint, sources: Sources, fmt: WeightFormat) -> bool:
+    """Are these sources a GPTQ/AWQ checkpoint's packed linears (`fmt.source`): a `.qweight` for each weight?"""
+    return fmt.source is not None and all(
+        ckpt.name(short.removesuffix(".weight") + ".qweight") in ckpt.entries for short, _ in sources)
+
+
+def matrix_rows(ckpt: Checkpoint, sources: Sources, fmt: WeightFormat) -> CheckpointRows | PrequantRows:
+    """What `quant.quantize_into` reads a matrix from: the checkpoint's rows, or a GPTQ/AWQ one's dequantized."""
+    if prequantized(ckpt, sources, fmt):
+        return PrequantRows(ckpt, sources, fmt.source)
+    return CheckpointRows(ckpt, sources)
+
+
+class PrequantRows:
+    """A fused matrix of GPTQ/AWQ linears (`Sources`) read as float32 rows when sliced, dequantized as the format's
+    reference kernel does (`gptq.dequantize`, the sliced rows' packed columns), one linear's packed tensors held at a
+    time; and the integer grid each group of its rows lies on (`grid`): what `quant.quantize_into` packs anew, each
+    group with one scale keeping the checkpoint's codes and scale."""
+
+    def __init__(self, ckpt: Checkpoint, sources: Sources, pre: gptq.PrequantFormat) -> None:
+        self.ckpt, self.sources, self.pre, self.shape = ckpt, sources, pre, dense_shape(sources)
+        self._held: tuple[str, dict[str, torch.Tensor]] | None = None
+
+    def _parts(self, short: str, a: int, b: int) -> dict[str, torch.Tensor]:
+        """Rows a .. b of one linear [n, k] (multiples of 32 / bits: whole int32 words): its packed tensors' slices."""
+        n, k = dict(self.sources)[short]
+        if self._held is None or self._held[0] != short:
+            base, parts = short.removesuffix(".weight"), {}
+            for suffix, (dtype, shape) in self.pre.tensors(n, k).items():
+                parts[suffix] = torch.empty(shape, dtype=DTYPES[dtype])
+                self.ckpt.read_into(f"{base}.{suffix}", parts[suffix])
+            self._held = (short, parts)
+        t, f = self._held[1], self.pre.per_int
+        sliced = {"scales": t["scales"][:, a:b], "qzeros": t["qzeros"][:, a // f : -(-b // f)]}
+        sliced["qweight"] = t["qweight"][:, a:b] if self.pre.method == "gptq" else t["qweight"][:, a // f : -(-b // f)]
+        return sliced | ({"g_idx": t["g_idx"]} if "g_idx" in t else {})
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        r0, r1, _ = rows.indices(self.shape[0])
+        out = torch.empty(max(r1 - r0, 0), self.shape[1], dtype=torch.float32)
+        for short, a, b, at in in_sources(self.sources, r0, r1):
+            out[at : at + b - a] = gptq.dequantize(self.pre, self._parts(short, a, b))
+        return out
+
+    def grid(self, r0: int, r1: int, group: int, bits: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(step, bottom) [r1 - r0, K / group] of each group whose columns share one (scale, zero): its values are
+        bottom + step * (0 .. 2^b - 1); NaN for the others (act-order maps); None where b > `bits`."""
+        if self.pre.bits > bits:
+            return None
+        step = torch.full((r1 - r0, self.shape[1] // group), float("nan"))
+        base = step.clone()
+        for short, a, b, at in in_sources(self.sources, r0, r1):
+            s, z = gptq.scales_zeros(self.pre, self._parts(short, a, b))  # [rows, K] float32
+            s, bottom = s.view(b - a, -1, group), (-z * s).view(b - a, -1, group)
+            one = (s == s[..., :1]).all(-1) & (bottom == bottom[..., :1]).all(-1)
+            step[at : at + b - a] = torch.where(one, s[..., 0], float("nan"))
+            base[at : at + b - a] = torch.where(one, bottom[..., 0], float("nan"))
+        return step, base
+
+
 def check_tensors(ckpt: Checkpoint, fmt: WeightFormat) -> None:
     """Every tensor a conversion will read exists with its shape and dtype: checked before anything is written."""
     cfg = ckpt.config
@@ -92,13 +163,15 @@ def check_tensors(ckpt: Checkpoint, fmt: WeightFormat) -> None:
     _check_routing(ckpt, stacked)
     for group in group_names(cfg, fmt):
         for tensor, sources in group_sources(cfg, group, stacked):
-            if fmt.prequant is not None and fmt.packs(cfg, tensor):
+            pre = fmt.prequant if fmt.prequant is not None and fmt.packs(cfg, tensor) else (
+                fmt.source if prequantized(ckpt, sources, fmt) else None)
+            if pre is not None:
                 for short, (n, k) in sources:
-                    fmt.prequant.check_shape(f"{ckpt.path}: {ckpt.name(short)}", n, k)
-                for _, name, dtype, shape in prequant_sources(sources, fmt.prequant):
+                    pre.check_shape(f"{ckpt.path}: {ckpt.name(short)}", n, k)
+                for _, name, dtype, shape in prequant_sources(sources, pre):
                     if ckpt.entry(name, shape, DTYPES[dtype]).dtype != DTYPES[dtype]:
                         raise CheckpointError(f"{ckpt.path}: {ckpt.name(name)} is not {dtype}, as the "
-                                              f"{fmt.prequant.method} format stores it; the checkpoint is not one")
+                                              f"{pre.method} format stores it; the checkpoint is not one")
             else:
                 for short, shape in sources:
                     ckpt.entry(short, shape)

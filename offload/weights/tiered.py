@@ -58,6 +58,11 @@ class TieredWeights:
         self.engine = make_engine(device)  # the run's one transfer engine: weights and cold KV blocks
         self.fmt = WeightFormat.from_config(config.weights, ckpt.config)
         self.fmt.check(ckpt.config)
+        if self.fmt.prequant is not None and device.type == "cpu":
+            log.warning("the checkpoint's %s packing is dequantized into a dense copy every pass, slow on a CPU "
+                        "(SmolLM2-135M: 1.3 tokens/s); weights.quantization: int4 (--weights int4) keeps its codes "
+                        "and scales in Offload's int4, multiplied as they lie (100-150 tokens/s)",
+                        self.fmt.prequant.method)
         self.layouts = model_layouts(ckpt.config, dtype, self.fmt, layers)
         self._views: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (group, address) -> its typed views
         self._upcast: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # the same, at the compute dtype
