@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from offload.cli.auto import cpu_packing
 from offload.config import OffloadConfig
 from offload.errors import CheckpointError
 from offload.model.checkpoint import Checkpoint
@@ -285,3 +286,12 @@ def _unpack_codes(fmt: gptq.PrequantFormat, t: dict[str, torch.Tensor]) -> torch
         q[..., list(gptq.AWQ_ORDER)] = nib
         q = q.reshape(qw.shape[0], -1).T
     return torch.from_numpy(q.astype(np.float32))
+
+
+def test_chat_auto_on_a_machine_without_a_gpu_runs_gptq_as_int4(prequantized, float_model):
+    """`offload chat --auto`'s first start on a CPU: a GPTQ / AWQ checkpoint's YAML says int4 (int8 for act-order
+    groups or 8-bit codes), where its own packing ran at 1.3 tokens/s; a float checkpoint's says nothing."""
+    got = {case: cpu_packing(str(prequantized(case))) for case in ("gptq4-g32", "awq4-g32", "gptq4-g32-act-order",
+                                                                    "gptq8-g64-v2")}
+    assert got == {"gptq4-g32": "int4", "awq4-g32": "int4", "gptq4-g32-act-order": "int8", "gptq8-g64-v2": "int8"}
+    assert cpu_packing(str(float_model)) is None
