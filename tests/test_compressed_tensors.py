@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from offload import Runner
+from offload.cli.main import main
 from offload.errors import CheckpointError
 from offload.model.checkpoint import Checkpoint
 from offload.weights import quant
@@ -246,3 +247,12 @@ def test_chat_auto_packs_a_checkpoint_of_small_groups_in_its_groups(tmp_path):
     compressed_checkpoint(tmp_path / "fp8", "llama", "fp8-channel")
     assert [packed(str(tmp_path / "int4"), q).group_size for q in ("int4", "int8")] == [32, 32]
     assert packed(str(tmp_path / "fp8"), "int4").group_size == 64
+
+
+def test_offload_convert_keeps_the_codes_as_a_run_does(tmp_path):
+    """`offload convert` (its --weights none) of an int4 checkpoint writes the int4 store a run reads, not a dense
+    one 2-4x its size (it built its format from the flags alone)."""
+    compressed_checkpoint(tmp_path / "model", "llama", "w4a16-g32")
+    assert main(["convert", str(tmp_path / "model"), str(tmp_path / "store"), "--dtype", "float32"]) == 0
+    meta = json.loads((tmp_path / "store" / "manifest.json").read_text())["meta"]["weights"]
+    assert (meta["quantization"], meta["group_size"], meta["keep"]) == ("int4", 32, ["lm_head"])

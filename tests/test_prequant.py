@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from offload.cli.auto import cpu_packing
+from offload.cli.main import main
 from offload.config import OffloadConfig
 from offload.errors import CheckpointError
 from offload.model.checkpoint import Checkpoint
@@ -295,3 +296,23 @@ def test_chat_auto_on_a_machine_without_a_gpu_runs_gptq_as_int4(prequantized, fl
                                                                     "gptq8-g64-v2")}
     assert got == {"gptq4-g32": "int4", "awq4-g32": "int4", "gptq4-g32-act-order": "int8", "gptq8-g64-v2": "int8"}
     assert cpu_packing(str(float_model)) is None
+
+
+@pytest.mark.parametrize("weights", ["none", "int4"])
+def test_offload_convert_writes_the_store_a_run_reads(prequantized, tmp_path, weights):
+    """`offload convert` of a GPTQ checkpoint (refused before: "tensor ...q_proj.weight is missing", while stale-store
+    errors told users to run it): its own packing, or int4 of its codes; a run on that store streams the tokens of
+    the resident run."""
+    path, store = prequantized("gptq4-g32"), tmp_path / "store"
+    assert main(["convert", str(path), str(store), "--dtype", "float32", "--weights", weights]) == 0
+    meta = json.loads((store / "manifest.json").read_text())["meta"]["weights"]
+    assert meta["quantization"] == {"none": "gptq", "int4": "int4"}[weights]
+    config = run_config(path, weights={"quantization": weights})
+    with Runner.from_config(config) as r:
+        want = [g.token_ids for g in r.generate(PROMPTS, max_new_tokens=6, stop_on_eos=False)]
+    streamed = config | {"tiers": {"gpu": {"capacity": "1500KiB"}, "cpu": {"capacity": "100KiB"},
+                                   "disk": {"path": str(store)}}, "prefetch": {"depth": 1},
+                         "kv_cache": {"gpu_blocks": 8}, "activations": {"prefill_chunk": 16}}
+    with Runner.from_config(streamed) as r:
+        assert "disk" in r.plan.homes.values() and r.target.weights.store.built is False
+        assert [g.token_ids for g in r.generate(PROMPTS, max_new_tokens=6, stop_on_eos=False)] == want

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from offload.config import WeightsConfig
 from offload.model import hub
 from offload.model.checkpoint import Checkpoint
 from offload.runtime.device import resolve_dtype
@@ -38,7 +39,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     ckpt = Checkpoint(hub.fetch(args.checkpoint) if hub.is_hub_id(args.checkpoint) else Path(args.checkpoint),
                       args.model_impl)
     dtype = resolve_dtype(args.dtype, ckpt.config.torch_dtype)
-    fmt = WeightFormat(args.weights, args.group_size, tuple(args.keep))
+    # (a GPTQ / AWQ checkpoint's own packing, an int4 / int8 compressed-tensors one's codes: as a run reads them)
+    fmt = WeightFormat.from_config(WeightsConfig(args.weights, args.group_size, tuple(args.keep)), ckpt.config)
     store = convert(ckpt, args.store, dtype, force=args.force, progress=True, fmt=fmt)
     scheme = "" if fmt.quantization == "none" else f", weights {fmt.quantization} g{fmt.group_size}"
     print(f"wrote {store.path}: {len(store.groups)} groups, {fmt_bytes(store.total_bytes, 'GiB')} "
