@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from offload import Runner
+from offload.cli.auto import packed
 from offload.cli.main import main
 from offload.errors import CheckpointError
 from offload.model.checkpoint import Checkpoint
@@ -241,8 +242,6 @@ def test_a_checkpoint_leaving_a_decoder_matrix_float_is_read_dense(tmp_path, lis
 def test_chat_auto_packs_a_checkpoint_of_small_groups_in_its_groups(tmp_path):
     """`offload chat --auto --weights int4 | int8` on an int4 checkpoint of 32 columns a group: groups of 32, where
     the default 64 would quantize every group anew; a larger group size (int4 of FP8) keeps the default."""
-    from offload.cli.auto import packed
-
     compressed_checkpoint(tmp_path / "int4", "llama", "w4a16-g32")
     compressed_checkpoint(tmp_path / "fp8", "llama", "fp8-channel")
     assert [packed(str(tmp_path / "int4"), q).group_size for q in ("int4", "int8")] == [32, 32]
