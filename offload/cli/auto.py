@@ -43,6 +43,7 @@ from offload.plan.planner import Planner, resolve_capacities
 from offload.runtime.device import resolve_dtype
 from offload.runtime.overhead import engine_overhead_s
 from offload.runtime.precompile import compile_kernels
+from offload.weights import gptq
 from offload.weights.convert import convert, open_tier_store
 from offload.weights.groups import WeightFormat
 from storage.store import StoreState
@@ -121,8 +122,7 @@ def _name(model: str) -> str:
 def packed(model: str, quantization: str) -> WeightFormat:
     """The packed format for this model: the default group size (64), or the largest that divides every matrix
     (an int4 / int8 checkpoint of smaller groups: at most its own, so its values stay: `compressed.kept_format`)."""
-    directory = hub.fetch(model, weights=False) if hub.is_hub_id(model) else Path(model)
-    raw = json.loads((directory / "config.json").read_text())
+    directory, raw = _config_json(model)
     fmt = WeightFormat(quantization)
     if (kept := compressed.kept_format(raw)) is not None and kept[0] <= fmt.bits:
         fmt = dataclasses.replace(fmt, group_size=min(fmt.group_size, kept[1]))
@@ -138,12 +138,17 @@ def cpu_packing(model: str) -> str | None:
     """The format a GPTQ / AWQ checkpoint runs in on a machine without a GPU: its own packing is dequantized into a
     dense copy every pass (SmolLM2-135M: 1.3 tokens/s here), int4 keeps its codes and scales (153; int8 for 8-bit
     codes or act-order groups, which int4 would quantize again); None for any other checkpoint."""
-    directory = hub.fetch(model, weights=False) if hub.is_hub_id(model) else Path(model)
-    raw = json.loads((directory / "config.json").read_text())
-    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
-    if quant_method(raw) not in ("gptq", "awq") or not isinstance(qc, dict):
+    directory, raw = _config_json(model)
+    if quant_method(raw) not in ("gptq", "awq"):
         return None
-    return "int8" if qc.get("desc_act") or qc.get("bits", qc.get("w_bit")) == 8 else "int4"
+    pre = gptq.parse_quantization_config(raw["quantization_config"], str(directory / "config.json"))
+    return "int8" if pre.act_order or pre.bits == 8 else "int4"
+
+
+def _config_json(model: str) -> tuple[Path, dict]:
+    """A model's directory (a Hub model's: its config.json alone fetched) and its config.json."""
+    directory = hub.fetch(model, weights=False) if hub.is_hub_id(model) else Path(model)
+    return directory, json.loads((directory / "config.json").read_text())
 
 
 def _ensure_store(disk: DiskTierConfig, ckpt: Checkpoint, dtype: torch.dtype, fmt: WeightFormat, root: Path) -> None:

@@ -72,13 +72,10 @@ class CheckpointRows:
         """The integer grid rows r0 .. r1 lie on, by groups of `group` columns (`Checkpoint.grid_rows`: a
         compressed-tensors checkpoint's int4 / int8 matrices), NaN where they lie on none; None for all of them."""
         step = torch.full((r1 - r0, self.shape[1] // group), float("nan"))
-        base, top, found = step.clone(), 0, False
-        for short, shape in self.sources:
-            a, b = max(r0, top), min(r1, top + shape[0])
-            on = self.ckpt.grid_rows(short, a - top, b - a, group, bits) if a < b else None
-            if on is not None:
-                step[a - r0 : b - r0], base[a - r0 : b - r0], found = on[0], on[1], True
-            top += shape[0]
+        base, found = step.clone(), False
+        for short, a, b, at in in_sources(self.sources, r0, r1):
+            if (on := self.ckpt.grid_rows(short, a, b - a, group, bits)) is not None:
+                step[at : at + b - a], base[at : at + b - a], found = on[0], on[1], True
         return (step, base) if found else None
 
 
