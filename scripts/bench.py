@@ -308,7 +308,8 @@ def predict_rows(rows: list[dict], model: Path, common: dict, tiers: dict, prof:
     from offload.plan.planner import Planner
     from offload.plan.predict import Workload, predict_decode
 
-    cal = calibrate(torch.device("cpu"), torch.bfloat16, out)
+    packed = sorted({r["weights"] for r in rows} - {"none"})  # only the formats measured: each is timed twice
+    cal = calibrate(torch.device("cpu"), torch.bfloat16, out, packed=packed)
     path = out / "calibration.json"  # the planner's too: its packed layers' compute bytes scale by this machine's
     cal.save(path)  # int8 / int4 rates (without it, the planner's own file or defaults: the medium int4 row +111%)
     cfg = Checkpoint(model).config

@@ -85,7 +85,9 @@ def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int,
     SPLIT_TOKENS) two shapes (`shape`: REFERENCE unless RAM is short; SMALL) give two times t = overhead + bytes /
     rate, solved for both (a rate alone where timing noise makes the overhead come out negative); past them,
     where a pass's work grows with its tokens and attention, the large layer's rate alone. With `cold_bytes` (a
-    CPU), the large layer is also timed through distinct copies of about that many bytes in all: the cold rate.
+    CPU), the large layer is also timed through distinct copies of about that many bytes in all: the cold rate (up
+    to SPLIT_TOKENS; past them every byte read feeds as many rows, the products bound a pass, and the cold rate is
+    the cached one: timing it again took two thirds of a calibration's 14 s a table).
     The bytes are a layer's dense bytes at `dtype` whatever the format, so a packed format's table says how fast
     its kernels go through the same matrices (the planner's `compute_sizes` are dense bytes)."""
     big_bytes, big, cold = _layer_seconds(shape, device, dtype, tokens, context, compute or dtype, quantization,
@@ -278,7 +280,8 @@ def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dty
         kv = PagedKVCache(planes, 16, batch * blocks_for(context + per_seq, 16), compute, device)
         sids = [kv.add_sequence() for _ in range(batch)]
         kv.prepare(sids, [context] * batch)
-        for which, times in ((run, hot), (cold_run, cold)) if cold is not None else ((run, hot),):
+        timed = ((run, hot), (cold_run, cold)) if cold is not None and n <= SPLIT_TOKENS else ((run, hot),)
+        for which, times in timed:
             seen: list[float] = []
             start = time.perf_counter()
             while len(seen) < 5 or (len(seen) < MAX_RUNS and time.perf_counter() - start < TYPICAL_S):
@@ -299,4 +302,6 @@ def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dty
                     torch.cuda.synchronize(device)
                 seen.append(time.perf_counter() - t0)
             times.append(sorted(seen)[len(seen) // 2])
+        if cold is not None and n > SPLIT_TOKENS:  # many rows a pass: the products bound it, not where the bytes
+            cold.append(hot[-1])  # come from (the Xeon's REFERENCE layer, bf16: 64 tokens 12.6 ms cold, 12.4 hot)
     return group_layout(cfg, "layer.0", dtype).nbytes, hot, cold
