@@ -91,22 +91,31 @@ class Matrix:
         codes' bits); NaN where a group spans two scales. None for FP8 codes, or more levels than `bits` have."""
         if self.code_dtype == torch.float8_e4m3fn or self.bits > bits or self.shape[1] % group:
             return None
-        step, zero = self._scales(read, row, n)
+        b1, k = self.block[1], self.shape[1]
+        whole = self.g_idx is None and (group % b1 == 0 or b1 % group == 0)  # by scale columns, not K of them
+        step, zero = self._scales(read, row, n, columns=not whole)
         base = -float(1 << (self.bits - 1)) - (zero if zero is not None else 0)
-        step, base = step.view(n, -1, group), (base * step).view(n, -1, group)
+        base = base * step
+        per = group // b1 if whole and group % b1 == 0 else group  # a group's columns of `step`
+        if whole and b1 > group:  # a scale column over several groups: one for each
+            step, base = (t.repeat_interleave(b1 // group, 1)[:, : k // group] for t in (step, base))
+            per = 1
+        step, base = step.reshape(n, -1, per), base.reshape(n, -1, per)
         one = (step == step[..., :1]).all(-1) & (base == base[..., :1]).all(-1)
         nan = torch.tensor(float("nan"))
         return torch.where(one, step[..., 0], nan), torch.where(one, base[..., 0], nan)
 
-    def _scales(self, read: Reader, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The scale and zero point (None: symmetric) of each weight of rows row .. row + n, float32 [n, K]."""
+    def _scales(self, read: Reader, row: int, n: int, columns: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scale and zero point (None: symmetric) of each weight of rows row .. row + n, float32 [n, K] (without
+        `columns`: of each of their scale columns, [n, G])."""
         b0 = self.block[0]
         first, last = row // b0, (row + n - 1) // b0
-        cols = self._columns(read)
+        cols = self._columns(read) if columns else None
         s = torch.empty((last - first + 1, self.grid[1]), dtype=torch.float32)
         read(self.scale, self.grid, first, s)
-        z = None if self.zero is None else self._spread(self._zeros(read, first, last), row - first * b0, n, cols)
-        return self._spread(s, row - first * b0, n, cols), z
+        z = None if self.zero is None else \
+            self._spread(self._zeros(read, first, last), row - first * b0, n, cols, columns)
+        return self._spread(s, row - first * b0, n, cols, columns), z
 
     def _columns(self, read: Reader) -> torch.Tensor | None:
         """Each column's group (`X.weight_g_idx`), None where groups are consecutive columns."""
@@ -132,11 +141,14 @@ class Matrix:
         z = unpack(words.T.contiguous(), self.bits, words.shape[0] * per).T
         return z[first - w0 * per : last - w0 * per + 1].float()
 
-    def _spread(self, t: torch.Tensor, skip: int, n: int, cols: torch.Tensor | None) -> torch.Tensor:
+    def _spread(self, t: torch.Tensor, skip: int, n: int, cols: torch.Tensor | None, columns: bool = True) \
+            -> torch.Tensor:
         """A scale's (zero point's) rows [rows, G] over the n rows read (the first `skip` of its block before them)
-        and their K columns."""
+        and, with `columns`, their K columns."""
         b0, b1 = self.block
         t = t.repeat_interleave(b0, 0)[skip : skip + n] if b0 > 1 else t
+        if not columns:
+            return t
         return t[:, cols.long()] if cols is not None else t.repeat_interleave(b1, 1)[:, : self.shape[1]]
 
 

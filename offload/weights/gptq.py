@@ -151,6 +151,23 @@ def scales_zeros(fmt: PrequantFormat, t: dict[str, torch.Tensor]) -> tuple[torch
     return (t["scales"].repeat_interleave(rows, 0).float().T, zeros.repeat_interleave(rows, 0).float().T)
 
 
+def group_scales(fmt: PrequantFormat, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """Each group's scale and zero of one linear's packed tensors, float32 [N, G], and the input columns a group
+    covers, where its groups are consecutive columns (None for an act-order map: `scales_zeros` spreads them)."""
+    k = t["qweight"].shape[0] * (32 // fmt.bits if fmt.method == "gptq" else 1)
+    groups = t["scales"].shape[0]
+    if k % groups:
+        return None
+    cols = k // groups
+    if fmt.method == "gptq":
+        if not torch.equal(t["g_idx"].long(), torch.arange(k) // cols):
+            return None
+        zeros = _unpack_cols(t["qzeros"], fmt.bits) + fmt.zero_offset
+    else:
+        zeros = _unpack_cols(t["qzeros"], fmt.bits, AWQ_ORDER)
+    return t["scales"].float().T, zeros.float().T, cols
+
+
 @dataclass(frozen=True, slots=True)
 class PrequantLinear:
     """A fused matrix made of one or more GPTQ/AWQ linears (rows stacked: q, k, v), dequantized per use."""

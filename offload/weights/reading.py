@@ -141,8 +141,16 @@ class PrequantRows:
         step = torch.full((r1 - r0, self.shape[1] // group), float("nan"))
         base = step.clone()
         for short, a, b, at in in_sources(self.sources, r0, r1):
-            s, z = gptq.scales_zeros(self.pre, self._parts(short, a, b))  # [rows, K] float32
-            s, bottom = s.view(b - a, -1, group), (-z * s).view(b - a, -1, group)
+            parts, per = self._parts(short, a, b), group
+            by_group = gptq.group_scales(self.pre, parts)  # [rows, G]: consecutive columns
+            if by_group is not None and (group % by_group[2] == 0 or by_group[2] % group == 0):
+                s, z, cols = by_group
+                if cols > group:  # one scale over several of the quantizer's groups
+                    s, z = (t.repeat_interleave(cols // group, 1)[:, : self.shape[1] // group] for t in (s, z))
+                per = max(group // cols, 1)
+            else:
+                s, z = gptq.scales_zeros(self.pre, parts)  # [rows, K] float32
+            s, bottom = s.reshape(b - a, -1, per), (-z * s).reshape(b - a, -1, per)
             one = (s == s[..., :1]).all(-1) & (bottom == bottom[..., :1]).all(-1)
             step[at : at + b - a] = torch.where(one, s[..., 0], float("nan"))
             base[at : at + b - a] = torch.where(one, bottom[..., 0], float("nan"))
