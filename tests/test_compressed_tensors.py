@@ -239,13 +239,23 @@ def test_a_checkpoint_leaving_a_decoder_matrix_float_is_read_dense(tmp_path, lis
     assert (tokens, fmt) == (ref, ("none", 64))
 
 
-def test_chat_auto_packs_a_checkpoint_of_small_groups_in_its_groups(tmp_path):
-    """`offload chat --auto --weights int4 | int8` on an int4 checkpoint of 32 columns a group: groups of 32, where
-    the default 64 would quantize every group anew; a larger group size (int4 of FP8) keeps the default."""
-    compressed_checkpoint(tmp_path / "int4", "llama", "w4a16-g32")
-    compressed_checkpoint(tmp_path / "fp8", "llama", "fp8-channel")
+def test_a_checkpoint_of_small_groups_packs_in_its_groups(tmp_path):
+    """`weights.quantization: int4 | int8` of group size 64 (a YAML's, `offload chat --auto --weights`'s) on an int4
+    checkpoint of 32 columns a group: groups of 32, its codes kept (the int4 run's tokens are the `none` run's, which
+    stores the checkpoint's codes), where 64 would quantize every group anew; a checkpoint whose codes have more
+    levels (int4 of int8 codes) or none (FP8) keeps the asked group size."""
+    for name, case in (("int4", "w4a16-g32"), ("int8", "w8a16-g64"), ("fp8", "fp8-channel")):
+        compressed_checkpoint(tmp_path / name, "llama", case)
     assert [packed(str(tmp_path / "int4"), q).group_size for q in ("int4", "int8")] == [32, 32]
-    assert packed(str(tmp_path / "fp8"), "int4").group_size == 64
+    assert packed(str(tmp_path / "fp8"), "int4").group_size == packed(str(tmp_path / "int8"), "int4").group_size == 64
+    none, _, _, kept = greedy(run_config(tmp_path / "int4"))
+    assert kept == ("int4", 32)
+    for q, group in (("int4", 32), ("int8", 32)):
+        w = {"quantization": q, "group_size": 64, "keep": ["lm_head"]}  # (`none` leaves the head as it is: dense)
+        tokens, _, _, fmt = greedy(run_config(tmp_path / "int4", weights=w))
+        assert fmt == (q, group)
+        assert q != "int4" or tokens == none
+    assert greedy(run_config(tmp_path / "int8", weights={"quantization": "int4", "group_size": 64}))[3] == ("int4", 64)
 
 
 def test_offload_convert_keeps_the_codes_as_a_run_does(tmp_path):

@@ -45,7 +45,7 @@ from offload.runtime.overhead import engine_overhead_s
 from offload.runtime.precompile import compile_kernels
 from offload.weights import gptq
 from offload.weights.convert import convert, open_tier_store
-from offload.weights.groups import WeightFormat
+from offload.weights.groups import WeightFormat, kept_group
 from storage.store import StoreState
 
 WEIGHT_SCHEMES = ("int8", "int4")
@@ -125,7 +125,7 @@ def packed(model: str, quantization: str) -> WeightFormat:
     directory, raw = _config_json(model)
     fmt = WeightFormat(quantization)
     if (kept := compressed.kept_format(raw)) is not None and kept[0] <= fmt.bits:
-        fmt = dataclasses.replace(fmt, group_size=min(fmt.group_size, kept[1]))
+        fmt = dataclasses.replace(fmt, group_size=kept_group(fmt.group_size, kept[1]))
     if resolve_impl("auto", raw) == "native":
         return fmt.fitted(ModelConfig.from_dict(raw, str(directory / "config.json")))
     try:  # a model transformers runs: its matrices are its tensors, whose shapes the safetensors headers give

@@ -98,14 +98,15 @@ class WeightFormat:
         if method in ("fp8", "compressed-tensors") or (method == "mxfp4" and cfg.impl == "transformers"):
             raw = None  # (read dense, `offload.model.fp8` / `compressed` / `mxfp4`: as a float checkpoint)
         pre = gptq.parse_quantization_config(raw, "config.json")
-        kept = compressed.kept_format(cfg.raw) if w.quantization == "none" and cfg.codes_kept else None
-        if kept is not None:  # an int4 / int8 compressed-tensors checkpoint stays int4 / int8, the same values
-            return cls(f"int{kept[0]}", kept[1], ("lm_head",))
+        kept = compressed.kept_format(cfg.raw) if cfg.codes_kept else None
+        if kept is not None and w.quantization == "none":  # an int4 / int8 compressed-tensors checkpoint stays
+            return cls(f"int{kept[0]}", kept[1], ("lm_head",))  # int4 / int8, the same values
+        if kept is not None and kept[0] <= cls(w.quantization).bits:  # its codes kept: groups at most its own
+            return cls(w.quantization, kept_group(w.group_size, kept[1]), tuple(w.keep))
         if pre is None:
             return cls(w.quantization, w.group_size, tuple(w.keep))
         if w.quantization != "none":  # its codes and scales kept where a group has one scale (at most its groups)
-            group = w.group_size if not pre.group_size or pre.group_size % w.group_size == 0 else pre.group_size
-            return cls(w.quantization, group, tuple(w.keep), source=pre)
+            return cls(w.quantization, kept_group(w.group_size, pre.group_size), tuple(w.keep), source=pre)
         return cls(pre.method, pre.group_size, (), pre)
 
     def to_json(self) -> dict:
@@ -156,6 +157,12 @@ class WeightFormat:
 DENSE = WeightFormat()
 #: group sizes tried, largest first, when one must be chosen to fit
 GROUP_SIZES = (256, 128, 64, 32, 16, 8, 4, 2)
+
+
+def kept_group(asked: int, checkpoint: int) -> int:
+    """The group size that keeps a quantized checkpoint's codes and scales (groups of `checkpoint` columns; 0: one
+    over a whole row): `asked` where it divides them, else the checkpoint's own."""
+    return asked if not checkpoint or checkpoint % asked == 0 else checkpoint
 
 
 def expert_groups(cfg: ModelConfig, layer: int) -> list[str]:
