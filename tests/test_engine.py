@@ -93,3 +93,17 @@ def test_greedy_sampling_takes_torch_argmax_first_maximum_and_nan():
     rows[3] = float("-inf")
     assert sample(rows, 0.0, 1.0, 0, [None] * 4) == rows.argmax(-1).tolist() == [int(rows[0].argmax()), 7, 20, 0]
     assert sample(rows.to(torch.bfloat16), 0.0, 1.0, 0, [None] * 4)[1:] == [7, 20, 0]
+
+
+def test_generate_runs_its_prompts_together_in_a_pool_sized_for_them(tiny_llama):
+    """`Runner.generate` of several prompts without a planned KV pool sizes one for them all and the engine's
+    admission rule (each running output's newest block beside a prefill pass's): they run in the same passes, each
+    with its own tokens alone (a pool of their blocks alone had the second wait for the first to finish)."""
+    with Runner.from_config(run_config(tiny_llama)) as r:
+        seen = []
+        original = r.target.forward
+        r.target.forward = lambda batch, **kw: (seen.append(len(batch.sids)), original(batch, **kw))[1]
+        together = [x.token_ids for x in r.generate(PROMPTS, max_new_tokens=6, stop_on_eos=False)]
+        del r.target.forward
+        assert max(seen) == len(PROMPTS) and len(seen) < 2 * 6
+        assert together == [alone(r, p, 6) for p in PROMPTS]

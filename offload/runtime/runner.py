@@ -33,6 +33,7 @@ from offload.model.chat import GenerationDefaults
 from offload.model.checkpoint import Checkpoint
 from offload.model.tokenizer import TextTokenizer
 from offload.plan.calibrate import load_calibration
+from offload.plan.passes import pass_blocks
 from offload.plan.planner import run_capacities
 from offload.plan.speculative import reserve_draft, streaming_note, verify_cost, without_draft
 from offload.runtime.conversation import Conversation
@@ -308,8 +309,14 @@ class Runner:
             return
         bs = self.kv_settings.block_size
         need = sum(blocks_needed(len(r.prompt), r.sampling, bs) for r in requests)
+        chain = self.speculator.most_tokens + 1 if self.speculator is not None else 0
         if self.speculator is not None and self.config.speculative.tree:  # room for every output's branches
-            need += tree_blocks(sum(r.sampling.n for r in requests), row_blocks(self.speculator.most_tokens + 1, bs))
+            need += tree_blocks(sum(r.sampling.n for r in requests), row_blocks(chain, bs))
+        if len(requests) > 1:  # and for the engine's admission rule, so that they all run together: each running
+            # output pins its newest device block(s) beside a prefill pass's (a pool of `need` alone ran two prompts
+            # one after the other; a first request is admitted without it)
+            rows = sum(r.sampling.n for r in requests)
+            need = max(need, rows * row_blocks(chain, bs) + pass_blocks(self.target.prefill_chunk, bs))
         self.ensure_kv(need)  # unless fixed
         engine = Engine(self, stats)
         if events is not None:
