@@ -18,6 +18,7 @@ import torch
 from offload import Runner
 from offload.cli.main import main
 from offload.errors import CheckpointError, ConfigError, StoreError
+from offload.hf import lockstep
 from offload.model.checkpoint import Checkpoint
 from offload.runtime.conversation import Conversation
 from offload.serve.background import BackgroundServer
@@ -150,6 +151,78 @@ def test_packed_blocks_stream_and_give_every_placement_the_same_tokens_near_the_
                                                            stop_on_eos=False)] == resident
     err = ((logits - want).norm() / want.norm()).item()
     assert err < (0.02 if scheme == "int8" else 0.2), err
+
+
+THREE = PROMPTS + [[7, 7, 1, 90, 64]]
+
+
+def _acquired(r: Runner) -> tuple[list[int], dict[str, int]]:
+    """Record the sequences of each pass and how often each group is acquired (the ring's reads of a streamed one)."""
+    ex, weights, passes, counts = r.target, r.target.weights, [], {}
+    forward, acquire = ex.forward, weights.acquire
+
+    def counted_forward(batch, hidden=None):
+        passes.append(len(batch.sids))
+        return forward(batch, hidden)
+
+    def counted(group):
+        counts[group] = counts.get(group, 0) + 1
+        return acquire(group)
+
+    ex.forward, weights.acquire = counted_forward, counted
+    return passes, counts
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phimoe"])
+def test_a_pass_of_several_sequences_reads_each_streamed_block_once(hf_models, family, tmp_path, monkeypatch):
+    """Each sequence runs its own forward (its own DynamicCache and length), in lockstep with the others block by
+    block (`offload.hf.lockstep`): a block's group is acquired once a pass, not once a sequence, and every prompt
+    gets transformers' own tokens; one after the other (no greenlet) reads each block once a sequence."""
+    path, _ = hf_models[family]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False
+                              )[0, len(p):].tolist() for p in THREE]
+    raw = run_config(path, tiers={"gpu": {"capacity": "600KiB"}, "cpu": {"capacity": "160KiB"},
+                                  "disk": {"path": str(tmp_path / "store")}}, prefetch={"depth": 1},
+                     kv_cache={"gpu_blocks": 12}, activations={"prefill_chunk": 4})
+    for together in (True, False):
+        if not together:
+            monkeypatch.setattr(lockstep.Lockstep, "available", staticmethod(lambda: False))
+        with Runner(raw) as r:
+            assert r.plan.streamed and "disk" in r.plan.homes.values()
+            passes, counts = _acquired(r)
+            got = [x.outputs[0].token_ids for x in r.generate(THREE, max_new_tokens=NEW, temperature=0,
+                                                              stop_on_eos=False)]
+        assert got == ref and max(passes) == 3
+        streamed = [g for g in r.plan.streamed if g.startswith("layer.")]
+        assert {counts[g] for g in streamed} == {len(passes) if together else sum(passes)}
+
+
+def test_a_sequence_failing_mid_pass_ends_the_pass_and_the_next_one_runs_clean(hf_models, tmp_path):
+    """An error in one sequence's forward (here at block 2 of the second sequence) throws every other one out
+    where it waits, raises the error, leaves no group bound; the next generate gets transformers' tokens."""
+    path, ref = hf_models["gemma2"]
+    raw = run_config(path, tiers={"gpu": {"capacity": "600KiB"}, "cpu": {"capacity": "160KiB"},
+                                  "disk": {"path": str(tmp_path / "store")}}, prefetch={"depth": 1},
+                     kv_cache={"gpu_blocks": 12}, activations={"prefill_chunk": 4})
+    with Runner(raw) as r:
+        tiered = r.target.model
+        fail = {"at": 1}
+
+        def boom(module, args):
+            steps = tiered.lockstep
+            if steps is not None and steps.index == fail["at"]:
+                fail["at"] = None
+                raise RuntimeError("injected")
+
+        handle = tiered.model.model.layers[2].register_forward_pre_hook(boom)
+        with pytest.raises(RuntimeError, match="injected"):
+            r.generate(PROMPTS, max_new_tokens=NEW, temperature=0, stop_on_eos=False)
+        handle.remove()
+        assert not any(b.held for b in tiered.bounds) and tiered.lockstep is None
+        assert [x.outputs[0].token_ids for x in r.generate(PROMPTS, max_new_tokens=NEW, temperature=0,
+                                                           stop_on_eos=False)] == ref
 
 
 def test_what_the_transformers_path_cannot_do_is_refused_in_one_sentence(hf_models):

@@ -14,9 +14,9 @@ int8 cold blocks: kv_cache.cpu_blocks/disk_blocks are taken as 0), speculative d
 Offload's batched tree attention) and pipeline stages. int8/int4 weights (`weights.quantization`) pack the
 blocks' matrices: they stream packed and are multiplied as they lie (a Linear's, the routed experts':
 `offload.hf.packed`) or dequantized module by module as they run; a GPTQ / AWQ checkpoint's are stored as they
-are and dequantized as their Linear runs. A pass runs its sequences one at a time (a ragged batch of
-DynamicCaches has no common shape), so with streamed weights a step of B sequences reads the streamed layers B
-times.
+are and dequantized as their Linear runs. A pass runs each sequence's own forward (a ragged batch of
+DynamicCaches has no common shape), the sequences in lockstep block by block (`offload.hf.lockstep`), so that a
+streamed block is read once a pass whatever the batch.
 """
 
 from __future__ import annotations
@@ -100,11 +100,13 @@ class HFExecutor(Executor):
         assert isinstance(kv, HFSequences), "call ensure_kv first"
         kv.prepare(list(batch.sids), batch.q_lens)  # the blocks and lengths the engine admits by
         share_cores(self.timeline)
-        out = []
         try:
-            for sid, tokens in zip(batch.sids, batch.tokens):
-                with self.timeline.range(f"offload/compute/sequence {sid}"):
-                    logits, kv.caches[sid] = self.model.run(torch.tensor(tokens), kv.caches.get(sid), batch.every)
+            with self.timeline.range(f"offload/compute/{len(batch.sids)} sequences"):
+                done = self.model.run_all([(torch.tensor(t), kv.caches.get(sid))
+                                           for sid, t in zip(batch.sids, batch.tokens)], batch.every)
+            out = []
+            for sid, (logits, cache) in zip(batch.sids, done):
+                kv.caches[sid] = cache
                 out.append(logits)
         except BaseException:
             self.weights.abort_pass()

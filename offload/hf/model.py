@@ -26,7 +26,9 @@ transformers' module tree and the group names of `offload.model.generic`; not ti
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, cache_u
 
 from offload.errors import CheckpointError
 from offload.hf import packed as packing
+from offload.hf.lockstep import Lockstep
 from offload.model.config import ModelConfig
 from offload.model.generic import LM_HEAD, block_module
 from offload.weights.groups import group_sources
@@ -127,33 +130,41 @@ class DenseOnUse(ModelHook):
 
 
 class GroupHook(ModelHook):
-    """Bind a group before the module runs and release it after (a decoder block)."""
+    """Bind a group before the module runs and release it after (a decoder block); several sequences in lockstep
+    (`steps()`, `offload.hf.lockstep`): the first to run it binds it, the last releases it."""
 
-    def __init__(self, bound: Bound) -> None:
-        self.bound = bound
+    def __init__(self, bound: Bound, stage: int, steps: Callable[[], Lockstep | None]) -> None:
+        self.bound, self.stage, self.steps = bound, stage, steps
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        self.bound.bind()
+        if (steps := self.steps()) is not None:
+            steps.arrive(self.stage)
+        if steps is None or steps.first:
+            self.bound.bind()
         return args, kwargs
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
-        self.bound.unbind()
+        if (steps := self.steps()) is None or steps.last:
+            self.bound.unbind()
         return output
 
 
 class HeadHook(ModelHook):
-    """The head's modules (final norm, LM head): bound before the first of them runs, released after `last`."""
+    """The head's modules (final norm, LM head): bound before the first of them runs, released after `last` (in
+    lockstep, by the last sequence)."""
 
-    def __init__(self, bound: Bound, last: bool) -> None:
-        self.bound, self.last = bound, last
+    def __init__(self, bound: Bound, last: bool, steps: Callable[[], Lockstep | None]) -> None:
+        self.bound, self.last, self.steps = bound, last, steps
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        if (steps := self.steps()) is not None:
+            steps.arrive("head")
         if not self.bound.held:
             self.bound.bind()
         return args, kwargs
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
-        if self.last:
+        if self.last and ((steps := self.steps()) is None or steps.last):
             self.bound.unbind()
         return output
 
@@ -212,6 +223,7 @@ class TieredModel:
                 if b.device.type != "meta":
                     setattr(m, k, b.to(device))
         self.bounds: list[Bound] = []
+        self.lockstep: Lockstep | None = None  # while several sequences run a pass (`run_all`)
         covered = self._attach(cfg, weights)
         params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         missing = sorted(params - covered)
@@ -223,6 +235,9 @@ class TieredModel:
         """Hook every group onto its modules; returns the parameter names bound."""
         root, covered = self.model, set()
         names = {id(m): n for n, m in root.named_modules()}
+
+        def steps() -> Lockstep | None:
+            return self.lockstep
 
         def bindings(group: str) -> list[Binding]:
             out = []
@@ -253,14 +268,14 @@ class TieredModel:
                     lazy[id(m)].flipped[leaf] = name in cfg.tensors.transposed
                     bound.lazy[name] = (lazy[id(m)], leaf)
             self.bounds.append(bound)
-            add_hook_to_module(block, GroupHook(bound))
+            add_hook_to_module(block, GroupHook(bound, i, steps))
         head = Bound(weights, "head", bindings("head"), self.dtype)
         self.bounds.append(head)
         out_embed = root.get_output_embeddings()
         owners = {id(m): m for m, _, name in head.bindings if name != LM_HEAD}
         for m in owners.values():
-            add_hook_to_module(m, HeadHook(head, last=False))
-        add_hook_to_module(out_embed, HeadHook(head, last=True))
+            add_hook_to_module(m, HeadHook(head, False, steps))
+        add_hook_to_module(out_embed, HeadHook(head, True, steps))
         embed = root.get_input_embeddings()
         add_hook_to_module(embed, EmbedHook(weights, self.dtype))
         # between passes a stand-in of the table's shape, dtype and device (one element): Llama 4 moves the ids to
@@ -281,13 +296,27 @@ class TieredModel:
     def run(self, ids: torch.Tensor, cache: Any, every: bool) -> tuple[torch.Tensor, Any]:
         """One sequence's new tokens ids [n] through the model with its cache (None: a new one): logits
         [n, V] (`every`) or [1, V] float32, and the cache holding them."""
-        cache = self.new_cache() if cache is None else cache
+        return self.run_all([(ids, cache)], every)[0]
+
+    def run_all(self, seqs: list[tuple[torch.Tensor, Any]], every: bool) -> list[tuple[torch.Tensor, Any]]:
+        """`run` for each (ids, cache) of a pass, in lockstep where there are several (`offload.hf.lockstep`: each
+        streamed block read once for all of them)."""
+        forwards = [functools.partial(self._forward, ids, cache, every) for ids, cache in seqs]
         try:
-            out = self.model(input_ids=ids[None].to(self.device), use_cache=True, logits_to_keep=0 if every else 1,
-                             **{self.cache_arg: cache})
+            if len(seqs) == 1 or not Lockstep.available():
+                return [f() for f in forwards]
+            self.lockstep = Lockstep(len(seqs))
+            return self.lockstep.run(forwards)
         except BaseException:
             self.abort()
             raise
+        finally:
+            self.lockstep = None
+
+    def _forward(self, ids: torch.Tensor, cache: Any, every: bool) -> tuple[torch.Tensor, Any]:
+        cache = self.new_cache() if cache is None else cache
+        out = self.model(input_ids=ids[None].to(self.device), use_cache=True, logits_to_keep=0 if every else 1,
+                         **{self.cache_arg: cache})
         return out.logits[0].float(), out[self.cache_arg]
 
     def abort(self) -> None:
