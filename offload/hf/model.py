@@ -19,6 +19,9 @@ attach the weights where they run:
   kernels (`offload.hf.packed.Linear`), a dense weight too;
 - the head (final norm, LM head): acquired before the first of its modules runs, released after the LM head.
 
+Several sequences of a pass (`run_all`) run in lockstep (`offload.hf.lockstep`): each block's group is bound by
+the first sequence to run it and released by the last, so a streamed block is read once a pass.
+
 After each module runs its parameters are put back on `meta`, so nothing holds a slot the prefetcher
 reuses. The KV cache is transformers' own (a `DynamicCache` per sequence, made by the model). Knows
 transformers' module tree and the group names of `offload.model.generic`; not tiers, requests or sampling.
