@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from offload.errors import CapacityError
 from offload.runtime.engine import Engine, Request, Sampling
 from offload.runtime.runner import Runner
 from offload.runtime.sampling import sample
+from offload.serve.files import FileDefaults, run_file
 from tests.conftest import run_config
 
 PROMPTS = [[1, 17, 99, 23, 5, 61, 7, 300, 41], [1, 8, 2], [1, 400, 33, 12, 19, 250]]
@@ -107,3 +110,21 @@ def test_generate_runs_its_prompts_together_in_a_pool_sized_for_them(tiny_llama)
         del r.target.forward
         assert max(seen) == len(PROMPTS) and len(seen) < 2 * 6
         assert together == [alone(r, p, 6) for p in PROMPTS]
+
+
+def test_the_throughput_mode_runs_its_batch_in_the_same_passes(tiny_llama, tmp_path):
+    """`offload run --input` without a planned KV pool sizes one for its `--batch` largest requests with room for
+    the engine's admission rule: the batch runs together (it ran one request at a time), each request with its
+    tokens alone."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": str(i), "prompt": p, "max_tokens": 6, "temperature": 0}) + "\n"
+                           for i, p in enumerate(PROMPTS)))
+    with Runner.from_config(run_config(tiny_llama)) as r:
+        seen = []
+        original = r.target.forward
+        r.target.forward = lambda batch, **kw: (seen.append(len(batch.sids)), original(batch, **kw))[1]
+        assert run_file(r, inp, out, FileDefaults(), max_batch=len(PROMPTS), progress=False).done == len(PROMPTS)
+        del r.target.forward
+        rows = {row["id"]: row["choices"][0]["token_ids"] for row in map(json.loads, out.read_text().splitlines())}
+        assert max(seen) == len(PROMPTS)
+        assert [rows[str(i)] for i in range(len(PROMPTS))] == [alone(r, p, 6) for p in PROMPTS]

@@ -58,6 +58,16 @@ def batch_rows(kv_blocks: int, chunk: int, block_size: int, row_blocks: int = 1)
     return max(1, (kv_blocks - pass_blocks(chunk, block_size)) // row_blocks)
 
 
+def pool_blocks(blocks: int, outputs: list[int], chunk: int, block_size: int, row_blocks: int = 1) -> int:
+    """A KV pool for requests reserving `blocks` in all (each with `outputs[i]` outputs) that the engine admits all at
+    once: beside a prefill pass of `chunk` tokens every running output pins `row_blocks` device blocks (the admission
+    rule, `batch_rows`); a first request is admitted without that room. (A pool of `blocks` alone ran a list of
+    prompts one after the other.)"""
+    if len(outputs) < 2:
+        return blocks
+    return max(blocks, sum(outputs) * row_blocks + pass_blocks(chunk, block_size))
+
+
 def pass_tokens(chunk: int, context: int) -> int:
     """Prompt tokens a pass may take for a sequence with `context` tokens already cached.
 

@@ -55,7 +55,7 @@ from offload.runtime.results import RunStats, TokenCallback
 from offload.runtime.sampling import sample
 from offload.runtime.speculative import TREE_WIDTH
 from offload.runtime.stops import StopMatcher
-from offload.runtime.verify import Verification, row_blocks, tree_room
+from offload.runtime.verify import Verification, tree_room
 from storage import interrupts
 from storage.block_pool import Admission
 
@@ -88,9 +88,7 @@ class Engine:
         bs = self.kv.block_size
         # device blocks one prefill pass may write: every running sequence pins its newest block besides
         self._pass_blocks = pass_blocks(self.budget, bs)
-        # device blocks each running sequence may hold in a pass: its newest, plus a speculative chain's
-        chain = self.speculator.most_tokens + 1 if self.speculator is not None else 0
-        self._row_blocks = row_blocks(chain, bs)
+        self._row_blocks = runner.row_blocks  # device blocks each running sequence may hold in a pass
 
     @property
     def batch(self) -> int:

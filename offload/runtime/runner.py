@@ -33,7 +33,7 @@ from offload.model.chat import GenerationDefaults
 from offload.model.checkpoint import Checkpoint
 from offload.model.tokenizer import TextTokenizer
 from offload.plan.calibrate import load_calibration
-from offload.plan.passes import pass_blocks
+from offload.plan.passes import pool_blocks
 from offload.plan.planner import run_capacities
 from offload.plan.speculative import reserve_draft, streaming_note, verify_cost, without_draft
 from offload.runtime.conversation import Conversation
@@ -189,6 +189,17 @@ class Runner:
             self.draft.ensure_kv(blocks)
         return kv
 
+    @property
+    def row_blocks(self) -> int:
+        """Device blocks a running output may hold in a pass: its newest, and a speculative chain's."""
+        return row_blocks(self.speculator.most_tokens + 1 if self.speculator is not None else 0,
+                          self.kv_settings.block_size)
+
+    def pool_blocks(self, blocks: int, outputs: list[int]) -> int:
+        """A KV pool for requests reserving `blocks` (`outputs[i]` outputs each) that the engine runs all together:
+        with room for its admission rule beside their blocks (`offload.plan.passes.pool_blocks`)."""
+        return pool_blocks(blocks, outputs, self.target.prefill_chunk, self.kv_settings.block_size, self.row_blocks)
+
     def fix_kv_pool(self, gpu_blocks: int) -> PagedKVCache:
         """Keep one device KV pool for a long-lived engine (a server): a fixed pool stays as planned,
         a per-request one is made with `gpu_blocks` blocks now and no longer resized."""
@@ -309,15 +320,9 @@ class Runner:
             return
         bs = self.kv_settings.block_size
         need = sum(blocks_needed(len(r.prompt), r.sampling, bs) for r in requests)
-        chain = self.speculator.most_tokens + 1 if self.speculator is not None else 0
         if self.speculator is not None and self.config.speculative.tree:  # room for every output's branches
-            need += tree_blocks(sum(r.sampling.n for r in requests), row_blocks(chain, bs))
-        if len(requests) > 1:  # and for the engine's admission rule, so that they all run together: each running
-            # output pins its newest device block(s) beside a prefill pass's (a pool of `need` alone ran two prompts
-            # one after the other; a first request is admitted without it)
-            rows = sum(r.sampling.n for r in requests)
-            need = max(need, rows * row_blocks(chain, bs) + pass_blocks(self.target.prefill_chunk, bs))
-        self.ensure_kv(need)  # unless fixed
+            need += tree_blocks(sum(r.sampling.n for r in requests), self.row_blocks)
+        self.ensure_kv(self.pool_blocks(need, [r.sampling.n for r in requests]))  # unless fixed
         engine = Engine(self, stats)
         if events is not None:
             for i, req in enumerate(requests):

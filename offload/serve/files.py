@@ -136,8 +136,8 @@ def run_file(runner: Runner, input_path: Path, output_path: Path, defaults: File
         return FileReport(0, len(rows), 0, 0.0)
     if runner.kv is None:
         bs = runner.kv_settings.block_size
-        need = sorted((blocks_needed(len(p), s, bs) for _, p, s, _ in jobs), reverse=True)
-        runner.fix_kv_pool(sum(need[:max_batch]))
+        largest = sorted(((blocks_needed(len(p), s, bs), s.n) for _, p, s, _ in jobs), reverse=True)[:max_batch]
+        runner.fix_kv_pool(runner.pool_blocks(sum(b for b, _ in largest), [n for _, n in largest]))
     loop = EngineLoop(runner, Limits(max_batch=max_batch, max_queue=None))
     output_path.parent.mkdir(parents=True, exist_ok=True)
     t0, tokens = time.perf_counter(), 0
