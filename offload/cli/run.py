@@ -311,7 +311,8 @@ def run_jsonl(args: argparse.Namespace) -> int:
             raise
         if args.trace:
             write_trace(args.trace, runner.timeline, {})
+    held = f"{report.batch} sequence{'s' if report.batch != 1 else ''}"
     print(f"[{report.done} requests done, {report.skipped} already in {args.output} | {report.tokens} new tokens "
-          f"in {report.seconds:.1f}s, {report.tokens_per_s:.2f} tok/s | the KV cache holds {report.batch} sequences "
-          f"decoding together (--batch {args.batch}); at most {report.most_rows} ran in one pass]", file=sys.stderr)
+          f"in {report.seconds:.1f}s, {report.tokens_per_s:.2f} tok/s | the KV cache holds {held} decoding "
+          f"together (--batch {args.batch}); at most {report.most_rows} ran in one pass]", file=sys.stderr)
     return 0
