@@ -5,6 +5,7 @@ Accelerate's own disk offload of it, vs the native path on a Llama of the same s
     python scripts/bench_hf.py                             # TinyLlama-1.1B shape, gpu 512MiB + cpu 512MiB + disk,
                                                            # each engine run in its own 2G memory cgroup
     python scripts/bench_hf.py --memory-max none           # without the full profile's 2G memory cgroup per run
+    python scripts/bench_hf.py --batch 4                   # four sequences decoding together
 
 Runs, each in a fresh subprocess (`scripts/bench.py`'s workers, so peak RSS is each run's own), the page cache
 of the checkpoint and the stores evicted before each:
@@ -82,9 +83,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="each engine run's memory cgroup (default: the profile's: 2G in full; none: no cgroup)")
     ap.add_argument("--results", type=Path, default=None, help="where NAME.md and NAME.json go (default: OUT)")
     ap.add_argument("--name", default="bench-hf", help="the results' file name (without .md / .json)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="sequences decoding together (default: the profile's, 1); the transformers path runs them "
+                         "in lockstep (offload.hf.lockstep), Accelerate as one batch")
     args = ap.parse_args(argv)
     header = Result()
-    p = PROFILES["quick" if args.quick else "full"]
+    p = PROFILES["quick" if args.quick else "full"] | ({"batch": args.batch} if args.batch else {})
     out = args.out.resolve()
     models = ensure_models(out, p)
     spec = {"batch": p["batch"], "prompt": p["prompt"], "new": p["new"]}
