@@ -1,7 +1,7 @@
 """A transformers model on the meta device whose weights come, block by block, from a weight source.
 
     model = TieredModel(checkpoint_dir, cfg, weights, device, compute_dtype)
-    logits, cache = model.run(ids, cache, every=False)     # ids [n] (CPU) -> logits [1 or n, V] float32
+    [(logits, cache)] = model.run_all([(ids, cache)], every=False)   # ids [n] (CPU) -> logits [1 or n, V] float32
 
 transformers builds the module tree from config.json under accelerate's `init_empty_weights` (parameters
 on `meta`, buffers such as RoPE tables real). accelerate hooks (`ModelHook`, `add_hook_to_module`) then
@@ -296,14 +296,10 @@ class TieredModel:
             cache.activate_past_recording()
         return cache
 
-    def run(self, ids: torch.Tensor, cache: Any, every: bool) -> tuple[torch.Tensor, Any]:
-        """One sequence's new tokens ids [n] through the model with its cache (None: a new one): logits
-        [n, V] (`every`) or [1, V] float32, and the cache holding them."""
-        return self.run_all([(ids, cache)], every)[0]
-
     def run_all(self, seqs: list[tuple[torch.Tensor, Any]], every: bool) -> list[tuple[torch.Tensor, Any]]:
-        """`run` for each (ids, cache) of a pass, in lockstep where there are several (`offload.hf.lockstep`: each
-        streamed block read once for all of them)."""
+        """Each sequence's new tokens ids [n] through the model with its cache (None: a new one): logits [n, V]
+        (`every`) or [1, V] float32, and the cache holding them; in lockstep where there are several
+        (`offload.hf.lockstep`: each streamed block read once for all of them)."""
         forwards = [functools.partial(self._forward, ids, cache, every) for ids, cache in seqs]
         try:
             if len(seqs) == 1 or not Lockstep.available():

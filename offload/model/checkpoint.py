@@ -243,12 +243,11 @@ class Checkpoint:
         e = self.parts[name]
         self._pread(TensorEntry(e.file, e.dtype, tuple(shape), e.start, e.nbytes), row, dest)
 
-    def grid_rows(self, short: str, row: int, n: int, group: int, bits: int) -> tuple[torch.Tensor, torch.Tensor] \
-            | None:
+    def grid_rows(self, short: str, row: int, n: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """The integer grid a compressed-tensors matrix's rows lie on (`compressed.Matrix.grid_rows`), None for any
         other tensor: a quantizer of `bits` keeps them exactly."""
         m = self.compressed.get(self.name(short))
-        return None if m is None else m.grid_rows(self._part_rows, row, n, group, bits)
+        return None if m is None else m.grid_rows(self._part_rows, row, n, bits)
 
     def _pread(self, e: TensorEntry, row: int, dest: torch.Tensor) -> None:
         """Rows row .. of the tensor at `e` into `dest`, converted to its dtype."""

@@ -84,26 +84,17 @@ class Matrix:
         dest.copy_(w.mul_(scale))  # (exact in float32: two short mantissas) rounded once, to the run's dtype, as
         # transformers computes it (it loads the scales in the run's dtype, then multiplies)
 
-    def grid_rows(self, read: Reader, row: int, n: int, group: int, bits: int) -> tuple[torch.Tensor, torch.Tensor] \
-            | None:
-        """The integer grid rows row .. row + n lie on, for a quantizer of `bits` and groups of `group` columns:
-        (step, bottom) float32 [n, K / group], a group's values being bottom + step * (0 .. 2^b - 1) (b: these
-        codes' bits); NaN where a group spans two scales. None for FP8 codes, or more levels than `bits` have."""
-        if self.code_dtype == torch.float8_e4m3fn or self.bits > bits or self.shape[1] % group:
+    def grid_rows(self, read: Reader, row: int, n: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The integer grid rows row .. row + n lie on: (step, bottom, cols), a run of `cols` columns (a scale column;
+        1 under a `g_idx` map: each column its own) lying on bottom + step * (0 .. 2^b - 1) (b: these codes' bits),
+        float32 [n, runs] (`quant.group_grid` makes it a quantizer's groups'). None for FP8 codes, or more levels
+        than `bits` have."""
+        if self.code_dtype == torch.float8_e4m3fn or self.bits > bits:
             return None
-        b1, k = self.block[1], self.shape[1]
-        whole = self.g_idx is None and (group % b1 == 0 or b1 % group == 0)  # by scale columns, not K of them
-        step, zero = self._scales(read, row, n, columns=not whole)
+        mapped = self.g_idx is not None
+        step, zero = self._scales(read, row, n, columns=mapped)
         base = -float(1 << (self.bits - 1)) - (zero if zero is not None else 0)
-        base = base * step
-        per = group // b1 if whole and group % b1 == 0 else group  # a group's columns of `step`
-        if whole and b1 > group:  # a scale column over several groups: one for each
-            step, base = (t.repeat_interleave(b1 // group, 1)[:, : k // group] for t in (step, base))
-            per = 1
-        step, base = step.reshape(n, -1, per), base.reshape(n, -1, per)
-        one = (step == step[..., :1]).all(-1) & (base == base[..., :1]).all(-1)
-        nan = torch.tensor(float("nan"))
-        return torch.where(one, step[..., 0], nan), torch.where(one, base[..., 0], nan)
+        return step, base * step, 1 if mapped else self.block[1]
 
     def _scales(self, read: Reader, row: int, n: int, columns: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The scale and zero point (None: symmetric) of each weight of rows row .. row + n, float32 [n, K] (without

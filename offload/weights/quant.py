@@ -144,6 +144,24 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype,
     return {"q": pack_tiles(q)[None], "sz": sz[None]}
 
 
+def group_grid(step: torch.Tensor, bottom: torch.Tensor, cols: int, group: int, k: int) \
+        -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint's integer grid by runs of `cols` columns (one scale column; 1: each column its own), (step,
+    bottom) [n, ceil(k / cols)], as the grid of `quantize`'s groups of `group` columns, [n, k / group]: a group's
+    where all its columns lie on one, NaN where they do not."""
+    if group % cols and cols % group:  # runs that straddle groups: each column's own
+        step, bottom = (t.repeat_interleave(cols, 1)[:, :k] for t in (step, bottom))
+        cols = 1
+    if cols > group:  # a run over several groups: one for each
+        step, bottom = (t.repeat_interleave(cols // group, 1)[:, : k // group] for t in (step, bottom))
+        cols = group
+    shape = (step.shape[0], k // group, group // cols)
+    step, bottom = step.reshape(shape), bottom.reshape(shape)
+    one = (step == step[..., :1]).all(-1) & (bottom == bottom[..., :1]).all(-1)
+    nan = torch.tensor(float("nan"))
+    return torch.where(one, step[..., 0], nan), torch.where(one, bottom[..., 0], nan)
+
+
 #: float32 bytes of a matrix `quantize_into` quantizes at a time (quantize's temporaries are a few times its input)
 QUANTIZE_BLOCK_BYTES = 8 << 20
 

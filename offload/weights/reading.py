@@ -71,11 +71,14 @@ class CheckpointRows:
     def grid(self, r0: int, r1: int, group: int, bits: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The integer grid rows r0 .. r1 lie on, by groups of `group` columns (`Checkpoint.grid_rows`: a
         compressed-tensors checkpoint's int4 / int8 matrices), NaN where they lie on none; None for all of them."""
+        if self.shape[1] % group:
+            return None
         step = torch.full((r1 - r0, self.shape[1] // group), float("nan"))
         base, found = step.clone(), False
         for short, a, b, at in in_sources(self.sources, r0, r1):
-            if (on := self.ckpt.grid_rows(short, a, b - a, group, bits)) is not None:
-                step[at : at + b - a], base[at : at + b - a], found = on[0], on[1], True
+            if (on := self.ckpt.grid_rows(short, a, b - a, bits)) is not None:
+                step[at : at + b - a], base[at : at + b - a] = quant.group_grid(*on, group, self.shape[1])
+                found = True
         return (step, base) if found else None
 
 
@@ -141,19 +144,10 @@ class PrequantRows:
         step = torch.full((r1 - r0, self.shape[1] // group), float("nan"))
         base = step.clone()
         for short, a, b, at in in_sources(self.sources, r0, r1):
-            parts, per = self._parts(short, a, b), group
-            by_group = gptq.group_scales(self.pre, parts)  # [rows, G]: consecutive columns
-            if by_group is not None and (group % by_group[2] == 0 or by_group[2] % group == 0):
-                s, z, cols = by_group
-                if cols > group:  # one scale over several of the quantizer's groups
-                    s, z = (t.repeat_interleave(cols // group, 1)[:, : self.shape[1] // group] for t in (s, z))
-                per = max(group // cols, 1)
-            else:
-                s, z = gptq.scales_zeros(self.pre, parts)  # [rows, K] float32
-            s, bottom = s.reshape(b - a, -1, per), (-z * s).reshape(b - a, -1, per)
-            one = (s == s[..., :1]).all(-1) & (bottom == bottom[..., :1]).all(-1)
-            step[at : at + b - a] = torch.where(one, s[..., 0], float("nan"))
-            base[at : at + b - a] = torch.where(one, bottom[..., 0], float("nan"))
+            parts = self._parts(short, a, b)
+            # by group where its groups are consecutive columns, else each column's own (an act-order map)
+            s, z, cols = gptq.group_scales(self.pre, parts) or (*gptq.scales_zeros(self.pre, parts), 1)
+            step[at : at + b - a], base[at : at + b - a] = quant.group_grid(s, -z * s, cols, group, self.shape[1])
         return step, base
 
 
