@@ -126,46 +126,47 @@ def _unpack_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None 
 
 def dequantize(fmt: PrequantFormat, t: dict[str, torch.Tensor]) -> torch.Tensor:
     """One linear's packed tensors -> W [N, K] in the scales' dtype, as the format's reference kernel computes it."""
-    scales = t["scales"]
+    scales, zeros = t["scales"], _zeros(fmt, t)  # [G, N]
     if fmt.method == "gptq":
         q = _unpack_rows(t["qweight"], fmt.bits)  # [K, N]
-        zeros = _unpack_cols(t["qzeros"], fmt.bits) + fmt.zero_offset  # [G, N]
         g = t["g_idx"].long()
         w = (q - zeros[g]).float() * scales[g].float()  # exact in float32; one rounding to the scales' dtype
     else:
         q = _unpack_cols(t["qweight"], fmt.bits, AWQ_ORDER)  # [K, N]
-        zeros = _unpack_cols(t["qzeros"], fmt.bits, AWQ_ORDER)  # [G, N]
         rows = q.shape[0] // zeros.shape[0]
         w = (q - zeros.repeat_interleave(rows, 0)).float() * scales.repeat_interleave(rows, 0).float()
     return w.to(scales.dtype).T
 
 
+def _zeros(fmt: PrequantFormat, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One linear's zero points, int32 [G, N] (GPTQ's stored ones less its offset, in AWQ's nibble order)."""
+    if fmt.method == "gptq":
+        return _unpack_cols(t["qzeros"], fmt.bits) + fmt.zero_offset
+    return _unpack_cols(t["qzeros"], fmt.bits, AWQ_ORDER)
+
+
+def _column_groups(fmt: PrequantFormat, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each input column's group, long [K] (GPTQ's `g_idx`; AWQ's groups are consecutive columns)."""
+    if fmt.method == "gptq":
+        return t["g_idx"].long()
+    k, groups = t["qweight"].shape[0], t["scales"].shape[0]
+    return torch.arange(k) // (k // groups)
+
+
 def scales_zeros(fmt: PrequantFormat, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each weight's scale and zero of one linear's packed tensors, float32 [N, K]: W = (q - zero) * scale."""
-    if fmt.method == "gptq":
-        g = t["g_idx"].long()
-        zeros = _unpack_cols(t["qzeros"], fmt.bits) + fmt.zero_offset  # [G, N]
-        return t["scales"][g].float().T, zeros[g].float().T
-    zeros = _unpack_cols(t["qzeros"], fmt.bits, AWQ_ORDER)
-    rows = t["qweight"].shape[0] // zeros.shape[0]
-    return (t["scales"].repeat_interleave(rows, 0).float().T, zeros.repeat_interleave(rows, 0).float().T)
+    g = _column_groups(fmt, t)
+    return t["scales"][g].float().T, _zeros(fmt, t)[g].float().T
 
 
 def group_scales(fmt: PrequantFormat, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """Each group's scale and zero of one linear's packed tensors, float32 [N, G], and the input columns a group
     covers, where its groups are consecutive columns (None for an act-order map: `scales_zeros` spreads them)."""
-    k = t["qweight"].shape[0] * (32 // fmt.bits if fmt.method == "gptq" else 1)
-    groups = t["scales"].shape[0]
-    if k % groups:
+    g = _column_groups(fmt, t)
+    k, groups = len(g), t["scales"].shape[0]
+    if k % groups or not torch.equal(g, torch.arange(k) // (k // groups)):
         return None
-    cols = k // groups
-    if fmt.method == "gptq":
-        if not torch.equal(t["g_idx"].long(), torch.arange(k) // cols):
-            return None
-        zeros = _unpack_cols(t["qzeros"], fmt.bits) + fmt.zero_offset
-    else:
-        zeros = _unpack_cols(t["qzeros"], fmt.bits, AWQ_ORDER)
-    return t["scales"].float().T, zeros.float().T, cols
+    return t["scales"].float().T, _zeros(fmt, t).float().T, k // groups
 
 
 @dataclass(frozen=True, slots=True)
