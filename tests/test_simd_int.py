@@ -1,7 +1,8 @@
 """The integer lane operations of `offload.model.simd_int` give the same lanes in every form they compile to: the
 AVX-512 VNNI instructions, AVX-512 BW's pmaddwd, and plain LLVM vector code (what a CPU without either runs). Each
-form is compiled here by hiding CPU features from the code generator, so all of them run on this machine, and every
-lane is checked against numpy's exact integer arithmetic: a packed product's bits do not depend on the CPU."""
+form is compiled here by hiding CPU features from the code generator, so every form this CPU can run runs on it (a
+form whose instructions it lacks is skipped: LLVM aborts the process compiling them for such a host), and every lane
+is checked against numpy's exact integer arithmetic: a packed product's bits do not depend on the CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ numba = pytest.importorskip("numba")
 
 from offload.model import simd_int  # noqa: E402  (after the skip: the module needs numba)
 from offload.model.cpu_packed import _split  # noqa: E402
-from offload.model.simd import _x86  # noqa: E402
+from offload.model.simd import _has, _x86  # noqa: E402
 from offload.weights import quant  # noqa: E402
 
 FORMS = {"vnni": {"avx512vnni", "avx512bw"}, "avx512bw": {"avx512bw"}, "plain": set()}
@@ -21,9 +22,12 @@ FORMS = {"vnni": {"avx512vnni", "avx512bw"}, "avx512bw": {"avx512bw"}, "plain": 
 
 def _compiled(monkeypatch, features: set[str]):
     """Fresh (uncached) functions over the lane operations, compiled as for a CPU with only these features."""
-    monkeypatch.setattr(simd_int, "_has", lambda feature: feature in features)
     if features and not _x86():
         pytest.skip("the x86 forms compile on x86 only")
+    lacking = sorted(f for f in features if not _has(f))
+    if lacking:
+        pytest.skip(f"this CPU lacks {', '.join(lacking)}")
+    monkeypatch.setattr(simd_int, "_has", lambda feature: feature in features)
 
     @numba.njit(cache=False)
     def dots(acc, w, x, out8, out16):
