@@ -197,12 +197,14 @@ class WeightsConfig:
     keep: tuple[str, ...] = _opt(_names("qkv", "o", "gate_up", "down", "lm_head"),
                                  "matrices kept in the compute dtype (the LM head, when packed, is int8 even in an "
                                  "int4 format, as llama.cpp keeps its output matrix at 6-8 bits)", ())
-    int4_activations: str = _opt(_choice("int8", "int16"), "on the CPU, bf16 activations meet int4 weights in int8 "
-                                 "steps per group (llama.cpp's Q4_0 class: 1.3-1.5x faster products) or int16 steps "
-                                 "(closer; one setting a process)", "int8")
-    int8_activations: str = _opt(_choice("int8", "int16"), "on the CPU, bf16 activations meet int8 weights in int8 "
-                                 "steps per group (llama.cpp's Q8_0 class: faster prefill and verify passes) or int16 "
-                                 "steps (closer; one setting a process)", "int8")
+    int4_activations: str = _opt(_choice("auto", "int8", "int16"), "on the CPU, bf16 activations meet int4 weights "
+                                 "in int8 steps per group (llama.cpp's Q4_0 class: 1.3-1.5x faster products where "
+                                 "the CPU has AVX-512 VNNI) or int16 steps (closer, and faster on a CPU without it); "
+                                 "auto = int8 with AVX-512 VNNI, else int16 (one setting a process)", "auto")
+    int8_activations: str = _opt(_choice("auto", "int8", "int16"), "on the CPU, bf16 activations meet int8 weights "
+                                 "in int8 steps per group (llama.cpp's Q8_0 class: faster prefill and verify passes "
+                                 "where the CPU has AVX-512 VNNI) or int16 steps (closer, and faster on a CPU without "
+                                 "it); auto = int8 with AVX-512 VNNI, else int16 (one setting a process)", "auto")
 
 
 @dataclass(frozen=True)

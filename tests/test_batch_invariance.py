@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 
+import llvmlite.binding
 import numpy as np
 import pytest
 import torch
 
-from offload.model import cpu_packed16, cpu_packed_entry, fused, kernels, simd_amx
+from offload.config import WeightsConfig
+from offload.model import cpu_packed16, cpu_packed_entry, fused, kernels, simd, simd_amx, simd_int
 from offload.model import functional as M
 from offload.model.checkpoint import Checkpoint
 from offload.runtime.engine import Engine, Request, Sampling
@@ -178,12 +180,14 @@ def test_an_int4_products_row_has_the_same_bits_at_any_place_in_any_pass(K, grou
 @pytest.mark.parametrize("bits,K,group", [(4, 576, 64), (4, 2048, 128), (4, 40, 20), (4, 36, 18), (8, 576, 64),
                                           (8, 584, 146), (8, 18, 18)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_packed_products_of_bf16_activations_are_integer_steps_and_rows_keep_their_bits(bits, K, group, dtype):
-    """bf16 activations are multiplied in integer steps: int8 steps where the groups are a multiple of 4, else
-    int16 steps; within what the steps change of the exact product, and a row comes out the same
-    at any place in any pass (every size 1-10 at every offset: the direct, four-row and one-row paths; 17-130 rows:
-    the buffered path from 16 rows of int16 steps, 24 of int8 quads, 128 of int4 quads). fp16 activations (more
-    significant bits than the steps keep) as float32 ones."""
+def test_packed_products_of_bf16_activations_are_integer_steps_and_rows_keep_their_bits(monkeypatch, bits, K, group,
+                                                                                        dtype):
+    """bf16 activations are multiplied in integer steps: int8 steps where the groups are a multiple of 4 (asked for
+    both widths, as `auto` does where the CPU has AVX-512 VNNI), else int16 steps; within what the steps change of
+    the exact product, and a row comes out the same at any place in any pass (every size 1-10 at every offset: the
+    direct, four-row and one-row paths; 17-130 rows: the buffered path from 16 rows of int16 steps, 24 of int8
+    quads, 128 of int4 quads). fp16 activations (more significant bits than the steps keep) as float32 ones."""
+    monkeypatch.setattr(kernels, "ACTIVATIONS", {"int4": "int8", "int8": "int8"})
     g = torch.Generator().manual_seed(K)
     packed = quant.quantize(torch.randn(70, K, generator=g), bits, group, torch.bfloat16)
     x = torch.randn(130, K, generator=g).to(getattr(torch, dtype))
@@ -204,6 +208,22 @@ def test_packed_products_of_bf16_activations_are_integer_steps_and_rows_keep_the
     for start, end in passes:
         got = kernels.packed_linear(x[start:end], packed["q"], packed["sz"])
         assert torch.equal(got.view(torch.int32), full[start:end].view(torch.int32)), f"rows {start}:{end}"
+
+
+def test_auto_activation_steps_are_int8_only_where_the_cpu_multiplies_bytes_in_one_instruction(monkeypatch):
+    """`weights.int4_activations` / `int8_activations: auto` (the default): int8 steps where a byte product is one
+    instruction (AVX-512 VNNI), int16 elsewhere (an AVX2 CPU widens the bytes first: int8 steps 1.3-8x slower);
+    an explicit choice stands on any CPU, and a config's default is auto."""
+    monkeypatch.setattr(kernels, "ACTIVATIONS", dict(kernels.ACTIVATIONS))
+    for vnni in (True, False):
+        monkeypatch.setattr(kernels, "byte_dots", lambda vnni=vnni: vnni)
+        kernels.use_activations("auto", "int8")
+        assert kernels.ACTIVATIONS == {"int4": "int8" if vnni else "int16", "int8": "int8"}
+        kernels.use_activations("int16", "auto")
+        assert kernels.ACTIVATIONS == {"int4": "int16", "int8": "int8" if vnni else "int16"}
+    features = llvmlite.binding.get_host_cpu_features().flatten().split(",")
+    assert simd_int.byte_dots() == (simd._x86() and "+avx512vnni" in features)
+    assert WeightsConfig().int4_activations == WeightsConfig().int8_activations == "auto"
 
 
 def test_amx_tiles_are_asked_for_once_and_configured_for_the_sums_codes_and_rows():
@@ -257,7 +277,7 @@ def test_the_integer_split_does_not_overflow_and_keeps_zero_and_nan_rows_to_them
     in int8 steps), a row of zeros gives exact zeros, and a NaN in one row makes that row NaN and leaves the others'
     bits as they are alone; int8 codes in both steps (`weights.int8_activations`). Tiles with odd groups (not
     quantization's, which pairs columns) multiply in float32."""
-    monkeypatch.setitem(kernels.ACTIVATIONS, "int8", int8_steps)
+    monkeypatch.setattr(kernels, "ACTIVATIONS", {"int4": "int8", "int8": int8_steps})
     K = 512
     q = torch.full((1, K, 64), 255, dtype=torch.uint8)  # one 64-row tile, every code 255
     sz = torch.stack([torch.ones(1, 64), torch.zeros(1, 64)], dim=-1)  # one group: scale 1, min 0

@@ -48,8 +48,8 @@ ROW_INVARIANT = numba is not None
 #: Which CPU kernels a calibration measured (raised when their speed changes: a calibration of older ones is
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py; `git log -S VERSION` tells each step, from 2:
 #: three-row tiles, to 29: bf16 products, and int8 steps from 10 rows, on AMX tiles where granted, `simd_amx`; 30:
-#: int8 steps on tiles from 6 rows, attention 1.2-1.4x faster).
-VERSION = 30
+#: int8 steps on tiles from 6 rows, attention 1.2-1.4x faster; 31: int4 pairs unpacked in AVX2's own shuffles).
+VERSION = 31
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
 #: 1.7B shape's four bf16 matrices x 2, one thread: whole rows (64-180 KiB buffers, read from L2) -> 512 columns:
 #: 64 rows 195 -> 150 ms, 9 rows 51 -> 42 ms, 1 row 34 -> 25 ms. In a 1.7B bf16 run (weights from DRAM) 512 is
@@ -84,6 +84,7 @@ if numba is not None:
     from offload.model.cpu_packed_entry import AMX_TILES, FLOAT32_STEPS, INT4_AS_INT8, INT8_AS_INT8, INT16_STEPS, packed
     from offload.model.simd import _avx512, _bits_f32, _f32_bits, parts, prefetch  # noqa: F401 - the fused layer's too
     from offload.model.simd_amx import bf16_tiles, int8_tiles
+    from offload.model.simd_int import byte_dots
 
     _WIDE = _avx512()  # registers for `cpu_bf16._rows3`'s tile (frozen into the compiled code: numba's cache keys
     # on the CPU)
@@ -251,15 +252,27 @@ if numba is not None:
 #: AMX tiles where the process may use them (`cpu_bf16_tiles`).
 DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is not None else {}
 PACKED, DENSE_BF16, DENSE_BF16_TILES, PACKED_STEPS = 3, 5, 6, 8
+
+
+def activation_steps(asked: str) -> str:
+    """The steps a config's "int8", "int16" or "auto" means here: auto is int8 where a CPU multiplies bytes in one
+    instruction (`simd_int.byte_dots`: AVX-512 VNNI, which every AMX CPU has), int16 elsewhere (an AVX2 CPU widens
+    the bytes first: int8 steps 1.3-8x slower, and int16 steps are the closer of the two)."""
+    if asked != "auto":
+        return asked
+    return "int8" if numba is not None and byte_dots() else "int16"
+
+
 #: The steps of bf16 activations against int4 and int8 codes: "int8" or "int16" each (`packed_kind`; config
-#: `weights.int4_activations` / `int8_activations`, set for the process by each executor built).
-ACTIVATIONS = {"int4": "int8", "int8": "int8"}
+#: `weights.int4_activations` / `int8_activations`, set for the process by each executor built; "auto" until then).
+ACTIVATIONS = {"int4": activation_steps("auto"), "int8": activation_steps("auto")}
 
 
 def use_activations(int4: str, int8: str) -> None:
     """bf16 activations meet int4 / int8 codes in "int8" steps (llama.cpp's Q4_0 / Q8_0 error class) or "int16"
-    ones, from the next layer built; process-wide, like the kernels' threads (`cpu_packed16`)."""
-    ACTIVATIONS.update(int4=int4, int8=int8)
+    ones ("auto": `activation_steps`), from the next layer built; process-wide, like the kernels' threads
+    (`cpu_packed16`)."""
+    ACTIVATIONS.update(int4=activation_steps(int4), int8=activation_steps(int8))
 
 
 def dense_kind(weights: torch.dtype, activations: torch.dtype) -> int:
