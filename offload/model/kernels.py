@@ -49,7 +49,7 @@ ROW_INVARIANT = numba is not None
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py; `git log -S VERSION` tells each step, from 2:
 #: three-row tiles, to 29: bf16 products, and int8 steps from 10 rows, on AMX tiles where granted, `simd_amx`; 30:
 #: int8 steps on tiles from 6 rows, attention 1.2-1.4x faster; 31-36: the results' labels of later steps, VERSION
-#: kept; 37: int4 pairs unpacked in AVX2's own shuffles, int16 steps where the CPU lacks AVX-512 VNNI).
+#: kept; 37: without AVX-512, int4 pairs unpacked in AVX2's shuffles, int16 steps, 2-4 rows of pairs one by one).
 VERSION = 37
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
 #: 1.7B shape's four bf16 matrices x 2, one thread: whole rows (64-180 KiB buffers, read from L2) -> 512 columns:
