@@ -78,8 +78,8 @@ _TILE_ROWS = 6
 #: Rows up to which int16 pairs (int4, int8 codes) run a row at a time (`_direct16`; a block's codes from L2 after the
 #: first) where the CPU lacks AVX-512, whose 16 registers spill `_direct4`'s four rows of sums: 4 [8192, 2048] g64
 #: matrices, 2 threads, an AVX2 EPYC, interleaved: int8 2 / 3 / 4 rows 8.9-9.6 -> 3.6-4.1 / 5.0-5.2 / 6.4 ms, int4 2
-#: rows 6.0-6.8 -> 4.3-4.4 (one row 2.0-2.9).
-_ALONE8, _ALONE4 = (1, 1) if _has("avx512f") else (4, 2)
+#: rows 6.0-6.8 -> 4.3-4.4 (one row 2.0-2.9). By kind: int4, int8 pairs; quads (int8 steps) one row.
+_ALONE = (1, 1, 1, 1) if _has("avx512f") else (2, 4, 1, 1)
 #: Rows of x from which they are split into integer steps in parallel, once for every thread (fewer: by each thread).
 _SPLIT_PARALLEL = 16
 #: Rows of x from which a block's codes are converted once per group into a buffer that every four rows read
@@ -320,7 +320,7 @@ def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, T, kq, kind):  # pragma: no
                 for c in range((R + 15) // 16):
                     quad_sums(XP, 16 * c, g * half, half, kq, W, T, 1024 * c, 0)
                 _close_tiles(A1, T, R, S[g], Z[g], step, xs, g, kind == _INT4_8)
-    elif R <= (_ALONE8 if kind == _INT8 else (_ALONE4 if kind == _INT4 else 1)):  # (decode: its own call)
+    elif R <= _ALONE[kind]:  # (decode: a call of its own, the four-row loop's code out of it)
         for r in range(R):
             _direct16(XP[r], step[r], xs[r], qb, S, Z, gs, A[r], kind)
     elif not _widens(R, kind):

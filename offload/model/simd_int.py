@@ -164,7 +164,7 @@ def vdot8(typingctx, acc, w, x):  # pragma: no cover - compiled
 
     def codegen(context, builder, sig, args):
         a, wv, xv = args
-        if _x86() and _has("avx512vnni"):
+        if byte_dots():
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_IT, [_IT] * 3),
                                                 "llvm.x86.avx512.vpdpbusd.512")
             return builder.call(fn, [a, wv, xv])
