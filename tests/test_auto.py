@@ -196,7 +196,7 @@ def test_a_calibration_of_packed_kernels_in_other_activation_steps_is_measured_a
     1.2-1.5x past one row; `auto` is int8 steps where the CPU has AVX-512 VNNI, int16 elsewhere): a calibration timed
     in the other steps is measured again, in the run's, then reused."""
     model, disk, calls = setup
-    here = kernels.activation_steps("auto")
+    here = kernels.activation_steps("auto", 8)
     other = "int16" if here == "int8" else "int8"
     start_packed(model, disk, "int8", monkeypatch, capsys)
     path, yaml_path = disk / "calibration.json", disk / "offload.yaml"

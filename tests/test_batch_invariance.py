@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from offload.config import WeightsConfig
-from offload.model import cpu_packed16, cpu_packed_entry, fused, kernels, simd, simd_amx, simd_int
+from offload.model import cpu_packed16, cpu_packed_entry, fused, kernels, simd, simd_amx, simd_bytes, simd_int
 from offload.model import functional as M
 from offload.model.checkpoint import Checkpoint
 from offload.runtime.engine import Engine, Request, Sampling
@@ -210,19 +210,24 @@ def test_packed_products_of_bf16_activations_are_integer_steps_and_rows_keep_the
         assert torch.equal(got.view(torch.int32), full[start:end].view(torch.int32)), f"rows {start}:{end}"
 
 
-def test_auto_activation_steps_are_int8_only_where_the_cpu_multiplies_bytes_in_one_instruction(monkeypatch):
+def test_auto_activation_steps_are_int8_where_the_cpu_multiplies_bytes_in_one_instruction(monkeypatch):
     """`weights.int4_activations` / `int8_activations: auto` (the default): int8 steps where a byte product is one
-    instruction (AVX-512 VNNI), int16 elsewhere (an AVX2 CPU widens the bytes first: int8 steps 1.3-8x slower);
-    an explicit choice stands on any CPU, and a config's default is auto."""
+    instruction (AVX-512 VNNI; against int4 codes also AVX2's byte pairs), int16 elsewhere (int8 codes on an AVX2 CPU
+    widen the bytes first: int8 steps 1.3-8x slower); an explicit choice stands on any CPU, and a config's default
+    is auto."""
     monkeypatch.setattr(kernels, "ACTIVATIONS", dict(kernels.ACTIVATIONS))
     for vnni in (True, False):
-        monkeypatch.setattr(kernels, "byte_dots", lambda vnni=vnni: vnni)
-        kernels.use_activations("auto", "int8")
-        assert kernels.ACTIVATIONS == {"int4": "int8" if vnni else "int16", "int8": "int8"}
-        kernels.use_activations("int16", "auto")
-        assert kernels.ACTIVATIONS == {"int4": "int16", "int8": "int8" if vnni else "int16"}
+        for pairs in (True, False):
+            monkeypatch.setattr(kernels, "byte_dots", lambda vnni=vnni: vnni)
+            monkeypatch.setattr(kernels, "pair_bytes", lambda pairs=pairs: pairs)
+            kernels.use_activations("auto", "int8")
+            assert kernels.ACTIVATIONS == {"int4": "int8" if vnni or pairs else "int16", "int8": "int8"}
+            kernels.use_activations("int16", "auto")
+            assert kernels.ACTIVATIONS == {"int4": "int16", "int8": "int8" if vnni else "int16"}
     features = llvmlite.binding.get_host_cpu_features().flatten().split(",")
     assert simd_int.byte_dots() == (simd._x86() and "+avx512vnni" in features)
+    assert simd_bytes.pair_bytes() == (simd._x86() and "+avx2" in features)
+    assert cpu_packed16._BYTES4 == (simd_bytes.pair_bytes() and not simd_int.byte_dots())
     assert WeightsConfig().int4_activations == WeightsConfig().int8_activations == "auto"
 
 
@@ -498,3 +503,26 @@ def test_runs_of_resident_layers_between_streamed_ones_go_in_one_call_each(model
     assert mixed == tokens(run_config(model))
     monkeypatch.setattr(ResidentLayers, "possible", False)
     assert mixed == tokens(tiered) and calls["run"] == 0
+
+
+@pytest.mark.parametrize("K,group", [(576, 64), (2048, 128), (40, 20)])
+def test_int4_codes_give_the_bits_of_the_same_codes_stored_as_int8(monkeypatch, K, group):
+    """int8 steps against int4 codes (this CPU's form: AVX-512 VNNI's quads, or AVX2's byte pairs, `simd_bytes`) and
+    against the same codes stored as int8 (quads, or int16 pairs), the int4 zero' (zero - 8 scale) as the int8 min:
+    the same exact integer sums and the same scaling, so the same bits, at every size of pass (the byte pairs' fours,
+    stand-ins, a lone row) and in each row alone."""
+    monkeypatch.setattr(kernels, "ACTIVATIONS", {"int4": "int8", "int8": "int8"})
+    g = torch.Generator().manual_seed(K + group)
+    codes = torch.randint(0, 16, (128, K), generator=g, dtype=torch.uint8)
+    G = K // group
+    scale = (torch.rand(G, 128, generator=g) + 0.5).to(torch.bfloat16)
+    zero = torch.randn(G, 128, generator=g).to(torch.bfloat16)
+    q4, sz4 = quant.pack_tiles(codes).unsqueeze(0), torch.stack([scale, zero], -1).unsqueeze(0)
+    q8 = quant.int8_tiles(codes)
+    sz8 = torch.stack([scale.float(), zero.float() - 8 * scale.float()], -1)  # (exact: bf16's 8 bits)
+    x = torch.randn(19, K, generator=g).to(torch.bfloat16)
+    for R in (1, 2, 3, 4, 5, 6, 7, 9, 19):
+        four, eight = (kernels.packed_linear(x[:R], q, sz) for q, sz in ((q4, sz4), (q8, sz8)))
+        assert torch.equal(four.view(torch.int32), eight.view(torch.int32)), f"{R} rows"
+    alone = torch.cat([kernels.packed_linear(x[r:r + 1], q4, sz4) for r in range(19)])
+    assert torch.equal(alone.view(torch.int32), four.view(torch.int32))

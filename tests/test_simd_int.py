@@ -12,7 +12,7 @@ import torch
 
 numba = pytest.importorskip("numba")
 
-from offload.model import simd_int  # noqa: E402  (after the skip: the module needs numba)
+from offload.model import simd_bytes, simd_int  # noqa: E402  (after the skip: the modules need numba)
 from offload.model.cpu_packed import _split  # noqa: E402
 from offload.model.simd import _has, _x86  # noqa: E402
 from offload.weights import quant  # noqa: E402
@@ -124,3 +124,45 @@ def test_arrays_the_kernels_make_start_at_cache_lines():
 
     for n in (5, 64, 1000, 4096, 16384, 100_000):
         assert not starts(n).any(), n
+
+
+BYTE_FORMS = {"avx512bw": {"avx512bw", "avx2"}, "avx2": {"avx2"}, "plain": set()}
+
+
+@pytest.mark.parametrize("form", list(BYTE_FORMS))
+def test_int4_byte_pairs_give_exact_int32_sums_in_every_form(monkeypatch, form):
+    """`simd_bytes` (int4 codes by int8 steps where AVX-512 VNNI is missing): eight lane units of the largest codes
+    and steps of either sign added in int16 (`UNITS`: no saturation, no wrap), then widened, give numpy's exact sums
+    of every row of the block in order, in AVX-512 BW's, AVX2's and plain LLVM's forms."""
+    features = BYTE_FORMS[form]
+    if features and not _x86():
+        pytest.skip("the x86 forms compile on x86 only")
+    lacking = sorted(f for f in features if not _has(f))
+    if lacking:
+        pytest.skip(f"this CPU lacks {', '.join(lacking)}")
+    monkeypatch.setattr(simd_bytes, "_has", lambda feature: feature in features)
+
+    @numba.njit(cache=False)
+    def sums(qb, xp, units, out):
+        lo = hi = simd_int.vizero()
+        for p in range(units):
+            w0, w1 = simd_bytes.vbpairs4(qb, 64 * p)
+            xv = simd_bytes.vbsplat(xp, p)
+            lo, hi = simd_bytes.vmaddubs(lo, w0, xv), simd_bytes.vmaddubs(hi, w1, xv)
+        for i, v in enumerate(simd_bytes.vwiden16(lo) + simd_bytes.vwiden16(hi)):
+            simd_int.vistore(out, 16 * i, v)
+
+    rng = np.random.default_rng(11)
+    units = simd_bytes.UNITS
+    for top in (False, True):
+        codes = rng.integers(0, 16, (2 * units, 64)).astype(np.uint8)  # [column, row] of one 64-row block
+        x = rng.integers(-127, 128, 2 * units).astype(np.int8)
+        if top:  # the largest |sum| int16 must hold: every code 15, every step -127 (and +127 for the high rows)
+            codes[:] = 15
+            x[:] = -127
+        packed = (codes[:, :32] | (codes[:, 32:] << 4)).astype(np.uint8).reshape(-1)
+        xp = np.zeros(units, np.int32)
+        xp.view(np.int8)[: 2 * units] = x
+        out = np.empty(64, np.int32)
+        sums(packed, xp, units, out)
+        assert np.array_equal(out, codes.T.astype(np.int64) @ x.astype(np.int64)), (form, top)

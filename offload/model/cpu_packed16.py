@@ -12,24 +12,17 @@ products is made by the activations' dtype, never by the batch. Past a few rows 
 multiply-adds, not bytes, so this is what makes prefill and a verify pass cheap. A step is 2^-15 of the group's largest
 |x|: bf16's 8 significant bits are kept wherever an entry is within 2^7 of that largest, a smaller entry is off by at
 most 2^-16 of it. On the trained SmolLM2-135M in bf16 (12 prompts, against transformers in float32 on the same
-dequantized weights) the mean |logit difference| goes 0.21 -> 0.26 (int4) and 0.28 -> 0.30 (int8); the same split in a
-float32 run would move the logits 1e-2 where float32 products stay within 1e-4, so float32 (and fp16) activations keep
-float32 products.
+dequantized weights) the mean |logit difference| goes 0.21 -> 0.26 (int4) and 0.28 -> 0.30 (int8); in a float32 run
+the split would move the logits 1e-2 where float32 products stay within 1e-4, so float32 (and fp16) keep float32.
 
-Against int4 codes x is split into int8 steps by default (`kernels.use_activations`; llama.cpp's Q4_0 takes
-its activations in 8 bits too): four columns a lane, AVX-512 VNNI's vpdpbusd (`simd_int.vdot8`, 64 multiply-adds an
-instruction) on the codes gathered four columns a row (`vquads4`: two byte permutations per 256 codes). A step is
-2^-7 of the group's largest |x|. On the trained SmolLM2-135M in bf16 (a 182-token text, `scripts/quant_quality.py
---dtype bfloat16`) perplexity 24.19 -> 24.34 where int4 g32 lands on the checkpoint's own grid (bf16 weights: 24.54)
-and 33.29 -> 33.52 at g64, the worst layer's relative error 1.4% -> 3.1% and 25.5% -> 25.8%. One row: int16 pairs.
-
-Against int8 codes (unsigned bytes, as vpdpbusd takes them) x goes in int8 steps by default too, like llama.cpp's
-Q8_0, the codes stored four columns a row (`quant.int8_tiles`: `vquads8` loads them as they lie; they were gathered
-so by 8 byte permutations per 256 codes at every product before). 403 MB of 1.7B-shaped int8 matrices from DRAM, 2
-Zen 4 threads, int16 -> int8 steps interleaved: 9 rows 37.9 -> 30.9 ms, 16 rows 60 -> 45, 64 rows 167 -> 108 (one
-row 16.1 -> 16.0). Trained SmolLM2-135M, bf16, int8 g64: perplexity 24.59 -> 24.38 (bf16 weights 24.54), top-1
-agreement with bf16 weights 95.6% -> 91.2%, the worst layer's error 2.4% -> 4.2% (`weights.int8_activations: int16`
-keeps int16 steps). Knows nothing about models, tiers or files.
+Where the CPU multiplies bytes (`kernels.activation_steps`) x is split into int8 steps (2^-7 of the group's largest
+|x|, llama.cpp's Q4_0 / Q8_0 class): four columns a lane by AVX-512 VNNI's vpdpbusd (`simd_int.vdot8`, 64
+multiply-adds an instruction), the int4 codes gathered four columns a row (`vquads4`), the int8 codes stored so
+(`quant.int8_tiles`; 1.7B-shaped int8 matrices, 2 Zen 4 threads, int16 -> int8 steps: 9 rows 37.9 -> 30.9 ms, 64
+rows 167 -> 108); on AVX2 int4 codes by AVX2's vpmaddubsw in byte pairs (`cpu_packed_bytes`). Trained SmolLM2-135M,
+bf16, a 182-token text (`scripts/quant_quality.py`): int4 g32 perplexity 24.19 -> 24.34 (bf16 weights 24.54), int8
+g64 24.59 -> 24.38 with top-1 agreement 95.6% -> 91.2% (`weights.int8_activations: int16` keeps int16 steps). Knows
+nothing about models, tiers or files.
 """
 
 from __future__ import annotations
@@ -38,10 +31,13 @@ import numpy as np
 from numba import njit, prange
 
 from offload.model.cpu_packed import _AHEAD, _BLOCK, _load4, _put, _quads_end, _scale, _scales, _split, _store4
+from offload.model.cpu_packed_bytes import _fours4b, _sums1b
 from offload.model.cpu_packed_close import _close_asking, _close_tiles, _stepped
 from offload.model.simd import LANES, _has, parts, prefetch, prefetch_l2, vload, vstore
 from offload.model.simd_amx import configure, quad_shape, quad_sums, tile_units, tiles_config, tiles_release
+from offload.model.simd_bytes import pair_bytes
 from offload.model.simd_int import (
+    byte_dots,
     vcodes4,
     vcodes8,
     vdot,
@@ -56,44 +52,38 @@ from offload.model.simd_int import (
     vquads8,
 )
 
-#: How a product runs (`kind`, every helper's last argument): int4 / int8 codes by x in int16 pairs, in int8 quads.
-_INT4, _INT8, _INT4_8, _INT8_8 = 0, 1, 2, 3
-#: Rows of x from which int8 steps meet int4 codes as quads (`vquads4`, `vdot8`); fewer: as int16 pairs, like int16
-#: steps (the same exact sums). 1.7B-shaped int4 matrices (182 MB) from DRAM, a Zen 4, interleaved in one process:
-#: one row, 2 threads, 7.4 ms as pairs and 8.7 as quads (one thread 11.9 and 14.6: the quads' half as many
-#: instructions wait longer on memory); 2 rows 12.9 -> 9.9 ms, 3 12.0 -> 9.6, 5 17.3 -> 11.8, 9 36-41 -> 26-32;
-#: from L2 and L3 one row 1.45-1.53x faster as quads. Either way the same exact sums. `_QUADS8`: against int8 codes
-#: where the cores have AMX (a 2-core Xeon VM, 570 MB of 1.7B-shaped ones: one row 12.6-12.9 -> 10.1-10.4 ms).
+#: How a product runs (`kind`): int4 / int8 codes by x in int16 pairs, in int8 quads; int4 by int8 steps in byte pairs.
+_INT4, _INT8, _INT4_8, _INT8_8, _INT4_B = 0, 1, 2, 3, 4
+#: Byte pairs (`cpu_packed_bytes`) for int8 steps against int4 codes at every row count where AVX2 lacks VNNI. 4
+#: [8192, 2048] int4 g64 matrices from DRAM, 2 threads, a Zen 3 EPYC, int16 steps in pairs -> int8 in byte pairs: 1 /
+#: 2 / 4 / 9 / 16 / 64 rows 2.0 / 3.6 / 6.7 / 14.4 / 26.5 / 92.3 -> 1.2 / 2.5 / 2.7 / 5.6 / 9.1 / 33.6 ms.
+_BYTES4 = pair_bytes() and not byte_dots()
+#: Rows of x from which int8 steps meet int4 codes as quads (`vquads4`, `vdot8`); fewer: as int16 pairs (the same
+#: sums). 182 MB of 1.7B-shaped int4 matrices, a Zen 4, pairs -> quads: one row 7.4 -> 8.7 ms (from DRAM: the quads'
+#: fewer instructions wait longer; from L2 1.5x faster), 2 rows 12.9 -> 9.9, 9 36-41 -> 26-32. `_QUADS8`: int8 codes
+#: where the cores have AMX (a Xeon VM, 570 MB of 1.7B-shaped ones: one row 12.6-12.9 -> 10.1-10.4 ms).
 _QUADS = 2
 _QUADS8 = 1 if _has("amx-int8") else _QUADS
-#: Rows of x from which int8 steps meet the codes on AMX tiles where the process may use them (`packed`: the
-#: same exact sums). 243 MB of 1.7B-shaped int8 (int4: 122 MB) matrices, a 2-core Xeon VM, 2 threads, interleaved,
-#: vectors / tiles: 8 rows 17.9 / 17.0 ms (int4 10.9 / 10.2), 10 23.3 / 17.9 (14.7 / 11.7), 16 28.8 / 20.5 (18.7 /
-#: 14.1), 64 62.3 / 52.8 (66.0 / 44.4). Over one row's time, SmolLM2-135M-shaped int8 (106 MB) and int4 (53 MB)
-#: matrices and the 1.7B's, two runs each, vectors / tiles: 5 rows 1.04-1.22 / 1.25-1.52 (the vectors' five rows
-#: gather the codes once), 6 rows 1.21-1.66 / 1.13-1.64, 9 rows 1.25-1.93 / 1.20-1.77; tiles at or below vectors in
-#: 30 of 32 cases of 6-9 rows. Below 6 a group's sums leaving the tiles (stored, scaled row by row) cost more than
-#: the tiles save.
+#: Rows of x from which int8 steps meet the codes on AMX tiles where the process may use them (the same sums). 243
+#: MB of 1.7B-shaped int8 (int4: 122 MB) matrices, a 2-core Xeon VM, vectors / tiles: 10 rows 23.3 / 17.9 ms (14.7 /
+#: 11.7), 64 62.3 / 52.8 (66.0 / 44.4); SmolLM2-135M's and the 1.7B's over one row's time: 5 rows 1.04-1.22 /
+#: 1.25-1.52, 6-9 rows tiles at or below vectors in 30 of 32 cases (below 6 the sums' leaving the tiles costs more).
 _TILE_ROWS = 6
 #: Rows up to which int16 pairs (int4, int8 codes) run a row at a time (`_direct16`; a block's codes from L2 after the
 #: first) where the CPU lacks AVX-512, whose 16 registers spill `_direct4`'s four rows of sums: 4 [8192, 2048] g64
 #: matrices, 2 threads, an AVX2 EPYC, interleaved: int8 2 / 3 / 4 rows 8.9-9.6 -> 3.6-4.1 / 5.0-5.2 / 6.4 ms, int4 2
 #: rows 6.0-6.8 -> 4.3-4.4 (one row 2.0-2.9). By kind: int4, int8 pairs; quads (int8 steps) one row.
-_ALONE = (1, 1, 1, 1) if _has("avx512f") else (2, 4, 1, 1)
+_ALONE = (1, 1, 1, 1, 1) if _has("avx512f") else (2, 4, 1, 1, 1)
 #: Rows of x from which they are split into integer steps in parallel, once for every thread (fewer: by each thread).
 _SPLIT_PARALLEL = 16
 #: Rows of x from which a block's codes are converted once per group into a buffer that every four rows read
-#: (`_dot4_16`); fewer: converted as read, four rows at a time (`_direct4`). int16 steps: one [8192, 2048] int4
-#: matrix (g64), 2 threads, a Zen 5, buffered / as read: 16 rows 1038 / 1033 us, 64 rows 3259 / 3377 us. Quads
-#: (`_WIDEN8`, `_WIDEN4`): 1.7B-shaped matrices, a Zen 4, interleaved in one process, as read / buffered: int8
-#: (8 permutations per 256 codes) 16 rows 0.86, 24-48 1.03-1.09, 96 1.26; int4 (2) 16-96 rows 0.85-0.93, 256 1.05.
+#: (`_dot4_16`); fewer: as read, four rows at a time (`_direct4`). One [8192, 2048] int4 matrix, a Zen 5, buffered /
+#: as read: 64 rows 3259 / 3377 us; quads (`_WIDEN8`, `_WIDEN4`), a Zen 4, as read / buffered: int8 24-48 rows
+#: 1.03-1.09, 96 1.26; int4 16-96 rows 0.85-0.93, 256 1.05.
 _WIDEN, _WIDEN8, _WIDEN4 = 16, 24, 128
 #: Bytes ahead int4 pairs also ask for into L2 (`_pair_prefetch`: more in flight than L1's misses allow). One row, 170
-#: MB of 1.7B int4 matrices, Zen 4, interleaved: 2 threads 26.8 / 32.6 / 31.6 -> 29.0 / 34.7 / 33.1 GB/s, 1 thread
-#: 17.7 / 18.7 / 19.0 -> 20.7 / 21.4 / 21.8 (8-32 KB alike); int8 pairs (at memory's rate) lost 6-10%: not there.
-#: int4 quads too: 2 / 5 / 9 rows 31.5 / 26.9-28.0 / 17.1-17.4 -> 32.2 / 28.1-29.3 / 18.0-18.1 GB/s. int8 quads too
-#: (189 MB of 1.7B-shaped matrices, 2 threads, interleaved in one process, best of 7): 5 rows 6.74 -> 5.66 ms, 9 rows
-#: 9.08 / 10.11 / 9.79 -> 7.96 / 9.55 / 8.28, 16 rows 15.3 -> 13.6, 32 rows 28.7 -> 21.8 (one row, as pairs, unchanged).
+#: MB of 1.7B int4 matrices, a Zen 4: 2 threads 26.8-32.6 -> 29.0-34.7 GB/s (int8 pairs lost 6-10%: not there); int4
+#: quads 9 rows 17.1-17.4 -> 18.0-18.1 GB/s; int8 quads (189 MB) 9 rows 9.1-10.1 -> 8.0-9.6 ms, 32 rows 28.7 -> 21.8.
 _AHEAD_L2 = 16384
 
 
@@ -119,14 +109,20 @@ def _close16(A, i, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma: no cover 
 
 @njit(forceinline=True, nogil=True)
 def _widens(R, kind):  # pragma: no cover - compiled
-    """Whether R rows read each group's codes from a buffer (`_WIDEN`)."""
-    return R >= (_WIDEN4 if kind == _INT4_8 else (_WIDEN8 if kind == _INT8_8 else _WIDEN))
+    """Whether R rows read each group's codes from a buffer (`_WIDEN`; byte pairs never)."""
+    return kind != _INT4_B and R >= (_WIDEN4 if kind == _INT4_8 else (_WIDEN8 if kind == _INT8_8 else _WIDEN))
 
 
 @njit(forceinline=True, nogil=True)
 def _per(kind):  # pragma: no cover - compiled
-    """Columns of x in an int32 lane: an int16 pair, or (`_INT4_8`, `_INT8_8`) an int8 quad."""
+    """Columns of a lane unit: an int16 pair, or (`_INT4_8`, `_INT8_8`) an int8 quad."""
     return 4 if kind == _INT4_8 or kind == _INT8_8 else 2
+
+
+@njit(forceinline=True, nogil=True)
+def _cols(kind):  # pragma: no cover - compiled
+    """Columns of x in an int32 of its steps: int8 steps 4 (quads and byte pairs), int16 2."""
+    return 2 if kind == _INT4 or kind == _INT8 else 4
 
 
 @njit(forceinline=True, nogil=True)
@@ -164,9 +160,8 @@ def _dots(t, u, v, s, c, xv, yv, zv, wv, kind):  # pragma: no cover - compiled
 @njit(forceinline=True, nogil=True)
 def _pair_prefetch(qb, p, ahead, kind):  # pragma: no cover - compiled
     """Ask for the codes `ahead` bytes past lane unit p's (int8 quads: four cache lines, int8 pairs and int4 quads:
-    two, int4 pairs: one; all but int8 pairs also into L2 `_AHEAD_L2` past). (A second ask of int4's 4x as far into
-    L1 helped a Zen 5 ([2048, 8192] from DRAM 350-370 -> 250-270 us) but cost a Zen 4 12% (216 MB, 2 threads: 10.5 ->
-    9.3 ms without).)"""
+    two, int4 pairs: one; all but int8 pairs also into L2 `_AHEAD_L2` past). (A second ask of int4's 4x as far: a
+    Zen 5 350-370 -> 250-270 us, a Zen 4 12% slower.)"""
     if kind == _INT8_8:
         for e in range(0, 256, 64):
             prefetch(qb, 256 * p + ahead + e)
@@ -185,7 +180,9 @@ def _pair_prefetch(qb, p, ahead, kind):  # pragma: no cover - compiled
 @njit(forceinline=True, nogil=True)
 def _sums1(xp, qb, p0, half, kind):  # pragma: no cover - compiled
     """One row's exact sums (four int32 vectors: rows 0-15 .. 48-63 of the block) over lane units p0 .. p0 + half
-    - 1: its int16 pairs (int8 quads) xp against the block's codes qb, converted as they are read."""
+    - 1: its int16 pairs (int8 quads, byte pairs) xp against the block's codes qb, converted as they are read."""
+    if kind == _INT4_B:
+        return _sums1b(xp, qb, p0, half, _AHEAD_L2)
     t0 = t1 = t2 = t3 = vizero()
     for p in range(p0, p0 + half):
         _pair_prefetch(qb, p, _AHEAD, kind)
@@ -227,11 +224,9 @@ def _close4(A, r, n, g, S, Z, step, xs, t0, t1, t2, t3, u0, u1, u2, u3, v0, v1, 
 @njit(forceinline=True, nogil=True)
 def _direct4(XP, step, xs, r, n, g, qb, S, Z, half, A, kind):  # pragma: no cover - compiled
     """`_direct16`'s group g (half: its column pairs) for rows r .. r + n - 1 of XP (n <= 4; a missing row's place
-    computes the last row again, unstored): each pair of columns' codes is converted once for four rows, in
-    registers, with no buffer to write and read back; the callers take every row for one group before the next,
-    so the group's codes come from memory once and from L1 for the other rows. One [8192, 2048] int4 matrix (g64)
-    from DRAM, 2 threads, a Zen 5, interleaved processes, against a buffer per group and three rows at a time: 5
-    rows 657-911 -> 372-469 us, 9 rows 864-1089 -> 580-703 (one row: 200-300)."""
+    computes the last row again, unstored): each pair of columns' codes converted once for four rows, in registers;
+    the callers take every row for one group before the next (its codes from L1 after the first rows). One [8192,
+    2048] int4 matrix, a Zen 5, against a buffer and three rows at a time: 9 rows 864-1089 -> 580-703 us."""
     last = r + n - 1
     xa, xb, xc, xd = XP[r], XP[min(r + 1, last)], XP[min(r + 2, last)], XP[min(r + 3, last)]
     t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = v0 = v1 = v2 = v3 = s0 = s1 = s2 = s3 = vizero()
@@ -303,7 +298,7 @@ def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, T, kq, kind):  # pragma: no
     """A [R, 64] = block b's outputs for the rows XP (`_tiles16`), its scales into S, Z and (from `_widens` rows, or
     on tiles: kq > 0) each group's codes into W on the way."""
     R, G = A.shape[0], S.shape[0]
-    gs = _per(kind) * XP.shape[1] // G
+    gs = _cols(kind) * XP.shape[1] // G
     _scales(sz, b, nb, S, Z, _wide(kind))
     A[:] = 0
     qb = q[b].reshape(q.shape[1] * q.shape[2])
@@ -320,6 +315,9 @@ def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, T, kq, kind):  # pragma: no
                 for c in range((R + 15) // 16):
                     quad_sums(XP, 16 * c, g * half, half, kq, W, T, 1024 * c, 0)
                 _close_tiles(A1, T, R, S[g], Z[g], step, xs, g, kind == _INT4_8)
+    elif kind == _INT4_B:  # byte pairs: rows in fours, then a lone row over them (1, 5, 9 rows) alone
+        for r in range(_fours4b(XP, step, xs, qb, S, Z, gs // 2, A1, T), R):
+            _direct16(XP[r], step[r], xs[r], qb, S, Z, gs, A[r], kind)
     elif R <= _ALONE[kind]:  # (decode: a call of its own, the four-row loop's code out of it)
         for r in range(R):
             _direct16(XP[r], step[r], xs[r], qb, S, Z, gs, A[r], kind)
@@ -340,11 +338,10 @@ def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, T, kq, kind):  # pragma: no
 
 @njit(forceinline=True, nogil=True)
 def _split_row(x, r, gs, XP, step, xs, kind, form):  # pragma: no cover - compiled
-    """`_split` of row r into XP[r]: int8 steps against int4 codes (bounded as `vquads4`'s, up to 240) or int8
-    codes (up to 255), as quads or (`form` _INT4, _INT8) as int16 pairs, else int16 steps against codes up to 15
-    (int4) or 255 (int8)."""
+    """`_split` of row r into XP[r]: int8 steps against int4 codes (bounded as `vquads4`'s, up to 240) or int8 codes
+    (255), as bytes or (`form` _INT4, _INT8) int16 pairs, else int16 steps against codes up to 15 (int4) or 255."""
     cmax = 255 if _wide(kind) else (240 if kind == _INT4_8 else 15)
-    if _per(form) == 4:
+    if _cols(form) == 4:
         _split(x[r], gs, cmax, 127, XP[r].view(np.int8), step[r], xs[r])
     else:
         _split(x[r], gs, cmax, 127 if _per(kind) == 4 else 32767, XP[r].view(np.int16), step[r], xs[r])
@@ -361,20 +358,20 @@ def _split_buffers(R, rows, cols, G):  # pragma: no cover - compiled
 
 @njit(inline="always")  # (its prange must land in each parallel entry; the helpers inline in LLVM, not numba)
 def _tiles16(x, q, sz, out, kind, quads, amx):  # pragma: no cover - compiled
-    """`_tiles` with x in int16 steps (even groups), its rows four at a time: below `_widens` rows against the codes
-    as they are read (`_direct4`, one group for every row, then the next), from there against each group's codes
-    converted once into a buffer (`_dot4_16`). Integer sums are exact, so every path gives a row the same bits."""
+    """`_tiles` with x in integer steps (even groups), its rows four at a time: below `_widens` rows against the codes
+    as read (`_direct4`), from there against each group's codes converted once into a buffer (`_dot4_16`); int4 codes
+    in byte pairs (`_BYTES4`) by `cpu_packed_bytes`. Integer sums are exact: every path gives a row the same bits."""
     R, K = x.shape
     nb, G = q.shape[0], sz.shape[0]
     gs = K // G
     sz = sz.reshape(G, sz.shape[1] * sz.shape[2])
-    form = kind  # below _QUADS rows int8 steps go as int16 pairs: the same integer sums, so the same bits
-    if R < quads and _per(kind) == 4:
+    form = _INT4_B if kind == _INT4_8 and _BYTES4 else kind  # below _QUADS rows int8 steps go as int16 pairs:
+    if R < quads and _per(form) == 4:  # the same integer sums, so the same bits
         form = _INT8 if kind == _INT8_8 else _INT4
     kq = tile_units(gs // 4) if amx and _per(form) == 4 and R >= _TILE_ROWS else 0
     rows = (R + 15) // 16 * 16 if kq else R  # x's int16 pairs (int8 quads), a lane unit an int32; on tiles, rows to
     own = R < _SPLIT_PARALLEL  # a whole tile. Few rows: each thread splits x itself (below)
-    XP, step, xs = _split_buffers(0 if own else R, rows, K // _per(form), G)
+    XP, step, xs = _split_buffers(0 if own else R, rows, K // _cols(form), G)
     if not own:
         for r in prange(R):
             _split_row(x, r, gs, XP, step, xs, kind, form)
@@ -382,13 +379,13 @@ def _tiles16(x, q, sz, out, kind, quads, amx):  # pragma: no cover - compiled
     for t in prange(shares):  # (one share of blocks a thread, its buffers made once)
         XPt, stept, xst = XP, step, xs
         if own:  # (every thread at once, each into its own cache: split once and read from the other core's, the
-            XPt, stept, xst = _split_buffers(R, rows, K // _per(form), G)  # rows cost more; SmolLM2 int8 from
+            XPt, stept, xst = _split_buffers(R, rows, K // _cols(form), G)  # rows cost more; SmolLM2 int8 from
             for r in range(R):  # cache, a layer's products at 9 rows, three interleaved pairs: 110-116 -> 103-113 us)
                 _split_row(x, r, gs, XPt, stept, xst, kind, form)
         S, Z = np.empty((G, _BLOCK), np.float32), np.empty((G, _BLOCK), np.float32)
         A = np.empty((R, _BLOCK), np.float32)
         W = np.empty(gs // _per(form) * _BLOCK if (kq and form != _INT8_8) or _widens(R, form) else 0, np.int32)
-        T, cfg = np.empty(1024 * ((R + 15) // 16) if kq else 0, np.int32), np.empty(64, np.uint8)
+        T, cfg = np.empty(1024 * ((R + 15) // 16) if kq or form == _INT4_B else 0, np.int32), np.empty(64, np.uint8)
         if kq:  # (a thread's tiles: configured in the thread)
             configure(cfg, quad_shape(min(16, R), kq))
             tiles_config(cfg)

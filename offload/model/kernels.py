@@ -49,8 +49,9 @@ ROW_INVARIANT = numba is not None
 #: measured again by `offload chat --auto` and scripts/bench_cpu.py; `git log -S VERSION` tells each step, from 2:
 #: three-row tiles, to 29: bf16 products, and int8 steps from 10 rows, on AMX tiles where granted, `simd_amx`; 30:
 #: int8 steps on tiles from 6 rows, attention 1.2-1.4x faster; 31-36: the results' labels of later steps, VERSION
-#: kept; 37: without AVX-512, int4 pairs unpacked in AVX2's shuffles, int16 steps, 2-4 rows of pairs one by one).
-VERSION = 37
+#: kept; 37: without AVX-512, int4 pairs unpacked in AVX2's shuffles, int16 steps, 2-4 rows of pairs one by one;
+#: 38: without VNNI, int4 codes by int8 steps in AVX2's byte pairs, `simd_bytes`).
+VERSION = 38
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
 #: 1.7B shape's four bf16 matrices x 2, one thread: whole rows (64-180 KiB buffers, read from L2) -> 512 columns:
 #: 64 rows 195 -> 150 ms, 9 rows 51 -> 42 ms, 1 row 34 -> 25 ms. In a 1.7B bf16 run (weights from DRAM) 512 is
@@ -85,6 +86,7 @@ if numba is not None:
     from offload.model.cpu_packed_entry import AMX_TILES, FLOAT32_STEPS, INT4_AS_INT8, INT8_AS_INT8, INT16_STEPS, packed
     from offload.model.simd import _avx512, _bits_f32, _f32_bits, parts, prefetch  # noqa: F401 - the fused layer's too
     from offload.model.simd_amx import bf16_tiles, int8_tiles
+    from offload.model.simd_bytes import pair_bytes
     from offload.model.simd_int import byte_dots
 
     _WIDE = _avx512()  # registers for `cpu_bf16._rows3`'s tile (frozen into the compiled code: numba's cache keys
@@ -255,25 +257,26 @@ DENSE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2} if numba is
 PACKED, DENSE_BF16, DENSE_BF16_TILES, PACKED_STEPS = 3, 5, 6, 8
 
 
-def activation_steps(asked: str) -> str:
-    """The steps a config's "int8", "int16" or "auto" means here: auto is int8 where a CPU multiplies bytes in one
-    instruction (`simd_int.byte_dots`: AVX-512 VNNI, which every AMX CPU has), int16 elsewhere (an AVX2 CPU widens
-    the bytes first: int8 steps 1.3-8x slower, and int16 steps are the closer of the two)."""
+def activation_steps(asked: str, bits: int) -> str:
+    """The steps a config's "int8", "int16" or "auto" means here against `bits`-bit codes: auto is int8 where a CPU
+    multiplies bytes in one instruction (`simd_int.byte_dots`: AVX-512 VNNI, which every AMX CPU has; against int4
+    codes also AVX2's byte pairs, `simd_bytes.pair_bytes`), int16 elsewhere (int8 codes by int8 steps on AVX2 widen
+    the bytes first: 1.3-8x slower than int16 steps, which are also the closer of the two)."""
     if asked != "auto":
         return asked
-    return "int8" if numba is not None and byte_dots() else "int16"
+    return "int8" if numba is not None and (byte_dots() or (bits == 4 and pair_bytes())) else "int16"
 
 
 #: The steps of bf16 activations against int4 and int8 codes: "int8" or "int16" each (`packed_kind`; config
 #: `weights.int4_activations` / `int8_activations`, set for the process by each executor built; "auto" until then).
-ACTIVATIONS = {"int4": activation_steps("auto"), "int8": activation_steps("auto")}
+ACTIVATIONS = {"int4": activation_steps("auto", 4), "int8": activation_steps("auto", 8)}
 
 
 def use_activations(int4: str, int8: str) -> None:
     """bf16 activations meet int4 / int8 codes in "int8" steps (llama.cpp's Q4_0 / Q8_0 error class) or "int16"
     ones ("auto": `activation_steps`), from the next layer built; process-wide, like the kernels' threads
     (`cpu_packed16`)."""
-    ACTIVATIONS.update(int4=activation_steps(int4), int8=activation_steps(int8))
+    ACTIVATIONS.update(int4=activation_steps(int4, 4), int8=activation_steps(int8, 8))
 
 
 def dense_kind(weights: torch.dtype, activations: torch.dtype) -> int:
