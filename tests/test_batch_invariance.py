@@ -179,15 +179,16 @@ def test_an_int4_products_row_has_the_same_bits_at_any_place_in_any_pass(K, grou
 
 @pytest.mark.parametrize("bits,K,group", [(4, 576, 64), (4, 2048, 128), (4, 40, 20), (4, 36, 18), (8, 576, 64),
                                           (8, 584, 146), (8, 18, 18)])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype,steps", [("bfloat16", "int8"), ("bfloat16", "int16"), ("float16", "int8")])
 def test_packed_products_of_bf16_activations_are_integer_steps_and_rows_keep_their_bits(monkeypatch, bits, K, group,
-                                                                                        dtype):
+                                                                                        dtype, steps):
     """bf16 activations are multiplied in integer steps: int8 steps where the groups are a multiple of 4 (asked for
-    both widths, as `auto` does where the CPU has AVX-512 VNNI), else int16 steps; within what the steps change of
-    the exact product, and a row comes out the same at any place in any pass (every size 1-10 at every offset: the
-    direct, four-row and one-row paths; 17-130 rows: the buffered path from 16 rows of int16 steps, 24 of int8
-    quads, 128 of int4 quads). fp16 activations (more significant bits than the steps keep) as float32 ones."""
-    monkeypatch.setattr(kernels, "ACTIVATIONS", {"int4": "int8", "int8": "int8"})
+    both widths, as `auto` does where the CPU has AVX-512 VNNI), else int16 steps (or asked for both); within what the
+    steps change of the exact product, and a row comes out the same at any place in any pass (every size 1-10 at
+    every offset: the direct, four-row and one-row paths, rows in fours on AVX2 with stand-ins and a lone row; 17-130
+    rows: the buffered path from 16 rows of int16 steps, 24 of int8 quads, 128 of int4 quads). fp16 activations
+    (more significant bits than the steps keep) as float32 ones."""
+    monkeypatch.setattr(kernels, "ACTIVATIONS", {"int4": steps, "int8": steps})
     g = torch.Generator().manual_seed(K)
     packed = quant.quantize(torch.randn(70, K, generator=g), bits, group, torch.bfloat16)
     x = torch.randn(130, K, generator=g).to(getattr(torch, dtype))
@@ -195,7 +196,7 @@ def test_packed_products_of_bf16_activations_are_integer_steps_and_rows_keep_the
     full = kernels.packed_linear(x, packed["q"], packed["sz"])
     as_float32 = kernels.packed_linear(x.float(), packed["q"], packed["sz"])
     if dtype == "bfloat16":
-        int8_steps = group % 4 == 0  # (both widths: `weights.int4_activations`, `int8_activations`)
+        int8_steps = group % 4 == 0 and steps == "int8"  # (both widths: `weights.int4_activations`, `int8_...`)
         within_split(full, x.float(), w, group, 127 if int8_steps else 32767)
         assert not torch.equal(full, as_float32)
         if int8_steps:  # (coarser than int16 steps: their bound would not hold)

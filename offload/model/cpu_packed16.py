@@ -19,7 +19,7 @@ Where the CPU multiplies bytes (`kernels.activation_steps`) x is split into int8
 |x|, llama.cpp's Q4_0 / Q8_0 class): four columns a lane by AVX-512 VNNI's vpdpbusd (`simd_int.vdot8`, 64
 multiply-adds an instruction), the int4 codes gathered four columns a row (`vquads4`), the int8 codes stored so
 (`quant.int8_tiles`; 1.7B-shaped int8 matrices, 2 Zen 4 threads, int16 -> int8 steps: 9 rows 37.9 -> 30.9 ms, 64
-rows 167 -> 108); on AVX2 int4 codes by AVX2's vpmaddubsw in byte pairs (`cpu_packed_bytes`). Trained SmolLM2-135M,
+rows 167 -> 108); on AVX2 int4 codes by AVX2's vpmaddubsw in byte pairs (`cpu_packed_fours`). Trained SmolLM2-135M,
 bf16, a 182-token text (`scripts/quant_quality.py`): int4 g32 perplexity 24.19 -> 24.34 (bf16 weights 24.54), int8
 g64 24.59 -> 24.38 with top-1 agreement 95.6% -> 91.2% (`weights.int8_activations: int16` keeps int16 steps). Knows
 nothing about models, tiers or files.
@@ -30,31 +30,30 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from offload.model.cpu_packed import _AHEAD, _BLOCK, _load4, _put, _quads_end, _scale, _scales, _split, _store4
-from offload.model.cpu_packed_bytes import _fours4b, _sums1b
+from offload.model.cpu_packed import _AHEAD, _BLOCK, _load4, _put, _scale, _scales, _split, _store4
 from offload.model.cpu_packed_close import _close_asking, _close_tiles, _stepped
-from offload.model.simd import LANES, _has, parts, prefetch, prefetch_l2, vload, vstore
+from offload.model.cpu_packed_fours import _fours, _sums1b
+from offload.model.cpu_packed_units import (
+    _AHEAD_L2,
+    _INT4,
+    _INT4_8,
+    _INT4_B,
+    _INT8,
+    _INT8_8,
+    _cols,
+    _dot,
+    _dots,
+    _pair_codes,
+    _pair_prefetch,
+    _per,
+    _wide,
+)
+from offload.model.simd import LANES, _has, parts, vload, vstore
 from offload.model.simd_amx import configure, quad_shape, quad_sums, tile_units, tiles_config, tiles_release
 from offload.model.simd_bytes import pair_bytes
-from offload.model.simd_int import (
-    byte_dots,
-    vcodes4,
-    vcodes8,
-    vdot,
-    vdot8,
-    viload,
-    visplat,
-    vistore,
-    vizero,
-    vpairs8q0,
-    vpairs8q1,
-    vquads4,
-    vquads8,
-)
+from offload.model.simd_int import byte_dots, viload, visplat, vistore, vizero
 
-#: How a product runs (`kind`): int4 / int8 codes by x in int16 pairs, in int8 quads; int4 by int8 steps in byte pairs.
-_INT4, _INT8, _INT4_8, _INT8_8, _INT4_B = 0, 1, 2, 3, 4
-#: Byte pairs (`cpu_packed_bytes`) for int8 steps against int4 codes at every row count where AVX2 lacks VNNI. 4
+#: Byte pairs (`cpu_packed_fours`) for int8 steps against int4 codes at every row count where AVX2 lacks VNNI. 4
 #: [8192, 2048] int4 g64 matrices from DRAM, 2 threads, a Zen 3 EPYC, int16 steps in pairs -> int8 in byte pairs: 1 /
 #: 2 / 4 / 9 / 16 / 64 rows 2.0 / 3.6 / 6.7 / 14.4 / 26.5 / 92.3 -> 1.2 / 2.5 / 2.7 / 5.6 / 9.1 / 33.6 ms.
 _BYTES4 = pair_bytes() and not byte_dots()
@@ -70,10 +69,15 @@ _QUADS8 = 1 if _has("amx-int8") else _QUADS
 #: 1.25-1.52, 6-9 rows tiles at or below vectors in 30 of 32 cases (below 6 the sums' leaving the tiles costs more).
 _TILE_ROWS = 6
 #: Rows up to which int16 pairs (int4, int8 codes) run a row at a time (`_direct16`; a block's codes from L2 after the
-#: first) where the CPU lacks AVX-512, whose 16 registers spill `_direct4`'s four rows of sums: 4 [8192, 2048] g64
-#: matrices, 2 threads, an AVX2 EPYC, interleaved: int8 2 / 3 / 4 rows 8.9-9.6 -> 3.6-4.1 / 5.0-5.2 / 6.4 ms, int4 2
-#: rows 6.0-6.8 -> 4.3-4.4 (one row 2.0-2.9). By kind: int4, int8 pairs; quads (int8 steps) one row.
-_ALONE = (1, 1, 1, 1, 1) if _has("avx512f") else (2, 4, 1, 1, 1)
+#: first) where the CPU lacks AVX-512: 4 [8192, 2048] g64 matrices, 2 threads, an AVX2 EPYC, int8 2 / 3 / 4 rows
+#: against `_direct4` 8.9-9.6 -> 3.6-4.1 / 5.0-5.2 / 6.4 ms, int4 2 rows 6.0-6.8 -> 4.3-4.4 (one row 2.0-2.9); against
+#: `_FOURS`, 6 interleaved rounds of a slower minute (one row 3.2), median alone / fours: int8 2 rows 5.7 / 7.8, 3
+#: 8.3 / 7.9, 4 10.8 / 8.1. By kind: int4, int8 pairs; quads (int8 steps) one row.
+_ALONE = (1, 1, 1, 1, 1) if _has("avx512f") else (2, 2, 1, 1, 1)
+#: Rows in fours into a sums buffer, a part of the block at a time (`cpu_packed_fours`), where 16 vector registers
+#: spill `_direct4`'s and `_dot4_16`'s four rows of sums (AVX2). The same matrices, int8 codes, interleaved: 5 / 9 /
+#: 16 / 64 rows 14.7-16.9 / 27.0-27.3 / 38.8-43.2 / 142-164 -> 6.6-11.2 / 10.4-18.1 / 17.3-29.2 / 111-114 ms.
+_FOURS = not _has("avx512f")
 #: Rows of x from which they are split into integer steps in parallel, once for every thread (fewer: by each thread).
 _SPLIT_PARALLEL = 16
 #: Rows of x from which a block's codes are converted once per group into a buffer that every four rows read
@@ -81,10 +85,6 @@ _SPLIT_PARALLEL = 16
 #: as read: 64 rows 3259 / 3377 us; quads (`_WIDEN8`, `_WIDEN4`), a Zen 4, as read / buffered: int8 24-48 rows
 #: 1.03-1.09, 96 1.26; int4 16-96 rows 0.85-0.93, 256 1.05.
 _WIDEN, _WIDEN8, _WIDEN4 = 16, 24, 128
-#: Bytes ahead int4 pairs also ask for into L2 (`_pair_prefetch`: more in flight than L1's misses allow). One row, 170
-#: MB of 1.7B int4 matrices, a Zen 4: 2 threads 26.8-32.6 -> 29.0-34.7 GB/s (int8 pairs lost 6-10%: not there); int4
-#: quads 9 rows 17.1-17.4 -> 18.0-18.1 GB/s; int8 quads (189 MB) 9 rows 9.1-10.1 -> 8.0-9.6 ms, 32 rows 28.7 -> 21.8.
-_AHEAD_L2 = 16384
 
 
 @njit(forceinline=True, nogil=True)
@@ -109,72 +109,10 @@ def _close16(A, i, t0, t1, t2, t3, Sg, Zg, step, xs, kind):  # pragma: no cover 
 
 @njit(forceinline=True, nogil=True)
 def _widens(R, kind):  # pragma: no cover - compiled
-    """Whether R rows read each group's codes from a buffer (`_WIDEN`; byte pairs never)."""
-    return kind != _INT4_B and R >= (_WIDEN4 if kind == _INT4_8 else (_WIDEN8 if kind == _INT8_8 else _WIDEN))
-
-
-@njit(forceinline=True, nogil=True)
-def _per(kind):  # pragma: no cover - compiled
-    """Columns of a lane unit: an int16 pair, or (`_INT4_8`, `_INT8_8`) an int8 quad."""
-    return 4 if kind == _INT4_8 or kind == _INT8_8 else 2
-
-
-@njit(forceinline=True, nogil=True)
-def _cols(kind):  # pragma: no cover - compiled
-    """Columns of x in an int32 of its steps: int8 steps 4 (quads and byte pairs), int16 2."""
-    return 2 if kind == _INT4 or kind == _INT8 else 4
-
-
-@njit(forceinline=True, nogil=True)
-def _wide(kind):  # pragma: no cover - compiled
-    return kind == _INT8 or kind == _INT8_8  # int8 codes (a byte a code), not int4
-
-
-@njit(forceinline=True, nogil=True)
-def _pair_codes(qb, p, kind):  # pragma: no cover - compiled
-    """Lane unit p's columns (2p, 2p + 1; int8 quads: 4p .. 4p + 3) of a block's codes qb as four vectors of 16 rows
-    (0-15, 16-31, 32-47, 48-63): int8 128 bytes of int16 pairs, int4 64; in quads int8 256, int4 128."""
-    if kind == _INT8:  # (a unit of four columns holds two pairs: `quant.int8_tiles`; the last K % 4 columns as read)
-        if 2 * p < _quads_end(qb):
-            return vpairs8q1(qb, 256 * (p >> 1)) if p & 1 else vpairs8q0(qb, 256 * (p >> 1))
-        return vcodes8(qb, 128 * p)
-    if kind == _INT8_8:
-        return vquads8(qb, 256 * p)
-    if kind == _INT4_8:
-        return vquads4(qb, 128 * p)
-    return vcodes4(qb, 64 * p)
-
-
-@njit(forceinline=True, nogil=True)
-def _dot(acc, c, x, kind):  # pragma: no cover - compiled
-    """acc + the lane's products of codes c and x: int16 pairs (`vdot`) or byte quads (`vdot8`)."""
-    return vdot8(acc, c, x) if _per(kind) == 4 else vdot(acc, c, x)
-
-
-@njit(forceinline=True, nogil=True)
-def _dots(t, u, v, s, c, xv, yv, zv, wv, kind):  # pragma: no cover - compiled
-    """`_dot` of codes c for four rows (their x: xv .. wv) into their sums t, u, v, s."""
-    return _dot(t, c, xv, kind), _dot(u, c, yv, kind), _dot(v, c, zv, kind), _dot(s, c, wv, kind)
-
-
-@njit(forceinline=True, nogil=True)
-def _pair_prefetch(qb, p, ahead, kind):  # pragma: no cover - compiled
-    """Ask for the codes `ahead` bytes past lane unit p's (int8 quads: four cache lines, int8 pairs and int4 quads:
-    two, int4 pairs: one; all but int8 pairs also into L2 `_AHEAD_L2` past). (A second ask of int4's 4x as far: a
-    Zen 5 350-370 -> 250-270 us, a Zen 4 12% slower.)"""
-    if kind == _INT8_8:
-        for e in range(0, 256, 64):
-            prefetch(qb, 256 * p + ahead + e)
-            prefetch_l2(qb, 256 * p + _AHEAD_L2 + e)
-    elif kind != _INT4:
-        prefetch(qb, 128 * p + ahead)
-        prefetch(qb, 128 * p + ahead + 64)
-        if kind == _INT4_8:
-            prefetch_l2(qb, 128 * p + _AHEAD_L2)
-            prefetch_l2(qb, 128 * p + _AHEAD_L2 + 64)
-    else:
-        prefetch(qb, 64 * p + ahead)
-        prefetch_l2(qb, 64 * p + _AHEAD_L2)
+    """Whether R rows read each group's codes from a buffer (`_WIDEN`; rows in fours, `_FOURS`, never)."""
+    if _FOURS or kind == _INT4_B:
+        return False
+    return R >= (_WIDEN4 if kind == _INT4_8 else (_WIDEN8 if kind == _INT8_8 else _WIDEN))
 
 
 @njit(forceinline=True, nogil=True)
@@ -182,7 +120,7 @@ def _sums1(xp, qb, p0, half, kind):  # pragma: no cover - compiled
     """One row's exact sums (four int32 vectors: rows 0-15 .. 48-63 of the block) over lane units p0 .. p0 + half
     - 1: its int16 pairs (int8 quads, byte pairs) xp against the block's codes qb, converted as they are read."""
     if kind == _INT4_B:
-        return _sums1b(xp, qb, p0, half, _AHEAD_L2)
+        return _sums1b(xp, qb, p0, half)
     t0 = t1 = t2 = t3 = vizero()
     for p in range(p0, p0 + half):
         _pair_prefetch(qb, p, _AHEAD, kind)
@@ -315,8 +253,8 @@ def _block16(XP, step, xs, q, sz, b, nb, S, Z, A, W, T, kq, kind):  # pragma: no
                 for c in range((R + 15) // 16):
                     quad_sums(XP, 16 * c, g * half, half, kq, W, T, 1024 * c, 0)
                 _close_tiles(A1, T, R, S[g], Z[g], step, xs, g, kind == _INT4_8)
-    elif kind == _INT4_B:  # byte pairs: rows in fours, then a lone row over them (1, 5, 9 rows) alone
-        for r in range(_fours4b(XP, step, xs, qb, S, Z, gs // 2, A1, T), R):
+    elif kind == _INT4_B or (_FOURS and R > _ALONE[kind]):  # AVX2: rows in fours (a lone row over them alone)
+        for r in range(_fours(XP, step, xs, qb, S, Z, gs, A1, T, kind), R):
             _direct16(XP[r], step[r], xs[r], qb, S, Z, gs, A[r], kind)
     elif R <= _ALONE[kind]:  # (decode: a call of its own, the four-row loop's code out of it)
         for r in range(R):
@@ -360,7 +298,7 @@ def _split_buffers(R, rows, cols, G):  # pragma: no cover - compiled
 def _tiles16(x, q, sz, out, kind, quads, amx):  # pragma: no cover - compiled
     """`_tiles` with x in integer steps (even groups), its rows four at a time: below `_widens` rows against the codes
     as read (`_direct4`), from there against each group's codes converted once into a buffer (`_dot4_16`); int4 codes
-    in byte pairs (`_BYTES4`) by `cpu_packed_bytes`. Integer sums are exact: every path gives a row the same bits."""
+    in byte pairs (`_BYTES4`) by `cpu_packed_fours`. Integer sums are exact: every path gives a row the same bits."""
     R, K = x.shape
     nb, G = q.shape[0], sz.shape[0]
     gs = K // G
@@ -385,7 +323,8 @@ def _tiles16(x, q, sz, out, kind, quads, amx):  # pragma: no cover - compiled
         S, Z = np.empty((G, _BLOCK), np.float32), np.empty((G, _BLOCK), np.float32)
         A = np.empty((R, _BLOCK), np.float32)
         W = np.empty(gs // _per(form) * _BLOCK if (kq and form != _INT8_8) or _widens(R, form) else 0, np.int32)
-        T, cfg = np.empty(1024 * ((R + 15) // 16) if kq or form == _INT4_B else 0, np.int32), np.empty(64, np.uint8)
+        T = np.empty(1024 * ((R + 15) // 16) if kq or _FOURS or form == _INT4_B else 0, np.int32)  # sums: tiles, fours
+        cfg = np.empty(64, np.uint8)
         if kq:  # (a thread's tiles: configured in the thread)
             configure(cfg, quad_shape(min(16, R), kq))
             tiles_config(cfg)
