@@ -98,8 +98,9 @@ def test_bf16_products_of_bf16_activations_round_as_pairs_and_rows_keep_their_bi
     """bf16 x times bf16 w multiply as bf16 pairs (AVX-512 BF16's vdpbf16ps where the CPU has it, two fused
     multiply-adds elsewhere): every output has exactly the roundings the reference spells out, on this machine's
     path, and a row the same bits in every pass size and offset (three rows at a time, one or two left alone), with
-    either tiling of rows (AVX-512's eight weight rows for three of x, and four weight rows for one of x elsewhere:
-    both run on any CPU), in work items that 8 weight rows at a time do not divide."""
+    either tiling of rows (AVX-512's eight weight rows for three of x; elsewhere four rows of x a weight row in chunks
+    of columns, rows over fours four weight rows for one of x: both run on any CPU), in work items that 8 weight rows
+    at a time do not divide."""
     g = torch.Generator().manual_seed(K)
     x = torch.randn(11, K, generator=g).to(torch.bfloat16)
     w = (torch.randn(37, K, generator=g) * 3).to(torch.bfloat16)

@@ -16,11 +16,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from offload.model.simd import fma, prefetch, prefetch_l2, vsum, vsum8, vzero
+from offload.model.simd import _bits_f32, fma, prefetch, prefetch_l2, vfma, vload, vstore, vsum, vsum8, vzero
+from offload.model.simd_bf16 import vbffirst, vbfsecond
 from offload.model.simd_int import bfat, f32put, vbfpairs, vdpbf
 
 #: Bytes ahead of its loads that a one-row product asks for (`_rows1`; past the matrix's end: a hint, no fault).
 AHEAD = 4096
+#: Columns of a chunk that four rows of x and 8 weight rows take together without AVX-512 (`_rows4x`: 4 KiB each).
+_KC4 = 256
 
 
 @njit(inline="always")
@@ -74,9 +77,10 @@ def _rows1(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
 
 @njit(nogil=True)
 def _rows4(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
-    """`_rows1` four weight rows side by side, for a CPU without AVX-512 where x has 2+ rows: each load of x serves
-    four rows, and the four accumulators (two of AVX2's 16 registers each) stay in registers, where `_rows3`'s 24
-    spill (2 Zen 3 threads, x of 9 / 64 rows, [3072, 576] and [6144, 2048]: 15-17 -> 25-34 GMAC/s)."""
+    """`_rows1` four weight rows side by side, for a CPU without AVX-512 where x has 2-3 rows (or rows over fours,
+    `_rows4x`): each load of x serves four rows, and the four accumulators (two of AVX2's 16 registers each) stay in
+    registers, where `_rows3`'s 24 spill (2 Zen 3 threads, x of 9 / 64 rows, [3072, 576] and [6144, 2048]: 15-17 ->
+    25-34 GMAC/s)."""
     K32 = K - K % 32
     for h in range(n, last + 1, 4):
         rows = _rows8(w, ws, h, min(h + 3, last))
@@ -89,6 +93,54 @@ def _rows4(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
             a2 = vdpbf(a2, vbfpairs(w2, k), xv)
             a3 = vdpbf(a3, vbfpairs(w3, k), xv)
         _store8(out, h, min(h + 3, last), x, rows, (a0, a1, a2, a3, a0, a1, a2, a3), K32, K)
+
+
+@njit(nogil=True)
+def bf16_halves(x, K32):  # pragma: no cover - compiled
+    """x's bf16 bits [R, K] -> the even and the odd columns of its first K32 as float32 (exact), flat [R * K32 / 2]
+    each: every pair's first and second values, made once for every weight row (`_rows4x`)."""
+    R, h = x.shape[0], K32 // 2
+    XE, XO = np.empty(R * h, np.float32), np.empty(R * h, np.float32)
+    for r in range(R):
+        for j in range(h):
+            XE[r * h + j] = _bits_f32(np.uint32(x[r, 2 * j]) << np.uint32(16))
+            XO[r * h + j] = _bits_f32(np.uint32(x[r, 2 * j + 1]) << np.uint32(16))
+    return XE, XO
+
+
+@njit(nogil=True)
+def _rows4x(xa, xs, XE, XO, R, w, ws, n, last, out, os, K, acc):  # pragma: no cover - compiled
+    """`_rows1` for the R rows of x (a multiple of 4; at xa, xa + xs, ...; their halves XE, XO: `bf16_halves`) and
+    weight rows n .. last (<= 8), without AVX-512: four rows of x at a time (rows over fours: `_rows4`), each weight
+    load's halves (`vbfsecond`, `vbffirst`) serving the four, `_KC4` columns at a time (four rows' and 8 weight
+    rows' columns in L1; the sums carried in acc [8 * 4 * 16]): 4 x 2 ymm of sums, where `vdpbf` on both operands
+    converted each x load for each weight row. The same roundings (`vdpbf`'s two fused multiply-adds), so the same
+    bits. 4 [6144, 2048] matrices, 2 threads, a Zen 3 EPYC, interleaved, `_rows4` a row -> fours: 9 / 16 / 64 rows
+    13.3-15.6 / 21.9-22.1 / 81-85 -> 11.0-11.4 / 15.8-16.3 / 56-60 ms."""
+    K32 = K - K % 32
+    h = K32 // 2
+    for r in range(0, R, 4):
+        e0, e1, e2, e3 = r * h, (r + 1) * h, (r + 2) * h, (r + 3) * h
+        acc[:] = 0
+        for k0 in range(0, K32, _KC4):
+            for i in range(last - n + 1):
+                wr, b = w + (n + i) * ws, 64 * i
+                a0, a1, a2, a3 = vload(acc, b), vload(acc, b + 16), vload(acc, b + 32), vload(acc, b + 48)
+                for k in range(k0, min(k0 + _KC4, K32), 32):
+                    v, j = vbfpairs(wr, k), k // 2
+                    sv, fv = vbfsecond(v), vbffirst(v)
+                    a0 = vfma(fv, vload(XE, e0 + j), vfma(sv, vload(XO, e0 + j), a0))
+                    a1 = vfma(fv, vload(XE, e1 + j), vfma(sv, vload(XO, e1 + j), a1))
+                    a2 = vfma(fv, vload(XE, e2 + j), vfma(sv, vload(XO, e2 + j), a2))
+                    a3 = vfma(fv, vload(XE, e3 + j), vfma(sv, vload(XO, e3 + j), a3))
+                vstore(acc, b, a0)
+                vstore(acc, b + 16, a1)
+                vstore(acc, b + 32, a2)
+                vstore(acc, b + 48, a3)
+        for i in range(last - n + 1):
+            for q in range(4):
+                f32put(out + (r + q) * os, n + i,
+                       _finish(vsum(vload(acc, 64 * i + 16 * q)), xa + (r + q) * xs, w + (n + i) * ws, K32, K))
 
 
 @njit(nogil=True)
@@ -146,9 +198,9 @@ def rows_bf16(x, w, out, n, end, wide):  # pragma: no cover - compiled
     go by 8 rows (contiguous bytes), read from memory by the first rows of x and from the caches by the others:
     where the CPU has AVX-512 (`wide`: 32 registers of 16 lanes), three rows of x at a time (`_rows3`), and rows
     left over threes as the last three rows (those computed and stored twice, the same bits), two rows `_rows1` each;
-    elsewhere `_rows4` for each row of x. (Rows left over had each read the whole range from memory again: 2 Zen 4
-    threads, 960 MB of 1.7B-shaped matrices, x of 2 / 4 / 5 rows 62 / 63 / 83 -> 45 / 45 / 51 ms, 1 / 3 / 9 rows
-    unchanged. Then `_rows1` over each, reading the 8 weight rows again for one row of x; as the last three rows,
+    elsewhere `_rows4x` (four rows of x at a time). (Rows left over had each read the whole range from memory again:
+    2 Zen 4 threads, 960 MB of 1.7B-shaped matrices, x of 2 / 4 / 5 rows 62 / 63 / 83 -> 45 / 45 / 51 ms. Then
+    `_rows1` over each, reading the 8 weight rows again for one row of x; as the last three rows,
     interleaved processes, 252 MB of them, 5 rows 13.2 / 15.9 -> 11.0 / 9.6 ms, 8 rows 16.1 / 14.5 -> 12.0 / 10.7
     (one row 6-10); SmolLM2-135M's 212 MB, 5 rows 18.1 / 17.0 -> 13.9 / 13.3, 8 rows 16.5 / 15.0 -> 13.5 / 12.9.)
     The groups of three after the first ask for the next 8 weight rows into L2
@@ -162,6 +214,8 @@ def rows_bf16(x, w, out, n, end, wide):  # pragma: no cover - compiled
     if R == 1:
         _rows1(xa, wa, ws, n, end - 1, oa, K)
         return
+    XE, XO = bf16_halves(x, 0 if wide else K - K % 32)
+    acc = np.empty(0 if wide else 512, np.float32)
     groups = -(-R // 3) if wide and R >= 3 else 0  # (rows left over threes: the last three rows again, see above)
     first, steps = R if groups else 0, max(K // 32, 1)
     for m in range(n, end, 8):
@@ -172,7 +226,9 @@ def rows_bf16(x, w, out, n, end, wide):  # pragma: no cover - compiled
             r = min(3 * g, R - 3)
             _rows3(xa + r * xs, xs, wa, ws, m, last, oa + r * os, os, K,
                    wa + (last + 1) * ws + max(g - 1, 0) * share * steps, share if g else 0)
-        for r in range(first, R):
+        if not wide:  # (rows over fours: `_rows4` in this function; called from `_rows4x` they ran 1.2-1.5x slower)
+            _rows4x(xa, xs, XE, XO, R - R % 4, wa, ws, m, last, oa, os, K, acc)
+        for r in range(first if wide else R - R % 4, R):
             if wide:
                 _rows1(xa + r * xs, wa, ws, m, last, oa + r * os, K)
             else:

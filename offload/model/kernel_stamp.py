@@ -9,7 +9,8 @@ import os
 SOURCES = ("kernels.py", "cpu_bf16.py", "cpu_packed.py", "cpu_packed16.py", "cpu_packed_entry.py", "cpu_attention.py",
            "cpu_elementwise.py", "fused.py", "simd.py", "simd_int.py", "simd_math.py", "simd_amx.py",
            "cpu_bf16_tiles.py", "kernel_stamp.py", "cpu_attention_rows.py", "cpu_attention_blocks.py",
-           "cpu_packed_close.py", "cpu_packed_fours.py", "cpu_packed_units.py", "simd_bytes.py")
+           "cpu_packed_close.py", "cpu_packed_fours.py", "cpu_packed_units.py", "simd_bytes.py",
+           "simd_bf16.py")
 
 
 def stamp_kernel_sources() -> None:

@@ -50,8 +50,9 @@ ROW_INVARIANT = numba is not None
 #: three-row tiles, to 29: bf16 products, and int8 steps from 10 rows, on AMX tiles where granted, `simd_amx`; 30:
 #: int8 steps on tiles from 6 rows, attention 1.2-1.4x faster; 31-36: the results' labels of later steps, VERSION
 #: kept; 37: without AVX-512, int4 pairs unpacked in AVX2's shuffles, int16 steps, 2-4 rows of pairs one by one;
-#: 38: without VNNI, int4 codes by int8 steps in AVX2's byte pairs, `simd_bytes`).
-VERSION = 38
+#: 38: without VNNI, int4 codes by int8 steps in AVX2's byte pairs, `simd_bytes`; 39: without AVX-512, packed and bf16
+#: products of 3+ rows in fours, `cpu_packed_fours`, `cpu_bf16._rows4x`).
+VERSION = 39
 #: Columns of the dense kernel's weight buffer (8 rows x 512 float32 = 16 KiB: in L1 beside three rows of x). The
 #: 1.7B shape's four bf16 matrices x 2, one thread: whole rows (64-180 KiB buffers, read from L2) -> 512 columns:
 #: 64 rows 195 -> 150 ms, 9 rows 51 -> 42 ms, 1 row 34 -> 25 ms. In a 1.7B bf16 run (weights from DRAM) 512 is
