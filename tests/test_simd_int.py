@@ -20,14 +20,20 @@ from offload.weights import quant  # noqa: E402
 FORMS = {"vnni": {"avx512vnni", "avx512bw"}, "avx512bw": {"avx512bw"}, "plain": set()}
 
 
-def _compiled(monkeypatch, features: set[str]):
-    """Fresh (uncached) functions over the lane operations, compiled as for a CPU with only these features."""
+def _as_cpu_with(monkeypatch, module, features: set[str]) -> None:
+    """The module's code generator sees a CPU with only these features (skipped where this CPU lacks one: LLVM aborts
+    the process compiling them for such a host)."""
     if features and not _x86():
         pytest.skip("the x86 forms compile on x86 only")
     lacking = sorted(f for f in features if not _has(f))
     if lacking:
         pytest.skip(f"this CPU lacks {', '.join(lacking)}")
-    monkeypatch.setattr(simd_int, "_has", lambda feature: feature in features)
+    monkeypatch.setattr(module, "_has", lambda feature: feature in features)
+
+
+def _compiled(monkeypatch, features: set[str]):
+    """Fresh (uncached) functions over the lane operations, compiled as for a CPU with only these features."""
+    _as_cpu_with(monkeypatch, simd_int, features)
 
     @numba.njit(cache=False)
     def dots(acc, w, x, out8, out16):
@@ -134,13 +140,7 @@ def test_int4_byte_pairs_give_exact_int32_sums_in_every_form(monkeypatch, form):
     """`simd_bytes` (int4 codes by int8 steps where AVX-512 VNNI is missing): eight lane units of the largest codes
     and steps of either sign added in int16 (`UNITS`: no saturation, no wrap), then widened, give numpy's exact sums
     of every row of the block in order, in AVX-512 BW's, AVX2's and plain LLVM's forms."""
-    features = BYTE_FORMS[form]
-    if features and not _x86():
-        pytest.skip("the x86 forms compile on x86 only")
-    lacking = sorted(f for f in features if not _has(f))
-    if lacking:
-        pytest.skip(f"this CPU lacks {', '.join(lacking)}")
-    monkeypatch.setattr(simd_bytes, "_has", lambda feature: feature in features)
+    _as_cpu_with(monkeypatch, simd_bytes, BYTE_FORMS[form])
 
     @numba.njit(cache=False)
     def sums(qb, xp, units, out):

@@ -17,8 +17,7 @@ from numba import njit
 
 from offload.model.cpu_packed import _AHEAD
 from offload.model.cpu_packed_close import _close_tiles
-from offload.model.cpu_packed_units import _AHEAD_L2, _INT4_8, _INT4_B, _dot, _pair_codes, _pair_prefetch, _per
-from offload.model.simd import prefetch, prefetch_l2
+from offload.model.cpu_packed_units import _INT4, _INT4_8, _INT4_B, _dot, _pair_codes, _pair_prefetch, _per
 from offload.model.simd_bytes import UNITS, vbpairs4, vbsplat, vmaddubs, vwiden16
 from offload.model.simd_int import viadd, viload, visplat, vistore, vizero
 
@@ -26,15 +25,13 @@ from offload.model.simd_int import viadd, viload, visplat, vistore, vizero
 @njit(forceinline=True, nogil=True)
 def _sums1b(xp, qb, p0, half):  # pragma: no cover - compiled
     """One row's exact sums (four int32 vectors: rows 0-15 .. 48-63 of the block) over lane units p0 .. p0 + half - 1:
-    its int8 steps xp (as int32, four a lane) against the block's int4 codes qb in byte pairs, asking for the codes
-    ahead as int4 pairs do (`_pair_prefetch`)."""
+    its int8 steps xp (as int32, four a lane) against the block's int4 codes qb in byte pairs."""
     t0 = t1 = t2 = t3 = vizero()
     end = p0 + half
     for c in range(p0, end, UNITS):
         lo = hi = vizero()
         for p in range(c, min(c + UNITS, end)):
-            prefetch(qb, 64 * p + _AHEAD)
-            prefetch_l2(qb, 64 * p + _AHEAD_L2)
+            _pair_prefetch(qb, p, _AHEAD, _INT4)  # (the same bytes as int4 pairs)
             w0, w1 = vbpairs4(qb, 64 * p)
             xv = vbsplat(xp, p)
             lo, hi = vmaddubs(lo, w0, xv), vmaddubs(hi, w1, xv)
