@@ -96,10 +96,10 @@ def _rows4(x, w, ws, n, last, out, K):  # pragma: no cover - compiled
 
 
 @njit(nogil=True)
-def bf16_halves(x, K32):  # pragma: no cover - compiled
-    """x's bf16 bits [R, K] -> the even and the odd columns of its first K32 as float32 (exact), flat [R * K32 / 2]
-    each: every pair's first and second values, made once for every weight row (`_rows4x`)."""
-    R, h = x.shape[0], K32 // 2
+def bf16_halves(x, R, K32):  # pragma: no cover - compiled
+    """x's bf16 bits [R+, K] -> the even and the odd columns of its first R rows' first K32 as float32 (exact), flat
+    [R * K32 / 2] each: every pair's first and second values, made once for every weight row (`_rows4x`)."""
+    h = K32 // 2
     XE, XO = np.empty(R * h, np.float32), np.empty(R * h, np.float32)
     for r in range(R):
         for j in range(h):
@@ -214,7 +214,7 @@ def rows_bf16(x, w, out, n, end, wide):  # pragma: no cover - compiled
     if R == 1:
         _rows1(xa, wa, ws, n, end - 1, oa, K)
         return
-    XE, XO = bf16_halves(x, 0 if wide else K - K % 32)
+    XE, XO = bf16_halves(x, 0 if wide else R - R % 4, K - K % 32)  # (only the rows that `_rows4x` takes)
     acc = np.empty(0 if wide else 512, np.float32)
     groups = -(-R // 3) if wide and R >= 3 else 0  # (rows left over threes: the last three rows again, see above)
     first, steps = R if groups else 0, max(K // 32, 1)
