@@ -32,15 +32,37 @@ def _cache(monkeypatch, tmp_path):  # (the lock file of `compile_kernels` lives 
     monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path))
 
 
-def children(monkeypatch, returncode: int = 0, stderr: str = "") -> list[list[str]]:
-    """The argv of every child `compile_kernels` starts, none started for real (each ends with `returncode`)."""
+def children(monkeypatch, returncode: int = 0, stderr: str = "", fails: str = "dense", cores: int = 1,
+             room: int = 2**40, events: list | None = None) -> list[list[str]]:
+    """The argv of every child `compile_kernels` starts, none started for real (the `fails` stage's child ends with
+    `returncode`, writing `stderr`), on a machine with `cores` cores and `room` bytes this process may fill (one
+    core: one child at a time, in order); events: ("start" / "poll" / "kill", stage) as they come."""
     calls: list[list[str]] = []
+    events = [] if events is None else events
+    message = stderr
 
-    def run(argv, **_):
-        calls.append(list(argv))
-        return subprocess.CompletedProcess(argv, returncode, "", stderr)
+    class Child:
+        def __init__(self, argv, stderr, **_):
+            calls.append(list(argv))
+            self.stage, self.returncode = argv[3], None
+            events.append(("start", self.stage))
+            if self.stage == fails:
+                stderr.write(message)
 
-    monkeypatch.setattr(precompile.subprocess, "run", run)
+        def poll(self):
+            events.append(("poll", self.stage))
+            self.returncode = returncode if self.stage == fails else 0
+            return self.returncode
+
+        def kill(self):
+            events.append(("kill", self.stage))
+
+        def wait(self, timeout=None):
+            return self.poll()
+
+    monkeypatch.setattr(precompile.subprocess, "Popen", Child)
+    monkeypatch.setattr(precompile, "cpus", lambda: cores)
+    monkeypatch.setattr(precompile, "ram_available", lambda: room)
     return calls
 
 
@@ -96,6 +118,52 @@ def test_a_child_that_fails_is_said_and_the_run_compiles_the_rest(monkeypatch, r
     assert [argv[3] for argv in calls] == ["dense"]  # the stages after a failed one are not started
     assert why in said[-1] and "this process compiles what is left" in said[-1]
     assert ("give this one start about 1 GiB" in said[-1]) == (returncode == -9)
+    # started beside it, the packed products finish; the packed layers (which link both) are not started
+    for fails in ("dense", "products"):
+        calls, said = children(monkeypatch, returncode, stderr, fails=fails, cores=2), []
+        assert not precompile.compile_kernels(torch.bfloat16, ("int4",), said.append)
+        assert sorted(argv[3] for argv in calls) == ["dense", "products"]
+        assert f"compiling {precompile.STAGES[fails]} in a child process failed (" in said[-1] and why in said[-1]
+
+
+@pytest.mark.parametrize("cores, room, together", [
+    (2, 1700 * 2**20, True),
+    (1, 64 * 2**30, False),  # numba compiles on one core: two children would take turns on it
+    (2, 1500 * 2**20, False),  # not room for two children's peaks (`STAGE_PEAK`): one after the other
+])
+def test_the_dense_layers_and_packed_products_compile_at_once_where_cores_and_ram_allow(monkeypatch, cores, room,
+                                                                                        together):
+    """The dense layers and the packed products link none of each other's code: their children run at the same time
+    where this process may use two cores and fill two children's peaks; the packed layers, which link both, after
+    them. Each stage is said once, compiled."""
+    monkeypatch.setattr(fused, "layers_compiled", lambda p=None, dtype=None: False)
+    events, said = [], []
+    children(monkeypatch, cores=cores, room=room, events=events)
+    assert precompile.compile_kernels(torch.bfloat16, ("int4",), said.append)
+    starts = [stage for what, stage in events if what == "start"]
+    assert starts == ["dense", "products", "packed"]
+    # at once: both started before either is looked at; else the products start after the dense layers ended
+    assert (events.index(("start", "products")) < events.index(("poll", "dense"))) == together
+    assert events.index(("poll", "products")) < events.index(("start", "packed"))
+    assert ("the first two at once" in said[0]) == together and ("one after another" in said[0]) != together
+    assert sorted(s.split(" compiled in ")[0] for s in said[1:]) == sorted(f"kernels: {v}"
+                                                                          for v in precompile.STAGES.values())
+    assert precompile.rounds(["products", "packed"], 2, 2**40) == [["products"], ["packed"]]  # dense compiled
+
+
+def test_a_stopped_start_kills_the_children_compiling_at_once(monkeypatch):
+    """Ctrl-C or SIGTERM (an exception in this process) while two children compile: both are killed with it, not left
+    compiling for minutes while the command waits for them."""
+    monkeypatch.setattr(fused, "layers_compiled", lambda p=None, dtype=None: False)
+    events = []
+    children(monkeypatch, cores=2, events=events)
+    monkeypatch.setattr(precompile.time, "sleep", lambda s: (_ for _ in ()).throw(KeyboardInterrupt()))
+    Child = precompile.subprocess.Popen
+    monkeypatch.setattr(Child, "poll", lambda self: events.append(("poll", self.stage)))  # (still compiling)
+    with pytest.raises(KeyboardInterrupt):
+        precompile.compile_kernels(torch.bfloat16, ("int4",), lambda _: None)
+    assert [e for e in events if e[0] != "poll"] == [("start", "dense"), ("start", "products"), ("kill", "dense"),
+                                                     ("kill", "products")]
 
 
 def test_each_stage_runs_the_kernels_it_names():

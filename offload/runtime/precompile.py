@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -29,6 +31,8 @@ from offload.config import cache_dir
 from offload.errors import OffloadError
 from offload.model import fused
 from offload.model.kernels import packed_linear
+from offload.plan.machine import cpus
+from offload.plan.memory import ram_available
 from offload.runtime.overhead import TINY_PROMPT, tiny_runner
 from offload.weights.quant import quantize
 from storage.lock import FileLock
@@ -70,28 +74,77 @@ def compile_kernels(dtype: torch.dtype, packed: Sequence[str], say: Callable[[st
             lock.close()
 
 
+#: RAM one stage's child holds at its peak (0.58-0.77 GB measured: the docstring's Xeon figures; a 2-core Zen 3:
+#: dense 697, products 771, packed 593 MB): two children at once where the process may fill twice that
+STAGE_PEAK = 800 * 2**20
+#: how often the children are looked at while they compile
+POLL_S = 0.05
+#: stages whose children run at the same time where there is room (`rounds`): neither links the other's code (the
+#: packed layers, last, link both)
+TOGETHER = ("dense", "products")
+
+
+def rounds(stages: list[str], cores: int, room: int) -> list[list[str]]:
+    """The stages in rounds, each round's children started at once: the dense layers beside the packed products
+    (`TOGETHER`) where this process may use two cores and fill two children's peaks (`STAGE_PEAK`), then the rest;
+    one at a time elsewhere. (numba compiles on one core: a fresh install's first bf16 int4 start, a 2-core Zen 3,
+    three children one after another 238 / 284 s, the first two at once 166 / 178 s, each pair minutes apart.)"""
+    if all(s in stages for s in TOGETHER) and cores >= 2 and room >= 2 * STAGE_PEAK:
+        return [list(TOGETHER)] + [[s] for s in stages if s not in TOGETHER]
+    return [[s] for s in stages]
+
+
 def _compile(stages: list[str], dtype: torch.dtype, packed: Sequence[str], say: Callable[[str], None]) -> bool:
     if not stages:
         return True
+    plan = rounds(stages, cpus(), ram_available())
     say(f"kernels: this install's CPU kernels are not compiled yet: compiling them once, {len(stages)} child "
-        "process(es) one after another (a minute or more each), so that this process keeps none of the compiler's "
-        "memory")
+        f"process(es){', the first two at once' if len(plan) < len(stages) else ' one after another'} (a minute "
+        "or more each), so that this process keeps none of the compiler's memory")
     name = str(dtype).removeprefix("torch.")
-    for stage in stages:
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", __name__, stage, name, *packed[:1]],
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            why = (f"stopped by signal {-proc.returncode}{', for memory?' if proc.returncode == -9 else ''}"
-                   if proc.returncode < 0 else
-                   (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1])
-            say(f"kernels: compiling {STAGES[stage]} in a child process failed ({why}): this process compiles "
-                "what is left as it runs (later starts find it compiled)" + (
-                    "; if memory stopped it, give this one start about 1 GiB (a stage's child takes up to ~0.7 GiB "
-                    "beside this process): later starts fit in less" if proc.returncode == -9 else ""))
-            return False
-        say(f"kernels: {STAGES[stage]} compiled in {time.perf_counter() - t0:.0f}s")
+    for together in plan:
+        for stage, status, err, took in _children(together, [name, *packed[:1]]):
+            if status != 0:
+                why = (f"stopped by signal {-status}{', for memory?' if status == -9 else ''}" if status < 0 else
+                       (err.strip().splitlines() or [f"exit status {status}"])[-1])
+                say(f"kernels: compiling {STAGES[stage]} in a child process failed ({why}): this process compiles "
+                    "what is left as it runs (later starts find it compiled)" + (
+                        "; if memory stopped it, give this one start about 1 GiB (a stage's child takes up to ~0.7 "
+                        "GiB beside this process): later starts fit in less" if status == -9 else ""))
+                return False
+            say(f"kernels: {STAGES[stage]} compiled in {took:.0f}s")
     return True
+
+
+def _children(stages: list[str], args: list[str]) -> list[tuple[str, int, str, float]]:
+    """Each stage's child started at once, then waited for: (stage, exit status, stderr, seconds) each. Stopped (Ctrl-C,
+    SIGTERM: an exception here), the children are killed with it, not left compiling for minutes."""
+    started: list[tuple[str, subprocess.Popen, Any, float]] = []
+    try:
+        for stage in stages:
+            err = tempfile.TemporaryFile("w+")  # (not a pipe: two children's output read one after the other)
+            started.append((stage, subprocess.Popen([sys.executable, "-m", __name__, stage, *args],
+                                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                    stderr=err, text=True), err, time.perf_counter()))
+        ended: dict[str, float] = {}
+        while len(ended) < len(started):
+            for stage, proc, _, t0 in started:
+                if stage not in ended and proc.poll() is not None:
+                    ended[stage] = time.perf_counter() - t0
+            time.sleep(0 if len(ended) == len(started) else POLL_S)
+        out = []
+        for stage, proc, err, _ in started:
+            err.seek(0)
+            out.append((stage, proc.returncode, err.read(), ended[stage]))
+        return out
+    except BaseException:
+        for _, proc, _, _ in started:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        for _, _, err, _ in started:
+            err.close()
 
 
 def _tiny_run(dtype: str, quantization: str) -> None:
