@@ -18,6 +18,7 @@ the cached kernels they call (much less: a decoder layer's variant around cached
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -120,31 +121,31 @@ def _children(stages: list[str], args: list[str]) -> list[tuple[str, int, str, f
     """Each stage's child started at once, then waited for: (stage, exit status, stderr, seconds) each. Stopped (Ctrl-C,
     SIGTERM: an exception here), the children are killed with it, not left compiling for minutes."""
     started: list[tuple[str, subprocess.Popen, Any, float]] = []
-    try:
-        for stage in stages:
-            err = tempfile.TemporaryFile("w+")  # (not a pipe: two children's output read one after the other)
-            started.append((stage, subprocess.Popen([sys.executable, "-m", __name__, stage, *args],
-                                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                                    stderr=err, text=True), err, time.perf_counter()))
-        ended: dict[str, float] = {}
-        while len(ended) < len(started):
-            for stage, proc, _, t0 in started:
-                if stage not in ended and proc.poll() is not None:
-                    ended[stage] = time.perf_counter() - t0
-            time.sleep(0 if len(ended) == len(started) else POLL_S)
+    with contextlib.ExitStack() as files:
+        try:
+            for stage in stages:  # (stderr into a file, not a pipe: two children's output read one after the other)
+                err = files.enter_context(tempfile.TemporaryFile("w+"))
+                started.append((stage, subprocess.Popen([sys.executable, "-m", __name__, stage, *args],
+                                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                        stderr=err), err, time.perf_counter()))
+            ended: dict[str, float] = {}
+            while True:
+                for stage, proc, _, t0 in started:
+                    if stage not in ended and proc.poll() is not None:
+                        ended[stage] = time.perf_counter() - t0
+                if len(ended) == len(started):
+                    break
+                time.sleep(POLL_S)
+        except BaseException:
+            for _, proc, _, _ in started:
+                proc.kill()
+                proc.wait()
+            raise
         out = []
         for stage, proc, err, _ in started:
             err.seek(0)
             out.append((stage, proc.returncode, err.read(), ended[stage]))
         return out
-    except BaseException:
-        for _, proc, _, _ in started:
-            proc.kill()
-            proc.wait()
-        raise
-    finally:
-        for _, _, err, _ in started:
-            err.close()
 
 
 def _tiny_run(dtype: str, quantization: str) -> None:
