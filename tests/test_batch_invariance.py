@@ -444,9 +444,13 @@ def test_the_fused_cpu_layer_gives_the_op_by_op_layers_bits(model_factory, famil
     """A CPU pass runs its resident layers back to back in one compiled call (`fused.LayerRun`), else each layer as
     one call (`fused.decoder_layer`) where it can and op by op where it cannot (cold KV blocks, MoE, q/k norms): all
     three give the same bits, so a step's tokens do not depend on which ran (a prompt chunk and decode rows in one
-    pass, biases (Qwen2), a sliding window (Mistral), int8 and int4 matrices)."""
+    pass, biases (Qwen2), a sliding window (Mistral), int8 and int4 matrices). A pass that keeps every row's logits
+    computes the model's head in the run's call (`fused.LayerRun`'s head), not on its own (`fused.head_logits`)."""
     model = model_factory(family, dtype=dtype, overrides={"sliding_window": 4} if family == "mistral" else {})
     calls = counted_calls(monkeypatch)
+    heads = []  # the rows of each head computed on its own
+    monkeypatch.setattr(fused, "head_logits", lambda x, *a, real=fused.head_logits: (heads.append(x.shape[0]),
+                                                                                      real(x, *a))[1])
 
     def passes() -> list[torch.Tensor]:
         calls.update(run=0, layer=0)
@@ -462,10 +466,11 @@ def test_the_fused_cpu_layer_gives_the_op_by_op_layers_bits(model_factory, famil
 
     whole = passes()
     assert calls == {"run": 3, "layer": 0}, "the pass did not run its layers in one call"
+    assert heads == [], "a pass that keeps every row's logits computed its head on its own"
     monkeypatch.setattr(ResidentLayers, "possible", False)
     by_layer = passes()
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    assert calls == {"run": 0, "layer": 3 * layers}
+    assert calls == {"run": 0, "layer": 3 * layers} and heads == [9, 2, 6]
     monkeypatch.setattr(fused, "layer_supported", lambda *a: False)
     op_by_op = passes()
     assert calls == {"run": 0, "layer": 0}

@@ -286,18 +286,23 @@ def decoder_layer(x: torch.Tensor, w: LayerWeights, kv: KVView, layout: BatchLay
     return x + linear(F.silu(gate) * up, w.down, w.down_bias, groups)
 
 
-def layer_run(x: torch.Tensor, ws: Sequence[LayerWeights], cfg: ModelConfig) -> fused.LayerRun | None:
+def layer_run(x: torch.Tensor, ws: Sequence[LayerWeights], cfg: ModelConfig,
+              head: HeadWeights | None = None) -> fused.LayerRun | None:
     """Decoder layers with weights ws, run back to back in one compiled call (`fused.LayerRun`: called with the
     pass's cos / sin, the layers' pool planes and the step's indices, the same bits as `decoder_layer` on each), or
-    None where one of them does not take the fused layer."""
+    None where one of them does not take the fused layer. With `head`, the model's head after them (the same bits
+    as `head`), or None where it does not take that."""
     if cfg.clip_qkv is not None or any(w.moe is not None or w.q_norm is not None for w in ws):
+        return None
+    head_args = None if head is None else fused.head_args(x, head.norm, head.lm_head)
+    if head is not None and (head_args is None or not kernels.ROW_INVARIANT):
         return None
     layers = [((w.qkv, w.qkv_bias, w.o, w.o_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias),
                (w.input_norm, w.post_norm)) for w in ws]
     if not fused.LayerRun.supported(x, layers):
         return None
     try:
-        return fused.LayerRun(layers, x.dtype)
+        return fused.LayerRun(layers, x.dtype, head_args)
     except TypeError:  # arguments of more than one numba type (one list holds them): layer by layer
         return None
 
@@ -311,10 +316,10 @@ def paged_pool(kv: KVView, window: int | None, x: torch.Tensor) -> tuple[torch.T
 
 def run_layers(run: fused.LayerRun, x: torch.Tensor, kv: KVView, paged: tuple[torch.Tensor, ...],
                layout: BatchLayout, rope: tuple[torch.Tensor, torch.Tensor], cfg: ModelConfig,
-               ) -> tuple[torch.Tensor, Any]:
+               ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
     """x through the layers of a `layer_run` (kv: the first one's view, paged its `paged_pool`; the others' are the
     pool's next planes, and their cold blocks: read where they lie): (out, the cycle counter at the start and after
-    each layer)."""
+    each layer and the head, the head's logits: None where the run has no head)."""
     _, cold, slot_blocks, slot_offsets, table, mask = paged
     return run(x, cfg.rms_norm_eps, *rope, kv.planes(run.size), None if cold is None else kv.cold_planes(run.size),
                (slot_blocks, slot_offsets, table, mask, layout.pad_index, layout.unpad_index), cfg.num_heads,

@@ -45,10 +45,12 @@ from offload.runtime.requests import (
     DecodeRow,
     Kept,
     Output,
+    Pick,
     PrefillRow,
     Request,
     Sampling,
     blocks_needed,
+    logit_rows,
     record_logprobs,
 )
 from offload.runtime.results import RunStats, TokenCallback
@@ -236,13 +238,13 @@ class Engine:
         logits, timing = self._forward(self._batch(decode, prefill, verify), verify)
         for row in prefill:  # the chunks are in: their full blocks can serve other requests from now on
             self._register(row.sid, row.req.context + row.req.prompt)
-        if verify is None:  # a row per sequence: each decoding output samples from its own
-            emitted, prompt_logits = len(decode), list(logits[len(decode):])
-            picks = [(row.req, row.output, lg) for row, lg in zip(decode, logits)]
+        if verify is None:  # a row per sequence: each decoding output samples from its own (its row, by index)
+            emitted, picks = len(decode), [(row.req, row.output, logits, i) for i, row in enumerate(decode)]
+            prompt_rows = [(logits, emitted + i) for i in range(len(prefill))]
         else:  # decoding outputs keep the tokens verification gave them
             emitted, prompt_logits = self._verified(verify, logits, len(prefill), step_id, timing)
-            picks = []
-        self._sample(picks + self._prompts_done(prefill, prompt_logits))
+            prompt_rows, picks = [(lg[None], 0) for lg in prompt_logits], []
+        self._sample(picks + self._prompts_done(prefill, prompt_rows))
         self.stats.account(time.perf_counter() - t0, step_id, len(decode), len(prefill), emitted)
         self._retire()
 
@@ -302,10 +304,10 @@ class Engine:
         if self.kv.prefix is not None:
             self.kv.prefix.register(sid, tokens)
 
-    def _prompts_done(self, prefill: list[PrefillRow], logits: list[torch.Tensor]
-                      ) -> list[tuple[Request, Output, torch.Tensor]]:
+    def _prompts_done(self, prefill: list[PrefillRow], logits: list[tuple[torch.Tensor, int]]
+                      ) -> list[Pick]:
         """Requests whose whole prompt is in: their samples fork the prompt's sequence and decode from now on;
-        each samples its first token from the last chunk's logits."""
+        each samples its first token from the last chunk's logits (a tensor's row)."""
         picks = []
         for row, lg in zip(prefill, logits):
             if row.last:
@@ -314,7 +316,7 @@ class Engine:
                     o.sid = self.kv.fork(row.sid, req.worst_case_tokens)
                 self.prefilling.remove(req)
                 self.decoding.append(req)
-                picks += [(req, o, lg) for o in outs]
+                picks += [(req, o, *lg) for o in outs]
         return picks
 
     def _batch(self, decode: list[DecodeRow], prefill: list[PrefillRow], verify: Verification | None
@@ -328,16 +330,16 @@ class Engine:
                                    keep=verify.keep + [1] * len(prefill) + [len(f.tokens) for f in forks],
                                    lanes=[0] * len(decode) + [-1] * len(prefill) + [f.branch for f in forks])
 
-    def _sample(self, picks: list[tuple[Request, Output, torch.Tensor]]) -> None:
-        by_params: dict[Sampling, list[tuple[Request, Output, torch.Tensor]]] = {}
+    def _sample(self, picks: list[Pick]) -> None:
+        by_params: dict[Sampling, list[Pick]] = {}
         for p in picks:
             by_params.setdefault(p[0].sampling, []).append(p)
         for s, group in by_params.items():
-            rows = group[0][2][None] if len(group) == 1 else torch.stack([row for _, _, row in group])  # [B, V]
-            tokens = sample(rows, s.temperature, s.top_p, s.top_k, [o.generator for _, o, _ in group])
+            rows = logit_rows([(t, i) for _, _, t, i in group])  # [B, V]
+            tokens = sample(rows, s.temperature, s.top_p, s.top_k, [o.generator for _, o, _, _ in group])
             if s.logprobs is not None:
-                record_logprobs(rows, tokens, [o for _, o, _ in group], s.logprobs)
-            for (req, o, _), tok in zip(group, tokens):
+                record_logprobs(rows, tokens, [o for _, o, _, _ in group], s.logprobs)
+            for (req, o, _, _), tok in zip(group, tokens):
                 self._emit(req, o, tok)
 
     def _emit(self, req: Request, o: Output, token: int) -> None:

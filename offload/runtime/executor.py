@@ -236,8 +236,9 @@ class Executor:
         try:
             self._start_cold_fetch(p)
             x = self.weights.embed(p.ids) if hidden is None else hidden  # [N, H]
-            x = self.resident(x, p)  # runs of resident layers in one call each, the rest one by one
-            out = self.head_logits(x, p) if self.has_head else x
+            # runs of resident layers in one call each, the rest one by one; a decode step's head with the last run
+            x, logits = self.resident(x, p, self.has_head and self._every_row(p))
+            out = logits if logits is not None else self.head_logits(x, p) if self.has_head else x
         except BaseException:
             self.weights.abort_pass()
             raise
@@ -282,6 +283,12 @@ class Executor:
         """What layer i of the pass reads and writes of the KV pool (its cold blocks fetched by now)."""
         assert self.kv is not None
         return self.kv.view(i, p.layout, p.step, self._cold_blocks(i, p))
+
+    @staticmethod
+    def _every_row(p: LayerPass) -> bool:
+        """Does the pass keep the logits of each of its rows (`head_logits` takes none out)?"""
+        b = p.batch
+        return b.keep is None and (b.every or all(n == 1 for n in p.layout.q_lens))
 
     def head_logits(self, x: torch.Tensor, p: LayerPass) -> torch.Tensor:
         """x [N, H] -> logits [rows, V] float32 of the rows the batch keeps."""

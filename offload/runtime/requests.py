@@ -89,6 +89,19 @@ def blocks_needed(prompt_len: int, s: Sampling, block_size: int) -> int:
     return per_output + (s.n - 1) * (per_output - prompt_len // block_size) + copied
 
 
+#: an output to sample a token for and its logits: (request, output, a tensor, its row)
+Pick = tuple["Request", Output, torch.Tensor, int]
+
+
+def logit_rows(refs: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """Rows (tensor, row) of logits as one [B, V] tensor: a slice where they are consecutive rows of one tensor (a
+    decode step's: no torch call a row, each ~20-50 us with the caches cold after a step's weights)."""
+    t, first = refs[0]
+    if all(r is t and i == first + k for k, (r, i) in enumerate(refs)):
+        return t if first == 0 and len(refs) == t.shape[0] else t[first:first + len(refs)]
+    return torch.stack([r[i] for r, i in refs])
+
+
 def record_logprobs(rows: torch.Tensor, tokens: list[int], outputs: list[Output], k: int) -> None:
     """Each output's chosen token's log-probability under `rows` [B, V] (before temperature) and its top `k`."""
     logp = torch.log_softmax(rows.float(), dim=-1).cpu()  # [B, V]

@@ -66,28 +66,39 @@ class ResidentLayers:
         close()
         return out
 
-    def __call__(self, x: torch.Tensor, p: LayerPass) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, p: LayerPass, head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All the pass's layers on x: runs of resident layers in one call each where no KV block has to be fetched
         (the device's and the host tier's read where they lie) and they take the fused layer, the rest layer by
-        layer (`Executor.layer`). The same bits either way."""
+        layer (`Executor.layer`). The same bits either way. -> (x, None), or with `head` (the pass's logits are
+        every row's: a decode step) where the model's head is resident and the last run ends the model, (x, the
+        logits) of the head computed with that run (`fused.LayerRun`)."""
         ex = self.ex
         if not self.possible or p.cold:
             segments: list[tuple[bool, list[int]]] = [(False, list(ex.layers))]
         else:
             segments = self.segments
-        for together, layers in segments:
-            y = self._run(x, p, layers) if together else None
+        head = head and segments[-1][0] and segments[-1][1][-1] == ex.cfg.num_layers - 1 and \
+            ex.plan.is_resident("head")
+        logits = None
+        for k, (together, layers) in enumerate(segments):
+            y = None
+            if together and head and k == len(segments) - 1:
+                y = self._run(x, p, layers, head=True)
+            if together and y is None:
+                y = self._run(x, p, layers)
             if y is not None:
-                x = y
+                x, logits = y
                 continue
             for i in layers:
                 x = ex.layer(i, x, p)
-        return x
+        return x, logits
 
-    def _run(self, x: torch.Tensor, p: LayerPass, layers: list[int]) -> torch.Tensor | None:
-        """A run of resident layers on x in one call, or None where it cannot go so (then layer by layer)."""
+    def _run(self, x: torch.Tensor, p: LayerPass, layers: list[int], head: bool = False,
+             ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A run of resident layers on x in one call (with `head`, the model's head after them): (x, the logits or
+        None), or None where it cannot go so (then layer by layer, or without the head)."""
         ex = self.ex
-        groups = [ex.layer_groups[i] for i in layers]
+        groups = [ex.layer_groups[i] for i in layers] + (["head"] if head else [])
         name = tuple(groups)
         if name in self._refused:
             return None
@@ -99,7 +110,8 @@ class ResidentLayers:
         key = (x.dtype, *map(id, views))  # resident groups' views are the same objects pass after pass
         got = self._runs.get(name)
         if got is None or got[0] != key:
-            run = M.layer_run(x, [M.LayerWeights.from_views(v) for v in views], ex.cfg)
+            run = M.layer_run(x, [M.LayerWeights.from_views(v) for v in views[:len(layers)]], ex.cfg,
+                              M.HeadWeights.from_views(views[-1]) if head else None)
             if run is None:  # a layer the fused layer does not take (the weights' kinds do not change: not asked again)
                 self._refused.add(name)
                 ex.weights.release_resident(groups, [None] * len(groups))
@@ -108,9 +120,9 @@ class ResidentLayers:
         timeline = ex.timeline
         start = timeline.now()
         with timeline.range("offload/compute/layers"):
-            x, stamps = M.run_layers(got[1], x, first, paged, p.layout, p.cos_sin, ex.cfg)
+            x, stamps, logits = M.run_layers(got[1], x, first, paged, p.layout, p.cos_sin, ex.cfg)
         ex.weights.release_resident(groups, functools.partial(spans_of, stamps, start, timeline.now()))
-        return x
+        return x, logits
 
 
 def spans_of(stamps: Any, start: float, end: float) -> list[tuple[float, float]]:
