@@ -86,10 +86,16 @@ class Timeline:
             self._forget_before(self.step - self.keep_steps)
 
     def _forget_before(self, step: int) -> None:
-        """Drop the spans of steps before `step`, and the counter samples older than every span kept."""
+        """Drop the spans of steps before `step`, and the counter samples older than every span kept. Runs of spans
+        (`add_many`) go by their step, unmade: making the spans of every run since the last time cost a SmolLM2-135M
+        decode ~0.13 ms a step (keep_steps 512: ~4000 spans each 128 steps); only the oldest run kept is made, for
+        its start."""
         with self._lock:
-            self._spans = [s for s in self._folded() if s.step >= step]
-            oldest = min((s.start for s in self._spans), default=self.now())
+            self._spans = [s for s in self._spans if s.step >= step]
+            first = next((i for i, s in enumerate(self._spans) if isinstance(s, _Run)), None)
+            if first is not None:  # (recorded in time order: the oldest run is the first)
+                self._spans[first:first + 1] = self._spans[first].made()  # type: ignore[union-attr]
+            oldest = min((s.start for s in self._spans if isinstance(s, Span)), default=self.now())
             self.counters = [c for c in self.counters if c[1] >= oldest]
 
     def add(self, track: str, name: str, start: float, end: float, nbytes: int = 0, slot: int | None = None,

@@ -187,7 +187,8 @@ def test_a_run_of_spans_is_made_when_read_in_the_order_recorded_and_forgotten_li
     kept = tl.spans
     assert 40 <= len({s.step for s in kept}) <= 50 and {s.step for s in kept} >= set(range(60, 100))
     assert [s.name for s in kept if s.track == "compute"][-3:] == ["layer.0", "layer.1", "head"]
-    assert sorted(calls) == list(range(100))  # each run's times made once (forgetting reads them too)
+    assert len(calls) == len(set(calls)) and set(calls) >= set(range(60, 100))  # each run's times made once, and
+    assert not set(calls) & set(range(11, 20))  # a run forgotten before it was read never (forgetting reads none)
     off = Timeline(enabled=False)
     off.add_many("compute", ["layer.0"], lambda: calls.append("off") or [(0, 1)])
     assert off.spans == [] and "off" not in calls
