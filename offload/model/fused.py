@@ -239,7 +239,6 @@ def head_logits(x: torch.Tensor, norm: torch.Tensor, eps: float, w) -> torch.Ten
     got = head_args(x, norm, w)
     if got is None:
         return None
-    _threads(x.shape[0] * x.shape[1] * got[-2])
     out, bits = _logits_buffer(x.shape[0], got)
     _head_into(_raw(x.contiguous()), float(eps), got, bits, _NO_STAMPS)
     return out
@@ -264,7 +263,8 @@ def head_args(x: torch.Tensor, norm: torch.Tensor, w) -> tuple | None:
 def _head_into(x: np.ndarray, eps: float, head: tuple, bits: np.ndarray, stamps: np.ndarray) -> None:
     """`_head` of `head_args`' head on rows x (raw bits) into `_logits_buffer`'s bits (stamps[-1]: when done)."""
     if bits.size:
-        wm, scales, nm, kind, _, bf16 = head
+        wm, scales, nm, kind, vocab, bf16 = head
+        _threads(x.shape[0] * x.shape[1] * vocab)
         _head(x, nm, eps, bf16, wm, scales, kind, bits, stamps)
 
 
@@ -394,7 +394,6 @@ class LayerRun:
         _layers(_raw(x), self.args, _raw(kv, keep=True), rows, float(eps), _index(cos, raw=True),
                 _index(sin, raw=True), *(_index(t) for t in index), heads, float(scale), self.kind,
                 self.dt == torch.bfloat16, _raw(tmp), y, stamps)
-        if self.head is not None and bits is not None:
-            _threads(x.shape[0] * x.shape[1] * self.head[-2])
+        if self.head is not None and bits is not None:  # (bits: the head's buffer, made with it)
             _head_into(y, float(eps), self.head, bits, stamps)
         return out, stamps, logits

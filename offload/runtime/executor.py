@@ -297,7 +297,7 @@ class Executor:
             rows = kept_rows(p.layout.q_lens, list(b.keep), x.device)
             x = x if rows is None else x[rows]
             groups = column_groups(list(b.keep), x.device, list(b.lanes or ()))
-        elif not b.every and any(n != 1 for n in p.layout.q_lens):  # (one row a sequence: already its last)
+        elif not self._every_row(p):  # (one row a sequence: already its last)
             x = x[p.layout.last_token_rows()]
         w = M.HeadWeights.from_views(self.weights.acquire("head"))
         with self.timeline.range("offload/compute/head"):
