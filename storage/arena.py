@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 HUGE = 2 * 2**20  # an x86-64 / arm64 transparent huge page
+#: how full a tensor's last 2 MiB span must be to be asked for as a huge page too (`aligned_empty`)
+FILL = 7 / 8
 
 
 def round_up(n: int, multiple: int = PAGE) -> int:
@@ -36,13 +38,20 @@ def round_up(n: int, multiple: int = PAGE) -> int:
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
-    """A page-aligned uint8 CPU tensor of `nbytes` (anonymous memory: untouched pages cost no RAM), its whole 2 MiB
-    spans asked to be huge pages (`huge_pages`)."""
+    """A page-aligned uint8 CPU tensor of `nbytes` (anonymous memory: untouched pages cost no RAM), asked to be in
+    transparent huge pages (`huge_pages`). One of nearly 2 MiB or more starts at a 2 MiB boundary (its mapping up to
+    a span longer, the slack never touched: address space, not RAM), so that its spans are whole but its last, which
+    is advised too where the tensor fills at least `FILL` of it (the rest of that span becomes RAM: at most an eighth
+    of 2 MiB a tensor). A SmolLM2-135M int4 layer (1.99 MB) had no whole span at a page-aligned start: the kernels
+    read its codes through ~490 TLB entries of 4 KiB, now one of 2 MiB."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)  # pages come when touched
-    buf = mmap.mmap(-1, max(round_up(nbytes), PAGE), flags=flags)
-    out = torch.frombuffer(buf, dtype=torch.uint8)[:nbytes]  # the tensor keeps the mapping alive
-    huge_pages(buf, out.data_ptr(), nbytes)
-    return out
+    spans = nbytes // HUGE + (nbytes % HUGE >= FILL * HUGE)  # the 2 MiB spans asked to be huge pages
+    slack = HUGE - PAGE if spans else 0
+    buf = mmap.mmap(-1, max(round_up(nbytes), spans * HUGE, PAGE) + slack, flags=flags)
+    whole = torch.frombuffer(buf, dtype=torch.uint8)  # (the tensor keeps the mapping alive)
+    start = -whole.data_ptr() % HUGE if spans else 0
+    huge_pages(buf, start, spans * HUGE)
+    return whole[start : start + nbytes]
 
 
 def heap_aligned(nbytes: int) -> torch.Tensor:
@@ -54,19 +63,16 @@ def heap_aligned(nbytes: int) -> torch.Tensor:
     return raw[start : start + nbytes]
 
 
-def huge_pages(buf: mmap.mmap, address: int, nbytes: int) -> None:
-    """Ask for transparent huge pages (MADV_HUGEPAGE) on the whole 2 MiB spans of a fresh mapping at `address`, so
-    that the weights streamed from it walk one TLB entry per 2 MiB, not per 4 KiB (Linux's default THP setting,
-    `madvise`, gives them to no one else). Only whole spans inside the tensor: none beyond its bytes becomes RAM. A
-    2-core Zen 4 VM, a bf16 [131072, 2048] product from DRAM: 41 -> 49 GB/s (28 -> 29 in a slow minute). A kernel
-    without THP (or another OS) says no: nothing changes."""
+def huge_pages(buf: mmap.mmap, offset: int, length: int) -> None:
+    """Ask for transparent huge pages (MADV_HUGEPAGE) on buf[offset : offset + length] (2 MiB aligned), so that the
+    weights streamed from it walk one TLB entry per 2 MiB, not per 4 KiB (Linux's default THP setting, `madvise`,
+    gives them to no one else). A 2-core Zen 4 VM, a bf16 [131072, 2048] product from DRAM: 41 -> 49 GB/s (28 -> 29
+    in a slow minute). A kernel without THP (or another OS) says no: nothing changes."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    start = -address % HUGE
-    length = (nbytes - start) // HUGE * HUGE
     if advice is None or length <= 0:
         return
     try:
-        buf.madvise(advice, start, length)
+        buf.madvise(advice, offset, length)
     except OSError:  # (THP compiled out: EINVAL)
         pass
 

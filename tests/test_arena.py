@@ -9,7 +9,7 @@ import pytest
 
 from offload.plan.placement import GroupSpec, make_plan
 from schedulers.plan import Capacities
-from storage.arena import HUGE, PAGE, HostArena, PageRuns, aligned_empty, check_pinnable
+from storage.arena import FILL, HUGE, PAGE, HostArena, PageRuns, aligned_empty, check_pinnable
 from storage.errors import CapacityError
 from storage.tiers import DeviceTier, HostTier
 
@@ -83,15 +83,21 @@ def _thp_flags(address: int) -> list[str]:
 @pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
                     or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
                     reason="needs Linux with transparent huge pages")
-def test_host_memory_asks_for_huge_pages_on_its_whole_spans_only():
-    """Weights stream from host memory with one TLB entry per 2 MiB: an arena's (and an unpinned tier's) memory is
-    advised MADV_HUGEPAGE ("hg" in its flags) on its whole 2 MiB spans, and nothing outside the tensor's bytes is;
-    a tensor with no whole span is left alone."""
+def test_host_memory_starts_on_a_huge_page_and_asks_for_huge_pages_on_the_spans_it_fills():
+    """Weights stream from host memory with one TLB entry per 2 MiB: an arena's (and an unpinned tier's) memory of
+    nearly 2 MiB or more starts at a 2 MiB boundary and is advised MADV_HUGEPAGE ("hg" in its flags) on its spans,
+    the last one too where the tensor fills at least `FILL` of it (a SmolLM2-135M int4 layer's 1.99 MB had no whole
+    span at a page-aligned start); a tensor that fills too little of its last span, or of the one span it has, is
+    left alone there. The bytes are the tensor's own (written and read back)."""
     big = aligned_empty(5 * HUGE + 3 * PAGE)
     big.fill_(1)
-    start = big.data_ptr() + (-big.data_ptr() % HUGE)
-    assert "hg" in _thp_flags(start)
-    assert "hg" not in _thp_flags(big.data_ptr()) or big.data_ptr() % HUGE == 0  # the head before the first span
-    small = aligned_empty(HUGE - PAGE)
-    assert "hg" not in _thp_flags(small.data_ptr())
-    assert bool((big == 1).all())
+    assert big.data_ptr() % HUGE == 0
+    assert "hg" in _thp_flags(big.data_ptr()) and "hg" in _thp_flags(big.data_ptr() + 5 * HUGE - 1)
+    assert "hg" not in _thp_flags(big.data_ptr() + 5 * HUGE)  # 3 pages of the sixth span: not RAM for a huge page
+    layer = aligned_empty(int(FILL * HUGE) + PAGE)  # fills its span enough: one huge page
+    assert layer.data_ptr() % HUGE == 0 and "hg" in _thp_flags(layer.data_ptr() + layer.numel() - 1)
+    for n in (HUGE // 2, PAGE):
+        small = aligned_empty(n)
+        assert small.data_ptr() % PAGE == 0 and "hg" not in _thp_flags(small.data_ptr())
+    layer.fill_(2)
+    assert bool((big == 1).all()) and bool((layer == 2).all())
