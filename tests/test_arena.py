@@ -6,11 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from offload.plan.placement import GroupSpec, make_plan
 from schedulers.plan import Capacities
 from storage.arena import FILL, HUGE, PAGE, HostArena, PageRuns, aligned_empty, check_pinnable
 from storage.errors import CapacityError
+from storage.slots import MemorySlots
 from storage.tiers import DeviceTier, HostTier
 
 MiB = 2**20
@@ -101,3 +103,16 @@ def test_host_memory_starts_on_a_huge_page_and_asks_for_huge_pages_on_the_spans_
         assert small.data_ptr() % PAGE == 0 and "hg" not in _thp_flags(small.data_ptr())
     layer.fill_(2)
     assert bool((big == 1).all()) and bool((layer == 2).all())
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+                    reason="needs Linux with transparent huge pages")
+def test_a_cpu_kv_pool_lies_in_huge_pages_and_starts_zeroed():
+    """Attention reads a CPU KV pool's blocks where they lie, after a layer's weights went through the TLB: the pool
+    (8 MiB here) is host memory advised for huge pages from a 2 MiB boundary, every slot zero and writable."""
+    pool = MemorySlots(4, 64, (2, 16, 8, 64), torch.bfloat16)
+    assert pool.data.data_ptr() % HUGE == 0 and "hg" in _thp_flags(pool.data.data_ptr() + pool.nbytes - 1)
+    assert not pool.data.any()
+    pool.write(3, torch.ones(4, 2, 16, 8, 64, dtype=torch.bfloat16))
+    assert bool((pool.read(3) == 1).all()) and not pool.data[:, :3].any()
