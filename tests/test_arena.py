@@ -16,6 +16,9 @@ from storage.slots import MemorySlots
 from storage.tiers import DeviceTier, HostTier
 
 MiB = 2**20
+_THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_THP = pytest.mark.skipif(not _THP_SETTING.exists() or "[never]" in _THP_SETTING.read_text(),
+                          reason="needs Linux with transparent huge pages")
 
 
 def test_regions_are_page_aligned_and_freed_runs_coalesce():
@@ -82,9 +85,7 @@ def _thp_flags(address: int) -> list[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
-                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
-                    reason="needs Linux with transparent huge pages")
+@_THP
 def test_host_memory_starts_on_a_huge_page_and_asks_for_huge_pages_on_the_spans_it_fills():
     """Weights stream from host memory with one TLB entry per 2 MiB: an arena's (and an unpinned tier's) memory of
     nearly 2 MiB or more starts at a 2 MiB boundary and is advised MADV_HUGEPAGE ("hg" in its flags) on its spans,
@@ -105,9 +106,7 @@ def test_host_memory_starts_on_a_huge_page_and_asks_for_huge_pages_on_the_spans_
     assert bool((big == 1).all()) and bool((layer == 2).all())
 
 
-@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
-                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
-                    reason="needs Linux with transparent huge pages")
+@_THP
 def test_a_cpu_kv_pool_lies_in_huge_pages_and_starts_zeroed():
     """Attention reads a CPU KV pool's blocks where they lie, after a layer's weights went through the TLB: the pool
     (8 MiB here) is host memory advised for huge pages from a 2 MiB boundary, every slot zero and writable."""
