@@ -4,11 +4,12 @@
 
     links     bytes per second of each link: cold disk reads (the prefetcher's pattern), memcpy,
               and on CUDA pinned and pageable host->device and device->host copies (CUDA events)
-    compute   per device type, a decoder layer's time at a few token counts, measured on two layer
-              shapes (TinyLlama's and a tiny one, the run's dtype) and split into a fixed cost per
-              layer (`layer_overhead_s`: the ops, allocations and kernel launches a layer makes whatever its
-              size, which dominate a small model's step) and weight bytes per second (the rest, which
-              scales with the layer's bytes)
+    compute   per device type, a decoder layer's time at a few token counts, measured on three layer
+              shapes (TinyLlama's, one a quarter as wide and a tiny one, the run's dtype) and split into a
+              fixed cost per layer (`layer_overhead_s`: the ops, allocations and kernel launches a layer
+              makes whatever its size, which dominate a small model's step) and weight bytes per second (the
+              rest, which scales with the layer's bytes), on two lines: layers narrower than the middle
+              shape read their bytes slower (`Calibration.layer_seconds`)
 
 A `Calibration` is saved as JSON (default: `$OFFLOAD_CACHE/calibration.json`) and loaded back;
 with no file, conservative defaults stand in and say so. Example files for machines we do not
@@ -53,7 +54,7 @@ from offload.plan.probe import (  # noqa: F401 (re-exported)
     log_linear,
     measure_compute,
 )
-from offload.weights.groups import WeightFormat, group_layout, model_layouts
+from offload.weights.groups import group_layout
 from storage import io
 from storage.errors import OffloadError
 from storage.heap import trim_heap
@@ -150,6 +151,20 @@ class Calibration:
     def layer_overhead_s(self, device_type: str, tokens: int) -> float:
         """Seconds a decoder layer costs whatever its size at a pass of `tokens` rows (0 in files without it)."""
         return self._overhead(device_type, tokens, "layer_overhead_s")
+
+    def layer_seconds(self, device_type: str, tokens: int, nbytes: float, reads: float | None = None) -> float:
+        """A decoder layer of `nbytes` dense bytes at a pass of `tokens` rows: fixed cost + bytes / rate on the line
+        its size falls on (the `narrow_` one below `narrow_bytes`: `offload.plan.probe.measure_compute`), the pass's
+        share of cached bytes (`hot`) on the cached line and the rest on the cold one (never faster than cached)."""
+        table = self._table(device_type)
+        seg = "narrow_" if nbytes < table.get("narrow_bytes", 0) else ""
+
+        def on(line: str) -> float:
+            fixed = self._overhead(device_type, tokens, f"{line}layer_overhead_s" if f"{line}layer_overhead_s" in
+                                   table else f"{seg}layer_overhead_s")
+            return fixed + nbytes / _interpolate(table["tokens"], table[f"{line}weight_bytes_per_s"], tokens)
+        hot, cached = self.hot(table, f"{seg}weight_bytes_per_s", reads), on(seg)
+        return cached if hot == 1.0 else hot * cached + (1 - hot) * max(cached, on(f"cold_{seg}"))
 
     def pass_overhead_s(self, device_type: str, tokens: int, reads: float | None = None, engine: bool = True
                         ) -> float:
@@ -309,29 +324,6 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
 
 
 _warned: set[str] = set()  # calibration files already named in a warning
-
-
-def compute_sizes(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat, cal: Calibration,
-                  device_type: str, groups: Sequence[Any] = ()) -> dict[str, int]:
-    """Per group, the dense bytes at `dtype` that the cost model divides by the calibrated compute rate, a
-    packed format's layers scaled by how much slower (or faster) its kernels went than the dense ones at one
-    token, where the calibration measured the format (`compute["cpu/int4"]`); else at dense speed. `groups`: the
-    run's `GroupSpec`s, whose bytes a pass reads as stored say which rates (cached or from DRAM:
-    `Calibration.weight_bytes_per_s`); none: the cached ones."""
-    sizes = {name: layout.nbytes for name, layout in model_layouts(cfg, dtype).items()}
-    if fmt.prequant is not None or fmt.quantization == "none" or device_type not in cal.compute:
-        return sizes
-    reads = sum(g.nbytes for g in groups if not g.rows_only) if groups else None
-
-    def factor(bits: int) -> float:
-        key = f"{device_type}/int{bits}"
-        if key not in cal.compute:
-            return 1.0
-        return cal.weight_bytes_per_s(device_type, 1, reads) / cal.weight_bytes_per_s(key, 1, reads)
-
-    layers, head = factor(fmt.bits), factor(fmt.tensor_bits("lm_head")) if fmt.packs(cfg, "lm_head") else 1.0
-    return {g: int(n * layers) if g.startswith("layer.") else int(n * head) if g == "head" else n
-            for g, n in sizes.items()}
 
 
 def kernels_id() -> str:

@@ -27,14 +27,14 @@ from offload.kv.formats import ColdFormat
 from offload.model import cpu_attention
 from offload.model.config import ModelConfig
 from offload.plan import memory
-from offload.plan.calibrate import Calibration, compute_dtype, compute_sizes, load_calibration
+from offload.plan.calibrate import Calibration, compute_dtype, load_calibration
 from offload.plan.experts import plan_experts
 from offload.plan.memory import resolve_capacities as resolve_capacities
 from offload.plan.memory import resolve_kv
 from offload.plan.memory import run_capacities as run_capacities
 from offload.plan.passes import ATTENTION_KEYS_PER_CHUNK, batch_rows, pass_blocks, workspace_bytes
 from offload.plan.placement import GroupSpec, make_plan, min_device_bytes
-from offload.plan.predict import Workload, predict_decode
+from offload.plan.predict import Workload, compute_sizes, predict_decode
 from offload.weights.groups import WeightFormat, model_layouts
 from schedulers.plan import Capacities, Plan
 from storage.errors import CapacityError

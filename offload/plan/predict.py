@@ -9,15 +9,19 @@ layer (its ops and allocations, whatever its size), plus reading its KV blocks;
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from offload.kv.fetch import host_in_place
 from offload.model.config import ModelConfig
 from offload.plan.calibrate import Calibration
 from offload.plan.costmodel import Prediction, plan_bytes, simulate
 from offload.plan.experts import HOST_ROUND_TRIP_S, routed_share
+from offload.weights.groups import WeightFormat, model_layouts
 from schedulers.plan import Capacities, Plan
 from storage.errors import CapacityError
 from storage.units import MiB, ceil_div, fmt_bytes
@@ -85,6 +89,39 @@ def cold_kv(kv: KVTiers | None, work: Workload) -> dict[str, int]:
             "blocks_not_held": kv.over(work) - host - disk if kv is not None else 0}
 
 
+def compute_sizes(cfg: ModelConfig, dtype: torch.dtype, fmt: WeightFormat, cal: Calibration,
+                  device_type: str, groups: Sequence[Any] = ()) -> dict[str, int]:
+    """Per group, the dense bytes at `dtype` that the cost model prices at the calibrated compute rate, a packed
+    format's scaled by how much slower (or faster) its kernels went than the dense ones at one token, where the
+    calibration measured the format (`compute["cpu/int4"]`); else at dense speed: a layer's to the dense bytes whose
+    layer takes as long as the format's layer of its own bytes (`Calibration.layer_seconds`, fixed cost included), the
+    head's and experts' by the ratio of the two rates. `groups`: the run's `GroupSpec`s, whose bytes a pass reads as
+    stored say which rates (cached or from DRAM); none: the cached ones."""
+    sizes = {name: layout.nbytes for name, layout in model_layouts(cfg, dtype).items()}
+    if fmt.prequant is not None or fmt.quantization == "none" or device_type not in cal.compute:
+        return sizes
+    key = f"{device_type}/int{fmt.bits}"
+    reads = sum(g.nbytes for g in groups if not g.rows_only) if groups else None
+
+    def factor(bits: int) -> float:
+        other = f"{device_type}/int{bits}"
+        return cal.weight_bytes_per_s(device_type, 1, reads) / cal.weight_bytes_per_s(other, 1, reads) \
+            if other in cal.compute else 1.0
+
+    @functools.cache
+    def layer(n: int) -> int:  # the dense bytes taking the format's time (bisection: time grows with bytes)
+        goal, lo, hi = cal.layer_seconds(key, 1, n, reads), 0.0, float(max(n, 1))
+        while cal.layer_seconds(device_type, 1, hi, reads) < goal:
+            lo, hi = hi, 2 * hi
+        for _ in range(40):
+            lo, hi = (lo, (lo + hi) / 2) if cal.layer_seconds(device_type, 1, (lo + hi) / 2, reads) >= goal else \
+                ((lo + hi) / 2, hi)
+        return int(hi)
+    head, experts = factor(fmt.tensor_bits("lm_head")) if fmt.packs(cfg, "lm_head") else 1.0, factor(fmt.bits)
+    return {g: (int(n * experts) if ".expert." in g else layer(n) if key in cal.compute else n)
+            if g.startswith("layer.") else int(n * head) if g == "head" else n for g, n in sizes.items()}
+
+
 def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type: str, tokens: int, context: int,
                     batch: int, dtype_bytes: int, sizes: dict[str, int] | None = None) -> dict[str, float]:
     """Per group, seconds of compute for one pass of `tokens` rows (`batch` sequences of `context` tokens).
@@ -104,7 +141,7 @@ def compute_seconds(plan: Plan, cfg: ModelConfig, cal: Calibration, device_type:
             out[g] = share * (size / (host_thr if g in plan.host_compute else thr)
                               + (HOST_ROUND_TRIP_S if g in plan.host_compute else 0.0))
         elif g.startswith("layer."):
-            out[g] = (size / thr + cal.layer_overhead_s(device_type, tokens)
+            out[g] = (cal.layer_seconds(device_type, tokens, size, reads)
                       + kv_bytes / cal.links.get("device memory", cal.links["memcpy"]))
         elif g == "head":  # only each sequence's last token goes through the LM head
             out[g] = size / cal.weight_bytes_per_s(device_type, min(tokens, batch), reads)

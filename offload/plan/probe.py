@@ -1,15 +1,16 @@
 """The compute probe of a calibration: test decoder layers timed as a run computes them.
 
 A layer's time at a pass of n tokens is split into a fixed cost (`layer_overhead_s`) and weight bytes per second,
-from two shapes (`REFERENCE`, or a smaller one where RAM is short, and `SMALL`). On a CPU a resident pass runs its
-layers back to back in one call (`offload.runtime.resident`), so the probe does too, and it times the rate twice:
+from three shapes (`REFERENCE`, or a smaller one where RAM is short, `NARROW` and `SMALL`): two such lines in a
+layer's bytes, the `narrow_` one for layers smaller than NARROW's. On a CPU a resident pass runs its layers back to
+back in one call (`offload.runtime.resident`), so the probe does too, and it times each line twice:
 
     weight_bytes_per_s        copies of one layer (its bytes stay in the CPU's caches after the first): what a
                               model whose layers fit in the last-level cache sees
     cold_weight_bytes_per_s   distinct copies beyond the last-level cache (`llc_bytes`): what a model larger
                               than the cache sees, every byte from DRAM
 
-The planner picks one by the bytes a pass reads (`Calibration.weight_bytes_per_s`). Knows the model math and the
+The planner picks one by the bytes a pass reads (`Calibration.layer_seconds`, `weight_bytes_per_s`). Knows the model math and the
 KV pool it runs the layers over; not files or plans.
 """
 
@@ -40,6 +41,11 @@ REFERENCE = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 56
 SMALL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
          "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 32000}
 SPLIT_TOKENS = 8
+#: a narrow layer (REFERENCE's widths / 4: 1/16 of its bytes, 5.5 MB in bf16), timed beside them: two lines in a
+#: layer's bytes, not one (`measure_compute`); a test layer less than NARROW_SPAN times its bytes makes one line
+NARROW = REFERENCE | {k: REFERENCE[k] // 4 for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                      "num_key_value_heads")}
+NARROW_SPAN = 3
 #: copies of a test layer a CPU probe runs in one call for the cached rate, as a resident pass runs its layers
 RUN_LAYERS = 4
 #: the most distinct copies the cold rate runs through (a small test layer on a large cache)
@@ -82,32 +88,56 @@ def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int,
 
     The layer is computed as a run computes it: weights stored in `dtype` (group-wise packed with
     `quantization`), activations and KV in `compute` (default `dtype`). At decode-like token counts (up to
-    SPLIT_TOKENS) two shapes (`shape`: REFERENCE unless RAM is short; SMALL) give two times t = overhead + bytes /
-    rate, solved for both (a rate alone where timing noise makes the overhead come out negative); past them,
-    where a pass's work grows with its tokens and attention, the large layer's rate alone. With `cold_bytes` (a
-    CPU), the large layer is also timed through distinct copies of about that many bytes in all: the cold rate (up
-    to SPLIT_TOKENS; past them every byte read feeds as many rows, the products bound a pass, and the cold rate is
-    the cached one: timing it again took two thirds of a calibration's 14 s a table).
+    SPLIT_TOKENS) three shapes (`shape`: REFERENCE unless RAM is short; NARROW; SMALL) give a layer's time as two
+    lines in its bytes (`_line`): t = overhead + bytes / rate through NARROW and `shape` (`layer_overhead_s`,
+    `weight_bytes_per_s`: layers of NARROW's bytes or more) and through SMALL and NARROW (the `narrow_` columns,
+    `narrow_bytes`: smaller layers), as a narrow layer reads its bytes slower than a wide one (per row and per
+    product costs: SmolLM2-135M's 576-wide int4 layer, 2-core Zen 4, 30-40 GB/s of dense bytes where one line
+    through SMALL and REFERENCE said 60-70, its plan -20%); a `shape` within NARROW_SPAN of NARROW: one line through
+    SMALL and it. Past SPLIT_TOKENS, where a pass's work grows with its tokens and attention, the large layer's
+    rate alone. With `cold_bytes` (a CPU), the layers are also timed through distinct copies of about that many
+    bytes in all (a layer larger than them: its own runs, already from DRAM): the `cold_` columns, lines through
+    the same shapes, what a model larger than the cache sees (up to SPLIT_TOKENS; past them every byte read feeds
+    as many rows, the products bound a pass, and the cold rate is the cached one).
     The bytes are a layer's dense bytes at `dtype` whatever the format, so a packed format's table says how fast
     its kernels go through the same matrices (the planner's `compute_sizes` are dense bytes)."""
-    big_bytes, big, cold = _layer_seconds(shape, device, dtype, tokens, context, compute or dtype, quantization,
-                                          cold_bytes)
-    small_bytes, small, _ = _layer_seconds(SMALL, device, dtype, tokens, context, compute or dtype, quantization, 0)
-    rates, overheads, colds = [], [], []
-    for i, (n, tb, ts) in enumerate(zip(tokens, big, small)):
-        rate = (big_bytes - small_bytes) / (tb - ts) if tb > ts else big_bytes / tb
-        overhead = ts - small_bytes / rate
-        if overhead <= 0 or n > SPLIT_TOKENS:
-            rate, overhead = big_bytes / tb, 0.0
-        rates.append(rate)
-        overheads.append(overhead)
-        if cold:  # the same fixed cost; the rest of a layer's time at DRAM's pace (never faster than cached)
-            colds.append(min(rate, big_bytes / max(cold[i] - overhead, 1e-9)))
-    table = {"tokens": list(tokens), "weight_bytes_per_s": rates, "layer_overhead_s": overheads,
-             "pass_overhead_s": pass_seconds(device, compute or dtype, tokens, context)}
+    args = (device, dtype, tokens, context, compute or dtype, quantization)
+    big = _layer_seconds(shape, *args, cold_bytes)
+    narrow = _layer_seconds(NARROW, *args[:2], tuple(n for n in tokens if n <= SPLIT_TOKENS), *args[3:], cold_bytes) \
+        if big[0] >= NARROW_SPAN * _dense_bytes(NARROW, dtype) else None
+    small = _layer_seconds(SMALL, *args, 0)
+    table: dict[str, Any] = {"tokens": list(tokens)}
+    shapes = (small, narrow, big) if narrow else (small, big)
+    for i, n in enumerate(tokens):
+        for pre in ("", "cold_") if cold_bytes else ("",):
+            if n > SPLIT_TOKENS:  # (cold: every byte feeds many rows, the cached rate; `_layer_seconds`)
+                lines = {seg: (big[0] / big[1][i], 0.0) for seg in ("", "narrow_")[:len(shapes) - 1]}
+            else:  # the top line through the two largest, the narrow one through the two smallest
+                points = [(b, (cold if pre and cold else hot)[i]) for b, hot, cold in shapes]
+                lines = {"": _line(*points[-2], *points[-1])} | \
+                    ({"narrow_": _line(*points[0], *points[1])} if narrow else {})
+            for seg, (rate, overhead) in lines.items():
+                table.setdefault(f"{pre}{seg}weight_bytes_per_s", []).append(rate)
+                table.setdefault(f"{pre}{seg}layer_overhead_s", []).append(overhead)
+    if narrow is not None:
+        table["narrow_bytes"] = narrow[0]
+    table |= {"pass_overhead_s": pass_seconds(device, compute or dtype, tokens, context)}
     if device.type == "cpu":
         table["cold_pass_overhead_s"] = pass_seconds(device, compute or dtype, tokens, context, cold=True)
-    return table | ({"cold_weight_bytes_per_s": colds} if cold else {})
+    return table
+
+
+def _line(b0: int, t0: float, b1: int, t1: float) -> tuple[float, float]:
+    """(rate, overhead) of t = overhead + bytes / rate through a layer of `b0` bytes timed at `t0` s and a larger one
+    of `b1` at `t1`; where timing noise makes the overhead come out negative (or the larger no slower), the larger
+    one's rate alone."""
+    rate = (b1 - b0) / (t1 - t0) if t1 > t0 else b1 / t1
+    overhead = t0 - b0 / rate
+    return (rate, overhead) if overhead > 0 else (b1 / t1, 0.0)
+
+
+def _dense_bytes(shape: dict[str, Any], dtype: torch.dtype) -> int:
+    return group_layout(ModelConfig.from_dict(shape), "layer.0", dtype).nbytes
 
 
 def faster_of(a: dict[str, list[float]], b: dict[str, list[float]]) -> dict[str, list[float]]:
@@ -117,12 +147,11 @@ def faster_of(a: dict[str, list[float]], b: dict[str, list[float]]) -> dict[str,
     at the usual rate and the plan of a bf16 run off by +170%.)"""
     faster = [b if rb > ra else a for ra, rb in zip(a["weight_bytes_per_s"], b["weight_bytes_per_s"])]
     out = dict(a)
-    for key in ("weight_bytes_per_s", "layer_overhead_s", "cold_weight_bytes_per_s"):
-        if key in a:
-            out[key] = [src[key][i] for i, src in enumerate(faster)]
-    for key in ("pass_overhead_s", "cold_pass_overhead_s"):
-        if key in a:
+    for key in a.keys() & b.keys():
+        if key.endswith("pass_overhead_s"):
             out[key] = [min(x, y) for x, y in zip(a[key], b[key])]
+        elif key.endswith(("weight_bytes_per_s", "layer_overhead_s")):  # (each line of the faster table)
+            out[key] = [src[key][i] for i, src in enumerate(faster)]
     return out
 
 
@@ -304,4 +333,4 @@ def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dty
             times.append(sorted(seen)[len(seen) // 2])
         if cold is not None and n > SPLIT_TOKENS:  # many rows a pass: the products bound it, not where the bytes
             cold.append(hot[-1])  # come from (the Xeon's REFERENCE layer, bf16: 64 tokens 12.6 ms cold, 12.4 hot)
-    return group_layout(cfg, "layer.0", dtype).nbytes, hot, cold
+    return _dense_bytes(shape, dtype), hot, cold

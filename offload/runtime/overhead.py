@@ -47,7 +47,7 @@ def engine_overhead_s(cal: Calibration, device: torch.device, dtype: torch.dtype
     the step left them; on a CPU also "cold_engine_overhead_s": the same after emptying the caches before every
     step}. Never negative: a calibration that already over-counts the tiny model's passes adds nothing."""
     with tiny_runner(device.type, str(dtype).removeprefix("torch.")) as (runner, tmp):
-        layers = runner.cfg.num_layers
+        layers, layer = runner.cfg.num_layers, runner.cfg.layer_params() * dtype.itemsize
         weights = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
 
         def step_s(on_token=None) -> float:
@@ -56,18 +56,20 @@ def engine_overhead_s(cal: Calibration, device: torch.device, dtype: torch.dtype
 
         step_s()  # warm-up: first use of the kernels, page faults
         hot = min(step_s() for _ in range(REPEAT))
-        out = {"engine_overhead_s": max(0.0, hot - planned_pass_s(cal, device.type, layers, weights, None))}
+        out = {"engine_overhead_s": max(0.0, hot - planned_pass_s(cal, device.type, layers, layer, weights, None))}
         if device.type == "cpu":  # (the callback runs between steps, outside a step's time)
             flush = evictor()
             cold = min(step_s(lambda *_: flush()) for _ in range(REPEAT))
-            planned = planned_pass_s(cal, device.type, layers, weights, float("inf"))
+            planned = planned_pass_s(cal, device.type, layers, layer, weights, float("inf"))
             out["cold_engine_overhead_s"] = max(out["engine_overhead_s"], cold - planned)
     return out
 
 
-def planned_pass_s(cal: Calibration, device_type: str, layers: int, weights: int, reads: float | None) -> float:
-    """What the calibration says one decode pass of a model of `layers` layers and `weights` bytes costs beside
-    the engine: the layers' fixed costs, the pass's bookkeeping and the bytes (`reads` past the cache: the cold
-    columns, where the table has them)."""
-    return (layers * cal.layer_overhead_s(device_type, 1) + cal.pass_overhead_s(device_type, 1, reads, engine=False)
-            + weights / cal.weight_bytes_per_s(device_type, 1, reads))
+def planned_pass_s(cal: Calibration, device_type: str, layers: int, layer: int, weights: int,
+                   reads: float | None) -> float:
+    """What the calibration says one decode pass of a model of `layers` layers of `layer` bytes and `weights` bytes
+    in all costs beside the engine: its layers (`Calibration.layer_seconds`), the pass's bookkeeping and the other
+    bytes (`reads` past the cache: the cold columns, where the table has them)."""
+    return (layers * cal.layer_seconds(device_type, 1, layer, reads)
+            + cal.pass_overhead_s(device_type, 1, reads, engine=False)
+            + max(weights - layers * layer, 0) / cal.weight_bytes_per_s(device_type, 1, reads))
