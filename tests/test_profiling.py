@@ -324,7 +324,8 @@ def test_calibration_probes_fit_in_a_quarter_of_the_ram_the_process_may_fill(tmp
     assert cal.compute["cpu"]["engine_overhead_s"] == 7e-4  # the runtime's timing joins the CPU's table
     assert probes and all(n <= budget for _, n in probes), probes
     assert {"cpu", "cpu/int8", "cpu/int4"} <= cal.compute.keys()  # measured, on a smaller layer where RAM is short
-    assert {s["hidden_size"] for s in shapes if s is not probe.NARROW} == {hidden} == {cal.meta["reference_hidden_size"]}
+    widths = {s["hidden_size"] for s in shapes if s is not probe.NARROW}  # (and NARROW's, beside a wide one)
+    assert widths == {hidden} == {cal.meta["reference_hidden_size"]}
 
 
 def test_calibration_with_too_little_ram_for_a_test_layer_keeps_default_compute_tables(tmp_path, monkeypatch, caplog):

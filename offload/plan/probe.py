@@ -10,8 +10,8 @@ back in one call (`offload.runtime.resident`), so the probe does too, and it tim
     cold_weight_bytes_per_s   distinct copies beyond the last-level cache (`llc_bytes`): what a model larger
                               than the cache sees, every byte from DRAM
 
-The planner picks one by the bytes a pass reads (`Calibration.layer_seconds`, `weight_bytes_per_s`). Knows the model math and the
-KV pool it runs the layers over; not files or plans.
+The planner picks one by the bytes a pass reads (`Calibration.layer_seconds`, `weight_bytes_per_s`). Knows the model
+math and the KV pool it runs the layers over; not files or plans.
 """
 
 from __future__ import annotations
