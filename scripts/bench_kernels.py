@@ -5,7 +5,12 @@
 For a [rows, cols] matrix (default [8192, 2048]: a 1.7B-shape MLP matrix) and activation batches of 1, 4
 and 9 rows, the best and median time of each product, with all threads (wall clock) and with one thread
 (CPU time of the thread, which a shared machine's other processes disturb less), and the weight bytes per
-second it reaches. The bound is this machine's read bandwidth (a parallel numba sum over 512 MiB).
+second it reaches. The bound is this machine's read bandwidth (a parallel numba sum over 512 MiB). The
+activations are bf16 by default (`--dtype`), as a bf16 model's run computes: the bf16 product then multiplies bf16
+pairs, not the widening kernel float32 activations take, and the int8 error column is the bf16 output's rounding
+(~4e-3). The matrix is timed again and again: where it is not much larger than the last-level cache (the default's
+int8 and int4 codes are 18 and 9 MB), much of it is read from there, so its GB/s say what the kernel's arithmetic
+allows rather than the memory.
 
     int8              offload's int8 kernel on its 64-row tiles: float32 activations, each byte converted in the
                       loop, the group's scale applied once a group
@@ -93,6 +98,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--cols", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=9)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the activations' dtype: a bf16 model's run computes in bf16, whose products multiply bf16 "
+                         "pairs (float32 activations take the widening kernels instead)")
     ap.add_argument("--out", default="scripts/results")
     args = ap.parse_args()
     result = Result()
@@ -107,20 +115,21 @@ def main() -> None:
     del big
     i8, i4 = quant.quantize(w, 8, 64, torch.bfloat16), quant.quantize(w, 4, 64, torch.bfloat16)
     sz32 = i8["sz"].float()
-    codes, pairs = i8["q"].transpose(1, 2).reshape(-1, K).contiguous(), sz32.transpose(0, 1).contiguous()  # by row
+    codes = quant.int8_codes(i8["q"], torch.empty(i8["q"].shape[0] * 64, K, dtype=torch.uint8))  # by row (untiled)
+    pairs = sz32.transpose(0, 1).contiguous()
     l8, l4 = (quant.PackedLinear(p["q"], p["sz"], N, None) for p in (i8, i4))
     wb = w.bfloat16()
     products = {
         "int8": (lambda x: l8.linear(x), i8["q"].numel() + i8["sz"].numel() * 2),
-        "int8 x int8 (i32)": (lambda x: i8i8_linear(x, codes, pairs), i8["q"].numel() + i8["sz"].numel() * 2),
+        "int8 x int8 (i32)": (lambda x: i8i8_linear(x.float(), codes, pairs), i8["q"].numel() + i8["sz"].numel() * 2),
         "int4": (lambda x: l4.linear(x), i4["q"].numel() + i4["sz"].numel() * 2),
         "bf16 (offload)": (lambda x: kernels.dense_linear(x, wb), wb.numel() * 2),
         "F.linear bf16": (lambda x: torch.nn.functional.linear(x.bfloat16(), wb), wb.numel() * 2),
-        "F.linear float32": (lambda x: torch.nn.functional.linear(x, w), w.numel() * 4),
+        "F.linear float32": (lambda x: torch.nn.functional.linear(x.float(), w), w.numel() * 4),
     }
     rows, threads = [], torch.get_num_threads()
     for batch in (1, 4, 9):
-        x = torch.randn(batch, K, generator=g)
+        x = torch.randn(batch, K, generator=g).to(getattr(torch, args.dtype))
         ref = x.double() @ quant.dequantize(i8["q"], sz32)[:N].double().T
         for name, (f, nbytes) in products.items():
             row = {"product": name, "batch": batch, "weight_bytes": nbytes}
