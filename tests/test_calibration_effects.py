@@ -103,7 +103,7 @@ def test_a_layers_time_is_two_lines_in_its_bytes_through_a_small_a_narrow_and_a_
     dense bytes on a 2-core Zen 4, where one line through the tiny and the 2048-wide probe said 60-70: its plan
     -20%). The probe times a third, narrow layer; a layer of each probe's bytes is priced at that probe's time,
     cached and (a pass past the cache) cold, a wide layer past it on the wide line, a small one on the narrow line."""
-    small, narrow, wide = 100_000, probe._dense_bytes(probe.NARROW, torch.bfloat16), 80_000_000
+    small, narrow, wide = 100_000, probe.dense_layer_bytes(probe.NARROW, torch.bfloat16), 80_000_000
     times = {128: (small, [50e-6, 80e-6], None), 512: (narrow, [200e-6, 400e-6], [300e-6, 500e-6]),
              2048: (wide, [2200e-6, 4000e-6, 0.03], None)}  # (the wide one: past the cold bytes, its own runs)
     _fake_layers(monkeypatch, times)

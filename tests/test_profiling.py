@@ -390,7 +390,7 @@ def test_the_probe_measures_a_cold_rate_through_copies_beyond_the_cache_no_faste
     table = measure_compute(torch.device("cpu"), torch.float32, (1, 8), shape=shape, cold_bytes=16 << 20)
     assert len(table["cold_weight_bytes_per_s"]) == 2 and all(c > 0 for c in table["cold_weight_bytes_per_s"])
     cal = Calibration({}, {"cpu": table}, "measured", {"llc_bytes": 1})
-    nbytes = probe._dense_bytes(shape, torch.float32)
+    nbytes = probe.dense_layer_bytes(shape, torch.float32)
     assert all(cal.layer_seconds("cpu", n, nbytes, 10 << 30) >= cal.layer_seconds("cpu", n, nbytes) > 0 for n in (1, 8))
     assert "cold_weight_bytes_per_s" not in measure_compute(torch.device("cpu"), torch.float32, (1,), shape=shape)
 

@@ -37,7 +37,6 @@ import torch
 from offload.config import cache_dir
 from offload.errors import ConfigError
 from offload.model import kernels
-from offload.model.config import ModelConfig
 from offload.plan import machine
 from offload.plan.links import DEFAULT_LINKS, measure_links
 from offload.plan.memory import PACKED, ram_available
@@ -47,6 +46,7 @@ from offload.plan.probe import (  # noqa: F401 (re-exported)
     SMALL,
     SPLIT_TOKENS,
     cache_curve,
+    dense_layer_bytes,
     faster_curve,
     faster_of,
     hot_share,
@@ -54,7 +54,6 @@ from offload.plan.probe import (  # noqa: F401 (re-exported)
     log_linear,
     measure_compute,
 )
-from offload.weights.groups import group_layout
 from storage import io
 from storage.errors import OffloadError
 from storage.heap import trim_heap
@@ -290,7 +289,7 @@ def layer_probe_bytes(shape: dict[str, Any], dtype: torch.dtype, compute: torch.
     """RAM `measure_compute` takes for a layer of `shape`: at most three times the layer at the wider of `dtype` and
     `compute` (stored, upcast, activations; REFERENCE in float32 took 1.8), beside what any layer's run costs."""
     wide = max(dtype, compute, key=lambda d: d.itemsize)
-    return 3 * group_layout(ModelConfig.from_dict(shape), "layer.0", wide).nbytes
+    return 3 * dense_layer_bytes(shape, wide)
 
 
 def default_path() -> Path:

@@ -101,11 +101,12 @@ def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int,
     as many rows, the products bound a pass, and the cold rate is the cached one).
     The bytes are a layer's dense bytes at `dtype` whatever the format, so a packed format's table says how fast
     its kernels go through the same matrices (the planner's `compute_sizes` are dense bytes)."""
-    args = (device, dtype, tokens, context, compute or dtype, quantization)
-    big = _layer_seconds(shape, *args, cold_bytes)
-    narrow = _layer_seconds(NARROW, *args[:2], tuple(n for n in tokens if n <= SPLIT_TOKENS), *args[3:], cold_bytes) \
-        if big[0] >= NARROW_SPAN * _dense_bytes(NARROW, dtype) else None
-    small = _layer_seconds(SMALL, *args, 0)
+    compute = compute or dtype
+    big = _layer_seconds(shape, device, dtype, tokens, context, compute, quantization, cold_bytes)
+    decode = tuple(n for n in tokens if n <= SPLIT_TOKENS)  # (past them the lines are the wide layer's rate alone)
+    narrow = _layer_seconds(NARROW, device, dtype, decode, context, compute, quantization, cold_bytes) \
+        if big[0] >= NARROW_SPAN * dense_layer_bytes(NARROW, dtype) else None
+    small = _layer_seconds(SMALL, device, dtype, tokens, context, compute, quantization, 0)
     table: dict[str, Any] = {"tokens": list(tokens)}
     shapes = (small, narrow, big) if narrow else (small, big)
     for i, n in enumerate(tokens):
@@ -121,9 +122,9 @@ def measure_compute(device: torch.device, dtype: torch.dtype, tokens: tuple[int,
                 table.setdefault(f"{pre}{seg}layer_overhead_s", []).append(overhead)
     if narrow is not None:
         table["narrow_bytes"] = narrow[0]
-    table |= {"pass_overhead_s": pass_seconds(device, compute or dtype, tokens, context)}
+    table |= {"pass_overhead_s": pass_seconds(device, compute, tokens, context)}
     if device.type == "cpu":
-        table["cold_pass_overhead_s"] = pass_seconds(device, compute or dtype, tokens, context, cold=True)
+        table["cold_pass_overhead_s"] = pass_seconds(device, compute, tokens, context, cold=True)
     return table
 
 
@@ -136,7 +137,8 @@ def _line(b0: int, t0: float, b1: int, t1: float) -> tuple[float, float]:
     return (rate, overhead) if overhead > 0 else (b1 / t1, 0.0)
 
 
-def _dense_bytes(shape: dict[str, Any], dtype: torch.dtype) -> int:
+def dense_layer_bytes(shape: dict[str, Any], dtype: torch.dtype) -> int:
+    """A decoder layer of a test `shape`'s bytes, dense in `dtype` (what the tables' rates are in)."""
     return group_layout(ModelConfig.from_dict(shape), "layer.0", dtype).nbytes
 
 
@@ -333,4 +335,4 @@ def _layer_seconds(shape: dict[str, Any], device: torch.device, dtype: torch.dty
             times.append(sorted(seen)[len(seen) // 2])
         if cold is not None and n > SPLIT_TOKENS:  # many rows a pass: the products bound it, not where the bytes
             cold.append(hot[-1])  # come from (the Xeon's REFERENCE layer, bf16: 64 tokens 12.6 ms cold, 12.4 hot)
-    return _dense_bytes(shape, dtype), hot, cold
+    return dense_layer_bytes(shape, dtype), hot, cold
