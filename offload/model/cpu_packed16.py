@@ -58,11 +58,15 @@ from offload.model.simd_int import byte_dots, viload, visplat, vistore, vizero
 #: 2 / 4 / 9 / 16 / 64 rows 2.0 / 3.6 / 6.7 / 14.4 / 26.5 / 92.3 -> 1.2 / 2.5 / 2.7 / 5.6 / 9.1 / 33.6 ms.
 _BYTES4 = pair_bytes() and not byte_dots()
 #: Rows of x from which int8 steps meet int4 codes as quads (`vquads4`, `vdot8`); fewer: as int16 pairs (the same
-#: sums). 182 MB of 1.7B-shaped int4 matrices, a Zen 4, pairs -> quads: one row 7.4 -> 8.7 ms (from DRAM: the quads'
-#: fewer instructions wait longer; from L2 1.5x faster), 2 rows 12.9 -> 9.9, 9 36-41 -> 26-32. `_QUADS8`: int8 codes
-#: where the cores have AMX (a Xeon VM, 570 MB of 1.7B-shaped ones: one row 12.6-12.9 -> 10.1-10.4 ms).
-_QUADS = 2
-_QUADS8 = 1 if _has("amx-int8") else _QUADS
+#: sums). Quads take half the instructions a code; with `_pair_prefetch`'s L2 asks they read DRAM as fast as pairs,
+#: so from one row wherever AVX-512 VBMI permutes bytes in one instruction. A 2-core Zen 4, one row, interleaved in
+#: one process: [8192, 2048] from L3 2 threads 198 -> 128 us; a decode step's products over the model's own int4
+#: matrices from DRAM, median of 10-16, pairs -> quads: the 1.7B 43.1 -> 37.3 and 44.9 -> 33.9 ms, SmolLM2-135M 3.01
+#: -> 2.50 ms (in a fast minute 151 MB of 1.7B-shaped ones: 5.5 ms either way, the memory's). `_QUADS8`: int8 codes
+#: stay pairs below 2 rows (the 1.7B's, the same test: quads 1.07x slower) except where the cores have AMX (a Xeon
+#: VM, 570 MB of 1.7B-shaped ones: one row 12.6-12.9 -> 10.1-10.4 ms).
+_QUADS = 1 if _has("avx512vbmi") else 2
+_QUADS8 = 1 if _has("amx-int8") else 2
 #: Rows of x from which int8 steps meet the codes on AMX tiles where the process may use them (the same sums). 243
 #: MB of 1.7B-shaped int8 (int4: 122 MB) matrices, a 2-core Xeon VM, vectors / tiles: 10 rows 23.3 / 17.9 ms (14.7 /
 #: 11.7), 64 62.3 / 52.8 (66.0 / 44.4); SmolLM2-135M's and the 1.7B's over one row's time: 5 rows 1.04-1.22 /
