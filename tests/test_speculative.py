@@ -20,7 +20,7 @@ from offload.model import functional as M
 from offload.model import fused
 from offload.model.checkpoint import Checkpoint
 from offload.model.layout import column_groups
-from offload.plan.speculative import choose_tokens, expected_tokens
+from offload.plan.speculative import AUTO_MIN_SPEEDUP, PLAN_ALPHA, SpecGain, choose_tokens, expected_tokens
 from offload.runtime.engine import Engine, Request, Sampling
 from offload.runtime.executor import ForwardBatch
 from offload.runtime.runner import Runner
@@ -302,6 +302,22 @@ def test_auto_tokens_run_plain_when_the_plan_predicts_the_draft_does_not_pay(tin
     fast = auto | {"calibration": calibration(tmp_path / "fast.json", 20.0)}
     with Runner.from_config(fast) as r:
         assert r.draft is not None and r.speculation_note is None
+
+
+def test_auto_tokens_take_a_draft_only_for_a_predicted_gain_beyond_the_plans_error():
+    """A draft the plan predicts at a small gain over plain decoding (x1.0-1.2) can be a loss, the plan being within
+    ~20% of a run: `tokens: auto` runs plain and says why, naming the margin; a draft predicted past it is taken."""
+    verify = lambda k: 1.0 + 0.05 * k  # noqa: E731 - a CPU: a pass over k+1 tokens costs a little more than one
+
+    def drafted(t_draft: float) -> tuple[float, str | None]:
+        g = SpecGain(t_draft=t_draft, t_plain=0.010, t_alone=0.010, verify=verify)
+        return max(g.at(PLAN_ALPHA, k).speedup for k in range(1, 9)), g.plain_note()  # the best chain's
+
+    (slow, slow_note), (near, near_note), (fast, fast_note) = drafted(0.012), drafted(0.005), drafted(0.001)
+    assert slow < 1 and "x0." in slow_note and "outlast" not in slow_note
+    assert 1.0 < near < AUTO_MIN_SPEEDUP and near_note is not None
+    assert f"x{near:.2f} of plain decoding" in near_note and f"under the x{AUTO_MIN_SPEEDUP:.1f}" in near_note
+    assert fast >= AUTO_MIN_SPEEDUP and fast_note is None
 
 
 def test_the_measured_acceptance_is_per_token_given_the_ones_before():

@@ -37,6 +37,12 @@ MAX_AUTO_TOKENS = 16
 #: good draft's (SmolLM2-135M greedy, self-int8 / self-int4 drafts: see README "Speculative decoding"). A run
 #: that keeps its draft re-chooses the chain length from the acceptance it measures.
 PLAN_ALPHA = 0.8
+#: The least speed-up the plan must predict before `tokens: auto` takes a draft: on a shared host the plan's step is
+#: within ~20% of a run's, so a smaller predicted gain can be a loss. (SmolLM2-135M, bf16, a 2-core Zen 4, 64 new
+#: tokens, 3 rounds alternating with plain decoding: self-int8 predicted x1.07 (1 draft token a pass) and ran 0.88 /
+#: 1.02 / 0.81 of it, self-int4 predicted x1.17 (2) and ran 0.80 / 1.00 / 0.72; 4 int8 draft tokens 1.07 / 1.10 /
+#: 0.99.)
+AUTO_MIN_SPEEDUP = 1.2
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -94,15 +100,19 @@ class SpecGain:
         return choose_tokens(alpha, self.t_draft, t_verify, self.t_alone)
 
     def plain_note(self, alpha: float = PLAN_ALPHA) -> str | None:
-        """A sentence saying why `tokens: auto` runs plain, or None when the best chain is predicted to pay."""
+        """A sentence saying why `tokens: auto` runs plain, or None when the best chain is predicted to pay at least
+        `AUTO_MIN_SPEEDUP`."""
         p = self.at(alpha)
-        if p.tokens:
+        if p.tokens and p.speedup >= AUTO_MIN_SPEEDUP:
             return None
         best = max(range(1, MAX_AUTO_TOKENS + 1), key=lambda k: self.at(alpha, k).speedup)
-        return (f"speculative.tokens: auto runs plain decoding (no draft): the plan predicts x"
-                f"{self.at(alpha, best).speedup:.2f} of plain decoding at best ({best} draft tokens a pass, "
-                f"acceptance {alpha:.1f}; a draft pass {1000 * self.t_draft:.0f} ms, a plain step "
-                f"{1000 * self.t_alone:.0f} ms); give speculative.tokens a number to speculate anyway")
+        x = self.at(alpha, best).speedup
+        short = f", under the x{AUTO_MIN_SPEEDUP:.1f} a draft must promise to outlast the plan's error" \
+            if x >= 1 else ""
+        return (f"speculative.tokens: auto runs plain decoding (no draft): the plan predicts x{x:.2f} of plain "
+                f"decoding at best ({best} draft tokens a pass, acceptance {alpha:.1f}; a draft pass "
+                f"{1000 * self.t_draft:.0f} ms, a plain step {1000 * self.t_alone:.0f} ms){short}; give "
+                "speculative.tokens a number to speculate anyway")
 
 
 def gain(target: Planner, alone: Planner, draft: Planner, cal: Calibration) -> SpecGain:
