@@ -19,6 +19,7 @@ from offload.plan.calibrate import Calibration
 from offload.plan.probe import evictor
 from offload.runtime.runner import Runner
 from offload.testing.make_model import make_model
+from offload.weights.groups import group_layout
 
 #: decode steps a timing averages over (the best of `REPEAT` timings)
 STEPS, REPEAT = 16, 5
@@ -47,7 +48,7 @@ def engine_overhead_s(cal: Calibration, device: torch.device, dtype: torch.dtype
     the step left them; on a CPU also "cold_engine_overhead_s": the same after emptying the caches before every
     step}. Never negative: a calibration that already over-counts the tiny model's passes adds nothing."""
     with tiny_runner(device.type, str(dtype).removeprefix("torch.")) as (runner, tmp):
-        layers, layer = runner.cfg.num_layers, runner.cfg.layer_params() * dtype.itemsize
+        layers, layer = runner.cfg.num_layers, group_layout(runner.cfg, "layer.0", dtype).nbytes  # (the plan's size)
         weights = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
 
         def step_s(on_token=None) -> float:
